@@ -1,0 +1,400 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Batch-formation kernel of a vLLM-v1-like engine (continuous batching, chunked prefill,
+paged KV cache, preemption by recompute).
+
+Kernels only, no policy. ``BatchCore`` owns one engine's request table as flat int64
+arrays; ``schedule()`` forms one batch, ``commit()`` applies it once the batch has run.
+The scheduling rules live in the ``cdef`` functions ``_schedule`` and ``_commit`` that
+work on the ``Engine`` struct of raw pointers, so that the BEA replay (which copies a
+snapshot into scratch arrays) reuses exactly the code the simulator's engines run.
+
+The plain-Python twin is ``olproute.core_ref.ReferenceCore``; tests assert both agree.
+"""
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int64_t
+from libc.string cimport memmove
+
+cnp.import_array()
+
+# Event flags written by _commit, one entry per scheduled request that produced a token.
+cdef enum:
+    EV_FIRST_TOKEN = 1
+    EV_FINISHED = 2
+
+FIRST_TOKEN = EV_FIRST_TOKEN
+FINISHED = EV_FINISHED
+
+# Indices of the batch sums vector (see BatchCore.schedule).
+NUM_SUMS = 8
+
+
+cdef struct Engine:
+    # request table, indexed by slot
+    int64_t* num_prompt      # prompt tokens
+    int64_t* num_output      # output tokens generated so far
+    int64_t* max_output      # output tokens at which the request finishes
+    int64_t* num_computed    # tokens whose KV is in the cache
+    int64_t* num_blocks      # KV blocks held
+    int64_t* num_preempt     # times preempted
+    # queues of slots, in priority order
+    int64_t* running
+    int64_t* waiting
+    int64_t n_running
+    int64_t n_waiting
+    # capacity
+    int64_t free_blocks
+    int64_t total_blocks
+    int64_t block_size
+    int64_t max_num_seqs
+    int64_t token_budget
+    # last batch: scheduled slots, tokens, context before the batch, decode flag
+    int64_t* sched_slot
+    int64_t* sched_tokens
+    int64_t* sched_ctx
+    int64_t* sched_decode
+    int64_t n_sched
+    int64_t* preempted
+    int64_t n_preempted
+    # events of the last commit
+    int64_t* ev_slot
+    int64_t* ev_flags
+    int64_t n_events
+    double sums[8]
+
+
+cdef inline int64_t _blocks_for(int64_t tokens, int64_t block_size) noexcept nogil:
+    return (tokens + block_size - 1) // block_size
+
+
+cdef inline void _record(Engine* e, int64_t s, int64_t new) noexcept nogil:
+    """Append slot s with `new` tokens to the batch and update the batch sums."""
+    cdef int64_t ctx = e.num_computed[s]
+    cdef int64_t is_decode = 1 if (e.num_output[s] > 0
+                                   and ctx == e.num_prompt[s] + e.num_output[s] - 1) else 0
+    cdef int64_t k = e.n_sched
+    e.sched_slot[k] = s
+    e.sched_tokens[k] = new
+    e.sched_ctx[k] = ctx
+    e.sched_decode[k] = is_decode
+    e.n_sched = k + 1
+    e.sums[0] += 1.0
+    e.sums[1] += <double>new
+    if is_decode:
+        e.sums[2] += 1.0
+        e.sums[3] += <double>ctx
+    else:
+        e.sums[4] += <double>new
+        e.sums[5] += <double>new * <double>ctx + <double>new * <double>(new + 1) / 2.0
+        e.sums[6] += 1.0
+        e.sums[7] += <double>ctx
+
+
+cdef inline void _preempt_last(Engine* e) noexcept nogil:
+    """Preempt the lowest-priority running request: recompute, to the waiting front."""
+    cdef int64_t v = e.running[e.n_running - 1]
+    e.n_running -= 1
+    e.free_blocks += e.num_blocks[v]
+    e.num_blocks[v] = 0
+    e.num_computed[v] = 0
+    e.num_preempt[v] += 1
+    if e.n_waiting > 0:
+        memmove(&e.waiting[1], &e.waiting[0], <size_t>e.n_waiting * sizeof(int64_t))
+    e.waiting[0] = v
+    e.n_waiting += 1
+    e.preempted[e.n_preempted] = v
+    e.n_preempted += 1
+
+
+cdef int64_t _schedule(Engine* e) noexcept nogil:
+    """Form one batch; returns the number of scheduled requests.
+
+    Running requests first, in order: each takes its remaining tokens (one for a decoder,
+    the rest of its prefill chunked to the budget); if its KV blocks do not fit, the last
+    running request is preempted until they do (possibly itself, which ends the pass).
+    Then, only if nothing was preempted, waiting requests FCFS while slots, budget and
+    blocks allow; a request that does not fit stops the pass (no skipping ahead).
+    """
+    cdef int64_t budget = e.token_budget
+    cdef int64_t i = 0, s, need, new, req_blocks, j
+    cdef bint self_preempted
+    e.n_sched = 0
+    e.n_preempted = 0
+    for j in range(8):
+        e.sums[j] = 0.0
+
+    while i < e.n_running and budget > 0:
+        s = e.running[i]
+        need = e.num_prompt[s] + e.num_output[s] - e.num_computed[s]
+        new = need if need < budget else budget
+        req_blocks = _blocks_for(e.num_computed[s] + new, e.block_size) - e.num_blocks[s]
+        self_preempted = False
+        while req_blocks > e.free_blocks:
+            if e.running[e.n_running - 1] == s:
+                self_preempted = True
+            _preempt_last(e)
+            if self_preempted:
+                break
+        if self_preempted:
+            break
+        if req_blocks > 0:
+            e.free_blocks -= req_blocks
+            e.num_blocks[s] += req_blocks
+        _record(e, s, new)
+        budget -= new
+        i += 1
+
+    if e.n_preempted == 0:
+        while e.n_waiting > 0 and budget > 0 and e.n_running < e.max_num_seqs:
+            s = e.waiting[0]
+            need = e.num_prompt[s] + e.num_output[s] - e.num_computed[s]
+            new = need if need < budget else budget
+            req_blocks = _blocks_for(e.num_computed[s] + new, e.block_size) - e.num_blocks[s]
+            if req_blocks > e.free_blocks:
+                break
+            e.n_waiting -= 1
+            if e.n_waiting > 0:
+                memmove(&e.waiting[0], &e.waiting[1], <size_t>e.n_waiting * sizeof(int64_t))
+            e.running[e.n_running] = s
+            e.n_running += 1
+            e.free_blocks -= req_blocks
+            e.num_blocks[s] += req_blocks
+            _record(e, s, new)
+            budget -= new
+    return e.n_sched
+
+
+cdef int64_t _commit(Engine* e) noexcept nogil:
+    """Apply the last batch: advance computed tokens, emit tokens, retire finished requests.
+
+    A request whose known tokens are all computed after the batch samples one output token
+    (its first one ends its prefill). A request that reaches max_output frees its slot and
+    blocks. Returns the number of events written to ev_slot / ev_flags.
+    """
+    cdef int64_t k, s, flags, w = 0, r
+    e.n_events = 0
+    for k in range(e.n_sched):
+        s = e.sched_slot[k]
+        e.num_computed[s] += e.sched_tokens[k]
+        if e.num_computed[s] == e.num_prompt[s] + e.num_output[s]:
+            e.num_output[s] += 1
+            flags = EV_FIRST_TOKEN if e.num_output[s] == 1 else 0
+            if e.num_output[s] >= e.max_output[s]:
+                flags |= EV_FINISHED
+                e.free_blocks += e.num_blocks[s]
+                e.num_blocks[s] = 0
+            if flags:
+                e.ev_slot[e.n_events] = s
+                e.ev_flags[e.n_events] = flags
+                e.n_events += 1
+    if e.n_events > 0:
+        # drop finished requests from running, keeping order
+        for r in range(e.n_running):
+            s = e.running[r]
+            if e.num_output[s] < e.max_output[s]:
+                e.running[w] = s
+                w += 1
+        e.n_running = w
+    e.n_sched = 0
+    return e.n_events
+
+
+cdef class BatchCore:
+    """One engine's scheduler state; slots are reused after a request finishes.
+
+    Parameters are the engine's limits: ``num_kv_blocks`` blocks of ``block_size`` tokens,
+    at most ``max_num_seqs`` running requests, ``max_num_batched_tokens`` tokens per batch.
+    """
+
+    cdef Engine e
+    cdef readonly int64_t capacity
+    cdef object _arrays
+    cdef object _free_slots
+    cdef int64_t[::1] _num_prompt, _num_output, _max_output, _num_computed, _num_blocks
+    cdef int64_t[::1] _num_preempt, _running, _waiting
+    cdef int64_t[::1] _sched_slot, _sched_tokens, _sched_ctx, _sched_decode, _preempted
+    cdef int64_t[::1] _ev_slot, _ev_flags
+
+    def __init__(self, int64_t num_kv_blocks, int64_t block_size, int64_t max_num_seqs,
+                 int64_t max_num_batched_tokens, int64_t capacity=256):
+        if num_kv_blocks < 1 or block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("BatchCore limits must all be >= 1")
+        self.e.total_blocks = num_kv_blocks
+        self.e.free_blocks = num_kv_blocks
+        self.e.block_size = block_size
+        self.e.max_num_seqs = max_num_seqs
+        self.e.token_budget = max_num_batched_tokens
+        self.e.n_running = 0
+        self.e.n_waiting = 0
+        self.e.n_sched = 0
+        self.e.n_preempted = 0
+        self.e.n_events = 0
+        self.capacity = 0
+        self._free_slots = []
+        self._grow(max(capacity, 1))
+
+    cdef void _bind(self):
+        self.e.num_prompt = &self._num_prompt[0]
+        self.e.num_output = &self._num_output[0]
+        self.e.max_output = &self._max_output[0]
+        self.e.num_computed = &self._num_computed[0]
+        self.e.num_blocks = &self._num_blocks[0]
+        self.e.num_preempt = &self._num_preempt[0]
+        self.e.running = &self._running[0]
+        self.e.waiting = &self._waiting[0]
+        self.e.sched_slot = &self._sched_slot[0]
+        self.e.sched_tokens = &self._sched_tokens[0]
+        self.e.sched_ctx = &self._sched_ctx[0]
+        self.e.sched_decode = &self._sched_decode[0]
+        self.e.preempted = &self._preempted[0]
+        self.e.ev_slot = &self._ev_slot[0]
+        self.e.ev_flags = &self._ev_flags[0]
+
+    def _grow(self, int64_t new_capacity):
+        """Resize every per-slot array to new_capacity, keeping contents (outside the loop)."""
+        old = self.capacity
+        names = ("num_prompt", "num_output", "max_output", "num_computed", "num_blocks",
+                 "num_preempt", "running", "waiting", "sched_slot", "sched_tokens",
+                 "sched_ctx", "sched_decode", "preempted", "ev_slot", "ev_flags")
+        fresh = {}
+        for name in names:
+            a = np.zeros(new_capacity, dtype=np.int64)
+            if old > 0:
+                a[:old] = self._arrays[name]
+            fresh[name] = a
+        self._num_prompt = fresh["num_prompt"]
+        self._num_output = fresh["num_output"]
+        self._max_output = fresh["max_output"]
+        self._num_computed = fresh["num_computed"]
+        self._num_blocks = fresh["num_blocks"]
+        self._num_preempt = fresh["num_preempt"]
+        self._running = fresh["running"]
+        self._waiting = fresh["waiting"]
+        self._sched_slot = fresh["sched_slot"]
+        self._sched_tokens = fresh["sched_tokens"]
+        self._sched_ctx = fresh["sched_ctx"]
+        self._sched_decode = fresh["sched_decode"]
+        self._preempted = fresh["preempted"]
+        self._ev_slot = fresh["ev_slot"]
+        self._ev_flags = fresh["ev_flags"]
+        self._arrays = fresh
+        # hand out low slots first so tables stay dense
+        self._free_slots.extend(range(new_capacity - 1, old - 1, -1))
+        self.capacity = new_capacity
+        self._bind()
+
+    def add_request(self, int64_t prompt_tokens, int64_t max_output_tokens):
+        """Queue a new request at the back of the waiting queue; returns its slot.
+
+        Raises ValueError if the request could never fit in the KV cache (it would block
+        the FCFS queue forever).
+        """
+        if prompt_tokens < 1 or max_output_tokens < 1:
+            raise ValueError("prompt_tokens and max_output_tokens must be >= 1")
+        if _blocks_for(prompt_tokens + max_output_tokens, self.e.block_size) > self.e.total_blocks:
+            raise ValueError(
+                f"request of {prompt_tokens}+{max_output_tokens} tokens exceeds the KV capacity "
+                f"of {self.e.total_blocks * self.e.block_size} tokens")
+        if not self._free_slots:
+            self._grow(self.capacity * 2)
+        cdef int64_t s = self._free_slots.pop()
+        self.e.num_prompt[s] = prompt_tokens
+        self.e.num_output[s] = 0
+        self.e.max_output[s] = max_output_tokens
+        self.e.num_computed[s] = 0
+        self.e.num_blocks[s] = 0
+        self.e.num_preempt[s] = 0
+        self.e.waiting[self.e.n_waiting] = s
+        self.e.n_waiting += 1
+        return s
+
+    def release_slot(self, int64_t slot):
+        """Return a finished request's slot for reuse (after its events were read)."""
+        if self.e.num_output[slot] < self.e.max_output[slot]:
+            raise ValueError(f"slot {slot} has not finished")
+        self.e.max_output[slot] = 0
+        self.e.num_output[slot] = 0
+        self._free_slots.append(slot)
+
+    def schedule(self):
+        """Form one batch. Returns (num_scheduled, sums) where sums is a tuple of
+        (num_seqs, num_tokens, num_decode_tokens, sum_decode_context, num_prefill_tokens,
+        sum_prefill_attention, num_prefill_seqs, sum_prefill_context); context means the
+        tokens already in the KV cache before this batch, and the prefill attention term
+        of a chunk is chunk*context + chunk*(chunk+1)/2."""
+        cdef int64_t n
+        with nogil:
+            n = _schedule(&self.e)
+        s = self.e.sums
+        return n, (s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7])
+
+    def commit(self):
+        """Apply the last batch. Returns the number of events; read them with events()."""
+        cdef int64_t n
+        with nogil:
+            n = _commit(&self.e)
+        return n
+
+    def events(self):
+        """(slots, flags) of the last commit's events as new int64 arrays; flag bit 1 is
+        the first token, bit 2 the finish."""
+        n = self.e.n_events
+        return (np.asarray(self._ev_slot)[:n].copy(), np.asarray(self._ev_flags)[:n].copy())
+
+    def event_list(self):
+        """The last commit's events as a list of (slot, flags) pairs."""
+        cdef int64_t k
+        return [(self.e.ev_slot[k], self.e.ev_flags[k]) for k in range(self.e.n_events)]
+
+    def batch(self):
+        """The last scheduled batch as arrays (slots, tokens, context, is_decode), before
+        commit() is called."""
+        n = self.e.n_sched
+        return (np.asarray(self._sched_slot)[:n].copy(), np.asarray(self._sched_tokens)[:n].copy(),
+                np.asarray(self._sched_ctx)[:n].copy(), np.asarray(self._sched_decode)[:n].copy())
+
+    def preempted(self):
+        """Slots preempted while forming the last batch, in order."""
+        return np.asarray(self._preempted)[:self.e.n_preempted].copy()
+
+    def running(self):
+        return np.asarray(self._running)[:self.e.n_running].copy()
+
+    def waiting(self):
+        return np.asarray(self._waiting)[:self.e.n_waiting].copy()
+
+    def request(self, int64_t slot):
+        """(prompt, output, max_output, computed, blocks, preemptions) of a slot."""
+        if slot < 0 or slot >= self.capacity:
+            raise IndexError(f"slot {slot} out of range")
+        return (self.e.num_prompt[slot], self.e.num_output[slot], self.e.max_output[slot],
+                self.e.num_computed[slot], self.e.num_blocks[slot], self.e.num_preempt[slot])
+
+    @property
+    def num_running(self):
+        return self.e.n_running
+
+    @property
+    def num_waiting(self):
+        return self.e.n_waiting
+
+    @property
+    def num_free_blocks(self):
+        return self.e.free_blocks
+
+    @property
+    def num_kv_blocks(self):
+        return self.e.total_blocks
+
+    @property
+    def block_size(self):
+        return self.e.block_size
+
+    @property
+    def max_num_seqs(self):
+        return self.e.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self):
+        return self.e.token_budget

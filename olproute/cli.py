@@ -1,0 +1,116 @@
+"""The ``olproute`` command line: simulate | compare."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from olproute.config import DEFAULT_CONFIG, ConfigError, LoadedConfig, load_config, load_workload
+from olproute.policies import REGISTRY, PolicyError
+from olproute.sim.workloads import WorkloadError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                   help="run configuration YAML (default: %(default)s)")
+    p.add_argument("--workload", metavar="YAML",
+                   help="YAML file whose 'workload' mapping replaces the config's workload")
+    p.add_argument("--seed", type=int, help="run seed (default: sim.seed of the config)")
+    p.add_argument("--time-scale", type=float, metavar="X",
+                   help="stretch trace arrivals by X (<1 raises the load)")
+    p.add_argument("--duration-s", type=float, metavar="S",
+                   help="simulate only arrivals in the first S seconds")
+    p.add_argument("--out", metavar="DIR", help="folder for records, logs and plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _loaded(args: argparse.Namespace) -> LoadedConfig:
+    loaded = load_config(args.config)
+    workload = loaded.config.workload
+    if args.workload:
+        workload = load_workload(args.workload)
+    updates: dict[str, Any] = {}
+    if args.time_scale is not None:
+        updates["time_scale"] = args.time_scale
+    if args.duration_s is not None:
+        updates["duration_s"] = args.duration_s
+    if updates:
+        workload = workload.model_copy(update=updates)
+    loaded = loaded.with_updates(workload=workload)
+    if args.seed is not None:
+        loaded = loaded.with_updates(sim=loaded.config.sim.model_copy(update={"seed": args.seed}))
+    return loaded
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from olproute.sim.runner import run_policy, summary_table
+
+    loaded = _loaded(args)
+    name = args.policy or loaded.config.router.policy
+    run = run_policy(loaded, name, progress=not args.no_progress,
+                     out_dir=Path(args.out) if args.out else None)
+    print(summary_table([(name, run.summary)]))
+    if args.out:
+        print(f"wrote {args.out}/: records_{name}.csv, batches_{name}.csv, summary_{name}.json")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from olproute.sim.runner import compare_policies, summary_table
+
+    loaded = _loaded(args)
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    out = Path(args.out) if args.out else None
+    runs = compare_policies(loaded, names, progress=not args.no_progress, out_dir=out)
+    print(summary_table([(r.policy, r.summary) for r in runs]))
+    if out is not None:
+        print(f"wrote {out}/compare.csv, {out}/cdf.png and per-policy records")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {r.policy: r.summary.as_dict() for r in runs}, indent=2, allow_nan=True))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="olproute",
+        description="Request router for LLM serving: online LP with bid-price control.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("simulate", help="run one policy in the cluster simulator",
+                       description="Simulate the configured cluster and workload under one "
+                                   "routing policy and print its summary.")
+    _add_run_options(p)
+    p.add_argument("--policy", help=f"policy name ({', '.join(REGISTRY.names())}; "
+                                    "default: router.policy of the config)")
+    p.set_defaults(handler=_cmd_simulate)
+
+    p = sub.add_parser("compare", help="run several policies on the same workload and seed",
+                       description="Run each policy on the same requests and seed; print a "
+                                   "table, write compare.csv and a PNG of TTFT/EEL CDFs.")
+    _add_run_options(p)
+    p.add_argument("--policies", default="round_robin,random,least_outstanding,power_of_two",
+                   help="comma-separated policy names (default: %(default)s)")
+    p.add_argument("--json", metavar="PATH", help="also write the summaries as JSON")
+    p.set_defaults(handler=_cmd_compare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except (ConfigError, WorkloadError, PolicyError) as exc:
+        print(f"olproute: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

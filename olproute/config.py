@@ -1,0 +1,372 @@
+"""YAML -> validated, frozen configuration objects.
+
+A bad file raises :class:`ConfigError` whose message names the file and the key path of
+every problem, one per line, e.g. ``configs/x.yaml: instances[2].max_num_seqs: must be >= 1``.
+Paths inside a config (the profiles file, traces) are relative to the config file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from olproute.types import InstanceSpec
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+GIB = 1024**3
+
+
+class ConfigError(ValueError):
+    """A configuration file is invalid; ``problems`` holds (key path, message) pairs."""
+
+    def __init__(self, path: str | os.PathLike[str], problems: Sequence[tuple[str, str]]):
+        self.path = str(path)
+        self.problems = list(problems)
+        lines = [f"{self.path}: {key}: {msg}" if key else f"{self.path}: {msg}"
+                 for key, msg in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# -- profiles -------------------------------------------------------------------------
+class ModelProfile(_Frozen):
+    """Architecture of one model, as in its config.json."""
+
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    num_params: float = Field(gt=0)
+    bytes_per_param: float = Field(default=2.0, gt=0)
+    kv_bytes_per_element: float = Field(default=2.0, gt=0)
+    max_context_tokens: int = Field(ge=1)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV cache bytes one token occupies across all layers (K and V), whole model."""
+        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+
+
+class GpuProfile(_Frozen):
+    """One GPU: datasheet peaks plus the achievable fractions used by the roofline."""
+
+    peak_bf16_flops: float = Field(gt=0)
+    hbm_bandwidth_bytes_per_s: float = Field(gt=0)
+    memory_gib: float = Field(gt=0)
+    interconnect_bytes_per_s: float = Field(gt=0)
+    interconnect_latency_s: float = Field(ge=0)
+    compute_efficiency: float = Field(gt=0, le=1)
+    memory_efficiency: float = Field(gt=0, le=1)
+
+
+class Profiles(_Frozen):
+    models: dict[str, ModelProfile]
+    gpus: dict[str, GpuProfile]
+
+
+# -- the run configuration ---------------------------------------------------------------
+class InstanceConfig(_Frozen):
+    """One serving instance (or ``replicas`` identical ones), with vLLM's engine limits."""
+
+    name: str = Field(min_length=1)
+    model: str
+    gpu: str
+    tensor_parallel: int = Field(default=1, ge=1, le=16)
+    replicas: int = Field(default=1, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    activation_reserve_gib: float = Field(default=1.0, ge=0)
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)
+
+
+class WorkloadConfig(_Frozen):
+    """Arrivals and lengths.
+
+    ``poisson`` / ``mmpp2`` generate arrivals at ``rate_per_s`` (MMPP-2 with rate ratio
+    ``ratio``) and take lengths from ``lengths_path`` (a trace or lengths-only CSV,
+    shuffled) or the fixed ``prompt_tokens`` / ``decode_tokens``. ``trace`` replays
+    ``path`` with its own arrivals, stretched by ``time_scale`` or rescaled to
+    ``rate_per_s`` when given. ``start_s`` / ``duration_s`` cut a window of a trace.
+    """
+
+    kind: Literal["poisson", "mmpp2", "trace"] = "trace"
+    rate_per_s: float | None = Field(default=None, gt=0)
+    ratio: float = Field(default=3.0, ge=1)
+    num_requests: int | None = Field(default=None, ge=1)
+    path: str | None = None
+    lengths_path: str | None = None
+    prompt_tokens: int | None = Field(default=None, ge=1)
+    decode_tokens: int | None = Field(default=None, ge=1)
+    time_scale: float = Field(default=1.0, gt=0)
+    start_s: float = Field(default=0.0, ge=0)
+    duration_s: float | None = Field(default=None, gt=0)
+
+
+class SloClassConfig(_Frozen):
+    name: str
+    ttft_ms: float = Field(gt=0)
+    tpot_ms: float = Field(gt=0)
+    weight: float = Field(default=1.0, gt=0)
+
+
+class SloConfig(_Frozen):
+    """TTFT targets: the BEAR paper's per-prompt formula, or a mix of SLO classes."""
+
+    mode: Literal["bear", "classes"] = "bear"
+    classes: tuple[SloClassConfig, ...] = (
+        SloClassConfig(name="tight", ttft_ms=175.0, tpot_ms=39.7),
+        SloClassConfig(name="loose", ttft_ms=525.0, tpot_ms=119.1),
+    )
+
+
+class PredictionConfig(_Frozen):
+    """Predicted decode lengths: the truth, or uniform noise of +/- ``noise`` around it."""
+
+    mode: Literal["oracle", "noisy"] = "noisy"
+    noise: float = Field(default=0.2, ge=0, lt=1)
+
+
+class SimConfig(_Frozen):
+    """Simulator settings. ``timing: roofline`` is the ground truth; ``linear`` times
+    batches with the 4-term model ``linear_beta`` (tests of the estimator only)."""
+
+    seed: int = 0
+    timing: Literal["roofline", "linear"] = "roofline"
+    noise_cv: float = Field(default=0.03, ge=0, lt=1)
+    batch_overhead_ms: float = Field(default=3.0, ge=0)
+    linear_beta: tuple[float, float, float, float] = (3e-3, 5e-5, 1e-8, 1e-9)
+    record_batches: bool = True
+
+
+class RouterConfig(_Frozen):
+    policy: str = "round_robin"
+    slot_ms: float = Field(default=50.0, gt=0)
+    horizon_slots: int = Field(default=600, ge=1)
+    policy_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class Config(_Frozen):
+    profiles: str = "profiles.yaml"
+    instances: tuple[InstanceConfig, ...] = Field(min_length=1)
+    workload: WorkloadConfig = WorkloadConfig()
+    slo: SloConfig = SloConfig()
+    prediction: PredictionConfig = PredictionConfig()
+    sim: SimConfig = SimConfig()
+    router: RouterConfig = RouterConfig()
+
+
+# -- loading -----------------------------------------------------------------------------
+_MESSAGES = {
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}",
+    "missing": "required key is missing",
+    "extra_forbidden": "unknown key",
+    "too_short": "must have at least {min_length} item(s)",
+    "string_too_short": "must not be empty",
+    "literal_error": "must be one of {expected}",
+}
+
+
+def _key_path(loc: Sequence[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _problems(err: ValidationError) -> list[tuple[str, str]]:
+    problems = []
+    for e in err.errors():
+        template = _MESSAGES.get(e["type"])
+        ctx = e.get("ctx") or {}
+        if template is not None:
+            msg = template.format(**ctx)
+        elif e["type"].endswith(("_type", "_parsing")):
+            msg = f"{e['msg'][0].lower()}{e['msg'][1:]}, got {e['input']!r}"
+        else:
+            msg = e["msg"]
+        problems.append((_key_path(e["loc"]), msg))
+    return problems
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(path, [("", f"cannot read: {exc.strerror}")]) from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else "YAML"
+        raise ConfigError(path, [("", f"{where}: invalid YAML: {exc}")]) from exc
+
+
+def _validate(model: type[BaseModel], data: Any, path: Path) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, [("", "top level must be a mapping of keys")])
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(path, _problems(exc)) from exc
+
+
+def workload_problems(wl: WorkloadConfig, prefix: str = "workload") -> list[tuple[str, str]]:
+    """Checks across workload keys (which keys each kind needs)."""
+    problems = []
+    if wl.kind == "trace" and wl.path is None:
+        problems.append((f"{prefix}.path", "required when kind is 'trace'"))
+    if wl.kind in ("poisson", "mmpp2"):
+        if wl.rate_per_s is None:
+            problems.append((f"{prefix}.rate_per_s", f"required when kind is {wl.kind!r}"))
+        if wl.num_requests is None and wl.duration_s is None:
+            problems.append((f"{prefix}.num_requests", "give num_requests or duration_s"))
+        fixed = wl.prompt_tokens is not None and wl.decode_tokens is not None
+        if wl.lengths_path is None and not fixed:
+            problems.append((f"{prefix}.lengths_path",
+                             "give lengths_path or both prompt_tokens and decode_tokens"))
+    return problems
+
+
+def load_workload(path: str | os.PathLike[str]) -> WorkloadConfig:
+    """A workload section from its own YAML file (a ``workload:`` mapping or a bare one);
+    paths inside it are made absolute, relative to that file."""
+    p = Path(path)
+    data = _read_yaml(p)
+    prefix = "workload"
+    if isinstance(data, Mapping) and "workload" in data:
+        data = data["workload"]
+    if not isinstance(data, Mapping):
+        raise ConfigError(p, [(prefix, "must be a mapping of keys")])
+    try:
+        workload = WorkloadConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(p, [(f"{prefix}.{k}" if k else prefix, m)
+                              for k, m in _problems(exc)]) from exc
+    problems = workload_problems(workload, prefix)
+    if problems:
+        raise ConfigError(p, problems)
+    updates = {k: str((p.parent / v).resolve())
+               for k in ("path", "lengths_path") if (v := getattr(workload, k))}
+    return workload.model_copy(update=updates)
+
+
+def load_profiles(path: str | os.PathLike[str]) -> Profiles:
+    p = Path(path)
+    result: Profiles = _validate(Profiles, _read_yaml(p), p)
+    return result
+
+
+class LoadedConfig:
+    """A validated config with its resolved profiles, instance specs and base folder."""
+
+    __slots__ = ("base_dir", "config", "path", "profiles", "specs")
+
+    def __init__(self, path: Path, config: Config, profiles: Profiles) -> None:
+        self.path = path
+        self.base_dir = path.parent
+        self.config = config
+        self.profiles = profiles
+        self.specs = instance_specs(config, profiles, path)
+
+    def resolve(self, relative: str) -> Path:
+        """A path from the config, relative to the config file's folder."""
+        p = Path(relative)
+        return p if p.is_absolute() else (self.base_dir / p)
+
+    def with_updates(self, **sections: Any) -> LoadedConfig:
+        """A copy with whole sections replaced (``workload=...``, ``router=...``)."""
+        return LoadedConfig(self.path, self.config.model_copy(update=sections), self.profiles)
+
+
+def kv_capacity_tokens(inst: InstanceConfig, model: ModelProfile, gpu: GpuProfile) -> int:
+    """KV tokens that fit: (memory x utilisation - weights - activation reserve) per GPU,
+    over KV bytes per token per GPU (weights and KV are split by tensor parallelism)."""
+    tp = inst.tensor_parallel
+    free_per_gpu = (gpu.memory_gib * GIB * inst.gpu_memory_utilization
+                    - model.weight_bytes / tp - inst.activation_reserve_gib * GIB)
+    if free_per_gpu <= 0:
+        return 0
+    return int(free_per_gpu // (model.kv_bytes_per_token / tp))
+
+
+def instance_specs(config: Config, profiles: Profiles, path: Path) -> tuple[InstanceSpec, ...]:
+    """Expand replicas and derive KV blocks; errors name the offending instance key."""
+    specs: list[InstanceSpec] = []
+    problems: list[tuple[str, str]] = []
+    names: set[str] = set()
+    for i, inst in enumerate(config.instances):
+        key = f"instances[{i}]"
+        model = profiles.models.get(inst.model)
+        gpu = profiles.gpus.get(inst.gpu)
+        if model is None:
+            problems.append((f"{key}.model", f"unknown model {inst.model!r} "
+                             f"(profiles has: {', '.join(sorted(profiles.models))})"))
+        if gpu is None:
+            problems.append((f"{key}.gpu", f"unknown gpu {inst.gpu!r} "
+                             f"(profiles has: {', '.join(sorted(profiles.gpus))})"))
+        if model is None or gpu is None:
+            continue
+        tokens = inst.kv_capacity_tokens or kv_capacity_tokens(inst, model, gpu)
+        blocks = tokens // inst.block_size
+        if blocks < 1:
+            problems.append((key, f"no memory left for the KV cache on {inst.gpu} "
+                             f"x{inst.tensor_parallel} with {inst.model}"))
+            continue
+        for r in range(inst.replicas):
+            name = inst.name if inst.replicas == 1 else f"{inst.name}-{r}"
+            if name in names:
+                problems.append((f"{key}.name", f"duplicate instance name {name!r}"))
+            names.add(name)
+            specs.append(InstanceSpec(
+                name=name, model=inst.model, gpu=inst.gpu,
+                tensor_parallel=inst.tensor_parallel, max_num_seqs=inst.max_num_seqs,
+                max_num_batched_tokens=inst.max_num_batched_tokens,
+                block_size=inst.block_size, num_kv_blocks=blocks))
+    if problems:
+        raise ConfigError(path, problems)
+    return tuple(specs)
+
+
+def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> LoadedConfig:
+    """Read, validate and resolve a run configuration and the profiles it names."""
+    p = Path(path)
+    config: Config = _validate(Config, _read_yaml(p), p)
+    profiles_path = Path(config.profiles)
+    if not profiles_path.is_absolute():
+        profiles_path = p.parent / profiles_path
+    if not profiles_path.exists():
+        raise ConfigError(p, [("profiles", f"file not found: {profiles_path}")])
+    problems = workload_problems(config.workload)
+    from olproute.policies import REGISTRY  # registry needs the policy modules imported
+
+    if config.router.policy not in REGISTRY.names():
+        problems.append(("router.policy", f"unknown policy {config.router.policy!r} "
+                         f"(known: {', '.join(REGISTRY.names())})"))
+    for name in config.router.policy_params:
+        if name not in REGISTRY.names():
+            problems.append((f"router.policy_params.{name}", "unknown policy"))
+    if problems:
+        raise ConfigError(p, problems)
+    return LoadedConfig(p, config, load_profiles(profiles_path))

@@ -1,0 +1,88 @@
+"""The one policy interface, and the registry of policies by name.
+
+A policy is built once per run from a :class:`PolicyEnv` and then called for every
+request (``decide``) and every finished request (``observe``). The simulator and the
+server call the same objects. A policy owns its state; randomness comes from the
+generator in its environment, never from global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from olproute.types import Decision, InstanceSpec, Outcome, RoutingContext
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, ctx: RoutingContext) -> Decision:
+        """Choose an instance for ctx.request, or hold or shed it."""
+        ...
+
+    def observe(self, outcome: Outcome) -> None:
+        """Learn from a request that finished (or was shed)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyEnv:
+    """What a policy is built from: the instances, its parameters, its RNG, the slot."""
+
+    specs: tuple[InstanceSpec, ...]
+    rng: np.random.Generator
+    params: Mapping[str, Any] = field(default_factory=dict)
+    slot_s: float = 0.05
+
+
+PolicyFactory = Callable[[PolicyEnv], Policy]
+
+
+class PolicyError(ValueError):
+    """Unknown policy name, duplicate registration, or bad policy parameters."""
+
+
+class PolicyRegistry:
+    """Policies by name; registering a name twice is an error, never a silent replace."""
+
+    def __init__(self) -> None:
+        self._factories: dict[str, PolicyFactory] = {}
+
+    def register(self, name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+        def wrap(factory: PolicyFactory) -> PolicyFactory:
+            if name in self._factories:
+                raise PolicyError(f"policy {name!r} is already registered")
+            self._factories[name] = factory
+            return factory
+        return wrap
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+    def create(self, name: str, env: PolicyEnv) -> Policy:
+        try:
+            factory = self._factories[name]
+        except KeyError:
+            raise PolicyError(
+                f"unknown policy {name!r} (known: {', '.join(self.names())})") from None
+        return factory(env)
+
+
+REGISTRY = PolicyRegistry()
+
+
+def check_params(policy: str, params: Mapping[str, Any], allowed: Iterable[str]) -> None:
+    """Reject parameters a policy does not take, naming them."""
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise PolicyError(f"policy {policy!r} takes no parameter(s) {', '.join(unknown)}")
+
+
+def dispatch(ctx: RoutingContext, index: int, reason: str,
+             explanation: Mapping[str, tuple[float, ...]] | None = None) -> Decision:
+    return Decision(request_id=ctx.request.request_id, action="dispatch", instance=index,
+                    reason=reason, explanation=dict(explanation or {}))

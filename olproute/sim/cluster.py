@@ -1,0 +1,184 @@
+"""Discrete-event simulation of a cluster of engines behind one routing policy.
+
+Events live on a heap of (time, priority, seq, kind, arg); ``seq`` is a counter owned by
+the simulation, so ties break deterministically. At equal times a finishing batch is
+handled before an arrival (it frees slots and blocks the arrival may use), and an
+arrival before a held request's retry.
+
+Requests reach an engine the instant they are dispatched; an idle engine starts a batch
+at once, a busy one takes the request into its next batch. A held request is decided
+again every slot (``slot_s``); a shed one is recorded and never served.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from olproute.policies.base import Policy
+from olproute.sim.engine import BATCH_LOG_COLUMNS, FINISHED, FIRST_TOKEN, BatchTimer, SimEngine
+from olproute.types import InstanceSpec, Outcome, Request, RoutingContext
+
+_BATCH_DONE, _ARRIVAL, _RETRY = 0, 1, 2
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """Everything one run produced. Per-request arrays are indexed by request_id; NaN
+    marks a time that never happened (shed requests), -1 an instance never chosen."""
+
+    specs: tuple[InstanceSpec, ...]
+    requests: tuple[Request, ...]
+    instance: IntArray
+    dispatch_s: FloatArray
+    first_token_s: FloatArray
+    finish_s: FloatArray
+    num_preemptions: IntArray
+    shed: npt.NDArray[np.bool_]
+    batch_log: FloatArray            # shape (num_batches, len(BATCH_LOG_COLUMNS))
+    in_system_t: FloatArray          # times at which the number of requests in system changed
+    in_system_n: IntArray            # the number from that time on
+    end_s: float
+    num_events: int
+
+
+class Cluster:
+    """Runs one policy over a list of requests on engines built from specs."""
+
+    def __init__(
+        self,
+        specs: Sequence[InstanceSpec],
+        timers: Sequence[BatchTimer],
+        policy: Policy,
+        slot_s: float,
+        record_batches: bool = True,
+        reference_core: bool = False,
+    ) -> None:
+        if len(specs) != len(timers):
+            raise ValueError("one timer per instance")
+        self.specs = tuple(specs)
+        self._log: array[float] | None = array("d") if record_batches else None
+        self.engines = [SimEngine(i, s, t, self._log, reference_core)
+                        for i, (s, t) in enumerate(zip(specs, timers, strict=True))]
+        self.policy = policy
+        self.slot_s = slot_s
+        self.outstanding = [0] * len(specs)
+
+    def run(self, requests: Sequence[Request], progress: ProgressFn | None = None) -> SimResult:
+        n = len(requests)
+        if any(r.request_id != i for i, r in enumerate(requests)):
+            raise ValueError("request_id must equal the request's position in the list")
+        instance = np.full(n, -1, dtype=np.int64)
+        dispatch_s = np.full(n, np.nan)
+        first_s = np.full(n, np.nan)
+        finish_s = np.full(n, np.nan)
+        preempt = np.zeros(n, dtype=np.int64)
+        shed = np.zeros(n, dtype=bool)
+        in_t: array[float] = array("d", [0.0])
+        in_n: array[int] = array("q", [0])
+
+        heap: list[tuple[float, int, int, int, int]] = []
+        seq = 0
+        for r in requests:
+            heap.append((r.arrival_s, _ARRIVAL, seq, _ARRIVAL, r.request_id))
+            seq += 1
+        heapq.heapify(heap)
+        engines, outstanding, policy = self.engines, self.outstanding, self.policy
+        in_system = 0
+        done = 0
+        num_events = 0
+        now = 0.0
+
+        def start(g: int, t: float) -> None:
+            nonlocal seq
+            duration = engines[g].start_batch(t)
+            if duration is not None:
+                heapq.heappush(heap, (t + duration, _BATCH_DONE, seq, _BATCH_DONE, g))
+                seq += 1
+
+        while heap:
+            now, _prio, _seq, kind, arg = heapq.heappop(heap)
+            num_events += 1
+            if kind == _BATCH_DONE:
+                eng = engines[arg]
+                for rid, flags, npre in eng.finish_batch():
+                    if flags & FIRST_TOKEN:
+                        first_s[rid] = now
+                    if flags & FINISHED:
+                        finish_s[rid] = now
+                        preempt[rid] = npre
+                        outstanding[arg] -= 1
+                        in_system -= 1
+                        in_t.append(now)
+                        in_n.append(in_system)
+                        done += 1
+                        policy.observe(self._outcome(requests[rid], arg, dispatch_s[rid],
+                                                     first_s[rid], now, npre))
+                        if progress is not None:
+                            progress(done)
+                start(arg, now)
+                continue
+            req = requests[arg]
+            if kind == _ARRIVAL:
+                in_system += 1
+                in_t.append(now)
+                in_n.append(in_system)
+            ctx = RoutingContext(
+                request=req, now_s=now, specs=self.specs,
+                instances=tuple(e.load(outstanding[e.index]) for e in engines))
+            decision = policy.decide(ctx)
+            if decision.action == "dispatch":
+                g = decision.instance
+                assert g is not None
+                if not 0 <= g < len(engines):
+                    raise ValueError(f"policy chose instance {g}, out of range")
+                instance[arg] = g
+                dispatch_s[arg] = now
+                outstanding[g] += 1
+                engines[g].admit(req.request_id, req.prompt_tokens, req.decode_tokens)
+                if not engines[g].busy:
+                    start(g, now)
+            elif decision.action == "hold":
+                heapq.heappush(heap, (now + self.slot_s, _RETRY, seq, _RETRY, arg))
+                seq += 1
+            else:
+                shed[arg] = True
+                in_system -= 1
+                in_t.append(now)
+                in_n.append(in_system)
+                done += 1
+                policy.observe(self._outcome(req, None, float("nan"), float("nan"),
+                                             float("nan"), 0))
+                if progress is not None:
+                    progress(done)
+
+        width = len(BATCH_LOG_COLUMNS)
+        log = (np.frombuffer(self._log, dtype=np.float64).reshape(-1, width).copy()
+               if self._log is not None else np.zeros((0, width)))
+        return SimResult(
+            specs=self.specs, requests=tuple(requests), instance=instance,
+            dispatch_s=dispatch_s, first_token_s=first_s, finish_s=finish_s,
+            num_preemptions=preempt, shed=shed, batch_log=log,
+            in_system_t=np.frombuffer(in_t, dtype=np.float64).copy(),
+            in_system_n=np.frombuffer(in_n, dtype=np.int64).copy(),
+            end_s=now, num_events=num_events)
+
+    @staticmethod
+    def _outcome(req: Request, g: int | None, dispatch: float, first: float, finish: float,
+                 preemptions: int) -> Outcome:
+        def opt(x: float) -> float | None:
+            return None if x != x else float(x)  # NaN -> None
+        return Outcome(
+            request_id=req.request_id, instance=g, arrival_s=req.arrival_s,
+            dispatch_s=opt(dispatch), first_token_s=opt(first), finish_s=opt(finish),
+            prompt_tokens=req.prompt_tokens, decode_tokens=req.decode_tokens,
+            predicted_decode_tokens=req.predicted_decode_tokens, num_preemptions=preemptions)

@@ -1,0 +1,118 @@
+"""One simulated serving instance: the batch-formation core timed by a ground truth."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from olproute._core import BatchCore
+from olproute.core_ref import FINISHED, FIRST_TOKEN, ReferenceCore, Sums
+from olproute.types import InstanceLoad, InstanceSpec
+
+BatchTimer = Callable[[Sequence[float]], float]
+
+# Columns of the batch log, after the instance index and the start time.
+BATCH_LOG_COLUMNS = (
+    "instance", "start_s", "duration_s", "num_seqs", "num_tokens", "num_decode_tokens",
+    "sum_decode_context", "num_prefill_tokens", "sum_prefill_attention", "num_prefill_seqs",
+    "sum_prefill_context",
+)
+
+
+class Core(Protocol):
+    """What the engine needs of a batch-formation core (compiled or reference)."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    def add_request(self, prompt_tokens: int, max_output_tokens: int) -> int: ...
+    def release_slot(self, slot: int) -> None: ...
+    def schedule(self) -> tuple[int, Sums]: ...
+    def commit(self) -> int: ...
+    def event_list(self) -> list[tuple[int, int]]: ...
+    def request(self, slot: int) -> tuple[int, int, int, int, int, int]: ...
+
+
+def make_core(spec: InstanceSpec, reference: bool = False) -> Core:
+    cls: type[BatchCore] | type[ReferenceCore] = ReferenceCore if reference else BatchCore
+    return cls(spec.num_kv_blocks, spec.block_size, spec.max_num_seqs,
+               spec.max_num_batched_tokens)
+
+
+class SimEngine:
+    """Owns one instance's core; the cluster drives it batch by batch.
+
+    ``start_batch`` forms the next batch and returns its duration in seconds (None when
+    there is nothing to run); ``finish_batch`` applies it and returns the requests that
+    produced their first token or finished, as (request_id, flags, num_preemptions).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        spec: InstanceSpec,
+        timer: BatchTimer,
+        batch_log: array[float] | None = None,
+        reference_core: bool = False,
+    ) -> None:
+        self.index = index
+        self.spec = spec
+        self.core = make_core(spec, reference_core)
+        self._timer = timer
+        self._slot_request: dict[int, int] = {}
+        self._log = batch_log
+        self.busy = False
+        self.num_batches = 0
+
+    @property
+    def num_resident(self) -> int:
+        return self.core.num_running + self.core.num_waiting
+
+    def admit(self, request_id: int, prompt_tokens: int, decode_tokens: int) -> None:
+        slot = self.core.add_request(prompt_tokens, decode_tokens)
+        self._slot_request[slot] = request_id
+
+    def start_batch(self, now_s: float) -> float | None:
+        n, sums = self.core.schedule()
+        if n == 0:
+            self.busy = False
+            return None
+        self.busy = True
+        self.num_batches += 1
+        duration = self._timer(sums)
+        if self._log is not None:
+            self._log.extend((float(self.index), now_s, duration))
+            self._log.extend(sums)
+        return duration
+
+    def finish_batch(self) -> list[tuple[int, int, int]]:
+        if self.core.commit() == 0:
+            return []
+        out = []
+        for slot, flags in self.core.event_list():
+            preemptions = 0
+            if flags & FINISHED:
+                preemptions = self.core.request(slot)[5]
+                request_id = self._slot_request.pop(slot)
+                self.core.release_slot(slot)
+            else:
+                request_id = self._slot_request[slot]
+            out.append((request_id, flags, preemptions))
+        return out
+
+    def load(self, num_outstanding: int) -> InstanceLoad:
+        core = self.core
+        return InstanceLoad(
+            index=self.index, name=self.spec.name, num_running=core.num_running,
+            num_waiting=core.num_waiting, num_outstanding=num_outstanding,
+            num_kv_blocks_used=self.spec.num_kv_blocks - core.num_free_blocks,
+            num_kv_blocks=self.spec.num_kv_blocks, max_num_seqs=self.spec.max_num_seqs,
+        )
+
+
+__all__ = ["BATCH_LOG_COLUMNS", "FINISHED", "FIRST_TOKEN", "BatchTimer", "Core", "SimEngine",
+           "make_core"]

@@ -1,0 +1,162 @@
+"""Per-request records and summary metrics of a simulation run."""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from olproute.sim.cluster import SimResult
+from olproute.sim.engine import BATCH_LOG_COLUMNS
+
+FloatArray = npt.NDArray[np.float64]
+
+RECORD_COLUMNS = (
+    "request_id", "arrival_s", "instance", "dispatch_s", "first_token_s", "finish_s",
+    "ttft_s", "eel_s", "tpot_s", "prompt_tokens", "decode_tokens", "predicted_decode_tokens",
+    "ttft_target_s", "tpot_target_s", "slo_class", "num_preemptions", "shed", "ttft_met",
+    "slo_met",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Summary of one run. Latencies in seconds; NaN where no request qualifies."""
+
+    num_requests: int
+    num_served: int
+    num_shed: int
+    duration_s: float
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p95_s: float
+    ttft_p99_s: float
+    eel_mean_s: float
+    eel_p50_s: float
+    eel_p95_s: float
+    eel_p99_s: float
+    tpot_mean_s: float
+    tpot_p50_s: float
+    tpot_p95_s: float
+    tpot_p99_s: float
+    throughput_tokens_per_s: float
+    throughput_requests_per_s: float
+    slo_attainment: float
+    goodput: float
+    num_preemptions: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def ttft_s(res: SimResult) -> FloatArray:
+    return res.first_token_s - _arrivals(res)
+
+
+def eel_s(res: SimResult) -> FloatArray:
+    return res.finish_s - _arrivals(res)
+
+
+def _arrivals(res: SimResult) -> FloatArray:
+    return np.array([r.arrival_s for r in res.requests], dtype=np.float64)
+
+
+def tpot_s(res: SimResult) -> FloatArray:
+    """Mean time per output token after the first; 0 for single-token outputs."""
+    decode = np.array([r.decode_tokens for r in res.requests], dtype=np.float64)
+    span = res.finish_s - res.first_token_s
+    return np.where(decode > 1, span / np.maximum(decode - 1.0, 1.0), 0.0)
+
+
+def slo_flags(res: SimResult) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """(TTFT met, TTFT and TPOT met) per request; shed requests meet neither. A request
+    without a TPOT target is judged on TTFT alone."""
+    ttft = ttft_s(res)
+    target = np.array([r.ttft_target_s for r in res.requests], dtype=np.float64)
+    tpot_target = np.array([np.inf if r.tpot_target_s is None else r.tpot_target_s
+                            for r in res.requests], dtype=np.float64)
+    served = ~res.shed & np.isfinite(res.finish_s)
+    ttft_met = served & (ttft <= target)
+    both = ttft_met & (tpot_s(res) <= tpot_target)
+    return ttft_met, both
+
+
+def _pct(x: FloatArray, q: float) -> float:
+    return float(np.percentile(x, q)) if x.size else float("nan")
+
+
+def _mean(x: FloatArray) -> float:
+    return float(x.mean()) if x.size else float("nan")
+
+
+def summarize(res: SimResult) -> Summary:
+    served = ~res.shed & np.isfinite(res.finish_s)
+    ttft, eel, tpot = ttft_s(res)[served], eel_s(res)[served], tpot_s(res)[served]
+    multi = np.array([r.decode_tokens > 1 for r in res.requests], dtype=bool)[served]
+    tpot = tpot[multi]
+    n = len(res.requests)
+    tokens = sum(r.prompt_tokens + r.decode_tokens
+                 for r, ok in zip(res.requests, served, strict=True) if ok)
+    start = min((r.arrival_s for r in res.requests), default=0.0)
+    duration = max(res.end_s - start, 1e-12)
+    ttft_met, both = slo_flags(res)
+    return Summary(
+        num_requests=n, num_served=int(served.sum()), num_shed=int(res.shed.sum()),
+        duration_s=duration,
+        ttft_mean_s=_mean(ttft), ttft_p50_s=_pct(ttft, 50), ttft_p95_s=_pct(ttft, 95),
+        ttft_p99_s=_pct(ttft, 99),
+        eel_mean_s=_mean(eel), eel_p50_s=_pct(eel, 50), eel_p95_s=_pct(eel, 95),
+        eel_p99_s=_pct(eel, 99),
+        tpot_mean_s=_mean(tpot), tpot_p50_s=_pct(tpot, 50), tpot_p95_s=_pct(tpot, 95),
+        tpot_p99_s=_pct(tpot, 99),
+        throughput_tokens_per_s=tokens / duration,
+        throughput_requests_per_s=float(served.sum()) / duration,
+        slo_attainment=float(ttft_met.mean()) if n else float("nan"),
+        goodput=float(both.mean()) if n else float("nan"),
+        num_preemptions=int(res.num_preemptions.sum()),
+    )
+
+
+def time_average_in_system(res: SimResult, t0: float, t1: float) -> float:
+    """Time-average number of requests in the system over [t0, t1], from the simulator's
+    own counter (not from the per-request records)."""
+    t, n = res.in_system_t, res.in_system_n
+    edges = np.clip(np.append(t, max(t1, float(t[-1]))), t0, t1)
+    return float(np.sum(n * np.diff(edges)) / (t1 - t0))
+
+
+def _fmt(x: float) -> str:
+    return "" if x != x else repr(float(x))
+
+
+def write_records(res: SimResult, path: str | os.PathLike[str]) -> None:
+    """One CSV row per request (columns RECORD_COLUMNS); floats written with repr so a
+    rerun with the same seed gives a byte-identical file."""
+    ttft, eel, tpot = ttft_s(res), eel_s(res), tpot_s(res)
+    ttft_met, both = slo_flags(res)
+    with Path(path).open("w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(RECORD_COLUMNS)
+        for i, r in enumerate(res.requests):
+            w.writerow((
+                r.request_id, _fmt(r.arrival_s), int(res.instance[i]), _fmt(res.dispatch_s[i]),
+                _fmt(res.first_token_s[i]), _fmt(res.finish_s[i]), _fmt(ttft[i]), _fmt(eel[i]),
+                _fmt(tpot[i]), r.prompt_tokens, r.decode_tokens, r.predicted_decode_tokens,
+                _fmt(r.ttft_target_s),
+                "" if r.tpot_target_s is None else _fmt(r.tpot_target_s), r.slo_class,
+                int(res.num_preemptions[i]), int(res.shed[i]), int(ttft_met[i]), int(both[i]),
+            ))
+
+
+def write_batch_log(res: SimResult, path: str | os.PathLike[str]) -> None:
+    """One CSV row per batch: the instance, start and duration, and the batch sums the
+    4-term batch-time model is fitted on."""
+    with Path(path).open("w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(BATCH_LOG_COLUMNS)
+        for row in res.batch_log:
+            w.writerow([int(row[0])] + [_fmt(x) for x in row[1:]])

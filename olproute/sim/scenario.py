@@ -1,0 +1,157 @@
+"""From a loaded config to a simulation run: requests, timers, policy, cluster.
+
+Randomness is split by purpose from the run seed (numpy ``SeedSequence.spawn``), so every
+policy compared on a seed sees the same requests, targets and predicted lengths, and a
+policy's own coin flips never shift the workload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from olproute.config import LoadedConfig
+from olproute.policies import REGISTRY, PolicyEnv
+from olproute.sim import workloads as wl
+from olproute.sim.cluster import Cluster, ProgressFn, SimResult
+from olproute.sim.engine import BatchTimer
+from olproute.sim.timing import LinearTiming, RooflineTiming
+from olproute.types import Request
+
+# Child seed streams of the run seed, by purpose.
+_WORKLOAD, _TARGETS, _PREDICT, _POLICY, _ENGINES = range(5)
+
+
+@dataclass(frozen=True, slots=True)
+class Streams:
+    workload: np.random.Generator
+    targets: np.random.Generator
+    predict: np.random.Generator
+    policy: np.random.Generator
+    engine_seeds: tuple[np.random.SeedSequence, ...]
+
+
+def streams(seed: int, num_instances: int) -> Streams:
+    root = np.random.SeedSequence(seed)
+    kids = root.spawn(5)
+    return Streams(
+        workload=np.random.default_rng(kids[_WORKLOAD]),
+        targets=np.random.default_rng(kids[_TARGETS]),
+        predict=np.random.default_rng(kids[_PREDICT]),
+        policy=np.random.default_rng(kids[_POLICY]),
+        engine_seeds=tuple(kids[_ENGINES].spawn(num_instances)),
+    )
+
+
+def _lengths(loaded: LoadedConfig, n: int, rng: np.random.Generator) -> tuple[
+        np.ndarray, np.ndarray]:
+    w = loaded.config.workload
+    if w.lengths_path is None:
+        assert w.prompt_tokens is not None and w.decode_tokens is not None
+        return (np.full(n, w.prompt_tokens, dtype=np.int64),
+                np.full(n, w.decode_tokens, dtype=np.int64))
+    prompt, decode = wl.read_lengths_csv(loaded.resolve(w.lengths_path))
+    order = rng.permutation(len(prompt))
+    return prompt[order], decode[order]
+
+
+def build_trace(loaded: LoadedConfig, rng: np.random.Generator) -> wl.Trace:
+    """Arrivals and lengths of the configured workload."""
+    w = loaded.config.workload
+    if w.kind == "trace":
+        assert w.path is not None
+        trace = wl.read_trace_csv(loaded.resolve(w.path), time_scale=w.time_scale)
+        if w.rate_per_s is not None:
+            factor = wl.trace_time_scale_for_rate(trace, w.rate_per_s)
+            trace = wl.Trace(trace.arrival_s * factor, trace.prompt_tokens, trace.decode_tokens)
+        if w.start_s > 0 or w.duration_s is not None:
+            end = w.start_s + w.duration_s if w.duration_s is not None else np.inf
+            trace = trace.window(w.start_s, float(end))
+        if w.num_requests is not None:
+            trace = trace.head(min(w.num_requests, len(trace)))
+        return trace
+    assert w.rate_per_s is not None
+    n = w.num_requests if w.num_requests is not None else int(
+        np.ceil(w.rate_per_s * (w.duration_s or 0.0)))
+    if w.kind == "poisson":
+        arrivals = wl.poisson_arrivals(w.rate_per_s, n, rng)
+    else:
+        arrivals = wl.mmpp2_arrivals(w.rate_per_s, w.ratio, n, rng).arrival_s
+    if w.duration_s is not None:
+        arrivals = arrivals[arrivals < w.duration_s]
+    prompt, decode = _lengths(loaded, len(arrivals), rng)
+    return wl.lengths_with_arrivals(prompt, decode, arrivals)
+
+
+def build_requests(loaded: LoadedConfig, seed: int | None = None) -> list[Request]:
+    """The run's requests with TTFT (and TPOT) targets and predicted decode lengths."""
+    cfg = loaded.config
+    st = streams(cfg.sim.seed if seed is None else seed, len(loaded.specs))
+    trace = build_trace(loaded, st.workload)
+    n = len(trace)
+    tpot_target = None
+    classes = None
+    if cfg.slo.mode == "bear":
+        ttft_target = wl.bear_ttft_targets_s(trace.prompt_tokens, st.targets)
+    else:
+        slo = [wl.SloClass(c.name, c.ttft_ms / 1e3, c.tpot_ms / 1e3, c.weight)
+               for c in cfg.slo.classes]
+        idx = wl.assign_slo_classes(n, slo, st.targets)
+        ttft_target = np.array([slo[i].ttft_s for i in idx])
+        tpot_target = np.array([slo[i].tpot_s for i in idx])
+        classes = [slo[i].name for i in idx]
+    noise = cfg.prediction.noise if cfg.prediction.mode == "noisy" else 0.0
+    predicted = wl.predicted_decode_tokens(trace.decode_tokens, noise, st.predict)
+    return wl.build_requests(trace, ttft_target, predicted, tpot_target, classes)
+
+
+def build_timers(loaded: LoadedConfig, seed: int | None = None) -> list[BatchTimer]:
+    cfg = loaded.config
+    st = streams(cfg.sim.seed if seed is None else seed, len(loaded.specs))
+    timers: list[BatchTimer] = []
+    for spec, ss in zip(loaded.specs, st.engine_seeds, strict=True):
+        rng = np.random.default_rng(ss)
+        if cfg.sim.timing == "linear":
+            timers.append(LinearTiming(cfg.sim.linear_beta, cfg.sim.noise_cv, rng))
+        else:
+            timers.append(RooflineTiming(
+                loaded.profiles.models[spec.model], loaded.profiles.gpus[spec.gpu],
+                spec.tensor_parallel, cfg.sim.batch_overhead_ms / 1e3, cfg.sim.noise_cv, rng))
+    return timers
+
+
+def simulate(
+    loaded: LoadedConfig,
+    policy_name: str | None = None,
+    requests: Sequence[Request] | None = None,
+    seed: int | None = None,
+    progress: ProgressFn | None = None,
+    reference_core: bool = False,
+) -> SimResult:
+    """Run one policy (the config's, unless named) on the configured workload."""
+    cfg = loaded.config
+    run_seed = cfg.sim.seed if seed is None else seed
+    name = policy_name or cfg.router.policy
+    reqs = list(requests) if requests is not None else build_requests(loaded, run_seed)
+    _check_fits(loaded, reqs)
+    st = streams(run_seed, len(loaded.specs))
+    env = PolicyEnv(specs=loaded.specs, rng=st.policy,
+                    params=cfg.router.policy_params.get(name, {}),
+                    slot_s=cfg.router.slot_ms / 1e3)
+    policy = REGISTRY.create(name, env)
+    cluster = Cluster(loaded.specs, build_timers(loaded, run_seed), policy,
+                      slot_s=cfg.router.slot_ms / 1e3, record_batches=cfg.sim.record_batches,
+                      reference_core=reference_core)
+    return cluster.run(reqs, progress)
+
+
+def _check_fits(loaded: LoadedConfig, requests: Sequence[Request]) -> None:
+    """Every request must fit in the smallest KV cache, or an engine would reject it."""
+    smallest = min(loaded.specs, key=lambda s: s.kv_capacity_tokens)
+    for r in requests:
+        if r.prompt_tokens + r.decode_tokens > smallest.kv_capacity_tokens:
+            raise ValueError(
+                f"request {r.request_id} needs {r.prompt_tokens + r.decode_tokens} KV tokens, "
+                f"more than instance {smallest.name!r} holds ({smallest.kv_capacity_tokens})")

@@ -1,0 +1,133 @@
+"""Messages passed between the parts of olproute.
+
+Every message is a frozen, slotted dataclass: the owners of mutable state (engines, the
+tracker, the price book) hand these out as immutable views. Times are seconds on the
+simulator's (or server's) clock unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Action = Literal["dispatch", "hold", "shed"]
+ACTIONS: tuple[Action, ...] = ("dispatch", "hold", "shed")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One inference request as the router sees it.
+
+    ``decode_tokens`` is the true output length: the simulator uses it to finish the
+    request, and a policy must not read it (it reads ``predicted_decode_tokens``).
+    """
+
+    request_id: int
+    arrival_s: float
+    prompt_tokens: int
+    decode_tokens: int
+    predicted_decode_tokens: int
+    ttft_target_s: float
+    tpot_target_s: float | None = None
+    slo_class: str = "default"
+    text: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """Static description of one serving instance (what its engine is configured with)."""
+
+    name: str
+    model: str
+    gpu: str
+    tensor_parallel: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_kv_blocks: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV cache capacity in tokens (blocks x block size)."""
+        return self.num_kv_blocks * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """Cheap summary of one instance's state at decision time.
+
+    ``num_outstanding`` counts requests dispatched to the instance that have not finished,
+    including ones the router sent that the engine has not yet received.
+    """
+
+    index: int
+    name: str
+    num_running: int
+    num_waiting: int
+    num_outstanding: int
+    num_kv_blocks_used: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    age_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingContext:
+    """What a policy sees when it decides for one request."""
+
+    request: Request
+    now_s: float
+    instances: tuple[InstanceLoad, ...]
+    specs: tuple[InstanceSpec, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A policy's answer for one request.
+
+    ``instance`` is the index into the cluster's instance list when ``action`` is
+    ``dispatch`` and None otherwise. ``explanation`` carries the per-instance figures the
+    policy used (scores, estimates), keyed by a short name, so a decision can be audited.
+    """
+
+    request_id: int
+    action: Action
+    instance: int | None
+    reason: str
+    explanation: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"Decision.action must be one of {ACTIONS}, got {self.action!r}")
+        if (self.action == "dispatch") != (self.instance is not None):
+            raise ValueError("Decision.instance must be set exactly when action is 'dispatch'")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened to one request; fed back to the policy through ``observe``.
+
+    ``first_token_s`` and ``finish_s`` are None for a request that was shed.
+    """
+
+    request_id: int
+    instance: int | None
+    arrival_s: float
+    dispatch_s: float | None
+    first_token_s: float | None
+    finish_s: float | None
+    prompt_tokens: int
+    decode_tokens: int
+    predicted_decode_tokens: int
+    num_preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, from arrival at the router."""
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def eel_s(self) -> float | None:
+        """End-to-end latency, from arrival at the router to the last token."""
+        return None if self.finish_s is None else self.finish_s - self.arrival_s

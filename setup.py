@@ -1,0 +1,12 @@
+"""Build only: the Cython batch-formation kernel. Metadata lives in pyproject.toml."""
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=cythonize(
+        [Extension("olproute._core", ["olproute/_core.pyx"], include_dirs=[np.get_include()])],
+        compiler_directives={"language_level": "3"},
+    )
+)
