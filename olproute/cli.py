@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,15 +17,37 @@ from olproute.sim.workloads import WorkloadError
 Handler = Callable[[argparse.Namespace], int]
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (the workload fields it overrides need one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """argparse type: an integer >= 0 (numpy's SeedSequence rejects negative seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=str(DEFAULT_CONFIG),
                    help="run configuration YAML (default: %(default)s)")
     p.add_argument("--workload", metavar="YAML",
                    help="YAML file whose 'workload' mapping replaces the config's workload")
-    p.add_argument("--seed", type=int, help="run seed (default: sim.seed of the config)")
-    p.add_argument("--time-scale", type=float, metavar="X",
+    p.add_argument("--seed", type=_seed, help="run seed (default: sim.seed of the config)")
+    p.add_argument("--time-scale", type=_positive_float, metavar="X",
                    help="stretch trace arrivals by X (<1 raises the load)")
-    p.add_argument("--duration-s", type=float, metavar="S",
+    p.add_argument("--duration-s", type=_positive_float, metavar="S",
                    help="simulate only arrivals in the first S seconds")
     p.add_argument("--out", metavar="DIR", help="folder for records, logs and plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -66,6 +89,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     loaded = _loaded(args)
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    if not names:
+        raise PolicyError(f"--policies names no policy: {args.policies!r}")
     out = Path(args.out) if args.out else None
     runs = compare_policies(loaded, names, progress=not args.no_progress, out_dir=out)
     print(summary_table([(r.policy, r.summary) for r in runs]))

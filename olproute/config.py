@@ -8,7 +8,7 @@ Paths inside a config (the profiles file, traces) are relative to the config fil
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from pathlib import Path
 from typing import Any, Literal
 
@@ -146,7 +146,7 @@ class SimConfig(_Frozen):
     """Simulator settings. ``timing: roofline`` is the ground truth; ``linear`` times
     batches with the 4-term model ``linear_beta`` (tests of the estimator only)."""
 
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)  # numpy's SeedSequence rejects negative seeds
     timing: Literal["roofline", "linear"] = "roofline"
     noise_cv: float = Field(default=0.03, ge=0, lt=1)
     batch_overhead_ms: float = Field(default=3.0, ge=0)
@@ -200,6 +200,11 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
     for e in err.errors():
         template = _MESSAGES.get(e["type"])
         ctx = e.get("ctx") or {}
+        if (e["type"] == "too_short" and isinstance(e["input"], Sized)
+                and len(e["input"]) >= ctx.get("min_length", 0)):
+            # pydantic counts only the items that validated; each bad item already has
+            # its own error, so "must have at least 1 item(s)" would be false here.
+            continue
         if template is not None:
             msg = template.format(**ctx)
         elif e["type"].endswith(("_type", "_parsing")):
