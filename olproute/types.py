@@ -21,6 +21,9 @@ class Request:
 
     ``decode_tokens`` is the true output length: the simulator uses it to finish the
     request, and a policy must not read it (it reads ``predicted_decode_tokens``).
+    In a heterogeneous pool the truth may depend on the model: ``decode_tokens_by_model``
+    and ``quality_by_model`` (simulator ground truth, keyed by model name) then override
+    ``decode_tokens`` for the models they name. ``task`` is the task family when known.
     """
 
     request_id: int
@@ -32,6 +35,26 @@ class Request:
     tpot_target_s: float | None = None
     slo_class: str = "default"
     text: str | None = None
+    task: str | None = None
+    decode_tokens_by_model: Mapping[str, int] | None = None
+    quality_by_model: Mapping[str, float] | None = None
+
+    def true_decode_tokens(self, model: str) -> int:
+        """Output length if served by ``model`` (simulator ground truth)."""
+        if self.decode_tokens_by_model is not None and model in self.decode_tokens_by_model:
+            return self.decode_tokens_by_model[model]
+        return self.decode_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Predictions for one request, one entry per model named in ``models``: decode
+    tokens (mean head, optionally a P90 head) and response quality in [0, 1]."""
+
+    models: tuple[str, ...]
+    decode_tokens: tuple[float, ...]
+    quality: tuple[float, ...]
+    decode_tokens_p90: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ class SimResult:
     first_token_s: FloatArray
     finish_s: FloatArray
     num_preemptions: IntArray
+    decode_tokens: IntArray          # output tokens actually generated (0 if shed)
     shed: npt.NDArray[np.bool_]
     batch_log: FloatArray            # shape (num_batches, len(BATCH_LOG_COLUMNS))
     in_system_t: FloatArray          # times at which the number of requests in system changed
@@ -82,6 +83,7 @@ class Cluster:
         first_s = np.full(n, np.nan)
         finish_s = np.full(n, np.nan)
         preempt = np.zeros(n, dtype=np.int64)
+        decode = np.zeros(n, dtype=np.int64)
         shed = np.zeros(n, dtype=bool)
         in_t: array[float] = array("d", [0.0])
         in_n: array[int] = array("q", [0])
@@ -122,7 +124,7 @@ class Cluster:
                         in_n.append(in_system)
                         done += 1
                         policy.observe(self._outcome(requests[rid], arg, dispatch_s[rid],
-                                                     first_s[rid], now, npre))
+                                                     first_s[rid], now, npre, int(decode[rid])))
                         if progress is not None:
                             progress(done)
                 start(arg, now)
@@ -144,7 +146,8 @@ class Cluster:
                 instance[arg] = g
                 dispatch_s[arg] = now
                 outstanding[g] += 1
-                engines[g].admit(req.request_id, req.prompt_tokens, req.decode_tokens)
+                decode[arg] = req.true_decode_tokens(self.specs[g].model)
+                engines[g].admit(req.request_id, req.prompt_tokens, int(decode[arg]))
                 if not engines[g].busy:
                     start(g, now)
             elif decision.action == "hold":
@@ -157,7 +160,7 @@ class Cluster:
                 in_n.append(in_system)
                 done += 1
                 policy.observe(self._outcome(req, None, float("nan"), float("nan"),
-                                             float("nan"), 0))
+                                             float("nan"), 0, 0))
                 if progress is not None:
                     progress(done)
 
@@ -167,18 +170,18 @@ class Cluster:
         return SimResult(
             specs=self.specs, requests=tuple(requests), instance=instance,
             dispatch_s=dispatch_s, first_token_s=first_s, finish_s=finish_s,
-            num_preemptions=preempt, shed=shed, batch_log=log,
+            num_preemptions=preempt, decode_tokens=decode, shed=shed, batch_log=log,
             in_system_t=np.frombuffer(in_t, dtype=np.float64).copy(),
             in_system_n=np.frombuffer(in_n, dtype=np.int64).copy(),
             end_s=now, num_events=num_events)
 
     @staticmethod
     def _outcome(req: Request, g: int | None, dispatch: float, first: float, finish: float,
-                 preemptions: int) -> Outcome:
+                 preemptions: int, decode_tokens: int) -> Outcome:
         def opt(x: float) -> float | None:
             return None if x != x else float(x)  # NaN -> None
         return Outcome(
             request_id=req.request_id, instance=g, arrival_s=req.arrival_s,
             dispatch_s=opt(dispatch), first_token_s=opt(first), finish_s=opt(finish),
-            prompt_tokens=req.prompt_tokens, decode_tokens=req.decode_tokens,
+            prompt_tokens=req.prompt_tokens, decode_tokens=decode_tokens,
             predicted_decode_tokens=req.predicted_decode_tokens, num_preemptions=preemptions)

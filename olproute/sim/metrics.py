@@ -67,7 +67,7 @@ def _arrivals(res: SimResult) -> FloatArray:
 
 def tpot_s(res: SimResult) -> FloatArray:
     """Mean time per output token after the first; 0 for single-token outputs."""
-    decode = np.array([r.decode_tokens for r in res.requests], dtype=np.float64)
+    decode = res.decode_tokens.astype(np.float64)
     span = res.finish_s - res.first_token_s
     return np.where(decode > 1, span / np.maximum(decode - 1.0, 1.0), 0.0)
 
@@ -96,11 +96,10 @@ def _mean(x: FloatArray) -> float:
 def summarize(res: SimResult) -> Summary:
     served = ~res.shed & np.isfinite(res.finish_s)
     ttft, eel, tpot = ttft_s(res)[served], eel_s(res)[served], tpot_s(res)[served]
-    multi = np.array([r.decode_tokens > 1 for r in res.requests], dtype=bool)[served]
-    tpot = tpot[multi]
+    tpot = tpot[res.decode_tokens[served] > 1]
     n = len(res.requests)
-    tokens = sum(r.prompt_tokens + r.decode_tokens
-                 for r, ok in zip(res.requests, served, strict=True) if ok)
+    prompt = np.array([r.prompt_tokens for r in res.requests], dtype=np.int64)
+    tokens = int((prompt[served] + res.decode_tokens[served]).sum())
     start = min((r.arrival_s for r in res.requests), default=0.0)
     duration = max(res.end_s - start, 1e-12)
     ttft_met, both = slo_flags(res)
@@ -145,7 +144,8 @@ def write_records(res: SimResult, path: str | os.PathLike[str]) -> None:
             w.writerow((
                 r.request_id, _fmt(r.arrival_s), int(res.instance[i]), _fmt(res.dispatch_s[i]),
                 _fmt(res.first_token_s[i]), _fmt(res.finish_s[i]), _fmt(ttft[i]), _fmt(eel[i]),
-                _fmt(tpot[i]), r.prompt_tokens, r.decode_tokens, r.predicted_decode_tokens,
+                _fmt(tpot[i]), r.prompt_tokens, int(res.decode_tokens[i]),
+                r.predicted_decode_tokens,
                 _fmt(r.ttft_target_s),
                 "" if r.tpot_target_s is None else _fmt(r.tpot_target_s), r.slo_class,
                 int(res.num_preemptions[i]), int(res.shed[i]), int(ttft_met[i]), int(both[i]),

@@ -151,7 +151,8 @@ def _check_fits(loaded: LoadedConfig, requests: Sequence[Request]) -> None:
     """Every request must fit in the smallest KV cache, or an engine would reject it."""
     smallest = min(loaded.specs, key=lambda s: s.kv_capacity_tokens)
     for r in requests:
-        if r.prompt_tokens + r.decode_tokens > smallest.kv_capacity_tokens:
+        need = r.prompt_tokens + max(r.decode_tokens, *(r.decode_tokens_by_model or {}).values())
+        if need > smallest.kv_capacity_tokens:
             raise ValueError(
-                f"request {r.request_id} needs {r.prompt_tokens + r.decode_tokens} KV tokens, "
+                f"request {r.request_id} needs {need} KV tokens, "
                 f"more than instance {smallest.name!r} holds ({smallest.kv_capacity_tokens})")
