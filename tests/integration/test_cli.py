@@ -1,0 +1,248 @@
+"""End-to-end tests of the ``olproute`` command line on small simulator runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from olproute.cli import main
+from olproute.sim.metrics import RECORD_COLUMNS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROFILES = REPO_ROOT / "configs" / "profiles.yaml"
+TRACE = REPO_ROOT / "data" / "traces" / "splitwise_conv.csv"
+BASELINES = ("least_outstanding", "power_of_two", "random", "round_robin")
+DURATION_S = 60.0
+QUIET = ["--no-progress"]
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    """Two Llama-2-7B engines replaying the first minute of the conversation trace."""
+    data = {
+        "profiles": str(PROFILES),
+        "instances": [{"name": "llama", "model": "llama-2-7b", "gpu": "a100-80gb",
+                       "replicas": 2}],
+        "workload": {"kind": "trace", "path": str(TRACE), "duration_s": DURATION_S},
+        "sim": {"seed": 0},
+    }
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _trace_rows_in_window() -> int:
+    """Requests of the trace arriving in the first DURATION_S seconds, counted directly."""
+    with TRACE.open() as f:
+        arrivals = [float(row["arrived_at"]) for row in csv.DictReader(f)]
+    return sum(1 for a in arrivals if a - arrivals[0] < DURATION_S)
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        return list(reader.fieldnames or []), rows
+
+
+def _table_rows(out: str) -> dict[str, list[str]]:
+    """Body rows of the printed summary table, by policy name."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("policy"))
+    assert set(lines[start + 1].replace(" ", "")) == {"-"}
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.strip() or line.startswith("wrote "):
+            break
+        cells = line.split()
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+# -- simulate ---------------------------------------------------------------------------------
+def test_simulate_prints_table_and_writes_outputs(
+        config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tmp_path / "out"
+    rc = main(["simulate", "--config", str(config), "--policy", "least_outstanding",
+               "--out", str(out_dir), *QUIET])
+    captured = capsys.readouterr()
+    assert rc == 0
+    header = captured.out.splitlines()[0]
+    for word in ("policy", "TTFT", "goodput", "served"):
+        assert word in header
+    table = _table_rows(captured.out)
+    assert list(table) == ["least_outstanding"]
+
+    columns, rows = _read_csv(out_dir / "records_least_outstanding.csv")
+    assert columns == list(RECORD_COLUMNS)
+    assert {"request_id", "ttft_s", "slo_met"} <= set(columns)
+    expected = _trace_rows_in_window()
+    assert len(rows) == expected > 0
+    assert sorted(int(r["request_id"]) for r in rows) == list(range(expected))
+    assert {r["slo_met"] for r in rows} <= {"0", "1"}
+    assert all(float(r["ttft_s"]) > 0 for r in rows if r["shed"] == "0")
+
+    summary = json.loads((out_dir / "summary_least_outstanding.json").read_text())
+    assert summary["num_requests"] == expected
+    assert summary["num_served"] + summary["num_shed"] == expected
+    assert table["least_outstanding"][0] == str(summary["num_served"])
+    met = sum(r["slo_met"] == "1" for r in rows)
+    assert summary["goodput"] == pytest.approx(met / expected)
+
+    batch_cols, batches = _read_csv(out_dir / "batches_least_outstanding.csv")
+    assert batch_cols
+    assert len(batches) > 0
+
+
+def test_simulate_defaults_to_the_config_policy(
+        config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = yaml.safe_load(config.read_text())
+    data["router"] = {"policy": "power_of_two"}
+    config.write_text(yaml.safe_dump(data))
+    assert main(["simulate", "--config", str(config), *QUIET]) == 0
+    assert list(_table_rows(capsys.readouterr().out)) == ["power_of_two"]
+
+
+# -- compare ----------------------------------------------------------------------------------
+def test_compare_writes_table_csv_plot_and_json(
+        config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tmp_path / "cmp"
+    json_path = tmp_path / "summaries.json"
+    names = ["round_robin", "least_outstanding"]
+    rc = main(["compare", "--config", str(config), "--policies", ",".join(names),
+               "--out", str(out_dir), "--json", str(json_path), *QUIET])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert list(_table_rows(captured.out)) == names
+
+    columns, rows = _read_csv(out_dir / "compare.csv")
+    assert columns[0] == "policy"
+    assert [r["policy"] for r in rows] == names
+
+    png = (out_dir / "cdf.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(png) > 10_000
+
+    summaries = json.loads(json_path.read_text())
+    assert set(summaries) == set(names)
+    counts = {summaries[n]["num_requests"] for n in names}
+    assert counts == {_trace_rows_in_window()}
+    for r in rows:
+        assert int(r["num_requests"]) == summaries[r["policy"]]["num_requests"]
+
+    # Every policy is run on the very same requests and targets.
+    same = ("request_id", "arrival_s", "prompt_tokens", "decode_tokens",
+            "predicted_decode_tokens", "ttft_target_s")
+    per_policy = [_read_csv(out_dir / f"records_{n}.csv")[1] for n in names]
+    first, second = ([tuple(r[c] for c in same) for r in recs] for recs in per_policy)
+    assert first == second
+
+
+# -- determinism --------------------------------------------------------------------------------
+def test_same_seed_gives_byte_identical_records(
+        config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def run(seed: int, name: str) -> bytes:
+        out_dir = tmp_path / name
+        assert main(["simulate", "--config", str(config), "--policy", "power_of_two",
+                     "--seed", str(seed), "--out", str(out_dir), *QUIET]) == 0
+        return (out_dir / "records_power_of_two.csv").read_bytes()
+
+    first = run(3, "a")
+    assert run(3, "b") == first
+    assert run(4, "c") != first
+    capsys.readouterr()
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def test_bad_config_exits_2_naming_file_and_key(
+        config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = yaml.safe_load(config.read_text())
+    data["instances"] = [
+        {"name": f"i{i}", "model": "llama-2-7b", "gpu": "a100-80gb"} for i in range(3)]
+    data["instances"][2]["max_num_seqs"] = 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    rc = main(["simulate", "--config", str(bad), *QUIET])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert captured.out == ""
+    assert captured.err == f"olproute: error: {bad}: instances[2].max_num_seqs: must be >= 1\n"
+
+
+def test_missing_workload_file_exits_2(
+        config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.yaml"
+    assert main(["simulate", "--config", str(config), "--workload", str(missing), *QUIET]) == 2
+    assert capsys.readouterr().err.startswith(f"olproute: error: {missing}: cannot read")
+
+
+@pytest.mark.parametrize("command", [["simulate", "--policy", "nope"],
+                                     ["compare", "--policies", "nope"],
+                                     ["compare", "--policies", ","]])
+def test_unknown_or_no_policy_exits_2(
+        config: Path, command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main([*command, "--config", str(config), *QUIET])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("olproute: error: ")
+    if "nope" in command:
+        assert "unknown policy 'nope'" in err
+        for name in BASELINES:
+            assert name in err
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--time-scale", "0"),
+    ("--time-scale", "abc"),
+    ("--duration-s", "-5"),
+    ("--duration-s", "inf"),
+    ("--seed", "-1"),
+    ("--seed", "1.5"),
+])
+def test_bad_option_values_are_usage_errors(
+        config: Path, option: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "--config", str(config), option, value, *QUIET])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}" in err
+    assert "Traceback" not in err
+
+
+def test_missing_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert "usage: olproute" in capsys.readouterr().err
+
+
+# -- help ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("command", "words"), [
+    ([], ["simulate", "compare"]),
+    (["simulate"], ["--config", "--policy", "--seed", "--out", *BASELINES]),
+    (["compare"], ["--config", "--policies", "--json", "--out"]),
+])
+def test_help_exits_0_with_usage(
+        command: list[str], words: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(" ".join(["usage: olproute", *command]))
+    for word in words:
+        assert word in out
+
+
+def test_module_entry_point_help() -> None:
+    proc = subprocess.run([sys.executable, "-m", "olproute.cli", "--help"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: olproute")
+    assert "simulate" in proc.stdout
+    assert "compare" in proc.stdout
