@@ -1,5 +1,7 @@
 """Stub of the compiled batch-formation kernel (olproute/_core.pyx)."""
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -31,6 +33,9 @@ class BatchCore:
     def running(self) -> _IntArray: ...
     def waiting(self) -> _IntArray: ...
     def request(self, slot: int) -> tuple[int, int, int, int, int, int]: ...
+    def snapshot(
+        self, predicted_by_slot: _IntArray
+    ) -> tuple[_IntArray, _IntArray, int, int, _IntArray]: ...
     @property
     def num_running(self) -> int: ...
     @property
@@ -45,3 +50,14 @@ class BatchCore:
     def max_num_seqs(self) -> int: ...
     @property
     def max_num_batched_tokens(self) -> int: ...
+
+def replay_ttft(
+    snapshots: list[Any],
+    limits: _IntArray,
+    beta: npt.NDArray[np.float64],
+    new_prompt: int,
+    new_decode: _IntArray,
+    now_s: float,
+    extras: list[_IntArray | None] | None = ...,
+    max_batches: int = ...,
+) -> npt.NDArray[np.float64]: ...

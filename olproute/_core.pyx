@@ -13,7 +13,9 @@ The plain-Python twin is ``olproute.core_ref.ReferenceCore``; tests assert both 
 
 import numpy as np
 cimport numpy as cnp
+from libc.math cimport INFINITY
 from libc.stdint cimport int64_t
+from libc.stdlib cimport free, malloc
 from libc.string cimport memmove
 
 cnp.import_array()
@@ -398,3 +400,219 @@ cdef class BatchCore:
     @property
     def max_num_batched_tokens(self):
         return self.e.token_budget
+
+    def snapshot(self, const int64_t[::1] predicted_by_slot):
+        """The scheduler state as snapshot arrays: (table, slots, num_running,
+        num_free_blocks, inflight). ``table`` rows are running then waiting requests with
+        columns prompt, output, predicted (from predicted_by_slot), computed, blocks;
+        ``inflight`` rows are (table row, tokens) of the batch scheduled and not yet
+        committed."""
+        cdef int64_t n = self.e.n_running + self.e.n_waiting
+        cdef int64_t m = self.e.n_sched
+        table_np = np.empty((n, 5), dtype=np.int64)
+        slots_np = np.empty(n, dtype=np.int64)
+        inflight_np = np.empty((m, 2), dtype=np.int64)
+        cdef int64_t[:, ::1] table = table_np
+        cdef int64_t[::1] slots = slots_np
+        cdef int64_t[:, ::1] inflight = inflight_np
+        cdef int64_t r, s, k, j
+        if predicted_by_slot.shape[0] < self.capacity:
+            raise ValueError("predicted_by_slot is shorter than the slot table")
+        for r in range(n):
+            s = self.e.running[r] if r < self.e.n_running else self.e.waiting[r - self.e.n_running]
+            slots[r] = s
+            table[r, 0] = self.e.num_prompt[s]
+            table[r, 1] = self.e.num_output[s]
+            table[r, 2] = predicted_by_slot[s]
+            table[r, 3] = self.e.num_computed[s]
+            table[r, 4] = self.e.num_blocks[s]
+        for k in range(m):
+            s = self.e.sched_slot[k]
+            inflight[k, 1] = self.e.sched_tokens[k]
+            inflight[k, 0] = -1
+            for j in range(self.e.n_running):
+                if self.e.running[j] == s:
+                    inflight[k, 0] = j
+                    break
+        return table_np, slots_np, self.e.n_running, self.e.free_blocks, inflight_np
+
+
+# -- BEA replay --------------------------------------------------------------------------
+
+cdef inline double _beta_time(const double* beta, double* sums) noexcept nogil:
+    return beta[0] + beta[1] * sums[1] + beta[2] * sums[3] + beta[3] * sums[5]
+
+
+cdef int _replay_one(
+    const int64_t[:, ::1] table, int64_t num_running, int64_t free_blocks,
+    const int64_t[:, ::1] inflight, double inflight_start_s, double snap_time_s,
+    const int64_t[:, ::1] extras, int64_t total_blocks, int64_t block_size,
+    int64_t max_num_seqs, int64_t token_budget, const double* beta,
+    int64_t new_prompt, int64_t new_decode, double now_s, int64_t max_batches,
+    double* out) noexcept nogil:
+    """Replay one instance until the new request's first token; out = (ttft, wait, n).
+
+    The in-flight batch completes first (at its start plus its estimated time); while the
+    replayed clock is before now (a stale snapshot), batches run without the new request;
+    the router's own dispatches since the snapshot (extras) wait ahead of it."""
+    cdef int64_t n_res = table.shape[0]
+    cdef int64_t n_extra = extras.shape[0]
+    cdef int64_t n = n_res + n_extra + 1
+    cdef int64_t new_slot = n - 1
+    cdef int64_t i, k, r, nb = 0
+    cdef double t, dur, wait = -1.0
+    cdef Engine e
+    cdef int64_t* buf = <int64_t*>malloc(<size_t>(n * 15 + 8) * sizeof(int64_t))
+    if buf == NULL:
+        return -1
+    e.num_prompt = buf
+    e.num_output = buf + n
+    e.max_output = buf + 2 * n
+    e.num_computed = buf + 3 * n
+    e.num_blocks = buf + 4 * n
+    e.num_preempt = buf + 5 * n
+    e.running = buf + 6 * n
+    e.waiting = buf + 7 * n
+    e.sched_slot = buf + 8 * n
+    e.sched_tokens = buf + 9 * n
+    e.sched_ctx = buf + 10 * n
+    e.sched_decode = buf + 11 * n
+    e.preempted = buf + 12 * n
+    e.ev_slot = buf + 13 * n
+    e.ev_flags = buf + 14 * n
+    for r in range(n_res):
+        e.num_prompt[r] = table[r, 0]
+        e.num_output[r] = table[r, 1]
+        # a request past its prediction has at least one token left (it has not finished)
+        e.max_output[r] = table[r, 2] if table[r, 2] > table[r, 1] else table[r, 1] + 1
+        e.num_computed[r] = table[r, 3]
+        e.num_blocks[r] = table[r, 4]
+        e.num_preempt[r] = 0
+    for k in range(n_extra):
+        r = n_res + k
+        e.num_prompt[r] = extras[k, 0]
+        e.num_output[r] = 0
+        e.max_output[r] = extras[k, 1] if extras[k, 1] > 0 else 1
+        e.num_computed[r] = 0
+        e.num_blocks[r] = 0
+        e.num_preempt[r] = 0
+    e.num_prompt[new_slot] = new_prompt
+    e.num_output[new_slot] = 0
+    e.max_output[new_slot] = new_decode if new_decode > 0 else 1
+    e.num_computed[new_slot] = 0
+    e.num_blocks[new_slot] = 0
+    e.num_preempt[new_slot] = 0
+    e.n_running = num_running
+    for r in range(num_running):
+        e.running[r] = r
+    e.n_waiting = n_res - num_running + n_extra
+    for r in range(e.n_waiting):
+        e.waiting[r] = num_running + r
+    e.free_blocks = free_blocks
+    e.total_blocks = total_blocks
+    e.block_size = block_size
+    e.max_num_seqs = max_num_seqs
+    e.token_budget = token_budget
+    e.n_preempted = 0
+    e.n_events = 0
+
+    # 1. the batch in flight at snapshot time completes
+    t = snap_time_s
+    e.n_sched = 0
+    for i in range(8):
+        e.sums[i] = 0.0
+    if inflight.shape[0] > 0:
+        for k in range(inflight.shape[0]):
+            _record(&e, inflight[k, 0], inflight[k, 1])
+        t = inflight_start_s + _beta_time(beta, e.sums)
+        # the batch was still running at snapshot time, whatever its estimate says
+        if t < snap_time_s:
+            t = snap_time_s
+        _commit(&e)
+    # 2. a stale snapshot: replay up to now without the new request
+    while t < now_s and nb < max_batches:
+        if _schedule(&e) == 0:
+            break
+        t += _beta_time(beta, e.sums)
+        _commit(&e)
+        nb += 1
+    if t < now_s:
+        t = now_s
+    # 3. the new request joins the back of the queue
+    e.waiting[e.n_waiting] = new_slot
+    e.n_waiting += 1
+    nb = 0
+    out[0] = INFINITY
+    out[1] = INFINITY
+    while nb < max_batches:
+        if _schedule(&e) == 0:
+            break
+        nb += 1
+        dur = _beta_time(beta, e.sums)
+        if wait < 0.0:
+            for k in range(e.n_sched):
+                if e.sched_slot[k] == new_slot:
+                    wait = t - now_s
+                    break
+        t += dur
+        _commit(&e)
+        if e.num_output[new_slot] > 0:
+            out[0] = t - now_s
+            out[1] = wait
+            break
+    out[2] = <double>nb
+    free(buf)
+    return 0
+
+
+_EMPTY_EXTRAS = np.zeros((0, 2), dtype=np.int64)
+
+
+def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::1] beta,
+                int64_t new_prompt, const int64_t[::1] new_decode, double now_s,
+                list extras=None, int64_t max_batches=200000):
+    """BEA replay for every instance of one decision, in one call.
+
+    ``snapshots[g]`` is an EngineSnapshot; ``limits[g]`` = (num_kv_blocks, block_size,
+    max_num_seqs, max_num_batched_tokens); ``beta[g]`` the 4 batch-time coefficients;
+    ``new_decode[g]`` the new request's predicted output tokens on instance g;
+    ``extras[g]`` (optional) an int64 (k, 2) array of (prompt, predicted output) of
+    requests the router dispatched to g after the snapshot. Returns float64 (G, 3):
+    TTFT seconds from now, waiting seconds before its first prefill chunk, batches
+    replayed (inf TTFT if the first token is not reached within max_batches)."""
+    cdef Py_ssize_t G = len(snapshots)
+    if limits.shape[0] != G or beta.shape[0] != G or new_decode.shape[0] != G:
+        raise ValueError("limits, beta and new_decode need one row per snapshot")
+    if limits.shape[1] != 4 or beta.shape[1] != 4:
+        raise ValueError("limits and beta need 4 columns")
+    if extras is not None and len(extras) != G:
+        raise ValueError("extras needs one entry per snapshot")
+    out_np = np.empty((G, 3), dtype=np.float64)
+    cdef double[:, ::1] out = out_np
+    cdef const int64_t[:, ::1] table
+    cdef const int64_t[:, ::1] inflight
+    cdef const int64_t[:, ::1] extra
+    cdef Py_ssize_t g
+    cdef int rc
+    cdef int64_t n_running, n_free
+    cdef double start_s, snap_s
+    for g in range(G):
+        snap = snapshots[g]
+        table = snap.table
+        inflight = snap.inflight
+        n_running = snap.num_running
+        n_free = snap.num_free_blocks
+        start_s = snap.inflight_start_s
+        snap_s = snap.time_s
+        ex = None if extras is None else extras[g]
+        extra = _EMPTY_EXTRAS if ex is None else ex
+        if n_free > limits[g, 0] or n_running > table.shape[0]:
+            raise ValueError(f"snapshot {g} is inconsistent with the instance limits")
+        with nogil:
+            rc = _replay_one(table, n_running, n_free, inflight,
+                             start_s, snap_s, extra, limits[g, 0],
+                             limits[g, 1], limits[g, 2], limits[g, 3], &beta[g, 0],
+                             new_prompt, new_decode[g], now_s, max_batches, &out[g, 0])
+        if rc != 0:
+            raise MemoryError("replay scratch allocation failed")
+    return out_np

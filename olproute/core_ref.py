@@ -189,6 +189,20 @@ class ReferenceCore:
         return len(self._events)
 
     # -- views ----------------------------------------------------------------------
+    def snapshot(
+        self, predicted_by_slot: IntArray
+    ) -> tuple[IntArray, IntArray, int, int, IntArray]:
+        if predicted_by_slot.shape[0] < self.capacity:
+            raise ValueError("predicted_by_slot is shorter than the slot table")
+        slots = self._running + self._waiting
+        table = np.array(
+            [(self._prompt[s], self._output[s], int(predicted_by_slot[s]), self._computed[s],
+              self._blocks[s]) for s in slots], dtype=np.int64).reshape(len(slots), 5)
+        inflight = np.array([(self._running.index(s), new) for s, new, _c, _d in self._batch],
+                            dtype=np.int64).reshape(len(self._batch), 2)
+        return (table, np.array(slots, dtype=np.int64), len(self._running),
+                self.num_free_blocks, inflight)
+
     def events(self) -> tuple[IntArray, IntArray]:
         slots = np.array([s for s, _ in self._events], dtype=np.int64)
         flags = np.array([f for _, f in self._events], dtype=np.int64)
@@ -224,3 +238,76 @@ class ReferenceCore:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+
+def _batch_time(beta: tuple[float, float, float, float] | list[float], sums: list[float]) -> float:
+    return beta[0] + beta[1] * sums[1] + beta[2] * sums[3] + beta[3] * sums[5]
+
+
+def replay_ttft_reference(
+    table: IntArray,
+    num_running: int,
+    num_free_blocks: int,
+    inflight: IntArray,
+    inflight_start_s: float,
+    snapshot_time_s: float,
+    limits: tuple[int, int, int, int],
+    beta: list[float],
+    new_prompt: int,
+    new_decode: int,
+    now_s: float,
+    extras: IntArray | None = None,
+    max_batches: int = 200_000,
+) -> tuple[float, float, int]:
+    """Plain-Python twin of ``_core.replay_ttft`` for one instance: (ttft, wait, batches).
+
+    Same steps: the in-flight batch completes; a stale snapshot is replayed up to now
+    without the new request; the router's later dispatches wait ahead of it."""
+    total, block_size, max_num_seqs, budget = limits
+    core = ReferenceCore(total, block_size, max_num_seqs, budget,
+                         capacity=table.shape[0] + (0 if extras is None else len(extras)) + 1)
+    rows = [(int(r[0]), int(r[1]), int(r[2]) if r[2] > r[1] else int(r[1]) + 1,
+             int(r[3]), int(r[4])) for r in table]
+    rows += [(int(p), 0, max(int(d), 1), 0, 0) for p, d in ([] if extras is None else extras)]
+    for s, (prompt, out, mx, computed, blocks) in enumerate(rows):
+        core._prompt[s], core._output[s], core._max_output[s] = prompt, out, mx
+        core._computed[s], core._blocks[s] = computed, blocks
+    core._running = list(range(num_running))
+    core._waiting = list(range(num_running, len(rows)))
+    core._free_slots = []
+    core.num_free_blocks = num_free_blocks
+    t = snapshot_time_s
+    if len(inflight):
+        sums = [0.0] * NUM_SUMS
+        for row, new in inflight:
+            core._record(int(row), int(new), sums)
+        t = max(inflight_start_s + _batch_time(beta, sums), snapshot_time_s)
+        core.commit()
+    n = 0
+    while t < now_s and n < max_batches:
+        k, sums_t = core.schedule()
+        if k == 0:
+            break
+        t += _batch_time(beta, list(sums_t))
+        core.commit()
+        n += 1
+    t = max(t, now_s)
+    new_slot = len(rows)
+    core._prompt[new_slot], core._output[new_slot] = new_prompt, 0
+    core._max_output[new_slot] = max(new_decode, 1)
+    core._computed[new_slot] = core._blocks[new_slot] = 0
+    core._waiting.append(new_slot)
+    wait = -1.0
+    n = 0
+    while n < max_batches:
+        k, sums_t = core.schedule()
+        if k == 0:
+            break
+        n += 1
+        if wait < 0 and any(s == new_slot for s, _n, _c, _d in core._batch):
+            wait = t - now_s
+        t += _batch_time(beta, list(sums_t))
+        core.commit()
+        if core._output[new_slot] > 0:
+            return t - now_s, wait, n
+    return float("inf"), float("inf"), n

@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+import numpy.typing as npt
+
 Action = Literal["dispatch", "hold", "shed"]
 ACTIONS: tuple[Action, ...] = ("dispatch", "hold", "shed")
 
@@ -95,14 +98,48 @@ class InstanceLoad:
     age_s: float = 0.0
 
 
+# Columns of EngineSnapshot.table.
+SNAP_PROMPT, SNAP_OUTPUT, SNAP_PREDICTED, SNAP_COMPUTED, SNAP_BLOCKS = range(5)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EngineSnapshot:
+    """One instance's scheduler state at ``time_s``, as the BEA estimator replays it.
+
+    ``table`` is int64 of shape (n, 5), one row per resident request: prompt tokens,
+    output tokens so far, predicted total output tokens, tokens whose KV is computed,
+    KV blocks held (columns SNAP_*). The first ``num_running`` rows are the running
+    requests in scheduling order, the rest the waiting queue in order. ``inflight`` is
+    int64 (m, 2): the batch being processed at ``time_s`` as (row, tokens), started at
+    ``inflight_start_s``; empty when the engine was idle. ``request_ids`` names the rows.
+    """
+
+    time_s: float
+    table: npt.NDArray[np.int64]
+    num_running: int
+    num_free_blocks: int
+    inflight: npt.NDArray[np.int64]
+    inflight_start_s: float
+    request_ids: npt.NDArray[np.int64]
+
+    @property
+    def num_resident(self) -> int:
+        return int(self.table.shape[0])
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingContext:
-    """What a policy sees when it decides for one request."""
+    """What a policy sees when it decides for one request. ``snapshots`` is filled only
+    for policies that declare ``needs_snapshots``."""
 
     request: Request
     now_s: float
     instances: tuple[InstanceLoad, ...]
     specs: tuple[InstanceSpec, ...]
+    snapshots: tuple[EngineSnapshot, ...] | None = None
+    # per instance: (prompt, predicted decode) rows of requests the router dispatched
+    # there after its snapshot was taken (None when the snapshots are live)
+    pending: tuple[npt.NDArray[np.int64] | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from olproute.policies.base import Policy
 from olproute.sim.engine import BATCH_LOG_COLUMNS, FINISHED, FIRST_TOKEN, BatchTimer, SimEngine
+from olproute.sim.snapshots import SnapshotFeed
 from olproute.types import InstanceSpec, Outcome, Request, RoutingContext
 
 _BATCH_DONE, _ARRIVAL, _RETRY = 0, 1, 2
@@ -63,6 +64,7 @@ class Cluster:
         slot_s: float,
         record_batches: bool = True,
         reference_core: bool = False,
+        snapshot_age_s: float = 0.0,
     ) -> None:
         if len(specs) != len(timers):
             raise ValueError("one timer per instance")
@@ -73,6 +75,8 @@ class Cluster:
         self.policy = policy
         self.slot_s = slot_s
         self.outstanding = [0] * len(specs)
+        self.feed = SnapshotFeed(self.engines, snapshot_age_s)
+        self._needs_snapshots = bool(getattr(policy, "needs_snapshots", False))
 
     def run(self, requests: Sequence[Request], progress: ProgressFn | None = None) -> SimResult:
         n = len(requests)
@@ -94,7 +98,7 @@ class Cluster:
             heap.append((r.arrival_s, _ARRIVAL, seq, _ARRIVAL, r.request_id))
             seq += 1
         heapq.heapify(heap)
-        engines, outstanding, policy = self.engines, self.outstanding, self.policy
+        engines, outstanding, policy, feed = self.engines, self.outstanding, self.policy, self.feed
         in_system = 0
         done = 0
         num_events = 0
@@ -103,6 +107,7 @@ class Cluster:
         def start(g: int, t: float) -> None:
             nonlocal seq
             duration = engines[g].start_batch(t)
+            feed.publish(g, t)
             if duration is not None:
                 heapq.heappush(heap, (t + duration, _BATCH_DONE, seq, _BATCH_DONE, g))
                 seq += 1
@@ -119,6 +124,7 @@ class Cluster:
                         finish_s[rid] = now
                         preempt[rid] = npre
                         outstanding[arg] -= 1
+                        feed.finished(arg, rid)
                         in_system -= 1
                         in_t.append(now)
                         in_n.append(in_system)
@@ -134,9 +140,11 @@ class Cluster:
                 in_system += 1
                 in_t.append(now)
                 in_n.append(in_system)
+            snaps, pending = feed.view(now) if self._needs_snapshots else (None, None)
             ctx = RoutingContext(
                 request=req, now_s=now, specs=self.specs,
-                instances=tuple(e.load(outstanding[e.index]) for e in engines))
+                instances=tuple(e.load(outstanding[e.index]) for e in engines),
+                snapshots=snaps, pending=pending)
             decision = policy.decide(ctx)
             if decision.action == "dispatch":
                 g = decision.instance
@@ -146,8 +154,11 @@ class Cluster:
                 instance[arg] = g
                 dispatch_s[arg] = now
                 outstanding[g] += 1
+                feed.dispatched(g, now, req.request_id, req.prompt_tokens,
+                                req.predicted_decode_tokens)
                 decode[arg] = req.true_decode_tokens(self.specs[g].model)
-                engines[g].admit(req.request_id, req.prompt_tokens, int(decode[arg]))
+                engines[g].admit(req.request_id, req.prompt_tokens, int(decode[arg]),
+                                 req.predicted_decode_tokens)
                 if not engines[g].busy:
                     start(g, now)
             elif decision.action == "hold":

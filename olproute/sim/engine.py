@@ -6,9 +6,11 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from olproute._core import BatchCore
-from olproute.core_ref import FINISHED, FIRST_TOKEN, ReferenceCore, Sums
-from olproute.types import InstanceLoad, InstanceSpec
+from olproute.core_ref import FINISHED, FIRST_TOKEN, IntArray, ReferenceCore, Sums
+from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec
 
 BatchTimer = Callable[[Sequence[float]], float]
 
@@ -35,6 +37,11 @@ class Core(Protocol):
     def commit(self) -> int: ...
     def event_list(self) -> list[tuple[int, int]]: ...
     def request(self, slot: int) -> tuple[int, int, int, int, int, int]: ...
+    def snapshot(
+        self, predicted_by_slot: IntArray
+    ) -> tuple[IntArray, IntArray, int, int, IntArray]: ...
+    @property
+    def capacity(self) -> int: ...
 
 
 def make_core(spec: InstanceSpec, reference: bool = False) -> Core:
@@ -64,17 +71,41 @@ class SimEngine:
         self.core = make_core(spec, reference_core)
         self._timer = timer
         self._slot_request: dict[int, int] = {}
+        self._predicted = np.zeros(0, dtype=np.int64)   # by slot, for snapshots
+        self._request_id = np.zeros(0, dtype=np.int64)  # by slot, for snapshots
         self._log = batch_log
         self.busy = False
+        self.batch_start_s = 0.0
         self.num_batches = 0
 
     @property
     def num_resident(self) -> int:
         return self.core.num_running + self.core.num_waiting
 
-    def admit(self, request_id: int, prompt_tokens: int, decode_tokens: int) -> None:
+    def admit(self, request_id: int, prompt_tokens: int, decode_tokens: int,
+              predicted_decode_tokens: int) -> None:
+        """Queue a request; ``decode_tokens`` is the truth the engine runs to,
+        ``predicted_decode_tokens`` what snapshots report to the router."""
         slot = self.core.add_request(prompt_tokens, decode_tokens)
         self._slot_request[slot] = request_id
+        if slot >= self._predicted.shape[0]:
+            grown = max(self.core.capacity, 2 * self._predicted.shape[0], 16)
+            self._predicted = np.resize(self._predicted, grown)
+            self._request_id = np.resize(self._request_id, grown)
+        self._predicted[slot] = predicted_decode_tokens
+        self._request_id[slot] = request_id
+
+    def snapshot(self, now_s: float) -> EngineSnapshot:
+        """The engine's state now, with the batch in flight (if busy)."""
+        if self._predicted.shape[0] < self.core.capacity:
+            self._predicted = np.resize(self._predicted, self.core.capacity)
+            self._request_id = np.resize(self._request_id, self.core.capacity)
+        table, slots, num_running, free, inflight = self.core.snapshot(self._predicted)
+        return EngineSnapshot(
+            time_s=now_s, table=table, num_running=num_running, num_free_blocks=free,
+            inflight=inflight if self.busy else inflight[:0],
+            inflight_start_s=self.batch_start_s if self.busy else now_s,
+            request_ids=self._request_id[slots])
 
     def start_batch(self, now_s: float) -> float | None:
         n, sums = self.core.schedule()
@@ -82,6 +113,7 @@ class SimEngine:
             self.busy = False
             return None
         self.busy = True
+        self.batch_start_s = now_s
         self.num_batches += 1
         duration = self._timer(sums)
         if self._log is not None:

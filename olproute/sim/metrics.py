@@ -153,10 +153,10 @@ def write_records(res: SimResult, path: str | os.PathLike[str]) -> None:
 
 
 def write_batch_log(res: SimResult, path: str | os.PathLike[str]) -> None:
-    """One CSV row per batch: the instance, start and duration, and the batch sums the
-    4-term batch-time model is fitted on."""
+    """One CSV row per batch: the instance name, start and duration, and the batch sums
+    the 4-term batch-time model is fitted on (``olproute calibrate`` reads it)."""
     with Path(path).open("w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(BATCH_LOG_COLUMNS)
         for row in res.batch_log:
-            w.writerow([int(row[0])] + [_fmt(x) for x in row[1:]])
+            w.writerow([res.specs[int(row[0])].name] + [_fmt(x) for x in row[1:]])

@@ -151,7 +151,7 @@ def _check_fits(loaded: LoadedConfig, requests: Sequence[Request]) -> None:
     """Every request must fit in the smallest KV cache, or an engine would reject it."""
     smallest = min(loaded.specs, key=lambda s: s.kv_capacity_tokens)
     for r in requests:
-        need = r.prompt_tokens + max(r.decode_tokens, *(r.decode_tokens_by_model or {}).values())
+        need = r.prompt_tokens + max([r.decode_tokens, *(r.decode_tokens_by_model or {}).values()])
         if need > smallest.kv_capacity_tokens:
             raise ValueError(
                 f"request {r.request_id} needs {need} KV tokens, "

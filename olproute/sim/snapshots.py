@@ -1,0 +1,76 @@
+"""What the router knows of each engine: live snapshots, or stale ones (BEAR paper's
+staleness study: 0, 25, 100, 400, 1000 ms).
+
+With ``age_s > 0`` each engine publishes a snapshot whenever it starts a batch or falls
+idle; the router at time t sees, per engine, the latest one published at or before
+t - age_s, plus the requests it dispatched there that the snapshot does not hold and
+that have not finished (the router tracks its own dispatches and finishes at once).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from olproute.sim.engine import SimEngine
+from olproute.types import EngineSnapshot
+
+IntArray = npt.NDArray[np.int64]
+
+
+class SnapshotFeed:
+    def __init__(self, engines: Sequence[SimEngine], age_s: float) -> None:
+        if age_s < 0:
+            raise ValueError("snapshot age must be >= 0")
+        self.engines = list(engines)
+        self.age_s = age_s
+        self._published: list[deque[EngineSnapshot]] = [deque() for _ in engines]
+        # per engine: request_id -> (dispatch time, prompt, predicted decode), unfinished
+        self._dispatched: list[dict[int, tuple[float, int, int]]] = [{} for _ in engines]
+
+    def publish(self, g: int, now_s: float) -> None:
+        if self.age_s > 0:
+            self._published[g].append(self.engines[g].snapshot(now_s))
+
+    def dispatched(self, g: int, now_s: float, request_id: int, prompt: int,
+                   predicted: int) -> None:
+        if self.age_s > 0:
+            self._dispatched[g][request_id] = (now_s, prompt, predicted)
+
+    def finished(self, g: int, request_id: int) -> None:
+        if self.age_s > 0:
+            self._dispatched[g].pop(request_id, None)
+
+    def view(self, now_s: float) -> tuple[tuple[EngineSnapshot, ...],
+                                         tuple[IntArray | None, ...] | None]:
+        """(snapshots, pending) as the router sees them at now_s."""
+        if self.age_s == 0:
+            return tuple(e.snapshot(now_s) for e in self.engines), None
+        horizon = now_s - self.age_s
+        snaps: list[EngineSnapshot] = []
+        pending: list[IntArray | None] = []
+        for g, q in enumerate(self._published):
+            # keep the newest snapshot at or before the horizon; older ones are never
+            # needed again because simulated time only moves forward
+            while len(q) > 1 and q[1].time_s <= horizon:
+                q.popleft()
+            snap = q[0] if q and q[0].time_s <= horizon else self._empty(g, horizon)
+            snaps.append(snap)
+            known = set(snap.request_ids.tolist())
+            rows = [(p, d) for rid, (_t, p, d) in sorted(self._dispatched[g].items(),
+                                                           key=lambda kv: kv[1][0])
+                    if rid not in known]
+            pending.append(np.array(rows, dtype=np.int64).reshape(len(rows), 2)
+                           if rows else None)
+        return tuple(snaps), tuple(pending)
+
+    def _empty(self, g: int, time_s: float) -> EngineSnapshot:
+        """Before an engine's first publication: it was idle and empty."""
+        spec = self.engines[g].spec
+        return EngineSnapshot(
+            time_s=time_s, table=np.zeros((0, 5), dtype=np.int64), num_running=0,
+            num_free_blocks=spec.num_kv_blocks, inflight=np.zeros((0, 2), dtype=np.int64),
+            inflight_start_s=time_s, request_ids=np.zeros(0, dtype=np.int64))
