@@ -12,6 +12,7 @@ from typing import Any
 
 from olproute.config import DEFAULT_CONFIG, ConfigError, LoadedConfig, load_config, load_workload
 from olproute.policies import REGISTRY, PolicyError
+from olproute.predict import PredictorError
 from olproute.sim.workloads import WorkloadError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -102,6 +103,46 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_predictors(args: argparse.Namespace) -> int:
+    from olproute.config import load_profiles
+    from olproute.predict import TrainConfig, read_training_file, train_and_evaluate
+
+    if not 0.0 < args.holdout < 1.0:
+        raise PredictorError(f"--holdout must be in (0, 1), got {args.holdout}")
+    profiles = load_profiles(args.profiles)
+    traits = {n: (m.num_params, m.max_context_tokens) for n, m in profiles.models.items()}
+    if args.data == "synthetic":
+        import numpy as np
+
+        from olproute.sim.prompts import MODELS, generate_prompts, training_data
+        from olproute.sim.prompts import write_training_file as write_rows
+
+        models = [m.strip() for m in args.models.split(",")] if args.models else list(MODELS)
+        print(f"generating {args.num_prompts:,} synthetic prompts for {len(models)} models",
+              file=sys.stderr)
+        try:
+            prompts = generate_prompts(args.num_prompts, models, np.random.default_rng(args.seed))
+        except ValueError as exc:
+            raise PredictorError(f"--models: {exc}") from exc
+        if args.save_data:
+            print(f"wrote {write_rows(args.save_data, prompts):,} rows to {args.save_data}")
+        data = training_data(prompts)
+    else:
+        data = read_training_file(args.data)
+    print(f"training on {len(data):,} rows ({len(data.prompts):,} prompts)", file=sys.stderr)
+    predictor, evaluation = train_and_evaluate(data, traits, args.holdout,
+                                               TrainConfig(seed=args.seed),
+                                               progress=not args.no_progress)
+    out = Path(args.out)
+    predictor.save(out)
+    evaluation.plot(out / "eval.png")
+    (out / "eval.json").write_text(json.dumps(evaluation.as_dict(), indent=2) + "\n")
+    print(evaluation.table())
+    print(f"wrote {out}/: decode_mean.txt, quality.txt, decode_p90.txt, pca.npz, "
+          "feature_spec.json, eval.json, eval.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="olproute",
@@ -124,6 +165,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated policy names (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="also write the summaries as JSON")
     p.set_defaults(handler=_cmd_compare)
+
+    p = sub.add_parser("train-predictors", help="train the decode-length and quality predictors",
+                       description="Train LightGBM predictors of decode length and quality "
+                                   "from prompts, evaluate them on held-out prompts, and save "
+                                   "them (with eval.json and eval.png) in --out.")
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="CSV or .jsonl of prompt, model, output_tokens, quality (optional "
+                        "task); or 'synthetic' to generate prompts")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to save the predictor")
+    p.add_argument("--holdout", type=float, default=0.2,
+                   help="fraction of prompts held out for evaluation (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=5000,
+                   help="synthetic prompts to generate (default: %(default)s)")
+    p.add_argument("--models", help="comma-separated models for synthetic data "
+                                    "(default: every model with synthetic truth)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed (default: %(default)s)")
+    p.add_argument("--save-data", metavar="PATH",
+                   help="also write the synthetic rows as CSV (or .jsonl)")
+    p.add_argument("--profiles", default=str(DEFAULT_CONFIG.parent / "profiles.yaml"),
+                   help="model profiles, for model traits (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(handler=_cmd_train_predictors)
     return parser
 
 
@@ -132,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except (ConfigError, WorkloadError, PolicyError) as exc:
+    except (ConfigError, WorkloadError, PolicyError, PredictorError) as exc:
         print(f"olproute: error: {exc}", file=sys.stderr)
         return 2
 

@@ -103,9 +103,11 @@ class WorkloadConfig(_Frozen):
     shuffled) or the fixed ``prompt_tokens`` / ``decode_tokens``. ``trace`` replays
     ``path`` with its own arrivals, stretched by ``time_scale`` or rescaled to
     ``rate_per_s`` when given. ``start_s`` / ``duration_s`` cut a window of a trace.
+    ``synthetic`` generates prompts with text and per-model truth (``olproute.sim.prompts``)
+    arriving as a Poisson process at ``rate_per_s``.
     """
 
-    kind: Literal["poisson", "mmpp2", "trace"] = "trace"
+    kind: Literal["poisson", "mmpp2", "trace", "synthetic"] = "trace"
     rate_per_s: float | None = Field(default=None, gt=0)
     ratio: float = Field(default=3.0, ge=1)
     num_requests: int | None = Field(default=None, ge=1)
@@ -136,10 +138,13 @@ class SloConfig(_Frozen):
 
 
 class PredictionConfig(_Frozen):
-    """Predicted decode lengths: the truth, or uniform noise of +/- ``noise`` around it."""
+    """Predicted decode lengths: the truth, or uniform noise of +/- ``noise`` around it,
+    or a trained predictor (``olproute train-predictors``) saved in ``model_dir``, a path
+    relative to the config file, predicting from the prompt text (``synthetic`` workloads)."""
 
-    mode: Literal["oracle", "noisy"] = "noisy"
+    mode: Literal["oracle", "noisy", "predictor"] = "noisy"
     noise: float = Field(default=0.2, ge=0, lt=1)
+    model_dir: str | None = None
 
 
 class SimConfig(_Frozen):
@@ -251,7 +256,25 @@ def workload_problems(wl: WorkloadConfig, prefix: str = "workload") -> list[tupl
         if wl.lengths_path is None and not fixed:
             problems.append((f"{prefix}.lengths_path",
                              "give lengths_path or both prompt_tokens and decode_tokens"))
+    if wl.kind == "synthetic":
+        if wl.rate_per_s is None:
+            problems.append((f"{prefix}.rate_per_s", "required when kind is 'synthetic'"))
+        if wl.num_requests is None and wl.duration_s is None:
+            problems.append((f"{prefix}.num_requests", "give num_requests or duration_s"))
     return problems
+
+
+def prediction_problems(pred: PredictionConfig, workload_kind: str) -> list[tuple[str, str]]:
+    """Checks across prediction keys: a predictor needs its folder and prompt text."""
+    problems = []
+    if pred.mode == "predictor":
+        if pred.model_dir is None:
+            problems.append(("prediction.model_dir", "required when mode is 'predictor'"))
+        if workload_kind != "synthetic":
+            problems.append(("prediction.mode", "'predictor' needs prompt text, which only "
+                             "workload kind 'synthetic' has"))
+    return problems
+
 
 
 def load_workload(path: str | os.PathLike[str]) -> WorkloadConfig:
@@ -364,6 +387,7 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> LoadedConfig:
     if not profiles_path.exists():
         raise ConfigError(p, [("profiles", f"file not found: {profiles_path}")])
     problems = workload_problems(config.workload)
+    problems += prediction_problems(config.prediction, config.workload.kind)
     from olproute.policies import REGISTRY  # registry needs the policy modules imported
 
     if config.router.policy not in REGISTRY.names():

@@ -8,11 +8,11 @@ policy's own coin flips never shift the workload.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from olproute.config import LoadedConfig
+from olproute.config import ConfigError, LoadedConfig, prediction_problems
 from olproute.policies import REGISTRY, PolicyEnv
 from olproute.sim import workloads as wl
 from olproute.sim.cluster import Cluster, ProgressFn, SimResult
@@ -89,6 +89,11 @@ def build_requests(loaded: LoadedConfig, seed: int | None = None) -> list[Reques
     """The run's requests with TTFT (and TPOT) targets and predicted decode lengths."""
     cfg = loaded.config
     st = streams(cfg.sim.seed if seed is None else seed, len(loaded.specs))
+    problems = prediction_problems(cfg.prediction, cfg.workload.kind)
+    if problems:
+        raise ConfigError(loaded.path, problems)
+    if cfg.workload.kind == "synthetic":
+        return _synthetic_requests(loaded, st)
     trace = build_trace(loaded, st.workload)
     n = len(trace)
     tpot_target = None
@@ -105,6 +110,39 @@ def build_requests(loaded: LoadedConfig, seed: int | None = None) -> list[Reques
     noise = cfg.prediction.noise if cfg.prediction.mode == "noisy" else 0.0
     predicted = wl.predicted_decode_tokens(trace.decode_tokens, noise, st.predict)
     return wl.build_requests(trace, ttft_target, predicted, tpot_target, classes)
+
+
+def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
+    """Generated prompts with Poisson arrivals and per-model truth; predicted lengths for
+    the first instance's model (the truth, noisy truth, or the trained predictor)."""
+    from olproute.sim.prompts import synthetic_requests
+
+    cfg, w = loaded.config, loaded.config.workload
+    assert w.rate_per_s is not None
+    n = w.num_requests if w.num_requests is not None else int(
+        np.ceil(w.rate_per_s * (w.duration_s or 0.0)))
+    arrivals = wl.poisson_arrivals(w.rate_per_s, n, st.workload)
+    if w.duration_s is not None:
+        arrivals = arrivals[arrivals < w.duration_s]
+    reqs = synthetic_requests(len(arrivals), arrivals, [s.model for s in loaded.specs],
+                              st.workload)
+    if cfg.slo.mode == "classes":
+        slo = [wl.SloClass(c.name, c.ttft_ms / 1e3, c.tpot_ms / 1e3, c.weight)
+               for c in cfg.slo.classes]
+        idx = wl.assign_slo_classes(len(reqs), slo, st.targets).tolist()
+        reqs = [replace(r, ttft_target_s=slo[i].ttft_s, tpot_target_s=slo[i].tpot_s,
+                        slo_class=slo[i].name) for r, i in zip(reqs, idx, strict=True)]
+    if cfg.prediction.mode == "noisy":
+        truth = np.array([r.decode_tokens for r in reqs], dtype=np.int64)
+        noisy = wl.predicted_decode_tokens(truth, cfg.prediction.noise, st.predict).tolist()
+        reqs = [replace(r, predicted_decode_tokens=o) for r, o in zip(reqs, noisy, strict=True)]
+    elif cfg.prediction.mode == "predictor":
+        from olproute.predict import Predictor, apply_predictor
+
+        assert cfg.prediction.model_dir is not None
+        predictor = Predictor.load(loaded.resolve(cfg.prediction.model_dir))
+        reqs = apply_predictor(reqs, predictor, loaded.specs[0].model)
+    return reqs
 
 
 def build_timers(loaded: LoadedConfig, seed: int | None = None) -> list[BatchTimer]:
