@@ -34,7 +34,7 @@ class BatchCore:
     def waiting(self) -> _IntArray: ...
     def request(self, slot: int) -> tuple[int, int, int, int, int, int]: ...
     def snapshot(
-        self, predicted_by_slot: _IntArray
+        self, predicted_by_slot: _IntArray, id_by_slot: _IntArray
     ) -> tuple[_IntArray, _IntArray, int, int, _IntArray]: ...
     @property
     def num_running(self) -> int: ...
@@ -58,6 +58,6 @@ def replay_ttft(
     new_prompt: int,
     new_decode: _IntArray,
     now_s: float,
-    extras: list[_IntArray | None] | None = ...,
+    extras: list[npt.NDArray[np.float64] | None] | None = ...,
     max_batches: int = ...,
 ) -> npt.NDArray[np.float64]: ...

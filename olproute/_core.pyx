@@ -70,6 +70,15 @@ cdef inline int64_t _blocks_for(int64_t tokens, int64_t block_size) noexcept nog
     return (tokens + block_size - 1) // block_size
 
 
+cdef inline int64_t _extra_blocks(Engine* e, int64_t s, int64_t new) noexcept nogil:
+    """Blocks slot s must add to hold computed + new tokens (no division when its last
+    block still has room, the common case for a decoder)."""
+    cdef int64_t tokens = e.num_computed[s] + new
+    if tokens <= e.num_blocks[s] * e.block_size:
+        return 0
+    return _blocks_for(tokens, e.block_size) - e.num_blocks[s]
+
+
 cdef inline void _record(Engine* e, int64_t s, int64_t new) noexcept nogil:
     """Append slot s with `new` tokens to the batch and update the batch sums."""
     cdef int64_t ctx = e.num_computed[s]
@@ -130,7 +139,7 @@ cdef int64_t _schedule(Engine* e) noexcept nogil:
         s = e.running[i]
         need = e.num_prompt[s] + e.num_output[s] - e.num_computed[s]
         new = need if need < budget else budget
-        req_blocks = _blocks_for(e.num_computed[s] + new, e.block_size) - e.num_blocks[s]
+        req_blocks = _extra_blocks(e, s, new)
         self_preempted = False
         while req_blocks > e.free_blocks:
             if e.running[e.n_running - 1] == s:
@@ -152,7 +161,7 @@ cdef int64_t _schedule(Engine* e) noexcept nogil:
             s = e.waiting[0]
             need = e.num_prompt[s] + e.num_output[s] - e.num_computed[s]
             new = need if need < budget else budget
-            req_blocks = _blocks_for(e.num_computed[s] + new, e.block_size) - e.num_blocks[s]
+            req_blocks = _extra_blocks(e, s, new)
             if req_blocks > e.free_blocks:
                 break
             e.n_waiting -= 1
@@ -401,12 +410,12 @@ cdef class BatchCore:
     def max_num_batched_tokens(self):
         return self.e.token_budget
 
-    def snapshot(self, const int64_t[::1] predicted_by_slot):
-        """The scheduler state as snapshot arrays: (table, slots, num_running,
+    def snapshot(self, const int64_t[::1] predicted_by_slot, const int64_t[::1] id_by_slot):
+        """The scheduler state as snapshot arrays: (table, ids, num_running,
         num_free_blocks, inflight). ``table`` rows are running then waiting requests with
         columns prompt, output, predicted (from predicted_by_slot), computed, blocks;
-        ``inflight`` rows are (table row, tokens) of the batch scheduled and not yet
-        committed."""
+        ``ids`` maps rows through id_by_slot; ``inflight`` rows are (table row, tokens)
+        of the batch scheduled and not yet committed."""
         cdef int64_t n = self.e.n_running + self.e.n_waiting
         cdef int64_t m = self.e.n_sched
         table_np = np.empty((n, 5), dtype=np.int64)
@@ -416,11 +425,11 @@ cdef class BatchCore:
         cdef int64_t[::1] slots = slots_np
         cdef int64_t[:, ::1] inflight = inflight_np
         cdef int64_t r, s, k, j
-        if predicted_by_slot.shape[0] < self.capacity:
-            raise ValueError("predicted_by_slot is shorter than the slot table")
+        if predicted_by_slot.shape[0] < self.capacity or id_by_slot.shape[0] < self.capacity:
+            raise ValueError("predicted_by_slot and id_by_slot must cover the slot table")
         for r in range(n):
             s = self.e.running[r] if r < self.e.n_running else self.e.waiting[r - self.e.n_running]
-            slots[r] = s
+            slots[r] = id_by_slot[s]
             table[r, 0] = self.e.num_prompt[s]
             table[r, 1] = self.e.num_output[s]
             table[r, 2] = predicted_by_slot[s]
@@ -446,20 +455,22 @@ cdef inline double _beta_time(const double* beta, double* sums) noexcept nogil:
 cdef int _replay_one(
     const int64_t[:, ::1] table, int64_t num_running, int64_t free_blocks,
     const int64_t[:, ::1] inflight, double inflight_start_s, double snap_time_s,
-    const int64_t[:, ::1] extras, int64_t total_blocks, int64_t block_size,
+    const double[:, ::1] extras, int64_t total_blocks, int64_t block_size,
     int64_t max_num_seqs, int64_t token_budget, const double* beta,
     int64_t new_prompt, int64_t new_decode, double now_s, int64_t max_batches,
     double* out) noexcept nogil:
     """Replay one instance until the new request's first token; out = (ttft, wait, n).
 
-    The in-flight batch completes first (at its start plus its estimated time); while the
-    replayed clock is before now (a stale snapshot), batches run without the new request;
-    the router's own dispatches since the snapshot (extras) wait ahead of it."""
+    The in-flight batch completes first (at its start plus its estimated time, and not
+    before the snapshot); while the replayed clock is before now (a stale snapshot),
+    batches run without the new request, and the router's own dispatches since the
+    snapshot (extras: prompt, predicted output, dispatch time; in dispatch order) join
+    the queue at their dispatch times; then the new request joins behind them."""
     cdef int64_t n_res = table.shape[0]
     cdef int64_t n_extra = extras.shape[0]
     cdef int64_t n = n_res + n_extra + 1
     cdef int64_t new_slot = n - 1
-    cdef int64_t i, k, r, nb = 0
+    cdef int64_t i, k, r, nb = 0, released = 0
     cdef double t, dur, wait = -1.0
     cdef Engine e
     cdef int64_t* buf = <int64_t*>malloc(<size_t>(n * 15 + 8) * sizeof(int64_t))
@@ -490,9 +501,9 @@ cdef int _replay_one(
         e.num_preempt[r] = 0
     for k in range(n_extra):
         r = n_res + k
-        e.num_prompt[r] = extras[k, 0]
+        e.num_prompt[r] = <int64_t>extras[k, 0]
         e.num_output[r] = 0
-        e.max_output[r] = extras[k, 1] if extras[k, 1] > 0 else 1
+        e.max_output[r] = <int64_t>extras[k, 1] if extras[k, 1] >= 1.0 else 1
         e.num_computed[r] = 0
         e.num_blocks[r] = 0
         e.num_preempt[r] = 0
@@ -505,7 +516,7 @@ cdef int _replay_one(
     e.n_running = num_running
     for r in range(num_running):
         e.running[r] = r
-    e.n_waiting = n_res - num_running + n_extra
+    e.n_waiting = n_res - num_running
     for r in range(e.n_waiting):
         e.waiting[r] = num_running + r
     e.free_blocks = free_blocks
@@ -529,13 +540,27 @@ cdef int _replay_one(
         if t < snap_time_s:
             t = snap_time_s
         _commit(&e)
-    # 2. a stale snapshot: replay up to now without the new request
-    while t < now_s and nb < max_batches:
+    # 2. a stale snapshot: replay up to now without the new request, releasing the
+    #    router's later dispatches into the queue at their dispatch times
+    while nb < max_batches:
+        while released < n_extra and extras[released, 2] <= t:
+            e.waiting[e.n_waiting] = n_res + released
+            e.n_waiting += 1
+            released += 1
+        if t >= now_s:
+            break
         if _schedule(&e) == 0:
+            if released < n_extra and extras[released, 2] < now_s:
+                t = extras[released, 2]  # idle until the next dispatch
+                continue
             break
         t += _beta_time(beta, e.sums)
         _commit(&e)
         nb += 1
+    while released < n_extra:  # dispatched before now in any case
+        e.waiting[e.n_waiting] = n_res + released
+        e.n_waiting += 1
+        released += 1
     if t < now_s:
         t = now_s
     # 3. the new request joins the back of the queue
@@ -565,7 +590,7 @@ cdef int _replay_one(
     return 0
 
 
-_EMPTY_EXTRAS = np.zeros((0, 2), dtype=np.int64)
+_EMPTY_EXTRAS = np.zeros((0, 3), dtype=np.float64)
 
 
 def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::1] beta,
@@ -576,8 +601,9 @@ def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::
     ``snapshots[g]`` is an EngineSnapshot; ``limits[g]`` = (num_kv_blocks, block_size,
     max_num_seqs, max_num_batched_tokens); ``beta[g]`` the 4 batch-time coefficients;
     ``new_decode[g]`` the new request's predicted output tokens on instance g;
-    ``extras[g]`` (optional) an int64 (k, 2) array of (prompt, predicted output) of
-    requests the router dispatched to g after the snapshot. Returns float64 (G, 3):
+    ``extras[g]`` (optional) a float64 (k, 3) array of (prompt, predicted output,
+    dispatch time) of requests the router dispatched to g after the snapshot, in
+    dispatch order. Returns float64 (G, 3):
     TTFT seconds from now, waiting seconds before its first prefill chunk, batches
     replayed (inf TTFT if the first token is not reached within max_batches)."""
     cdef Py_ssize_t G = len(snapshots)
@@ -591,7 +617,7 @@ def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::
     cdef double[:, ::1] out = out_np
     cdef const int64_t[:, ::1] table
     cdef const int64_t[:, ::1] inflight
-    cdef const int64_t[:, ::1] extra
+    cdef const double[:, ::1] extra
     cdef Py_ssize_t g
     cdef int rc
     cdef int64_t n_running, n_free
@@ -606,6 +632,8 @@ def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::
         snap_s = snap.time_s
         ex = None if extras is None else extras[g]
         extra = _EMPTY_EXTRAS if ex is None else ex
+        if extra.shape[1] != 3:
+            raise ValueError(f"extras[{g}] needs 3 columns (prompt, decode, dispatch time)")
         if n_free > limits[g, 0] or n_running > table.shape[0]:
             raise ValueError(f"snapshot {g} is inconsistent with the instance limits")
         with nogil:

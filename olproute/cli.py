@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from olproute.calibration import CalibrationError
 from olproute.config import DEFAULT_CONFIG, ConfigError, LoadedConfig, load_config, load_workload
 from olproute.policies import REGISTRY, PolicyError
 from olproute.predict import PredictorError
@@ -103,6 +104,74 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from olproute.calibration import (
+        calibrate_log,
+        design_matrix,
+        read_batch_log,
+        write_calibration,
+    )
+
+    log, names = read_batch_log(args.batch_log)
+    cal = calibrate_log(log, names)
+    write_calibration(cal, args.out)
+    print(f"{'instance':<20} {'batches':>8} {'beta0 ms':>9} {'beta1 us/tok':>13} "
+          f"{'beta2 ns/ctx':>13} {'beta3 ps/attn':>14} {'fit MAPE %':>10}")
+    for g, name in enumerate(names):
+        rows = log[log[:, 0] == g]
+        b = cal[name].beta
+        mape = float(abs(design_matrix(rows) @ b / rows[:, 2] - 1.0).mean() * 100)
+        print(f"{name:<20} {len(rows):>8} {b[0] * 1e3:>9.3f} {b[1] * 1e6:>13.4f} "
+              f"{b[2] * 1e9:>13.4f} {b[3] * 1e12:>14.4f} {mape:>10.2f}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_estimate_eval(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from olproute.calibration import read_calibration
+    from olproute.sim.estimate_eval import (
+        error_rows,
+        format_rows,
+        run_estimate_eval,
+        scatter_png,
+    )
+
+    loaded = _loaded(args)
+    policy = args.policy or loaded.config.router.policy
+    names = [n.strip() for n in args.estimators.split(",") if n.strip()]
+    calibration = None
+    if args.calibration:
+        by_name = read_calibration(args.calibration)
+        missing = [s.name for s in loaded.specs if s.name not in by_name]
+        if missing:
+            raise ConfigError(args.calibration, [("calibration", "no entry for instance(s) "
+                                                  + ", ".join(missing))])
+        calibration = [by_name[s.name] for s in loaded.specs]
+    else:
+        print("calibrating on a profiling run (another seed) and a saturation run ...",
+              file=sys.stderr)
+    age_ms = (loaded.config.sim.snapshot_age_ms if args.snapshot_age_ms is None
+              else args.snapshot_age_ms)
+    if age_ms < 0:
+        raise ConfigError(args.config, [("sim.snapshot_age_ms", "must be >= 0")])
+    ev = run_estimate_eval(loaded, policy, names, calibration, snapshot_age_s=age_ms / 1e3)
+    rows = error_rows(ev)
+    batch_mape = float(np.mean(ev.batch_time_ape) * 100)
+    print(format_rows(rows, batch_mape))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        scatter_png(ev, out / "estimate_eval.png",
+                    title=f"{policy}, snapshot age {age_ms:g} ms")
+        print(f"wrote {out / 'estimate_eval.png'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"estimators": rows, "batch_time_mape_pct": batch_mape}, indent=2) + "\n")
+    return 0
+
+
 def _cmd_train_predictors(args: argparse.Namespace) -> int:
     from olproute.config import load_profiles
     from olproute.predict import TrainConfig, read_training_file, train_and_evaluate
@@ -166,6 +235,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the summaries as JSON")
     p.set_defaults(handler=_cmd_compare)
 
+    p = sub.add_parser("calibrate", help="fit per-instance batch-time coefficients (NNLS)",
+                       description="Fit beta >= 0 of the 4-term batch-time model, prefill "
+                                   "throughput and TPOT per instance from a batch log "
+                                   "(batches_<policy>.csv of `simulate --out`).")
+    p.add_argument("--batch-log", required=True, metavar="CSV", help="batch log to fit")
+    p.add_argument("--out", required=True, metavar="YAML", help="calibration file to write")
+    p.set_defaults(handler=_cmd_calibrate)
+
+    from olproute.bea import ESTIMATORS
+
+    p = sub.add_parser("estimate-eval", help="accuracy of every TTFT estimator in simulation",
+                       description="Simulate; at each dispatch record every estimator's TTFT "
+                                   "for the chosen instance, then compare with the realised "
+                                   "TTFT: MAPE, median and P90 error, and a scatter PNG.")
+    _add_run_options(p)
+    p.add_argument("--policy", help="routing policy (default: router.policy of the config)")
+    p.add_argument("--estimators", default=",".join(ESTIMATORS),
+                   help="comma-separated estimators (default: %(default)s)")
+    p.add_argument("--calibration", metavar="YAML",
+                   help="calibration from `olproute calibrate` (default: profile first)")
+    p.add_argument("--snapshot-age-ms", type=float, metavar="MS",
+                   help="staleness of the snapshots the estimators see "
+                        "(default: sim.snapshot_age_ms of the config)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.set_defaults(handler=_cmd_estimate_eval)
+
     p = sub.add_parser("train-predictors", help="train the decode-length and quality predictors",
                        description="Train LightGBM predictors of decode length and quality "
                                    "from prompts, evaluate them on held-out prompts, and save "
@@ -195,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except (ConfigError, WorkloadError, PolicyError, PredictorError) as exc:
+    except (ConfigError, WorkloadError, PolicyError, CalibrationError, PredictorError) as exc:
         print(f"olproute: error: {exc}", file=sys.stderr)
         return 2
 

@@ -157,6 +157,8 @@ class SimConfig(_Frozen):
     batch_overhead_ms: float = Field(default=3.0, ge=0)
     linear_beta: tuple[float, float, float, float] = (3e-3, 5e-5, 1e-8, 1e-9)
     record_batches: bool = True
+    # how old the instance snapshots are that snapshot-reading policies see (BEAR: 0-1000)
+    snapshot_age_ms: float = Field(default=0.0, ge=0)
 
 
 class RouterConfig(_Frozen):
@@ -274,7 +276,6 @@ def prediction_problems(pred: PredictionConfig, workload_kind: str) -> list[tupl
             problems.append(("prediction.mode", "'predictor' needs prompt text, which only "
                              "workload kind 'synthetic' has"))
     return problems
-
 
 
 def load_workload(path: str | os.PathLike[str]) -> WorkloadConfig:

@@ -190,17 +190,17 @@ class ReferenceCore:
 
     # -- views ----------------------------------------------------------------------
     def snapshot(
-        self, predicted_by_slot: IntArray
+        self, predicted_by_slot: IntArray, id_by_slot: IntArray
     ) -> tuple[IntArray, IntArray, int, int, IntArray]:
-        if predicted_by_slot.shape[0] < self.capacity:
-            raise ValueError("predicted_by_slot is shorter than the slot table")
+        if predicted_by_slot.shape[0] < self.capacity or id_by_slot.shape[0] < self.capacity:
+            raise ValueError("predicted_by_slot and id_by_slot must cover the slot table")
         slots = self._running + self._waiting
         table = np.array(
             [(self._prompt[s], self._output[s], int(predicted_by_slot[s]), self._computed[s],
               self._blocks[s]) for s in slots], dtype=np.int64).reshape(len(slots), 5)
         inflight = np.array([(self._running.index(s), new) for s, new, _c, _d in self._batch],
                             dtype=np.int64).reshape(len(self._batch), 2)
-        return (table, np.array(slots, dtype=np.int64), len(self._running),
+        return (table, id_by_slot[np.array(slots, dtype=np.int64)], len(self._running),
                 self.num_free_blocks, inflight)
 
     def events(self) -> tuple[IntArray, IntArray]:
@@ -256,24 +256,26 @@ def replay_ttft_reference(
     new_prompt: int,
     new_decode: int,
     now_s: float,
-    extras: IntArray | None = None,
+    extras: npt.NDArray[np.float64] | None = None,
     max_batches: int = 200_000,
 ) -> tuple[float, float, int]:
     """Plain-Python twin of ``_core.replay_ttft`` for one instance: (ttft, wait, batches).
 
     Same steps: the in-flight batch completes; a stale snapshot is replayed up to now
-    without the new request; the router's later dispatches wait ahead of it."""
+    without the new request, the router's later dispatches (prompt, decode, dispatch
+    time) joining the queue at their dispatch times; then the new request."""
     total, block_size, max_num_seqs, budget = limits
+    ex = [] if extras is None else [(int(p), max(int(d), 1), float(t)) for p, d, t in extras]
     core = ReferenceCore(total, block_size, max_num_seqs, budget,
-                         capacity=table.shape[0] + (0 if extras is None else len(extras)) + 1)
+                         capacity=table.shape[0] + len(ex) + 1)
     rows = [(int(r[0]), int(r[1]), int(r[2]) if r[2] > r[1] else int(r[1]) + 1,
              int(r[3]), int(r[4])) for r in table]
-    rows += [(int(p), 0, max(int(d), 1), 0, 0) for p, d in ([] if extras is None else extras)]
+    rows += [(p, 0, d, 0, 0) for p, d, _t in ex]
     for s, (prompt, out, mx, computed, blocks) in enumerate(rows):
         core._prompt[s], core._output[s], core._max_output[s] = prompt, out, mx
         core._computed[s], core._blocks[s] = computed, blocks
     core._running = list(range(num_running))
-    core._waiting = list(range(num_running, len(rows)))
+    core._waiting = list(range(num_running, table.shape[0]))
     core._free_slots = []
     core.num_free_blocks = num_free_blocks
     t = snapshot_time_s
@@ -284,13 +286,23 @@ def replay_ttft_reference(
         t = max(inflight_start_s + _batch_time(beta, sums), snapshot_time_s)
         core.commit()
     n = 0
-    while t < now_s and n < max_batches:
+    released = 0
+    while n < max_batches:
+        while released < len(ex) and ex[released][2] <= t:
+            core._waiting.append(table.shape[0] + released)
+            released += 1
+        if t >= now_s:
+            break
         k, sums_t = core.schedule()
         if k == 0:
+            if released < len(ex) and ex[released][2] < now_s:
+                t = ex[released][2]
+                continue
             break
         t += _batch_time(beta, list(sums_t))
         core.commit()
         n += 1
+    core._waiting.extend(range(table.shape[0] + released, table.shape[0] + len(ex)))
     t = max(t, now_s)
     new_slot = len(rows)
     core._prompt[new_slot], core._output[new_slot] = new_prompt, 0

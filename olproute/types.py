@@ -137,9 +137,9 @@ class RoutingContext:
     instances: tuple[InstanceLoad, ...]
     specs: tuple[InstanceSpec, ...]
     snapshots: tuple[EngineSnapshot, ...] | None = None
-    # per instance: (prompt, predicted decode) rows of requests the router dispatched
-    # there after its snapshot was taken (None when the snapshots are live)
-    pending: tuple[npt.NDArray[np.int64] | None, ...] | None = None
+    # per instance: (prompt, predicted decode, dispatch time) rows, in dispatch order, of
+    # requests the router dispatched there after its snapshot (None for live snapshots)
+    pending: tuple[npt.NDArray[np.float64] | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

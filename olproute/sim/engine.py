@@ -38,7 +38,7 @@ class Core(Protocol):
     def event_list(self) -> list[tuple[int, int]]: ...
     def request(self, slot: int) -> tuple[int, int, int, int, int, int]: ...
     def snapshot(
-        self, predicted_by_slot: IntArray
+        self, predicted_by_slot: IntArray, id_by_slot: IntArray
     ) -> tuple[IntArray, IntArray, int, int, IntArray]: ...
     @property
     def capacity(self) -> int: ...
@@ -100,12 +100,13 @@ class SimEngine:
         if self._predicted.shape[0] < self.core.capacity:
             self._predicted = np.resize(self._predicted, self.core.capacity)
             self._request_id = np.resize(self._request_id, self.core.capacity)
-        table, slots, num_running, free, inflight = self.core.snapshot(self._predicted)
+        table, ids, num_running, free, inflight = self.core.snapshot(self._predicted,
+                                                                     self._request_id)
         return EngineSnapshot(
             time_s=now_s, table=table, num_running=num_running, num_free_blocks=free,
             inflight=inflight if self.busy else inflight[:0],
             inflight_start_s=self.batch_start_s if self.busy else now_s,
-            request_ids=self._request_id[slots])
+            request_ids=ids)
 
     def start_batch(self, now_s: float) -> float | None:
         n, sums = self.core.schedule()

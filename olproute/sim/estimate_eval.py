@@ -93,9 +93,11 @@ def run_estimate_eval(
     policy: str,
     estimators: Sequence[str],
     calibration: Sequence[InstanceCalibration] | None = None,
-    snapshot_age_s: float = 0.0,
+    snapshot_age_s: float | None = None,
     progress: ProgressFn | None = None,
 ) -> EstimateEval:
+    """Run ``policy`` with every estimator probing its dispatches. The snapshot age is
+    the config's ``sim.snapshot_age_ms`` unless given (seconds)."""
     cfg = loaded.config
     cal = list(calibration) if calibration is not None else profile_calibration(loaded, policy)
     ests = [make_estimator(n, loaded.specs, cal) for n in estimators]
@@ -105,7 +107,8 @@ def run_estimate_eval(
                     slot_s=cfg.router.slot_ms / 1e3)
     probe = EstimatorProbe(REGISTRY.create(policy, env), ests)
     cluster = Cluster(loaded.specs, build_timers(loaded), probe, slot_s=cfg.router.slot_ms / 1e3,
-                      snapshot_age_s=snapshot_age_s)
+                      snapshot_age_s=(cfg.sim.snapshot_age_ms / 1e3 if snapshot_age_s is None
+                                      else snapshot_age_s))
     res = cluster.run(build_requests(loaded), progress)
     ttft = metrics.ttft_s(res)
     ids = np.array(sorted(rid for rid in probe.estimates if np.isfinite(ttft[rid])),

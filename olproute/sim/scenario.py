@@ -181,7 +181,8 @@ def simulate(
     policy = REGISTRY.create(name, env)
     cluster = Cluster(loaded.specs, build_timers(loaded, run_seed), policy,
                       slot_s=cfg.router.slot_ms / 1e3, record_batches=cfg.sim.record_batches,
-                      reference_core=reference_core)
+                      reference_core=reference_core,
+                      snapshot_age_s=cfg.sim.snapshot_age_ms / 1e3)
     return cluster.run(reqs, progress)
 
 

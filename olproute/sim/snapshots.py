@@ -18,7 +18,7 @@ import numpy.typing as npt
 from olproute.sim.engine import SimEngine
 from olproute.types import EngineSnapshot
 
-IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
 
 
 class SnapshotFeed:
@@ -45,13 +45,13 @@ class SnapshotFeed:
             self._dispatched[g].pop(request_id, None)
 
     def view(self, now_s: float) -> tuple[tuple[EngineSnapshot, ...],
-                                         tuple[IntArray | None, ...] | None]:
+                                         tuple[FloatArray | None, ...] | None]:
         """(snapshots, pending) as the router sees them at now_s."""
         if self.age_s == 0:
             return tuple(e.snapshot(now_s) for e in self.engines), None
         horizon = now_s - self.age_s
         snaps: list[EngineSnapshot] = []
-        pending: list[IntArray | None] = []
+        pending: list[FloatArray | None] = []
         for g, q in enumerate(self._published):
             # keep the newest snapshot at or before the horizon; older ones are never
             # needed again because simulated time only moves forward
@@ -60,10 +60,10 @@ class SnapshotFeed:
             snap = q[0] if q and q[0].time_s <= horizon else self._empty(g, horizon)
             snaps.append(snap)
             known = set(snap.request_ids.tolist())
-            rows = [(p, d) for rid, (_t, p, d) in sorted(self._dispatched[g].items(),
-                                                           key=lambda kv: kv[1][0])
+            # dicts keep insertion order, which is dispatch order
+            rows = [(p, d, t) for rid, (t, p, d) in self._dispatched[g].items()
                     if rid not in known]
-            pending.append(np.array(rows, dtype=np.int64).reshape(len(rows), 2)
+            pending.append(np.array(rows, dtype=np.float64).reshape(len(rows), 3)
                            if rows else None)
         return tuple(snaps), tuple(pending)
 

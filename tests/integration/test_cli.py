@@ -246,3 +246,35 @@ def test_module_entry_point_help() -> None:
     assert proc.stdout.startswith("usage: olproute")
     assert "simulate" in proc.stdout
     assert "compare" in proc.stdout
+
+
+def test_calibrate_then_estimate_eval(config: Path, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = config
+    out = tmp_path / "sim"
+    assert main(["simulate", "--config", str(cfg), "--no-progress", "--out", str(out)]) == 0
+    cal = tmp_path / "cal.yaml"
+    assert main(["calibrate", "--batch-log", str(out / "batches_round_robin.csv"),
+                 "--out", str(cal)]) == 0
+    text = capsys.readouterr().out
+    assert "fit MAPE" in text and "llama-0" in text
+    assert "calibration:" in cal.read_text()
+    ev = tmp_path / "ev"
+    js = tmp_path / "ev.json"
+    assert main(["estimate-eval", "--config", str(cfg), "--no-progress", "--calibration",
+                 str(cal), "--estimators", "bea,prefill_tps", "--out", str(ev),
+                 "--json", str(js)]) == 0
+    text = capsys.readouterr().out
+    assert "bea" in text and "prefill_tps" in text and "MAPE" in text
+    assert (ev / "estimate_eval.png").read_bytes()[:4] == b"\x89PNG"
+    data = json.loads(js.read_text())
+    assert [r["estimator"] for r in data["estimators"]] == ["bea", "prefill_tps"]
+    assert all(r["n"] > 0 for r in data["estimators"])
+
+
+def test_calibrate_rejects_a_malformed_log(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "b.csv"
+    bad.write_text("not,a,batch,log\n")
+    assert main(["calibrate", "--batch-log", str(bad), "--out", str(tmp_path / "c.yaml")]) == 2
+    assert "line 1" in capsys.readouterr().err

@@ -110,7 +110,8 @@ snapshot_programs = st.fixed_dictionaries({
                      max_size=12),
     "steps": st.integers(0, 30), "inflight": st.booleans(),
     "age": st.sampled_from([0.0, 0.002, 0.05]),
-    "extras": st.lists(st.tuples(st.integers(1, 100), st.integers(1, 20)), max_size=3),
+    "extras": st.lists(st.tuples(st.integers(1, 100), st.integers(1, 20),
+                                 st.sampled_from([0.99, 1.0, 1.001, 1.01, 1.04])), max_size=3),
     "new": st.tuples(st.integers(1, 200), st.integers(1, 20)),
 })
 
@@ -130,13 +131,14 @@ def test_compiled_replay_matches_python_reference(p: dict) -> None:  # type: ign
             if flags & 2:
                 core.release_slot(slot)
     busy = p["inflight"] and core.schedule()[0] > 0
-    table, _slots, n_run, free, inflight = core.snapshot(predicted)
+    table, _ids, n_run, free, inflight = core.snapshot(predicted, np.arange(core.capacity))
     if not busy:
         inflight = inflight[:0]
     snap = EngineSnapshot(time_s=1.0, table=table, num_running=n_run, num_free_blocks=free,
                           inflight=inflight, inflight_start_s=0.999,
                           request_ids=np.arange(len(table), dtype=np.int64))
-    extras = np.array(p["extras"], dtype=np.int64).reshape(len(p["extras"]), 2)
+    ext = sorted(p["extras"], key=lambda e: e[2])
+    extras = np.array(ext, dtype=np.float64).reshape(len(ext), 3)
     limits = np.array([[p["blocks"], p["block"], p["seqs"], p["budget"]]], dtype=np.int64)
     beta = np.array([BETA])
     prompt, decode = p["new"]
@@ -189,7 +191,7 @@ def test_stale_snapshot_counts_the_routers_own_dispatches() -> None:
     est = BeaEstimator([spec], [_cal()])
     alone = est.estimate(_ctx(spec, (_empty(spec),), 300, 5)).ttft_s[0]
     ctx = _ctx(spec, (_empty(spec),), 300, 5)
-    pending = (np.array([[400, 50]], dtype=np.int64),)
+    pending = (np.array([[400, 50, 0.0]], dtype=np.float64),)
     behind = est.estimate(RoutingContext(ctx.request, ctx.now_s, ctx.instances, ctx.specs,
                                          ctx.snapshots, pending)).ttft_s[0]
     assert behind > alone
