@@ -50,6 +50,9 @@ class ModelProfile(_Frozen):
     bytes_per_param: float = Field(default=2.0, gt=0)
     kv_bytes_per_element: float = Field(default=2.0, gt=0)
     max_context_tokens: int = Field(ge=1)
+    # serving prices, USD per million tokens (0 when unknown: no cost term)
+    price_input_per_mtok: float = Field(default=0.0, ge=0)
+    price_output_per_mtok: float = Field(default=0.0, ge=0)
 
     @property
     def weight_bytes(self) -> float:
@@ -168,6 +171,47 @@ class RouterConfig(_Frozen):
     policy_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
+class RewardConfig(_Frozen):
+    """Weights of the multi-objective reward r_jg (DESIGN.md section 1) and of the TTFT
+    penalty delta in the bid-price score. Latency terms count slots saved within the
+    horizon, so not serving a request is never rewarded."""
+
+    sigma: float = Field(default=1.0, ge=0)        # per request served (QPS)
+    alpha: float = Field(default=0.0, ge=0)        # per token_norm tokens within the horizon
+    token_norm: float = Field(default=1000.0, gt=0)
+    beta: float = Field(default=0.01, ge=0)        # per slot of end-to-end latency saved
+    gamma: float = Field(default=0.01, ge=0)       # per slot of TTFT saved
+    zeta1: float = Field(default=0.0, ge=0)        # bonus if predicted EEL <= eel_threshold_s
+    eel_threshold_s: float = Field(default=10.0, gt=0)
+    zeta2: float = Field(default=0.0, ge=0)        # bonus if predicted TTFT <= its threshold
+    ttft_threshold_s: float | None = Field(default=None, gt=0)  # None: the request's target
+    omega: float = Field(default=0.0, ge=0)        # quality-cost utility acc - lambda*cost
+    cost_lambda: float = Field(default=5e-4, ge=0)  # lambda; cost in micro-USD (BEAR eq. 4)
+    delta: float = Field(default=1.0, ge=0)        # score penalty per second of TTFT estimate
+
+
+class PriceConfig(_Frozen):
+    """Online learning of the shadow prices (projected mini-batch SAA dual steps)."""
+
+    enabled: bool = True
+    period_slots: int = Field(default=10, ge=1)    # update every this many slots
+    steps_per_period: int = Field(default=5, ge=1)  # K dual steps per update
+    step_size: float = Field(default=0.05, gt=0)   # eta0, in reward units per capacity fraction
+    schedule: Literal["constant", "inverse_sqrt"] = "inverse_sqrt"
+    window: int = Field(default=2000, ge=1)        # recent requests kept for sampling
+    minibatch: int = Field(default=256, ge=1)      # samples per step (padded, fixed shape)
+    arrival_rate_halflife_s: float = Field(default=10.0, gt=0)  # for N_H
+
+
+class AdmissionConfig(_Frozen):
+    """The central buffer: when a request is held, for how long, and what happens then."""
+
+    mode: Literal["defer", "shed"] = "defer"
+    patience_s: float | None = Field(default=None, ge=0)  # None: the request's TTFT target
+    candidates: int | None = Field(default=None, ge=1)   # sample d instances (None: all)
+    start_wait_slots: float = Field(default=1.0, ge=0)   # "can start now": BEA wait <= this
+
+
 class Config(_Frozen):
     profiles: str = "profiles.yaml"
     instances: tuple[InstanceConfig, ...] = Field(min_length=1)
@@ -176,6 +220,12 @@ class Config(_Frozen):
     prediction: PredictionConfig = PredictionConfig()
     sim: SimConfig = SimConfig()
     router: RouterConfig = RouterConfig()
+    reward: RewardConfig = RewardConfig()
+    prices: PriceConfig = PriceConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    # batch-time calibration for estimating policies: 'auto' profiles the scenario on
+    # another seed first; otherwise a YAML file written by `olproute calibrate`
+    calibration: str = "auto"
 
 
 # -- loading -----------------------------------------------------------------------------

@@ -8,12 +8,15 @@ generator in its environment, never from global state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from olproute.calibration import InstanceCalibration
+from olproute.config import AdmissionConfig, PriceConfig, RewardConfig
+from olproute.outlook import OutlookSource
 from olproute.types import Decision, InstanceSpec, Outcome, RoutingContext
 
 
@@ -31,12 +34,39 @@ class Policy(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PolicyEnv:
-    """What a policy is built from: the instances, its parameters, its RNG, the slot."""
+    """What a policy is built from: the instances, its parameters, its RNG, the slot
+    length and horizon, the objective (reward, prices, admission sections of the config),
+    and two lazily built sources a policy may need: per-instance batch-time calibration
+    (``calibration()``, for TTFT estimators) and per-request expectations
+    (``outlook(request)``: predicted tokens, quality, cost per instance).
+
+    A policy may also declare ``needs_snapshots = True`` (the context then carries
+    instance snapshots) and ``tick_s`` > 0 with a ``tick(now_s, snapshots)`` method,
+    called every ``tick_s`` seconds off the request path (price updates)."""
 
     specs: tuple[InstanceSpec, ...]
     rng: np.random.Generator
     params: Mapping[str, Any] = field(default_factory=dict)
     slot_s: float = 0.05
+    horizon_slots: int = 600
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    prices: PriceConfig = field(default_factory=PriceConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    calibration_source: Callable[[], Sequence[InstanceCalibration]] | None = None
+    outlook_source: OutlookSource | None = None
+
+    def calibration(self) -> tuple[InstanceCalibration, ...]:
+        if self.calibration_source is None:
+            raise PolicyError("this policy needs batch-time calibration; none was given")
+        cal = tuple(self.calibration_source())
+        if len(cal) != len(self.specs):
+            raise PolicyError("calibration must have one entry per instance")
+        return cal
+
+    def outlook(self) -> OutlookSource:
+        if self.outlook_source is None:
+            raise PolicyError("this policy needs request predictions; none were given")
+        return self.outlook_source
 
 
 PolicyFactory = Callable[[PolicyEnv], Policy]

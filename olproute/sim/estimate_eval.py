@@ -22,10 +22,17 @@ from olproute.calibration import (
     predict_batch_time,
 )
 from olproute.config import LoadedConfig
-from olproute.policies import REGISTRY, Policy, PolicyEnv
+from olproute.policies import REGISTRY, Policy
 from olproute.sim import metrics
 from olproute.sim.cluster import Cluster, ProgressFn, SimResult
-from olproute.sim.scenario import build_requests, build_timers, simulate, streams
+from olproute.sim.scenario import (
+    CalibrationSource,
+    build_requests,
+    build_timers,
+    policy_env,
+    simulate,
+    streams,
+)
 from olproute.types import Decision, Outcome, RoutingContext
 
 FloatArray = npt.NDArray[np.float64]
@@ -102,10 +109,9 @@ def run_estimate_eval(
     cal = list(calibration) if calibration is not None else profile_calibration(loaded, policy)
     ests = [make_estimator(n, loaded.specs, cal) for n in estimators]
     st = streams(cfg.sim.seed, len(loaded.specs))
-    env = PolicyEnv(specs=loaded.specs, rng=st.policy,
-                    params=cfg.router.policy_params.get(policy, {}),
-                    slot_s=cfg.router.slot_ms / 1e3)
-    probe = EstimatorProbe(REGISTRY.create(policy, env), ests)
+    source = CalibrationSource(loaded, known=cal)  # the policy sees the estimators' own
+    probe = EstimatorProbe(REGISTRY.create(policy, policy_env(loaded, policy, st.policy,
+                                                              source)), ests)
     cluster = Cluster(loaded.specs, build_timers(loaded), probe, slot_s=cfg.router.slot_ms / 1e3,
                       snapshot_age_s=(cfg.sim.snapshot_age_ms / 1e3 if snapshot_age_s is None
                                       else snapshot_age_s))

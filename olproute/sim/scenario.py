@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from olproute.calibration import CalibrationError, InstanceCalibration, read_calibration
 from olproute.config import ConfigError, LoadedConfig, prediction_problems
+from olproute.outlook import OutlookSource
 from olproute.policies import REGISTRY, PolicyEnv
 from olproute.sim import workloads as wl
 from olproute.sim.cluster import Cluster, ProgressFn, SimResult
@@ -160,6 +162,65 @@ def build_timers(loaded: LoadedConfig, seed: int | None = None) -> list[BatchTim
     return timers
 
 
+class CalibrationSource:
+    """The calibration estimating policies use, built on first use and then kept:
+    ``calibration: auto`` profiles the scenario on another seed (round robin) and
+    saturates each instance; otherwise the YAML file of ``olproute calibrate``."""
+
+    def __init__(self, loaded: LoadedConfig,
+                 known: Sequence[InstanceCalibration] | None = None) -> None:
+        self._loaded = loaded
+        self._value: tuple[InstanceCalibration, ...] | None = (
+            None if known is None else tuple(known))
+
+    def __call__(self) -> tuple[InstanceCalibration, ...]:
+        if self._value is None:
+            self._value = self._build()
+        return self._value
+
+    def _build(self) -> tuple[InstanceCalibration, ...]:
+        loaded = self._loaded
+        source = loaded.config.calibration
+        if source == "auto":
+            from olproute.sim.estimate_eval import profile_calibration
+
+            return tuple(profile_calibration(loaded, "round_robin"))
+        path = loaded.resolve(source)
+        try:
+            by_name = read_calibration(path)
+        except CalibrationError as exc:
+            raise ConfigError(loaded.path, [("calibration", str(exc))]) from exc
+        missing = [s.name for s in loaded.specs if s.name not in by_name]
+        if missing:
+            raise ConfigError(loaded.path, [("calibration", f"{path} has no entry for "
+                                             f"instance(s) {', '.join(missing)}")])
+        return tuple(by_name[s.name] for s in loaded.specs)
+
+
+def outlook_source(loaded: LoadedConfig) -> OutlookSource:
+    """Per-request expectations in the configured prediction mode."""
+    cfg = loaded.config
+    predictor = None
+    if cfg.prediction.mode == "predictor":
+        from olproute.predict import Predictor
+
+        assert cfg.prediction.model_dir is not None
+        predictor = Predictor.load(loaded.resolve(cfg.prediction.model_dir))
+    return OutlookSource(loaded.specs, loaded.profiles, cfg.prediction.mode, predictor)
+
+
+def policy_env(loaded: LoadedConfig, name: str, rng: np.random.Generator,
+               calibration: CalibrationSource | None = None) -> PolicyEnv:
+    """Everything a policy is built from, for this configuration."""
+    cfg = loaded.config
+    return PolicyEnv(
+        specs=loaded.specs, rng=rng, params=cfg.router.policy_params.get(name, {}),
+        slot_s=cfg.router.slot_ms / 1e3, horizon_slots=cfg.router.horizon_slots,
+        reward=cfg.reward, prices=cfg.prices, admission=cfg.admission,
+        calibration_source=calibration or CalibrationSource(loaded),
+        outlook_source=outlook_source(loaded))
+
+
 def simulate(
     loaded: LoadedConfig,
     policy_name: str | None = None,
@@ -167,18 +228,17 @@ def simulate(
     seed: int | None = None,
     progress: ProgressFn | None = None,
     reference_core: bool = False,
+    calibration: CalibrationSource | None = None,
 ) -> SimResult:
-    """Run one policy (the config's, unless named) on the configured workload."""
+    """Run one policy (the config's, unless named) on the configured workload. Pass one
+    ``calibration`` to several runs to profile only once."""
     cfg = loaded.config
     run_seed = cfg.sim.seed if seed is None else seed
     name = policy_name or cfg.router.policy
     reqs = list(requests) if requests is not None else build_requests(loaded, run_seed)
     _check_fits(loaded, reqs)
     st = streams(run_seed, len(loaded.specs))
-    env = PolicyEnv(specs=loaded.specs, rng=st.policy,
-                    params=cfg.router.policy_params.get(name, {}),
-                    slot_s=cfg.router.slot_ms / 1e3)
-    policy = REGISTRY.create(name, env)
+    policy = REGISTRY.create(name, policy_env(loaded, name, st.policy, calibration))
     cluster = Cluster(loaded.specs, build_timers(loaded, run_seed), policy,
                       slot_s=cfg.router.slot_ms / 1e3, record_batches=cfg.sim.record_batches,
                       reference_core=reference_core,
