@@ -1,6 +1,14 @@
 """Routing policies: one interface (``decide`` / ``observe``), registered by name."""
 
 from olproute.policies import baselines as _baselines  # noqa: F401  (registers the baselines)
+
+# the estimating baselines (BEAR paper and Calibrate-then-Route); importing registers them
+from olproute.policies import bear as _bear  # noqa: F401
+from olproute.policies import calibrated_cost as _calibrated_cost  # noqa: F401
+from olproute.policies import latency_agnostic as _latency_agnostic  # noqa: F401
+from olproute.policies import lmdeploy as _lmdeploy  # noqa: F401
+from olproute.policies import route_balance as _route_balance  # noqa: F401
+from olproute.policies import score as _score  # noqa: F401
 from olproute.policies.base import (
     REGISTRY,
     Policy,

@@ -1,0 +1,65 @@
+"""SCORE-style quality-cost-latency routing (Lakha et al. 2025, a BEAR paper baseline).
+
+SCORE balances predicted response quality against weighted cost and latency penalties,
+estimating latency as queueing delay plus predicted output length times the model's
+per-token time. Per instance g:
+
+    latency_g = pending prefill of g's waiting requests / prefill throughput_g
+                + o_g x tpot_g                         (``olproute.bea.ScoreEstimator``)
+    score_g   = w_quality x acc_g - w_cost x cost_g - w_latency x latency_g
+
+with ``o_g`` the request's predicted output length on g's model, ``tpot_g`` and the
+prefill throughput from calibration, accuracy and cost (micro-USD) from the request's
+outlook. The highest score wins; ties go to the smaller latency, then a coin flip.
+
+Parameters (all >= 0): ``w_quality`` (default 1), ``w_cost`` (default
+``reward.cost_lambda``, so the first two terms are the BEAR utility), ``w_latency``
+(default ``reward.delta``, per second). With the defaults the latency is SCORE's full
+completion-time estimate, whose decode part usually dwarfs the queueing part: SCORE
+then leans to the fastest model, which is the baseline's nature, not a bug.
+"""
+
+from __future__ import annotations
+
+from olproute.bea import ScoreEstimator
+from olproute.policies._common import (
+    NoFeedback,
+    decode_per_instance,
+    figures,
+    float_param,
+    pick_best,
+)
+from olproute.policies.base import REGISTRY, PolicyEnv, check_params, dispatch
+from olproute.types import Decision, RoutingContext
+
+PARAMS = ("w_quality", "w_cost", "w_latency")
+
+
+class Score(NoFeedback):
+    name = "score"
+    needs_snapshots = True
+
+    def __init__(self, env: PolicyEnv) -> None:
+        p = env.params
+        check_params(self.name, p, PARAMS)
+        self.w_quality = float_param(self.name, p, "w_quality", 1.0)
+        self.w_cost = float_param(self.name, p, "w_cost", env.reward.cost_lambda)
+        self.w_latency = float_param(self.name, p, "w_latency", env.reward.delta)
+        self._estimator = ScoreEstimator(env.calibration())
+        self._outlook = env.outlook()
+        self._rng = env.rng
+
+    def decide(self, ctx: RoutingContext) -> Decision:
+        outlook = self._outlook(ctx.request)
+        latency = self._estimator.estimate(ctx, decode_per_instance(outlook)).ttft_s
+        score = (self.w_quality * outlook.quality - self.w_cost * outlook.cost_musd
+                 - self.w_latency * latency)
+        g = pick_best(score, self._rng, tie=latency)
+        self._estimator.observe_dispatch(g, ctx.now_s)
+        return dispatch(
+            ctx, g, "highest quality - weighted cost - weighted (queue delay + decode time)",
+            figures(quality=outlook.quality, cost_musd=outlook.cost_musd, latency_s=latency,
+                    score=score))
+
+
+REGISTRY.register(Score.name)(Score)
