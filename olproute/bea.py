@@ -322,3 +322,19 @@ def make_estimator(name: str, specs: Sequence[InstanceSpec],
     if name == "lmdeploy":
         return LmdeployEstimator(calibrations)
     raise ValueError(f"unknown estimator {name!r} (known: {', '.join(ESTIMATORS)})")
+
+
+def decode_step_times_s(snapshots: Sequence[EngineSnapshot], specs: Sequence[InstanceSpec],
+                        beta: FloatArray, prompt_tokens: int) -> FloatArray:
+    """Per instance, the calibrated time of one decode batch of its residents plus the new
+    request (up to max_num_seqs, contexts as they stand): the time per output token the
+    new request should expect there now. Unlike the profiled mean TPOT, it grows with
+    the instance's decode load (beta0 + beta1 * n + beta2 * sum of contexts)."""
+    out = np.empty(len(snapshots))
+    for g, (snap, spec) in enumerate(zip(snapshots, specs, strict=True)):
+        t = snap.table
+        n = min(t.shape[0], spec.max_num_seqs - 1)
+        ctx = float((t[:n, SNAP_PROMPT] + t[:n, SNAP_OUTPUT]).sum()) + prompt_tokens
+        b = beta[g]
+        out[g] = b[0] + b[1] * (n + 1) + b[2] * ctx
+    return out

@@ -196,8 +196,11 @@ class PriceConfig(_Frozen):
     enabled: bool = True
     period_slots: int = Field(default=10, ge=1)    # update every this many slots
     steps_per_period: int = Field(default=5, ge=1)  # K dual steps per update
-    step_size: float = Field(default=0.05, gt=0)   # eta0, in reward units per capacity fraction
-    schedule: Literal["constant", "inverse_sqrt"] = "inverse_sqrt"
+    # eta0: price change per unit of (free capacity - demand), both in capacity fractions.
+    # Prices must reach the reward scale (a request's reward over its usage, ~10 per slot)
+    # within seconds; constant steps track a load that changes (inverse_sqrt settles).
+    step_size: float = Field(default=2.0, gt=0)
+    schedule: Literal["constant", "inverse_sqrt"] = "constant"
     window: int = Field(default=2000, ge=1)        # recent requests kept for sampling
     minibatch: int = Field(default=256, ge=1)      # samples per step (padded, fixed shape)
     arrival_rate_halflife_s: float = Field(default=10.0, gt=0)  # for N_H
@@ -209,7 +212,9 @@ class AdmissionConfig(_Frozen):
     mode: Literal["defer", "shed"] = "defer"
     patience_s: float | None = Field(default=None, ge=0)  # None: the request's TTFT target
     candidates: int | None = Field(default=None, ge=1)   # sample d instances (None: all)
-    start_wait_slots: float = Field(default=1.0, ge=0)   # "can start now": BEA wait <= this
+    # "can start now": the instance has a free batch slot, KV blocks for the prompt, and
+    # at most this many requests already waiting
+    max_waiting: int = Field(default=0, ge=0)
 
 
 class Config(_Frozen):

@@ -4,6 +4,7 @@ from olproute.policies import baselines as _baselines  # noqa: F401  (registers 
 
 # the estimating baselines (BEAR paper and Calibrate-then-Route); importing registers them
 from olproute.policies import bear as _bear  # noqa: F401
+from olproute.policies import bid_price as _bid_price  # noqa: F401
 from olproute.policies import calibrated_cost as _calibrated_cost  # noqa: F401
 from olproute.policies import latency_agnostic as _latency_agnostic  # noqa: F401
 from olproute.policies import lmdeploy as _lmdeploy  # noqa: F401

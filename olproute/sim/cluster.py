@@ -2,8 +2,9 @@
 
 Events live on a heap of (time, priority, seq, kind, arg); ``seq`` is a counter owned by
 the simulation, so ties break deterministically. At equal times a finishing batch is
-handled before an arrival (it frees slots and blocks the arrival may use), and an
-arrival before a held request's retry.
+handled before an arrival (it frees slots and blocks the arrival may use), an arrival
+before a held request's retry, and that before a policy's periodic tick (price
+updates, off the request path).
 
 Requests reach an engine the instant they are dispatched; an idle engine starts a batch
 at once, a busy one takes the request into its next batch. A held request is decided
@@ -25,7 +26,7 @@ from olproute.sim.engine import BATCH_LOG_COLUMNS, FINISHED, FIRST_TOKEN, BatchT
 from olproute.sim.snapshots import SnapshotFeed
 from olproute.types import InstanceSpec, Outcome, Request, RoutingContext
 
-_BATCH_DONE, _ARRIVAL, _RETRY = 0, 1, 2
+_BATCH_DONE, _ARRIVAL, _RETRY, _TICK = 0, 1, 2, 3
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
@@ -77,6 +78,8 @@ class Cluster:
         self.outstanding = [0] * len(specs)
         self.feed = SnapshotFeed(self.engines, snapshot_age_s)
         self._needs_snapshots = bool(getattr(policy, "needs_snapshots", False))
+        # a policy with tick_s > 0 learns off the request path every tick_s seconds
+        self._tick_s = float(getattr(policy, "tick_s", 0.0) or 0.0)
 
     def run(self, requests: Sequence[Request], progress: ProgressFn | None = None) -> SimResult:
         n = len(requests)
@@ -97,7 +100,11 @@ class Cluster:
         for r in requests:
             heap.append((r.arrival_s, _ARRIVAL, seq, _ARRIVAL, r.request_id))
             seq += 1
+        if self._tick_s > 0 and requests:
+            heap.append((requests[0].arrival_s, _TICK, seq, _TICK, 0))
+            seq += 1
         heapq.heapify(heap)
+        arrived = 0
         engines, outstanding, policy, feed = self.engines, self.outstanding, self.policy, self.feed
         in_system = 0
         done = 0
@@ -135,8 +142,15 @@ class Cluster:
                             progress(done)
                 start(arg, now)
                 continue
+            if kind == _TICK:
+                policy.tick(now, feed.view(now)[0])  # type: ignore[attr-defined]
+                if arrived < n or in_system > 0:
+                    heapq.heappush(heap, (now + self._tick_s, _TICK, seq, _TICK, 0))
+                    seq += 1
+                continue
             req = requests[arg]
             if kind == _ARRIVAL:
+                arrived += 1
                 in_system += 1
                 in_t.append(now)
                 in_n.append(in_system)

@@ -1,0 +1,198 @@
+"""Bid-price routing (DESIGN.md section 1): for each request and instance
+
+    score_jg = r_jg - delta * TTFT_jg - a_jg . p_g
+
+with r_jg the multi-objective reward, TTFT from the BEA replay and a_jg . p_g the shadow
+price of the request's usage column. The request goes to the argmax if its score is
+positive and that instance can start it now (a free batch slot, KV blocks for its
+prompt, and no more than ``admission.max_waiting`` requests queued there); otherwise it
+is held in the router's central buffer and re-scored every slot. When its patience runs
+out (default: its TTFT target), ``admission: defer`` sends it to the best instance and
+``admission: shed`` refuses it.
+
+Against herding on the momentarily cheapest instance: the TTFT term reads live
+snapshots that already hold the router's own dispatches (stale ones get the router's
+later dispatches added, ``ctx.pending``), and ``admission.candidates`` samples d of the
+G instances per decision. Prices are learned off the request path in ``tick``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from olproute.bea import BeaEstimator, decode_step_times_s
+from olproute.policies.base import REGISTRY, Policy, PolicyEnv, check_params
+from olproute.prices import PriceBook
+from olproute.reward import (
+    Columns,
+    capacities,
+    dense,
+    free_capacity,
+    reward_terms,
+    usage_columns,
+)
+from olproute.types import Decision, EngineSnapshot, Outcome, RoutingContext
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def can_start_now(snap: EngineSnapshot, prompt_tokens: int, block_size: int,
+                  max_num_seqs: int, max_waiting: int) -> bool:
+    """A free batch slot, free KV blocks for the prompt, and a short enough queue."""
+    waiting = snap.num_resident - snap.num_running
+    need = math.ceil(prompt_tokens / block_size)
+    return (snap.num_running < max_num_seqs and waiting <= max_waiting
+            and snap.num_free_blocks >= need)
+
+
+class BidPrice:
+    name = "bid_price"
+    needs_snapshots = True
+
+    def __init__(self, env: PolicyEnv) -> None:
+        check_params(self.name, env.params, ("backend",))
+        backend = env.params.get("backend", "jax")
+        if backend not in ("jax", "numpy"):
+            raise ValueError(f"bid_price backend must be 'jax' or 'numpy', got {backend!r}")
+        self._specs = env.specs
+        self._cal = env.calibration()
+        self._bea = BeaEstimator(env.specs, self._cal)
+        self._tpot = np.array([c.tpot_s for c in self._cal], dtype=np.float64)
+        self._outlook = env.outlook()
+        self._w = env.reward
+        self._adm = env.admission
+        self._slot_s = env.slot_s
+        self._horizon = env.horizon_slots
+        self._batch_cap, self._kv_cap = capacities(env.specs)
+        self._rng = env.rng
+        self.book = PriceBook(env.specs, env.slot_s, env.horizon_slots, env.prices, env.rng,
+                              backend=backend)
+        self.tick_s = env.prices.period_slots * env.slot_s if env.prices.enabled else 0.0
+        self._seen: set[int] = set()
+        # free capacity (G, H, 2) as of the last tick, less the dispatches since
+        self._free: FloatArray | None = None
+        self._free_time_s = 0.0
+
+    def decide(self, ctx: RoutingContext) -> Decision:
+        req = ctx.request
+        snaps = ctx.snapshots
+        if snaps is None:
+            raise ValueError("bid_price needs instance snapshots in the context")
+        out = self._outlook(req)
+        est = self._bea.estimate(ctx, predicted_decode=np.rint(out.decode_tokens).astype(
+            np.int64))
+        ttft = est.ttft_s
+        # time per output token at each instance's current decode load
+        tpot = decode_step_times_s(snaps, self._specs, self._bea.beta, req.prompt_tokens)
+        cols = usage_columns(req.prompt_tokens, out.decode_tokens, ttft, tpot,
+                             self._batch_cap, self._kv_cap, self._slot_s, self._horizon)
+        terms = reward_terms(req.prompt_tokens, req.ttft_target_s, out, ttft, tpot,
+                             self._w, self._slot_s, self._horizon)
+        reward = terms.total
+        price = self.book.price(cols)
+        finite_ttft = np.where(np.isfinite(ttft), ttft, 1e9)
+        score = reward - self._w.delta * finite_ttft - price
+        if req.request_id not in self._seen:  # first sight: a sample of demand
+            self._seen.add(req.request_id)
+            self.book.observe_arrival(ctx.now_s)
+            self.book.add_sample(reward, cols)
+        candidates = self._candidates()
+        g = int(candidates[np.argmax(score[candidates])])
+        explanation = {"ttft_s": tuple(float(x) for x in ttft),
+                       "tpot_s": tuple(float(x) for x in tpot),
+                       "reward": tuple(float(x) for x in reward),
+                       "price_cost": tuple(float(x) for x in price),
+                       "score": tuple(float(x) for x in score),
+                       "candidates": tuple(float(c) for c in candidates),
+                       **terms.as_dict()}
+        spec = self._specs[g]
+        startable = can_start_now(snaps[g], req.prompt_tokens, spec.block_size,
+                                  spec.max_num_seqs, self._adm.max_waiting)
+        fits = self._fits(g, cols, ctx.now_s)
+        if score[g] > 0 and startable and fits:
+            self._account(g, cols, ctx.now_s)
+            return self._decision(ctx, "dispatch", g, f"best score {score[g]:.3f} on "
+                                  f"{spec.name}, which can start it now", explanation)
+        patience = self._adm.patience_s if self._adm.patience_s is not None \
+            else req.ttft_target_s
+        waited = ctx.now_s - req.arrival_s
+        why = (f"best score {score[g]:.3f} <= 0" if score[g] <= 0
+               else f"{spec.name} cannot start it now" if not startable
+               else f"its predicted usage does not fit {spec.name}'s free capacity")
+        if waited + 1e-12 < patience:
+            return self._decision(ctx, "hold", None, f"held: {why}", explanation)
+        self._seen.discard(req.request_id)
+        if self._adm.mode == "shed":
+            return self._decision(ctx, "shed", None, f"shed after {waited * 1e3:.0f} ms: {why}",
+                                  explanation)
+        self._account(g, cols, ctx.now_s)
+        return self._decision(ctx, "dispatch", g, f"deferred to {spec.name} after "
+                              f"{waited * 1e3:.0f} ms: {why}", explanation)
+
+    def _offset(self, now_s: float) -> int:
+        """Slots elapsed since the free capacity was computed."""
+        return max(int((now_s - self._free_time_s) // self._slot_s), 0)
+
+    def _fits(self, g: int, cols: Columns, now_s: float) -> bool:
+        """Does the request's predicted usage on g fit under g's free capacity (as of the
+        last tick, less the router's own dispatches since)?"""
+        if self._free is None:
+            return True
+        k = self._offset(now_s)
+        usage = dense(_take(cols, g), self._horizon)[0]
+        room = self._free[g, k:] - usage[: self._horizon - k]
+        return bool(room.min() >= 0.0) if room.size else True
+
+    def _account(self, g: int, cols: Columns, now_s: float) -> None:
+        """Immediate accounting: the dispatch holds capacity before the next snapshot."""
+        if self._free is None:
+            return
+        k = self._offset(now_s)
+        usage = dense(_take(cols, g), self._horizon)[0]
+        self._free[g, k:] -= usage[: self._horizon - k]
+
+    def _candidates(self) -> npt.NDArray[np.int64]:
+        g = len(self._specs)
+        d = self._adm.candidates
+        if d is None or d >= g:
+            return np.arange(g)
+        return np.sort(self._rng.choice(g, size=d, replace=False)).astype(np.int64)
+
+    @staticmethod
+    def _decision(ctx: RoutingContext, action: str, g: int | None, reason: str,
+                  explanation: dict[str, tuple[float, ...]]) -> Decision:
+        if action == "dispatch":
+            assert g is not None
+            return Decision(ctx.request.request_id, "dispatch", g, reason, explanation)
+        return Decision(ctx.request.request_id, "hold" if action == "hold" else "shed", None,
+                        reason, explanation)
+
+    def observe(self, outcome: Outcome) -> None:
+        self._seen.discard(outcome.request_id)
+
+    def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
+        """Off the request path: free capacity from the snapshots (residents at their
+        instance's current decode speed), then K dual steps."""
+        tpot = decode_step_times_s(snapshots, self._specs, self._bea.beta, 0)
+        free = free_capacity(snapshots, self._specs, tpot, self._slot_s, self._horizon)
+        self.book.set_free_capacity(free)
+        self._free = free.copy()
+        self._free_time_s = now_s
+        self.book.update(now_s)
+
+
+def _take(cols: Columns, g: int) -> Columns:
+    """Instance g's column as a one-element Columns."""
+    return Columns(start=cols.start[g:g + 1], end=cols.end[g:g + 1],
+                   batch_a=cols.batch_a[g:g + 1], kv_a=cols.kv_a[g:g + 1],
+                   kv_b=cols.kv_b[g:g + 1])
+
+
+def _factory(env: PolicyEnv) -> Policy:
+    return BidPrice(env)
+
+
+REGISTRY.register(BidPrice.name)(_factory)

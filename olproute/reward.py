@@ -1,0 +1,203 @@
+"""The multi-objective reward r_jg and the usage columns a_jg (DESIGN.md section 1).
+
+Time is cut into slots of ``slot_s`` (Delta); the horizon is ``H`` slots, slot 0 is now.
+A request started on instance g produces its first token in slot ``k0 = ceil(TTFT/Delta)``
+and then holds one batch slot and a growing KV footprint for ``D = ceil(o_hat * tpot /
+Delta)`` slots. Its **usage column** is therefore an interval of ones (batch row) and a
+linear ramp (KV row) on [k0, k0 + D), stored as a few numbers, never as a dense vector:
+on slot k of the interval the batch row uses ``batch_a`` and the KV row
+``kv_a + kv_b * (k - k0)``. Both rows are in **capacity fractions** (batch slots over
+max_num_seqs B, KV tokens over the KV capacity M), so one price scale fits both resources
+and every instance.
+
+Reward terms (weights from the ``reward`` section of the YAML), all >= 0 so that not
+serving a request is never rewarded:
+- ``qps``: sigma, one more request served;
+- ``throughput``: alpha * tokens / token_norm, counting the prompt and the predicted
+  output tokens generated within the horizon;
+- ``eel_saved``: beta * (H - completion slot)+, completion slot = k0 + D;
+- ``ttft_saved``: gamma * (H - k0)+;
+- ``eel_slo``, ``ttft_slo``: zeta1 / zeta2 when the predicted EEL (TTFT + o_hat * tpot)
+  or TTFT meets its threshold (the TTFT threshold defaults to the request's target);
+- ``utility``: omega * (quality - lambda * cost), cost in micro-USD (BEAR eq. 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from olproute.config import RewardConfig
+from olproute.outlook import Outlook
+from olproute.types import SNAP_OUTPUT, SNAP_PREDICTED, SNAP_PROMPT, EngineSnapshot, InstanceSpec
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+TERMS = ("qps", "throughput", "eel_saved", "ttft_saved", "eel_slo", "ttft_slo", "utility")
+
+
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """Usage columns of one or more requests on G instances (arrays broadcast together):
+    on slots [start, end) the batch row uses batch_a and the KV row kv_a + kv_b*(k-start),
+    in capacity fractions. ``end <= H``; an empty interval (start == end) uses nothing."""
+
+    start: IntArray
+    end: IntArray
+    batch_a: FloatArray
+    kv_a: FloatArray
+    kv_b: FloatArray
+
+
+@dataclass(frozen=True, slots=True)
+class RewardTerms:
+    """Each reward term per instance (already weighted), and their sum."""
+
+    qps: FloatArray
+    throughput: FloatArray
+    eel_saved: FloatArray
+    ttft_saved: FloatArray
+    eel_slo: FloatArray
+    ttft_slo: FloatArray
+    utility: FloatArray
+
+    @property
+    def total(self) -> FloatArray:
+        result: FloatArray = (self.qps + self.throughput + self.eel_saved + self.ttft_saved
+                              + self.eel_slo + self.ttft_slo + self.utility)
+        return result
+
+    def as_dict(self) -> dict[str, tuple[float, ...]]:
+        return {name: tuple(float(x) for x in getattr(self, name)) for name in TERMS}
+
+
+def first_token_slot(ttft_s: FloatArray, slot_s: float, horizon: int) -> IntArray:
+    """k0 = ceil(TTFT / Delta), clipped to [0, H] (an infinite TTFT is slot H)."""
+    k = np.ceil(np.minimum(ttft_s, horizon * slot_s) / slot_s - 1e-9)
+    result: IntArray = np.clip(k, 0, horizon).astype(np.int64)
+    return result
+
+
+def decode_slots(decode_tokens: FloatArray, tpot_s: FloatArray, slot_s: float) -> IntArray:
+    """D = ceil(o_hat * tpot / Delta), at least one slot."""
+    result: IntArray = np.maximum(np.ceil(decode_tokens * tpot_s / slot_s - 1e-9), 1).astype(
+        np.int64)
+    return result
+
+
+def capacities(specs: Sequence[InstanceSpec]) -> tuple[FloatArray, FloatArray]:
+    """(B, M): batch slots and KV tokens per instance."""
+    batch = np.array([s.max_num_seqs for s in specs], dtype=np.float64)
+    kv = np.array([s.kv_capacity_tokens for s in specs], dtype=np.float64)
+    return batch, kv
+
+
+def usage_columns(prompt_tokens: int, decode_tokens: FloatArray, ttft_s: FloatArray,
+                  tpot_s: FloatArray, batch_cap: FloatArray, kv_cap: FloatArray,
+                  slot_s: float, horizon: int) -> Columns:
+    """The request's column on every instance (DESIGN.md: s + theta + 1 KV tokens after
+    theta generated tokens, Delta / tpot tokens per slot)."""
+    k0 = first_token_slot(ttft_s, slot_s, horizon)
+    end = np.minimum(k0 + decode_slots(decode_tokens, tpot_s, slot_s), horizon)
+    return Columns(start=k0, end=end, batch_a=1.0 / batch_cap,
+                   kv_a=(prompt_tokens + 1.0) / kv_cap, kv_b=(slot_s / tpot_s) / kv_cap)
+
+
+def reward_terms(prompt_tokens: int, ttft_target_s: float, outlook: Outlook,
+                 ttft_s: FloatArray, tpot_s: FloatArray, w: RewardConfig, slot_s: float,
+                 horizon: int) -> RewardTerms:
+    """r_jg term by term for one request on every instance (see the module docstring)."""
+    k0 = first_token_slot(ttft_s, slot_s, horizon)
+    d = decode_slots(outlook.decode_tokens, tpot_s, slot_s)
+    in_horizon = k0 < horizon
+    decode_in_h = np.minimum(outlook.decode_tokens,
+                             np.maximum(horizon - k0, 0) * slot_s / tpot_s)
+    tokens = np.where(in_horizon, prompt_tokens + decode_in_h, 0.0)
+    eel = ttft_s + outlook.decode_tokens * tpot_s
+    t2 = ttft_target_s if w.ttft_threshold_s is None else w.ttft_threshold_s
+    g = len(ttft_s)
+    return RewardTerms(
+        qps=np.full(g, w.sigma),
+        throughput=w.alpha * tokens / w.token_norm,
+        eel_saved=w.beta * np.maximum(horizon - (k0 + d), 0).astype(np.float64),
+        ttft_saved=w.gamma * np.maximum(horizon - k0, 0).astype(np.float64),
+        eel_slo=w.zeta1 * (eel <= w.eel_threshold_s).astype(np.float64),
+        ttft_slo=w.zeta2 * (ttft_s <= t2).astype(np.float64),
+        utility=w.omega * outlook.utility(w.cost_lambda),
+    )
+
+
+def dense(cols: Columns, horizon: int) -> FloatArray:
+    """(..., H, 2) dense usage of the columns: for tests and plots, never on a hot path."""
+    k = np.arange(horizon)
+    start, end = cols.start[..., None], cols.end[..., None]
+    inside = (k >= start) & (k < end)
+    batch = np.where(inside, cols.batch_a[..., None], 0.0)
+    kv = np.where(inside, cols.kv_a[..., None] + cols.kv_b[..., None] * (k - start), 0.0)
+    return np.stack([batch, kv], axis=-1)
+
+
+def price_prefix(p: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """Prefix sums of prices p (G, H, 2): P0[g, k] = sum_{i<k} p[g, i] and
+    P1[g, k] = sum_{i<k} i * p[g, i], each (G, H + 1, 2)."""
+    g, h, r = p.shape
+    k = np.arange(h, dtype=np.float64)[None, :, None]
+    zero = np.zeros((g, 1, r))
+    p0 = np.concatenate([zero, np.cumsum(p, axis=1)], axis=1)
+    p1 = np.concatenate([zero, np.cumsum(p * k, axis=1)], axis=1)
+    return p0, p1
+
+
+def column_price(cols: Columns, p0: FloatArray, p1: FloatArray) -> FloatArray:
+    """a_jg . p_g for every instance g, in O(1) each from the prefix sums:
+    sum_{k in [s, e)} (a + b (k - s)) p_k = (a - b s)(P0[e] - P0[s]) + b (P1[e] - P1[s])."""
+    g = np.arange(p0.shape[0])
+    s, e = cols.start, cols.end
+    batch = cols.batch_a * (p0[g, e, 0] - p0[g, s, 0])
+    kv = ((cols.kv_a - cols.kv_b * s) * (p0[g, e, 1] - p0[g, s, 1])
+          + cols.kv_b * (p1[g, e, 1] - p1[g, s, 1]))
+    result: FloatArray = batch + kv
+    return result
+
+
+def resident_usage(snap: EngineSnapshot, batch_cap: float, kv_cap: float, tpot_s: float,
+                   slot_s: float, horizon: int) -> FloatArray:
+    """(H, 2) capacity fractions the residents of a snapshot are predicted to hold, from
+    now: each holds its slot and its growing context until its predicted output is done.
+    Aggregated through difference arrays, O(residents + H)."""
+    t = snap.table
+    out = np.zeros((horizon, 2))
+    if t.shape[0] == 0:
+        return out
+    remaining = np.maximum(t[:, SNAP_PREDICTED] - t[:, SNAP_OUTPUT], 1).astype(np.float64)
+    end = np.minimum(np.ceil(remaining * tpot_s / slot_s - 1e-9).astype(np.int64), horizon)
+    end = np.maximum(end, 1)
+    context = (t[:, SNAP_PROMPT] + t[:, SNAP_OUTPUT]).astype(np.float64)
+    slope = slot_s / tpot_s
+    d_const = np.zeros((horizon + 1, 2))
+    d_slope = np.zeros(horizon + 1)
+    n = t.shape[0]
+    d_const[0, 0] += n / batch_cap
+    np.add.at(d_const[:, 0], end, -1.0 / batch_cap)
+    d_const[0, 1] += context.sum() / kv_cap
+    np.add.at(d_const[:, 1], end, -context / kv_cap)
+    d_slope[0] += n * slope / kv_cap
+    np.add.at(d_slope, end, -slope / kv_cap)
+    k = np.arange(horizon, dtype=np.float64)
+    out[:, 0] = np.cumsum(d_const[:horizon, 0])
+    out[:, 1] = np.cumsum(d_const[:horizon, 1]) + k * np.cumsum(d_slope[:horizon])
+    return out
+
+
+def free_capacity(snapshots: Sequence[EngineSnapshot], specs: Sequence[InstanceSpec],
+                  tpot_s: FloatArray, slot_s: float, horizon: int) -> FloatArray:
+    """c[g, k, r] = 1 - what the residents of g hold at slot k (capacity fractions); may
+    be negative when an instance is over-committed (its prices then rise)."""
+    batch_cap, kv_cap = capacities(specs)
+    return np.stack([1.0 - resident_usage(s, batch_cap[g], kv_cap[g], float(tpot_s[g]),
+                                          slot_s, horizon)
+                     for g, s in enumerate(snapshots)])

@@ -1,0 +1,301 @@
+"""Reward terms, usage columns, the price step (JAX against NumPy), the PriceBook's
+dynamics, and the bid-price policy's decisions and central buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from olproute.calibration import InstanceCalibration
+from olproute.config import AdmissionConfig, PriceConfig, RewardConfig
+from olproute.outlook import Outlook
+from olproute.policies import REGISTRY, PolicyEnv
+from olproute.policies.bid_price import BidPrice, can_start_now
+from olproute.prices import PriceBook, _build_jax_steps, dual_step_numpy, step_sizes
+from olproute.reward import (
+    Columns,
+    column_price,
+    decode_slots,
+    dense,
+    first_token_slot,
+    free_capacity,
+    price_prefix,
+    resident_usage,
+    reward_terms,
+    usage_columns,
+)
+from olproute.sim import metrics
+from olproute.sim.scenario import CalibrationSource, build_requests, simulate
+from olproute.types import EngineSnapshot, InstanceSpec, Request, RoutingContext
+from tests.conftest import CONV_TRACE, make_config
+
+SLOT, H = 0.05, 100
+SPEC = InstanceSpec(name="a", model="llama-2-7b", gpu="a100-80gb", tensor_parallel=1,
+                    max_num_seqs=4, max_num_batched_tokens=512, block_size=16,
+                    num_kv_blocks=625)  # 10,000 KV tokens
+CAL = InstanceCalibration(beta=(0.01, 1e-5, 1e-7, 1e-9), prefill_tokens_per_s=20_000,
+                          tpot_s=0.025, mean_batch_seqs=4)
+
+
+def _outlook(decode: list[float], quality: list[float] | None = None) -> Outlook:
+    q = quality or [0.0] * len(decode)
+    return Outlook(decode_tokens=np.array(decode, dtype=float), quality=np.array(q),
+                   cost_musd=np.zeros(len(decode)))
+
+
+def test_slots_and_columns_by_hand() -> None:
+    ttft = np.array([0.0, 0.12, np.inf])
+    assert first_token_slot(ttft, SLOT, H).tolist() == [0, 3, H]
+    assert decode_slots(np.array([100.0]), np.array([0.025]), SLOT).tolist() == [50]
+    cols = usage_columns(999, np.array([100.0, 100.0, 100.0]), ttft, np.full(3, 0.025),
+                         np.full(3, 4.0), np.full(3, 10_000.0), SLOT, H)
+    assert cols.start.tolist() == [0, 3, H] and cols.end.tolist() == [50, 53, H]
+    d = dense(cols, H)
+    # batch row: 1/B on [k0, k0 + D); KV row: (s + 1 + 2 tokens per slot) / M
+    assert d[0, 0, 0] == 0.25 and d[0, 49, 0] == 0.25 and d[0, 50, 0] == 0.0
+    assert d[1, 3, 1] == pytest.approx(1000 / 10_000)
+    assert d[1, 13, 1] == pytest.approx((1000 + 2 * 10) / 10_000)
+    assert d[2].sum() == 0.0  # never starts within the horizon: uses nothing
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(start=st.integers(0, H), length=st.integers(0, H), a=st.floats(0, 1),
+       b=st.floats(0, 0.1), seed=st.integers(0, 10))
+def test_column_price_by_prefix_sums_equals_dense_dot(start: int, length: int, a: float,
+                                                       b: float, seed: int) -> None:
+    p = np.random.default_rng(seed).uniform(0, 5, (1, H, 2))
+    cols = Columns(start=np.array([start]), end=np.array([min(start + length, H)]),
+                   batch_a=np.array([a]), kv_a=np.array([a / 2]), kv_b=np.array([b]))
+    p0, p1 = price_prefix(p)
+    fast = column_price(cols, p0, p1)[0]
+    assert fast == pytest.approx(float((dense(cols, H)[0] * p[0]).sum()), rel=1e-9, abs=1e-9)
+
+
+def test_reward_terms_by_hand() -> None:
+    w = RewardConfig(sigma=1.0, alpha=0.5, token_norm=1000, beta=0.01, gamma=0.02,
+                     zeta1=3.0, eel_threshold_s=2.0, zeta2=4.0, ttft_threshold_s=None,
+                     omega=2.0, cost_lambda=0.1)
+    out = Outlook(decode_tokens=np.array([40.0, 40.0]), quality=np.array([0.9, 0.5]),
+                  cost_musd=np.array([1.0, 0.0]))
+    ttft = np.array([0.1, 0.6])
+    t = reward_terms(200, 0.5, out, ttft, np.array([0.025, 0.025]), w, SLOT, H)
+    # k0 = 2 and 12; D = ceil(40 * 0.025 / 0.05) = 20 slots
+    assert t.qps.tolist() == [1.0, 1.0]
+    assert t.throughput == pytest.approx([0.5 * 240 / 1000] * 2)
+    assert t.eel_saved == pytest.approx([0.01 * (100 - 22), 0.01 * (100 - 32)])
+    assert t.ttft_saved == pytest.approx([0.02 * 98, 0.02 * 88])
+    assert t.eel_slo.tolist() == [3.0, 3.0]          # EEL 1.1 s and 1.6 s <= 2 s
+    assert t.ttft_slo.tolist() == [4.0, 0.0]         # the target is 0.5 s
+    assert t.utility == pytest.approx([2.0 * (0.9 - 0.1), 2.0 * 0.5])
+    assert t.total == pytest.approx(sum(getattr(t, n) for n in
+                                        ("qps", "throughput", "eel_saved", "ttft_saved",
+                                         "eel_slo", "ttft_slo", "utility")))
+    assert min(t.total) > 0  # every term is >= 0: serving is never worse than not
+
+
+def test_resident_usage_matches_dense_columns() -> None:
+    table = np.array([[100, 5, 45, 104, 7], [300, 0, 20, 0, 0]], dtype=np.int64)
+    snap = EngineSnapshot(time_s=0.0, table=table, num_running=1, num_free_blocks=600,
+                          inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=0.0,
+                          request_ids=np.arange(2))
+    got = resident_usage(snap, 4.0, 10_000.0, 0.025, SLOT, H)
+    # resident 0: 40 tokens left -> 20 slots, context 105; resident 1: 20 -> 10, 300
+    cols = Columns(start=np.array([0, 0]), end=np.array([20, 10]),
+                   batch_a=np.full(2, 0.25), kv_a=np.array([105.0, 300.0]) / 10_000,
+                   kv_b=np.full(2, 2.0 / 10_000))
+    np.testing.assert_allclose(got, dense(cols, H).sum(axis=0), atol=1e-12)
+    free = free_capacity([snap], [SPEC], np.array([0.025]), SLOT, H)
+    np.testing.assert_allclose(free[0], 1.0 - got)
+
+
+def _window(rng: np.random.Generator, w: int, g: int) -> tuple[np.ndarray, ...]:
+    start = rng.integers(0, 20, (w, g))
+    end = np.minimum(start + rng.integers(1, 60, (w, g)), H)
+    return (rng.uniform(0, 10, (w, g)), start, end, np.full((w, g), 0.25),
+            rng.uniform(0, 0.05, (w, g)), rng.uniform(0, 1e-3, (w, g)))
+
+
+def test_jax_steps_equal_the_numpy_reference() -> None:
+    import jax
+
+    rng = np.random.default_rng(7)
+    g, w, s, k = 3, 50, 32, 6
+    p = rng.uniform(0, 1, (g, H, 2))
+    c = rng.uniform(-0.3, 1, (g, H, 2))
+    reward, start, end, ba, ka, kb = _window(rng, w, g)
+    idx = rng.integers(0, w, (k, s))
+    mask = np.ones((k, s), dtype=bool)
+    mask[:, 25:] = False
+    off = rng.integers(0, H, (k, s))
+    etas = step_sizes(0.5, "inverse_sqrt", 3, k)
+    ref = p.copy()
+    for j in range(k):
+        ref = dual_step_numpy(ref, c, reward, start, end, ba, ka, kb, idx[j], mask[j], off[j],
+                              40.0, float(etas[j]))
+        assert ref.min() >= 0.0
+    with jax.enable_x64(True):
+        got = np.asarray(_build_jax_steps()(p, c, reward, start, end, ba, ka, kb, idx, mask,
+                                            off, 40.0, etas))
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-9)
+
+
+def test_step_sizes() -> None:
+    assert step_sizes(2.0, "constant", 5, 3).tolist() == [2.0, 2.0, 2.0]
+    assert step_sizes(2.0, "inverse_sqrt", 0, 2) == pytest.approx([2.0, 2.0 / np.sqrt(2)])
+
+
+def _book(backend: str = "numpy") -> PriceBook:
+    cfg = PriceConfig(step_size=2.0, schedule="constant", window=200, minibatch=64,
+                      steps_per_period=5, arrival_rate_halflife_s=5.0)
+    return PriceBook([SPEC, SPEC], SLOT, H, cfg, np.random.default_rng(0), backend=backend)
+
+
+def _feed(book: PriceBook, rate: float, seconds: float, reward: float = 10.0,
+          start: float = 0.0) -> None:
+    """Requests of 2,000 prompt tokens and 200 output tokens at ``rate`` per second from
+    ``start`` for ``seconds``, with a price update every half second."""
+    t = start
+    cols = usage_columns(2000, np.full(2, 200.0), np.full(2, 0.1), np.full(2, 0.025),
+                         np.full(2, 4.0), np.full(2, 10_000.0), SLOT, H)
+    while t < start + seconds:
+        book.observe_arrival(t)
+        book.add_sample(np.full(2, reward), cols)
+        t += 1.0 / rate
+        if int(t / 0.5) != int((t - 1.0 / rate) / 0.5):
+            book.update(t)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "jax"])
+def test_prices_rise_under_scarcity_and_decay_when_ample(backend: str) -> None:
+    book = _book(backend)
+    _feed(book, rate=20.0, seconds=20.0)      # far more demand than 2 x 4 slots hold
+    assert book.p.min() >= 0.0
+    scarce = book.p.sum()
+    assert scarce > 1.0
+    assert set(book.bottleneck()) <= {"batch", "kv"} and "none" not in book.bottleneck()
+    _feed(book, rate=0.05, seconds=300.0, start=20.0)  # almost nothing arrives
+    assert book.p.min() >= 0.0
+    assert book.p.sum() < 1e-6 * scarce
+    assert book.bottleneck() == ["none", "none"]
+
+
+def test_prices_shift_as_time_advances() -> None:
+    book = _book()
+    book.advance(0.0)
+    book.p[:, :, 0] = np.arange(H)[None, :]
+    book.advance(3 * SLOT + 1e-9)
+    assert book.p[0, :3, 0].tolist() == [3.0, 4.0, 5.0]
+    assert book.p[0, H - 4, 0] == H - 1
+    mean = (H - 1) / 2
+    assert book.p[0, -1, 0] == mean and book.p[0, -3, 0] == mean  # the exposed tail
+    book.advance(10 * H * SLOT)  # a gap longer than the horizon
+    assert np.allclose(book.p[0, :, 0], book.p[0, :, 0].mean())
+
+
+# -- the policy ----------------------------------------------------------------------------
+def _snap(n_running: int = 0, n_waiting: int = 0, free: int = 625) -> EngineSnapshot:
+    rows = [[500, 10, 100, 509, 32]] * n_running + [[500, 0, 100, 0, 0]] * n_waiting
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
+    return EngineSnapshot(time_s=0.0, table=table, num_running=n_running,
+                          num_free_blocks=free, inflight=np.zeros((0, 2), dtype=np.int64),
+                          inflight_start_s=0.0, request_ids=np.arange(len(rows)))
+
+
+def _policy(reward: RewardConfig | None = None, admission: AdmissionConfig | None = None,
+            g: int = 2) -> BidPrice:
+    from olproute.config import load_profiles
+    from olproute.outlook import OutlookSource
+    from tests.conftest import PROFILES
+
+    specs = (SPEC,) * g
+    env = PolicyEnv(specs=specs, rng=np.random.default_rng(0), slot_s=SLOT, horizon_slots=H,
+                    reward=reward or RewardConfig(), admission=admission or AdmissionConfig(),
+                    prices=PriceConfig(window=100, minibatch=32),
+                    calibration_source=lambda: (CAL,) * g,
+                    outlook_source=OutlookSource(specs, load_profiles(PROFILES), "noisy"),
+                    params={"backend": "numpy"})
+    policy = REGISTRY.create("bid_price", env)
+    assert isinstance(policy, BidPrice)
+    return policy
+
+
+def _ctx(snaps: tuple[EngineSnapshot, ...], now: float = 0.0, arrival: float = 0.0,
+         target: float = 0.5, rid: int = 1) -> RoutingContext:
+    req = Request(request_id=rid, arrival_s=arrival, prompt_tokens=300, decode_tokens=50,
+                  predicted_decode_tokens=50, ttft_target_s=target)
+    return RoutingContext(request=req, now_s=now, instances=(), specs=(SPEC,) * len(snaps),
+                          snapshots=snaps)
+
+
+def test_zero_prices_pick_the_max_reward_instance() -> None:
+    policy = _policy()
+    d = policy.decide(_ctx((_snap(n_running=3), _snap(n_running=0))))
+    assert d.action == "dispatch" and d.instance == 1
+    assert d.explanation["price_cost"] == (0.0, 0.0)
+    reward = d.explanation["reward"]
+    assert reward[1] >= reward[0]
+    for key in ("ttft_s", "tpot_s", "score", "qps", "eel_saved", "ttft_saved", "utility"):
+        assert len(d.explanation[key]) == 2
+    assert d.reason
+
+
+def test_an_instance_with_a_huge_price_is_never_chosen() -> None:
+    policy = _policy()
+    policy.book.p[1] = 1e6
+    policy.book.advance(0.0)
+    from olproute.reward import price_prefix as pp
+
+    policy.book._p0, policy.book._p1 = pp(policy.book.p)
+    for n in range(4):
+        d = policy.decide(_ctx((_snap(n_running=n), _snap(n_running=0)), rid=n))
+        assert d.instance in (0, None)
+        assert d.explanation["price_cost"][1] > 1e3
+
+
+def test_hold_then_defer_or_shed_at_patience() -> None:
+    full = _snap(n_running=4)  # every slot taken: cannot start now
+    for mode, final in (("defer", "dispatch"), ("shed", "shed")):
+        policy = _policy(admission=AdmissionConfig(mode=mode, patience_s=0.2))
+        d = policy.decide(_ctx((full, full), now=0.0))
+        assert d.action == "hold" and "cannot start" in d.reason
+        d = policy.decide(_ctx((full, full), now=0.15))
+        assert d.action == "hold"
+        d = policy.decide(_ctx((full, full), now=0.2))
+        assert d.action == final and "after 200 ms" in d.reason
+
+
+def test_can_start_now() -> None:
+    assert can_start_now(_snap(), 300, 16, 4, 0)
+    assert not can_start_now(_snap(n_running=4), 300, 16, 4, 0)
+    assert not can_start_now(_snap(n_running=1, n_waiting=1), 300, 16, 4, 0)
+    assert can_start_now(_snap(n_running=1, n_waiting=1), 300, 16, 4, 1)
+    assert not can_start_now(_snap(free=10), 300, 16, 4, 0)
+
+
+@pytest.mark.parametrize("mode", ["defer", "shed"])
+def test_central_buffer_loses_and_duplicates_nothing(mode: str) -> None:
+    """Overloaded, with holds: every request ends exactly once, dispatched or shed, and
+    no later than its patience after arrival."""
+    loaded = make_config(
+        instances=[{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 2,
+                    "max_num_seqs": 8, "kv_capacity_tokens": 30_000}],
+        workload={"kind": "trace", "path": str(CONV_TRACE), "rate_per_s": 30.0,
+                  "duration_s": 20},
+        admission={"mode": mode, "patience_s": 0.5}, prices={"window": 200, "minibatch": 64})
+    cal = CalibrationSource(loaded, known=[CAL, CAL])
+    reqs = build_requests(loaded)
+    res = simulate(loaded, "bid_price", reqs, calibration=cal)
+    arrival = np.array([r.arrival_s for r in reqs])
+    served = np.isfinite(res.finish_s)
+    assert np.all(served ^ res.shed), "each request is served or shed, never both or neither"
+    assert np.all(res.dispatch_s[served] - arrival[served] <= 0.5 + 0.05 + 1e-9)
+    held = res.dispatch_s[served] - arrival[served] > 0
+    assert held.any(), "the load must have made the router hold some requests"
+    if mode == "shed":
+        assert res.shed.any()
+    else:
+        assert not res.shed.any()
+    s = metrics.summarize(res)
+    assert s.num_served + s.num_shed == len(reqs)
