@@ -72,7 +72,7 @@ class RewardTerms:
         return result
 
     def as_dict(self) -> dict[str, tuple[float, ...]]:
-        return {name: tuple(float(x) for x in getattr(self, name)) for name in TERMS}
+        return {name: tuple(getattr(self, name).tolist()) for name in TERMS}
 
 
 def first_token_slot(ttft_s: FloatArray, slot_s: float, horizon: int) -> IntArray:

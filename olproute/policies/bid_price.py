@@ -29,7 +29,6 @@ from olproute.prices import PriceBook
 from olproute.reward import (
     Columns,
     capacities,
-    dense,
     free_capacity,
     reward_terms,
     usage_columns,
@@ -101,12 +100,10 @@ class BidPrice:
             self.book.add_sample(reward, cols)
         candidates = self._candidates()
         g = int(candidates[np.argmax(score[candidates])])
-        explanation = {"ttft_s": tuple(float(x) for x in ttft),
-                       "tpot_s": tuple(float(x) for x in tpot),
-                       "reward": tuple(float(x) for x in reward),
-                       "price_cost": tuple(float(x) for x in price),
-                       "score": tuple(float(x) for x in score),
-                       "candidates": tuple(float(c) for c in candidates),
+        explanation = {"ttft_s": tuple(ttft.tolist()), "tpot_s": tuple(tpot.tolist()),
+                       "reward": tuple(reward.tolist()), "price_cost": tuple(price.tolist()),
+                       "score": tuple(score.tolist()),
+                       "candidates": tuple(float(c) for c in candidates.tolist()),
                        **terms.as_dict()}
         spec = self._specs[g]
         startable = can_start_now(snaps[g], req.prompt_tokens, spec.block_size,
@@ -136,23 +133,38 @@ class BidPrice:
         """Slots elapsed since the free capacity was computed."""
         return max(int((now_s - self._free_time_s) // self._slot_s), 0)
 
+    def _window(self, g: int, cols: Columns, now_s: float) -> tuple[slice, FloatArray] | None:
+        """The slots of g's free-capacity curve the request's column covers (the curve is
+        as of the last tick, so the column moves by the slots elapsed since), and its usage
+        there; None before the first tick or when the column misses the curve."""
+        if self._free is None:
+            return None
+        k = self._offset(now_s)
+        s, e = int(cols.start[g]), int(cols.end[g])
+        lo, hi = s + k, min(e + k, self._horizon)
+        if lo >= hi:
+            return None
+        ramp = np.arange(hi - lo, dtype=np.float64)
+        usage = np.empty((hi - lo, 2))
+        usage[:, 0] = cols.batch_a[g]
+        usage[:, 1] = cols.kv_a[g] + cols.kv_b[g] * ramp
+        return slice(lo, hi), usage
+
     def _fits(self, g: int, cols: Columns, now_s: float) -> bool:
         """Does the request's predicted usage on g fit under g's free capacity (as of the
         last tick, less the router's own dispatches since)?"""
-        if self._free is None:
+        win = self._window(g, cols, now_s)
+        if win is None or self._free is None:
             return True
-        k = self._offset(now_s)
-        usage = dense(_take(cols, g), self._horizon)[0]
-        room = self._free[g, k:] - usage[: self._horizon - k]
-        return bool(room.min() >= 0.0) if room.size else True
+        span, usage = win
+        return bool((self._free[g, span] - usage).min() >= 0.0)
 
     def _account(self, g: int, cols: Columns, now_s: float) -> None:
         """Immediate accounting: the dispatch holds capacity before the next snapshot."""
-        if self._free is None:
-            return
-        k = self._offset(now_s)
-        usage = dense(_take(cols, g), self._horizon)[0]
-        self._free[g, k:] -= usage[: self._horizon - k]
+        win = self._window(g, cols, now_s)
+        if win is not None and self._free is not None:
+            span, usage = win
+            self._free[g, span] -= usage
 
     def _candidates(self) -> npt.NDArray[np.int64]:
         g = len(self._specs)
@@ -183,12 +195,6 @@ class BidPrice:
         self._free_time_s = now_s
         self.book.update(now_s)
 
-
-def _take(cols: Columns, g: int) -> Columns:
-    """Instance g's column as a one-element Columns."""
-    return Columns(start=cols.start[g:g + 1], end=cols.end[g:g + 1],
-                   batch_a=cols.batch_a[g:g + 1], kv_a=cols.kv_a[g:g + 1],
-                   kv_b=cols.kv_b[g:g + 1])
 
 
 def _factory(env: PolicyEnv) -> Policy:

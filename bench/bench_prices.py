@@ -1,0 +1,161 @@
+"""Shadow-price learning and bid-price decisions: how long they take.
+
+    python bench/bench_prices.py [--json PATH] [--quick]
+
+1. Time per projected dual step for G = 8 instances, H = 600 slots, two resources,
+   mini-batch 256 from a window of 2,000 requests: the jitted JAX update (K steps in one
+   call, timed for K = 5 and K = 50) against the NumPy implementation of the same step,
+   measured in the same run. The JAX result is checked against NumPy first.
+2. Decision time of ``bid_price`` for 8 instances with predictions and BEA included:
+   8 Qwen3-8B / H100 instances under a synthetic workload at about 60% load, the
+   LightGBM predictor trained here on synthetic prompts (prediction mode ``predictor``),
+   every ``decide`` call timed with perf_counter (the simulator calls it exactly as the
+   server will); and the same with the lengths given (``noisy`` mode, no predictor), to
+   separate the predictor's share (its featurisation grows with the prompt: the
+   synthetic document prompts run to thousands of tokens). Price updates run off the
+   request path and are not in these times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from olproute.config import Config, LoadedConfig, load_profiles
+from olproute.prices import _build_jax_steps, dual_step_numpy, step_sizes
+
+REPO = Path(__file__).resolve().parents[1]
+G, H, W, S = 8, 600, 2000, 256
+
+
+def _window(rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    start = rng.integers(0, 40, (W, G))
+    end = np.minimum(start + rng.integers(1, 400, (W, G)), H)
+    return (rng.uniform(0, 12, (W, G)), start, end, np.full((W, G), 1 / 256),
+            rng.uniform(0, 0.02, (W, G)), rng.uniform(0, 2e-4, (W, G)))
+
+
+def dual_step_times(repeats: int) -> dict[str, float]:
+    import jax
+
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0, 1, (G, H, 2))
+    c = rng.uniform(-0.2, 1, (G, H, 2))
+    window = _window(rng)
+    out: dict[str, float] = {}
+    steps = _build_jax_steps()
+    for k in (5, 50):
+        idx = rng.integers(0, W, (k, S))
+        mask = np.ones((k, S), dtype=bool)
+        off = rng.integers(0, H, (k, S))
+        etas = step_sizes(2.0, "constant", 0, k)
+        ref = p
+        for j in range(k):
+            ref = dual_step_numpy(ref, c, *window, idx[j], mask[j], off[j], 400.0,
+                                  float(etas[j]))
+        with jax.enable_x64(True):
+            got = np.asarray(steps(p, c, *window, idx, mask, off, 400.0, etas))
+            if not np.allclose(got, ref, rtol=1e-6, atol=1e-9):
+                raise AssertionError("JAX and NumPy steps disagree")
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                steps(p, c, *window, idx, mask, off, 400.0, etas).block_until_ready()
+                samples.append((time.perf_counter() - t0) / k)
+        out[f"jax_K{k}_us"] = float(np.median(samples) * 1e6)
+    samples = []
+    for _ in range(max(repeats // 5, 5)):
+        t0 = time.perf_counter()
+        dual_step_numpy(p, c, *window, idx[0], mask[0], off[0], 400.0, 2.0)
+        samples.append(time.perf_counter() - t0)
+    out["numpy_us"] = float(np.median(samples) * 1e6)
+    return out
+
+
+def decision_times(quick: bool, use_predictor: bool) -> dict[str, float]:
+    from olproute.predict import TrainConfig, train_and_evaluate
+    from olproute.sim.prompts import generate_prompts, training_data
+    from olproute.sim.scenario import CalibrationSource, policy_env, streams
+
+    profiles = load_profiles(REPO / "configs" / "profiles.yaml")
+    traits = {n: (m.num_params, m.max_context_tokens) for n, m in profiles.models.items()}
+    prompts = generate_prompts(2000 if quick else 6000, ["qwen3-8b"],
+                               np.random.default_rng(1))
+    predictor, _ = train_and_evaluate(training_data(prompts), traits, 0.2,
+                                      TrainConfig(seed=1), progress=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        predictor.save(Path(tmp))
+        base = {
+            "instances": [{"name": "q8", "model": "qwen3-8b", "gpu": "h100", "replicas": 8}],
+            "workload": {"kind": "synthetic", "rate_per_s": 24.0,
+                         "num_requests": 1000 if quick else 4000},
+            "prediction": ({"mode": "predictor", "model_dir": tmp} if use_predictor
+                           else {"mode": "noisy"}),
+        }
+        loaded = LoadedConfig(REPO / "configs" / "default.yaml", Config.model_validate(base),
+                              profiles)
+        cal = CalibrationSource(loaded)
+        cal()
+        from olproute.policies import REGISTRY
+
+        st = streams(0, len(loaded.specs))
+        policy = REGISTRY.create("bid_price", policy_env(loaded, "bid_price", st.policy, cal))
+        times: list[float] = []
+        inner = policy.decide
+
+        def timed(ctx):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            d = inner(ctx)
+            times.append(time.perf_counter() - t0)
+            return d
+
+        policy.decide = timed  # type: ignore[method-assign]
+        from olproute.sim.cluster import Cluster
+        from olproute.sim.scenario import build_requests, build_timers
+
+        Cluster(loaded.specs, build_timers(loaded), policy, slot_s=0.05).run(
+            build_requests(loaded))
+    arr = np.array(times) * 1e6
+    return {"decisions": float(len(arr)), "p50_us": float(np.percentile(arr, 50)),
+            "p90_us": float(np.percentile(arr, 90)), "p99_us": float(np.percentile(arr, 99))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and decisions")
+    args = ap.parse_args()
+    step = dual_step_times(10 if args.quick else 40)
+    dec = decision_times(args.quick, use_predictor=True)
+    bare = decision_times(args.quick, use_predictor=False)
+    rows = [
+        ("dual step, NumPy (us)", f"{step['numpy_us']:.0f}"),
+        ("dual step, JAX, K = 5 per call (us/step)", f"{step['jax_K5_us']:.0f}"),
+        ("dual step, JAX, K = 50 per call (us/step)", f"{step['jax_K50_us']:.0f}"),
+        ("JAX speed-up over NumPy (K = 50)", f"{step['numpy_us'] / step['jax_K50_us']:.1f}x"),
+        ("goal per step after jit (us)", "100"),
+        ("bid_price decisions timed", f"{dec['decisions']:.0f}"),
+        ("decision p50 / p90 / p99 (us), LightGBM predictor",
+         f"{dec['p50_us']:.0f} / {dec['p90_us']:.0f} / {dec['p99_us']:.0f}"),
+        ("decision p50 / p90 / p99 (us), lengths given",
+         f"{bare['p50_us']:.0f} / {bare['p90_us']:.0f} / {bare['p99_us']:.0f}"),
+        ("goal p50 / p99 (us)", "200 / 400"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print(f"{'measure':<{width}}  value")
+    print(f"{'-' * width}  {'-' * 16}")
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"dual_step": step, "decision_with_predictor": dec,
+             "decision_lengths_given": bare}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
