@@ -212,11 +212,38 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from olproute.server import run_server
+
+    loaded = load_config(args.config)
+    if args.policy:
+        router = loaded.config.router.model_copy(update={"policy": args.policy})
+        loaded = loaded.with_updates(router=router)
+        if args.policy not in REGISTRY.names():
+            raise PolicyError(f"unknown policy {args.policy!r} "
+                              f"(known: {', '.join(REGISTRY.names())})")
+    run_server(loaded, host=args.host, port=args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="olproute",
         description="Request router for LLM serving: online LP with bid-price control.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the routing server (OpenAI-compatible proxy)",
+                       description="Serve the router on uvloop: /v1/completions, "
+                                   "/v1/chat/completions, /route, /prices, /instances, "
+                                   "/metrics, /healthz, /openapi.json, /admin/reload. With "
+                                   "no server.backends in the config, the instances are "
+                                   "emulated in-process.")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                   help="configuration YAML (default: %(default)s)")
+    p.add_argument("--host", help="address to bind (default: server.host)")
+    p.add_argument("--port", type=int, help="port (default: server.port; 0 picks a free one)")
+    p.add_argument("--policy", help="routing policy (default: router.policy of the config)")
+    p.set_defaults(handler=_cmd_serve)
 
     p = sub.add_parser("simulate", help="run one policy in the cluster simulator",
                        description="Simulate the configured cluster and workload under one "

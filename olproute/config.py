@@ -107,10 +107,12 @@ class WorkloadConfig(_Frozen):
     ``path`` with its own arrivals, stretched by ``time_scale`` or rescaled to
     ``rate_per_s`` when given. ``start_s`` / ``duration_s`` cut a window of a trace.
     ``synthetic`` generates prompts with text and per-model truth (``olproute.sim.prompts``)
-    arriving as a Poisson process at ``rate_per_s``.
+    arriving at mean rate ``rate_per_s``, as a Poisson process or, with ``arrivals:
+    mmpp2``, an MMPP-2 with rate ratio ``ratio`` (BEAR paper App. B).
     """
 
     kind: Literal["poisson", "mmpp2", "trace", "synthetic"] = "trace"
+    arrivals: Literal["poisson", "mmpp2"] = "poisson"  # arrival process of kind synthetic
     rate_per_s: float | None = Field(default=None, gt=0)
     ratio: float = Field(default=3.0, ge=1)
     num_requests: int | None = Field(default=None, ge=1)
@@ -217,6 +219,34 @@ class AdmissionConfig(_Frozen):
     max_waiting: int = Field(default=0, ge=0)
 
 
+class BackendConfig(_Frozen):
+    """A real serving backend: ``name`` must be one of the instances (its spec gives the
+    limits the router models), ``url`` its OpenAI-compatible base URL."""
+
+    name: str = Field(min_length=1)
+    url: str = Field(pattern=r"^https?://")
+
+
+class ServerConfig(_Frozen):
+    """``olproute serve``. With no ``backends``, every instance is emulated in-process
+    (``olproute.emulator``): the embedded default."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    backends: tuple[BackendConfig, ...] = ()
+    emulator_time_scale: float = Field(default=1.0, gt=0)  # emulated batch-time multiplier
+    admin_token_env: str = "OLPROUTE_ADMIN_TOKEN"  # bearer token for /admin, from the env
+    admin_token: str | None = None                 # or given here (the env wins)
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    default_ttft_ms: float = Field(default=2000.0, gt=0)  # when x-slo-ttft-ms is absent
+    default_max_tokens: int = Field(default=16, ge=1)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    health_period_s: float = Field(default=2.0, gt=0)
+    scrape_period_s: float = Field(default=1.0, gt=0)   # backends' /metrics
+    recalibrate_period_s: float = Field(default=5.0, gt=0)
+    retry_after_s: int = Field(default=1, ge=0)         # on 429
+
+
 class Config(_Frozen):
     profiles: str = "profiles.yaml"
     instances: tuple[InstanceConfig, ...] = Field(min_length=1)
@@ -231,6 +261,7 @@ class Config(_Frozen):
     # batch-time calibration for estimating policies: 'auto' profiles the scenario on
     # another seed first; otherwise a YAML file written by `olproute calibrate`
     calibration: str = "auto"
+    server: ServerConfig = ServerConfig()
 
 
 # -- loading -----------------------------------------------------------------------------
@@ -454,4 +485,29 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> LoadedConfig:
             problems.append((f"router.policy_params.{name}", "unknown policy"))
     if problems:
         raise ConfigError(p, problems)
-    return LoadedConfig(p, config, load_profiles(profiles_path))
+    loaded = LoadedConfig(p, config, load_profiles(profiles_path))
+    problems = backend_problems(config.server, loaded.specs)
+    if problems:
+        raise ConfigError(p, problems)
+    return loaded
+
+
+def backend_problems(server: ServerConfig,
+                     specs: Sequence[InstanceSpec]) -> list[tuple[str, str]]:
+    """Every backend names one instance, once; with backends, every instance has one."""
+    if not server.backends:
+        return []
+    names = [s.name for s in specs]
+    problems = []
+    seen: set[str] = set()
+    for i, b in enumerate(server.backends):
+        if b.name not in names:
+            problems.append((f"server.backends[{i}].name",
+                             f"unknown instance {b.name!r} (instances: {', '.join(names)})"))
+        if b.name in seen:
+            problems.append((f"server.backends[{i}].name", f"duplicate backend {b.name!r}"))
+        seen.add(b.name)
+    missing = [n for n in names if n not in seen]
+    if missing and not problems:
+        problems.append(("server.backends", f"no backend for instance(s) {', '.join(missing)}"))
+    return problems

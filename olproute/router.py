@@ -1,0 +1,114 @@
+"""The router: one policy object (the same the simulator runs) with what it needs around
+it — request ids, the objective, predictions, calibration — and no I/O.
+
+The server builds the routing context from its tracker (loads, snapshots) and health
+checks, calls ``decide``, and reports back with ``observe``; prices are learned in
+``tick``, which the server runs off the event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from olproute.config import LoadedConfig
+from olproute.policies import REGISTRY, Policy
+from olproute.sim.scenario import CalibrationSource, policy_env
+from olproute.types import (
+    Decision,
+    EngineSnapshot,
+    InstanceLoad,
+    Outcome,
+    Request,
+    RoutingContext,
+)
+
+
+class Router:
+    def __init__(self, loaded: LoadedConfig, calibration: CalibrationSource | None = None,
+                 seed: int | None = None) -> None:
+        self.loaded = loaded
+        self.specs = loaded.specs
+        self.policy_name = loaded.config.router.policy
+        rng = np.random.default_rng(loaded.config.sim.seed if seed is None else seed)
+        self.calibration = calibration or CalibrationSource(loaded)
+        self.policy: Policy = REGISTRY.create(
+            self.policy_name, policy_env(loaded, self.policy_name, rng, self.calibration))
+        self.needs_snapshots = bool(getattr(self.policy, "needs_snapshots", False))
+        self.tick_s = float(getattr(self.policy, "tick_s", 0.0) or 0.0)
+        self._ids = itertools.count()
+
+    def new_request(self, now_s: float, prompt_tokens: int, max_tokens: int,
+                    ttft_target_s: float, slo_class: str = "default",
+                    text: str | None = None) -> Request:
+        """A Request for the policy. Without a predictor, the predicted output length is
+        ``max_tokens`` (the most the backend will generate)."""
+        return Request(request_id=next(self._ids), arrival_s=now_s,
+                       prompt_tokens=prompt_tokens, decode_tokens=max_tokens,
+                       predicted_decode_tokens=max_tokens, ttft_target_s=ttft_target_s,
+                       slo_class=slo_class, text=text)
+
+    def decide(self, request: Request, now_s: float, loads: tuple[InstanceLoad, ...],
+               snapshots: tuple[EngineSnapshot, ...] | None,
+               healthy: Sequence[bool]) -> Decision:
+        """The policy's decision; a dispatch to an unhealthy backend is moved to the best
+        healthy one (by the policy's own scores when it gives them, else fewest
+        outstanding), and a pool with no healthy backend sheds."""
+        if not any(healthy):
+            return Decision(request.request_id, "shed", None, "no healthy backend")
+        ctx = RoutingContext(request=request, now_s=now_s, instances=loads, specs=self.specs,
+                             snapshots=snapshots if self.needs_snapshots else None)
+        d = self.policy.decide(ctx)
+        if d.action != "dispatch" or d.instance is None or healthy[d.instance]:
+            return d
+        scores = d.explanation.get("score")
+        candidates = [g for g, ok in enumerate(healthy) if ok]
+        if scores is not None and len(scores) == len(healthy):
+            g = max(candidates, key=lambda i: scores[i])
+        else:
+            g = min(candidates, key=lambda i: loads[i].num_outstanding)
+        return replace(d, instance=g, reason=f"{self.specs[d.instance].name} unhealthy; "
+                       f"moved to {self.specs[g].name} ({d.reason})")
+
+    def observe(self, outcome: Outcome) -> None:
+        self.policy.observe(outcome)
+
+    def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
+        """Learn off the request path (the server runs this in a worker thread)."""
+        tick = getattr(self.policy, "tick", None)
+        if tick is not None:
+            tick(now_s, snapshots)
+
+    def set_beta(self, g: int, beta: Sequence[float]) -> bool:
+        """Give the policy's BEA estimator a recalibrated beta; False if it has none."""
+        bea = getattr(self.policy, "_bea", None)
+        if bea is None:
+            return False
+        bea.set_beta(g, beta)
+        return True
+
+    def prices(self) -> dict[str, Any] | None:
+        """Current shadow prices per instance and slot, with each bottleneck; None for a
+        policy without prices."""
+        book = getattr(self.policy, "book", None)
+        if book is None:
+            return None
+        bottleneck = book.bottleneck()
+        return {
+            "policy": self.policy_name, "slot_s": book.slot_s, "horizon_slots": book.horizon,
+            "updates": book.num_updates, "arrivals_in_horizon": book.arrivals_in_horizon,
+            "instances": [
+                {"name": s.name, "bottleneck": bottleneck[g],
+                 "batch": [_finite(x) for x in book.p[g, :, 0].tolist()],
+                 "kv": [_finite(x) for x in book.p[g, :, 1].tolist()]}
+                for g, s in enumerate(self.specs)],
+        }
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0

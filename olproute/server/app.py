@@ -1,0 +1,321 @@
+"""The router's aiohttp application: ``init_app(loaded)`` builds it; resources open in a
+cleanup context (HTTP session, emulated backends when the config names none, the router
+and its tracker) and background tasks run there too: price updates (in a worker thread,
+off the event loop), health checks with backoff, scraping the backends' Prometheus
+gauges, and beta recalibration from the backends' batch records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from olproute.calibration import OnlineCalibrator
+from olproute.config import ConfigError, LoadedConfig, load_config
+from olproute.router import Router
+from olproute.server import proxy
+from olproute.server.metrics import ServerMetrics
+from olproute.server.schema import BadRequest, RouteAnswer, RouteBody, count_words, openapi
+from olproute.server.state import STATE, ServerState
+from olproute.server.tracker import Tracker
+from olproute.sim.scenario import CalibrationSource
+
+VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+               "vllm:kv_cache_usage_perc")
+BACKEND_URLS = web.AppKey("olproute_backend_urls", list)
+
+
+def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
+             calibration: CalibrationSource | None = None) -> web.Application:
+    """The router application. ``backend_urls`` (one per instance, in order) overrides the
+    config's backends; with neither, the instances are emulated in-process."""
+    app = web.Application(client_max_size=loaded.config.server.max_body_bytes)
+    app[BACKEND_URLS] = list(backend_urls or [])
+    app.cleanup_ctx.append(_lifecycle(loaded, calibration))
+    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_post("/v1/chat/completions", proxy.completions)
+    app.router.add_post("/route", route)
+    app.router.add_get("/prices", prices)
+    app.router.add_get("/instances", instances)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/openapi.json", openapi_doc)
+    app.router.add_post("/admin/reload", reload)
+    return app
+
+
+def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
+               ) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        server = loaded.config.server
+        async with contextlib.AsyncExitStack() as stack:
+            urls = app[BACKEND_URLS]
+            if not urls and server.backends:
+                by_name = {b.name: b.url for b in server.backends}
+                urls = [by_name[s.name] for s in loaded.specs]
+            if not urls:
+                from olproute.emulator import start_emulators
+
+                running = await start_emulators(loaded.specs, loaded=loaded,
+                                                time_scale=server.emulator_time_scale)
+                stack.push_async_callback(_stop_all, running)
+                urls = [r.url for r in running]
+            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                total=server.request_timeout_s, sock_connect=2.0))
+            stack.push_async_callback(session.close)
+            loop = asyncio.get_running_loop()
+            router = await loop.run_in_executor(None, _build_router, loaded, calibration)
+            st = ServerState(loaded=loaded, router=router,
+                             tracker=Tracker(loaded.specs, urls), metrics=ServerMetrics(),
+                             session=session, t0=loop.time())
+            st.calibrators = [OnlineCalibrator(c.beta) for c in router.calibration()]
+            st.batches_supported = [True] * len(urls)
+            app[STATE] = st
+            tasks = [asyncio.create_task(_every(period, job, st)) for period, job in (
+                (router.tick_s, _tick), (server.health_period_s, _health),
+                (server.scrape_period_s, _scrape),
+                (server.recalibrate_period_s, _recalibrate)) if period > 0]
+            try:
+                yield
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+    return ctx
+
+
+async def _stop_all(running: list[Any]) -> None:
+    for r in running:
+        await r.stop()
+
+
+def _build_router(loaded: LoadedConfig, calibration: CalibrationSource | None) -> Router:
+    router = Router(loaded, calibration)
+    router.calibration()  # profile now, at start-up, not on the first request
+    return router
+
+
+async def _every(period_s: float, job: Callable[[ServerState], Awaitable[None]],
+                 st: ServerState) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await job(st)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a background job must not die: log and go on
+            print(f"olproute: background {job.__name__} failed: {exc!r}", file=sys.stderr)
+
+
+# -- background jobs --------------------------------------------------------------------------
+async def _tick(st: ServerState) -> None:
+    now = st.now()
+    snaps = st.tracker.snapshots(now)
+    router = st.router
+    await asyncio.get_running_loop().run_in_executor(None, router.tick, now, snaps)
+    st.metrics.set_prices(router.prices())
+    st.metrics.price_updates.inc()
+
+
+async def _health(st: ServerState) -> None:
+    async def probe(g: int) -> None:
+        b = st.tracker.backends[g]
+        try:
+            async with st.session.get(b.url + "/health",
+                                      timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                ok = r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        if ok:
+            st.tracker.mark_success(g)
+        elif b.healthy or st.now() >= b.next_probe_s:
+            st.tracker.mark_failure(g, st.now())
+
+    await asyncio.gather(*(probe(g) for g in st.tracker.due_for_probe(st.now())))
+    st.metrics.set_backends([b.spec.name for b in st.tracker.backends], st.tracker.healthy(),
+                            [len(b.flights) for b in st.tracker.backends])
+
+
+async def _scrape(st: ServerState) -> None:
+    async def one(g: int) -> None:
+        b = st.tracker.backends[g]
+        try:
+            async with st.session.get(b.url + "/metrics",
+                                      timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                if r.status != 200:
+                    return
+                text = await r.text()
+        except (TimeoutError, aiohttp.ClientError):
+            return
+        found: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in VLLM_GAUGES:
+                    found[sample.name] = found.get(sample.name, 0.0) + float(sample.value)
+        b.scraped = found
+        b.scraped_at_s = st.now()
+
+    await asyncio.gather(*(one(b.index) for b in st.tracker.backends if b.healthy))
+
+
+async def _recalibrate(st: ServerState) -> None:
+    """Feed each backend's new batch records (``/olproute/batches``, the emulator's
+    extension; a backend without it is asked once) to its online calibrator."""
+    for b in st.tracker.backends:
+        if not st.batches_supported[b.index] or not b.healthy:
+            continue
+        try:
+            async with st.session.get(f"{b.url}/olproute/batches?since={b.batches_seen}",
+                                      timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                if r.status == 404:
+                    st.batches_supported[b.index] = False
+                    continue
+                if r.status != 200:
+                    continue
+                doc = await r.json()
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            continue
+        rows = doc.get("batches") or []
+        cal = st.calibrators[b.index]
+        before = cal.num_refits
+        for row in rows:
+            cal.add(float(row["duration_s"]), float(row["num_tokens"]),
+                    float(row["sum_decode_context"]), float(row["sum_prefill_attention"]))
+        b.batches_seen = int(doc.get("next", b.batches_seen + len(rows)))
+        if cal.num_refits > before:
+            st.router.set_beta(b.index, cal.beta)
+
+
+# -- handlers ---------------------------------------------------------------------------------
+async def route(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    server = st.loaded.config.server
+    try:
+        from olproute.server.schema import validate
+
+        data = await proxy.read_json(request, server.max_body_bytes)
+        body: RouteBody = validate(RouteBody, data)
+        if body.prompt_tokens is not None:
+            prompt_tokens = body.prompt_tokens
+        elif body.prompt is not None:
+            prompt_tokens = max(count_words(body.prompt), 1)
+        else:
+            raise BadRequest("prompt", "give prompt or prompt_tokens")
+        exclude: frozenset[int] = frozenset()
+        if body.model is not None:
+            exclude = frozenset(g for g, s in enumerate(st.loaded.specs) if s.model != body.model)
+            if len(exclude) == len(st.loaded.specs):
+                raise BadRequest("model", f"no instance serves {body.model!r}")
+    except BadRequest as exc:
+        return web.json_response(exc.as_json(), status=400)
+    max_tokens = body.max_tokens or server.default_max_tokens
+    ttft_ms = body.ttft_target_ms or server.default_ttft_ms
+    req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_ms / 1e3,
+                                body.slo_class, body.prompt)
+    if body.predicted_tokens is not None:
+        from dataclasses import replace
+
+        req = replace(req, predicted_decode_tokens=body.predicted_tokens)
+    d = st.decide(req, exclude)
+    names = [s.name for s in st.loaded.specs]
+    answer = RouteAnswer(
+        request_id=req.request_id, action=d.action,
+        instance=None if d.instance is None else names[d.instance], reason=d.reason,
+        policy=st.router.policy_name, instances=names,
+        explanation={k: [float(x) if np.isfinite(x) else 1e308 for x in v]
+                     for k, v in d.explanation.items()})
+    return web.json_response(answer.model_dump())
+
+
+async def prices(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    doc = st.router.prices()
+    if doc is None:
+        return web.json_response({"policy": st.router.policy_name, "instances": [],
+                                  "message": "this policy has no shadow prices"})
+    return web.json_response(doc)
+
+
+async def instances(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    now = st.now()
+    loads = st.tracker.loads(now)
+    beta = getattr(getattr(st.router.policy, "_bea", None), "beta", None)
+    out = []
+    for b, load in zip(st.tracker.backends, loads, strict=True):
+        out.append({
+            "name": b.spec.name, "url": b.url, "model": b.spec.model, "gpu": b.spec.gpu,
+            "healthy": b.healthy, "failures": b.failures, "in_flight": load.num_outstanding,
+            "running": load.num_running, "waiting": load.num_waiting,
+            "kv_blocks_used": load.num_kv_blocks_used, "kv_blocks": load.num_kv_blocks,
+            "max_num_seqs": b.spec.max_num_seqs, "scraped": b.scraped,
+            "scraped_age_s": None if b.scraped_at_s is None else now - b.scraped_at_s,
+            "beta": None if beta is None else [float(x) for x in beta[b.index]]})
+    return web.json_response({"policy": st.router.policy_name, "instances": out})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    return web.Response(body=st.metrics.render(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    healthy = sum(st.tracker.healthy())
+    return web.json_response({"status": "ok" if healthy else "degraded",
+                              "healthy_backends": healthy,
+                              "backends": len(st.tracker.backends)},
+                             status=200 if healthy else 503)
+
+
+async def openapi_doc(request: web.Request) -> web.Response:
+    return web.json_response(openapi())
+
+
+async def reload(request: web.Request) -> web.Response:
+    """Re-read the YAML. An invalid file, or one that changes the instances, keeps the
+    running configuration and answers 400 naming the key."""
+    st = request.app[STATE]
+    token = st.admin_token
+    given = request.headers.get("Authorization", "")
+    if token is None or not hmac.compare_digest(given, f"Bearer {token}"):
+        return proxy.error_response(401, "admin endpoints need 'Authorization: Bearer <token>'"
+                                    f" (set {st.loaded.config.server.admin_token_env})",
+                                    kind="unauthorized")
+    path = st.loaded.path
+    loop = asyncio.get_running_loop()
+    try:
+        new = await loop.run_in_executor(None, load_config, path)
+    except ConfigError as exc:
+        key = exc.problems[0][0] if exc.problems else None
+        return proxy.error_response(400, str(exc), param=key, kind="invalid_config")
+    if new.specs != st.loaded.specs:
+        return proxy.error_response(400, f"{path}: instances: cannot change while serving "
+                                    "(restart the router)", param="instances",
+                                    kind="invalid_config")
+    calibration = CalibrationSource(new, known=st.router.calibration())
+    router = await loop.run_in_executor(None, Router, new, calibration)
+    st.router = router
+    st.loaded = new
+    return web.json_response({"status": "reloaded", "config": str(path),
+                              "policy": router.policy_name})
+
+
+def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None) -> None:
+    """Serve on uvloop until interrupted."""
+    import uvloop
+
+    server = loaded.config.server
+    uvloop.install()
+    web.run_app(init_app(loaded), host=host or server.host,
+                port=server.port if port is None else port, print=print)

@@ -1,0 +1,55 @@
+"""Prometheus metrics of one router, in a registry of its own (several routers, or a
+router and its emulated backends, can live in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                     7.5, 10.0, 20.0, 40.0, 80.0)
+DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3,
+                      12.8e-3, 25.6e-3)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter("olproute_decisions", "Routing decisions by action and "
+                                 "instance", ["action", "instance"], registry=r)
+        self.decision_seconds = Histogram("olproute_decision_seconds", "Time to decide one "
+                                          "request", buckets=DECISION_BUCKETS_S, registry=r)
+        self.ttft_seconds = Histogram("olproute_ttft_seconds", "Observed time to first token, "
+                                      "from arrival at the router", ["instance"],
+                                      buckets=LATENCY_BUCKETS_S, registry=r)
+        self.eel_seconds = Histogram("olproute_eel_seconds", "Observed end-to-end latency",
+                                     ["instance"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.in_flight = Gauge("olproute_requests_in_flight", "Requests dispatched and not "
+                               "finished", ["instance"], registry=r)
+        self.backend_up = Gauge("olproute_backend_up", "1 if the backend passes its health "
+                                "checks", ["instance"], registry=r)
+        self.price_sum = Gauge("olproute_price_sum", "Sum over the horizon of the shadow "
+                               "price", ["instance", "resource"], registry=r)
+        self.price_updates = Counter("olproute_price_updates", "Shadow-price updates",
+                                     registry=r)
+        self.errors = Counter("olproute_backend_errors", "Backend failures by kind",
+                              ["instance", "kind"], registry=r)
+
+    def set_prices(self, prices: dict[str, Any] | None) -> None:
+        if prices is None:
+            return
+        for inst in prices["instances"]:
+            self.price_sum.labels(inst["name"], "batch").set(sum(inst["batch"]))
+            self.price_sum.labels(inst["name"], "kv").set(sum(inst["kv"]))
+
+    def set_backends(self, names: Sequence[str], healthy: Sequence[bool],
+                     in_flight: Sequence[int]) -> None:
+        for name, ok, n in zip(names, healthy, in_flight, strict=True):
+            self.backend_up.labels(name).set(1.0 if ok else 0.0)
+            self.in_flight.labels(name).set(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

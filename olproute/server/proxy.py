@@ -1,0 +1,218 @@
+"""The OpenAI-compatible proxy: decide, hold or shed, forward to the chosen backend, and
+pass the answer back (server-sent events chunk by chunk when ``stream`` is true), while
+the tracker follows every token.
+
+Failures: a connect error or a 5xx before the first byte is retried once on the
+next-best instance (the failed one is marked unhealthy and probed with backoff); a
+stream cut midway ends with an error event to the client and a recorded outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from olproute.server.schema import (
+    BadRequest,
+    ChatBody,
+    CompletionBody,
+    parse_json,
+    prompt_tokens_of,
+    validate,
+)
+from olproute.server.state import STATE, ServerState
+from olproute.types import Decision, Outcome, Request
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   kind: str = "invalid_request_error",
+                   headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param}},
+                             status=status, headers=headers)
+
+
+async def read_json(request: web.Request, limit: int) -> Any:
+    """The body as JSON; 413 past ``limit`` bytes (checked while reading)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    raw = bytearray()
+    async for chunk in request.content.iter_chunked(65536):
+        raw.extend(chunk)
+        if len(raw) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    return parse_json(bytes(raw))
+
+
+def _ttft_target_s(request: web.Request, default_ms: float) -> float:
+    raw = request.headers.get("x-slo-ttft-ms")
+    if raw is None:
+        return default_ms / 1e3
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequest("x-slo-ttft-ms",
+                         f"must be a number of milliseconds, got {raw!r}") from None
+    if not 0 < value <= 3_600_000:
+        raise BadRequest("x-slo-ttft-ms", "must be > 0 and at most one hour")
+    return value / 1e3
+
+
+def _ascii(text: str, limit: int = 200) -> str:
+    return text.encode("ascii", "replace").decode("ascii")[:limit]
+
+
+async def decide_until_dispatch(st: ServerState, req: Request,
+                                exclude: frozenset[int] = frozenset()) -> Decision:
+    """Ask the policy every slot while it holds the request (the central buffer)."""
+    slot_s = st.loaded.config.router.slot_ms / 1e3
+    while True:
+        d = st.decide(req, exclude)
+        if d.action != "hold":
+            return d
+        await asyncio.sleep(slot_s)
+
+
+def _tokens_in(line: bytes) -> int:
+    """Output tokens announced by one SSE line (1 per chunk carrying text)."""
+    if not line.startswith(b"data:"):
+        return 0
+    payload = line[5:].strip()
+    if not payload or payload == b"[DONE]":
+        return 0
+    try:
+        chunk = json.loads(payload)
+    except json.JSONDecodeError:
+        return 0
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content"):
+            return 1
+    return 0
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    server = st.loaded.config.server
+    chat = request.path.endswith("/chat/completions")
+    try:
+        data = await read_json(request, server.max_body_bytes)
+        body: CompletionBody | ChatBody = validate(ChatBody if chat else CompletionBody, data)
+        ttft_s = _ttft_target_s(request, server.default_ttft_ms)
+    except BadRequest as exc:
+        return web.json_response(exc.as_json(), status=400)
+    max_tokens = (getattr(body, "max_completion_tokens", None) or body.max_tokens
+                  or server.default_max_tokens)
+    data["max_tokens"] = max_tokens  # the backend generates exactly what was accounted for
+    prompt_tokens, text = prompt_tokens_of(body)
+    req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_s,
+                                request.headers.get("x-slo-class", "default"), text)
+    decision = await decide_until_dispatch(st, req)
+    if decision.action == "shed":
+        st.router.observe(_outcome(req, None, None, None, None, 0))
+        return error_response(429, f"request refused: {decision.reason}", kind="rate_limited",
+                              headers={"Retry-After": str(server.retry_after_s),
+                                       "x-olproute-reason": _ascii(decision.reason)})
+    return await _forward(request, st, req, decision, data, body.stream)
+
+
+async def _forward(request: web.Request, st: ServerState, req: Request, decision: Decision,
+                   data: dict[str, Any], stream: bool) -> web.StreamResponse:
+    tried: set[int] = set()
+    while True:
+        g = decision.instance
+        assert g is not None
+        backend = st.tracker.backends[g]
+        now = st.now()
+        st.tracker.dispatched(g, req, now)
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            upstream = await st.session.post(backend.url + request.path, json=data)
+            failure = f"status {upstream.status}" if upstream.status >= 500 else None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            failure = f"connect: {type(exc).__name__}"
+        if failure is None:
+            break
+        if upstream is not None:
+            upstream.release()
+        st.tracker.finished(g, req.request_id)
+        st.tracker.mark_failure(g, st.now())
+        st.metrics.errors.labels(backend.spec.name, "before_first_byte").inc()
+        tried.add(g)
+        if len(tried) > 1:
+            st.router.observe(_outcome(req, g, now, None, None, 0))
+            return error_response(502, f"backends failed: {failure}", kind="backend_error")
+        decision = await decide_until_dispatch(st, req, frozenset(tried))
+        if decision.action != "dispatch":
+            st.router.observe(_outcome(req, None, None, None, None, 0))
+            return error_response(503, f"no backend after a failure: {decision.reason}",
+                                  kind="backend_error")
+    assert upstream is not None
+    name = backend.spec.name
+    headers = {"x-olproute-instance": name, "x-olproute-reason": _ascii(decision.reason)}
+    try:
+        if stream and upstream.status == 200:
+            return await _relay_stream(request, st, g, req, upstream, headers)
+        return await _relay_whole(st, g, req, upstream, headers)
+    finally:
+        upstream.release()
+        flight = st.tracker.finished(g, req.request_id)
+        if flight is not None:
+            end = st.now()
+            outcome = _outcome(req, g, flight.dispatch_s, flight.first_token_s, end,
+                               flight.tokens)
+            st.router.observe(outcome)
+            if flight.first_token_s is not None:
+                st.metrics.ttft_seconds.labels(name).observe(flight.first_token_s - req.arrival_s)
+                st.metrics.eel_seconds.labels(name).observe(end - req.arrival_s)
+
+
+async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Request,
+                        upstream: aiohttp.ClientResponse,
+                        headers: dict[str, str]) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers={
+        **headers, "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+        "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    try:
+        async for line in upstream.content:
+            n = _tokens_in(line)
+            if n:
+                st.tracker.token(g, req.request_id, st.now(), n)
+            await resp.write(line)
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        st.tracker.mark_failure(g, st.now())
+        st.metrics.errors.labels(st.loaded.specs[g].name, "mid_stream").inc()
+        event = {"error": {"message": f"backend stream ended early: {type(exc).__name__}",
+                           "type": "backend_error"}}
+        await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+    await resp.write_eof()
+    return resp
+
+
+async def _relay_whole(st: ServerState, g: int, req: Request,
+                       upstream: aiohttp.ClientResponse,
+                       headers: dict[str, str]) -> web.Response:
+    raw = await upstream.read()
+    if upstream.status == 200:
+        try:
+            usage = json.loads(raw).get("usage") or {}
+            tokens = int(usage.get("completion_tokens", 0))
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+            tokens = 0
+        if tokens:
+            st.tracker.token(g, req.request_id, st.now(), tokens)
+    return web.Response(body=raw, status=upstream.status, headers={
+        **headers, "Content-Type": upstream.headers.get("Content-Type", "application/json")})
+
+
+def _outcome(req: Request, g: int | None, dispatch: float | None, first: float | None,
+             finish: float | None, tokens: int) -> Outcome:
+    return Outcome(request_id=req.request_id, instance=g, arrival_s=req.arrival_s,
+                   dispatch_s=dispatch, first_token_s=first,
+                   finish_s=finish if first is not None else None,
+                   prompt_tokens=req.prompt_tokens, decode_tokens=tokens,
+                   predicted_decode_tokens=req.predicted_decode_tokens)

@@ -1,0 +1,143 @@
+"""What the router knows of each backend, kept from the traffic it proxies.
+
+Every dispatch is counted at once (before the backend has seen the request); the proxied
+stream then reports each token, and the end of the request. From these the tracker
+builds, per backend, the load summary and the EngineSnapshot the estimators replay:
+requests that have streamed a token are running decoders (context = prompt + tokens),
+the others wait in dispatch order (their prefill may have begun inside the backend; the
+replay then over-estimates their remaining prefill, the safe side). Scraped gauges
+(vLLM's ``vllm:kv_cache_usage_perc``) reconcile the KV estimate when they report more
+use than the tracker sees. Health: failures take a backend out; it is probed again after
+an exponentially growing backoff.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec, Request
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request in flight on a backend (mutable: owned by the tracker)."""
+
+    request: Request
+    dispatch_s: float
+    tokens: int = 0
+    first_token_s: float | None = None
+
+
+@dataclass(slots=True)
+class BackendState:
+    """One backend: its URL, its spec, what is in flight there, its health."""
+
+    index: int
+    spec: InstanceSpec
+    url: str
+    flights: dict[int, Flight] = field(default_factory=dict)
+    healthy: bool = True
+    failures: int = 0
+    next_probe_s: float = 0.0
+    scraped: dict[str, float] = field(default_factory=dict)
+    scraped_at_s: float | None = None
+    batches_seen: int = 0
+
+
+class Tracker:
+    """Router-side state of every backend. Not thread-safe: use from the event loop."""
+
+    def __init__(self, specs: Sequence[InstanceSpec], urls: Sequence[str],
+                 base_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+        if len(specs) != len(urls):
+            raise ValueError("one URL per instance")
+        self.backends = [BackendState(i, s, u.rstrip("/"))
+                         for i, (s, u) in enumerate(zip(specs, urls, strict=True))]
+        self._base_backoff = base_backoff_s
+        self._max_backoff = max_backoff_s
+
+    # -- traffic -------------------------------------------------------------------------
+    def dispatched(self, g: int, request: Request, now_s: float) -> None:
+        self.backends[g].flights[request.request_id] = Flight(request, now_s)
+
+    def token(self, g: int, request_id: int, now_s: float, count: int = 1) -> None:
+        f = self.backends[g].flights.get(request_id)
+        if f is None:
+            return
+        if f.first_token_s is None:
+            f.first_token_s = now_s
+        f.tokens += count
+
+    def finished(self, g: int, request_id: int) -> Flight | None:
+        return self.backends[g].flights.pop(request_id, None)
+
+    # -- health ----------------------------------------------------------------------------
+    def healthy(self) -> list[bool]:
+        return [b.healthy for b in self.backends]
+
+    def mark_failure(self, g: int, now_s: float) -> None:
+        b = self.backends[g]
+        b.failures += 1
+        b.healthy = False
+        backoff = min(self._base_backoff * 2 ** (b.failures - 1), self._max_backoff)
+        b.next_probe_s = now_s + backoff
+
+    def mark_success(self, g: int) -> None:
+        b = self.backends[g]
+        b.failures = 0
+        b.healthy = True
+
+    def due_for_probe(self, now_s: float) -> list[int]:
+        """Backends to probe now: healthy ones every round, unhealthy ones after backoff."""
+        return [b.index for b in self.backends if b.healthy or now_s >= b.next_probe_s]
+
+    # -- views -----------------------------------------------------------------------------
+    def loads(self, now_s: float) -> tuple[InstanceLoad, ...]:
+        out = []
+        for b in self.backends:
+            running = sum(1 for f in b.flights.values() if f.tokens > 0)
+            used = self._blocks_used(b)
+            out.append(InstanceLoad(
+                index=b.index, name=b.spec.name, num_running=running,
+                num_waiting=len(b.flights) - running, num_outstanding=len(b.flights),
+                num_kv_blocks_used=used, num_kv_blocks=b.spec.num_kv_blocks,
+                max_num_seqs=b.spec.max_num_seqs,
+                age_s=0.0 if b.scraped_at_s is None else now_s - b.scraped_at_s))
+        return tuple(out)
+
+    def _blocks_used(self, b: BackendState) -> int:
+        bs = b.spec.block_size
+        tracked = sum(math.ceil((f.request.prompt_tokens + f.tokens) / bs)
+                      for f in b.flights.values() if f.tokens > 0)
+        perc = b.scraped.get("vllm:kv_cache_usage_perc")
+        scraped = int(perc * b.spec.num_kv_blocks) if perc is not None else 0
+        return min(max(tracked, scraped), b.spec.num_kv_blocks)
+
+    def snapshot(self, g: int, now_s: float) -> EngineSnapshot:
+        b = self.backends[g]
+        flights = sorted(b.flights.values(), key=lambda f: f.dispatch_s)
+        running = [f for f in flights if f.tokens > 0][: b.spec.max_num_seqs]
+        run_ids = {f.request.request_id for f in running}
+        waiting = [f for f in flights if f.request.request_id not in run_ids]
+        rows = []
+        for f in running:
+            ctx = f.request.prompt_tokens + f.tokens
+            rows.append((f.request.prompt_tokens, f.tokens, f.request.predicted_decode_tokens,
+                         ctx - 1, math.ceil(ctx / b.spec.block_size)))
+        for f in waiting:
+            rows.append((f.request.prompt_tokens, 0, f.request.predicted_decode_tokens, 0, 0))
+        table = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
+        used = self._blocks_used(b)
+        return EngineSnapshot(
+            time_s=now_s, table=table, num_running=len(running),
+            num_free_blocks=b.spec.num_kv_blocks - used,
+            inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=now_s,
+            request_ids=np.array([f.request.request_id for f in running + waiting],
+                                 dtype=np.int64))
+
+    def snapshots(self, now_s: float) -> tuple[EngineSnapshot, ...]:
+        return tuple(self.snapshot(g, now_s) for g in range(len(self.backends)))

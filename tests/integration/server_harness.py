@@ -1,0 +1,166 @@
+"""A router and scriptable fake backends on 127.0.0.1 free ports, run in a background
+thread's event loop so that tests (and hypothesis) can talk plain synchronous HTTP.
+
+The fake backend speaks just enough OpenAI: completions and chat completions, streamed
+one chunk per token after ``delay_s`` each, or whole; ``/health``; ``/metrics`` with the
+vLLM gauge names. Its ``mode`` scripts failures: ``ok``, ``fail500`` (5xx before the
+first byte), ``cut`` (drops the connection after ``cut_after`` chunks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from olproute.config import LoadedConfig
+from olproute.server import init_app
+from olproute.sim.scenario import CalibrationSource
+
+FAKE = web.AppKey("fake", dict)
+
+
+@dataclass
+class FakeState:
+    mode: str = "ok"
+    delay_s: float = 0.01
+    cut_after: int = 2
+    requests: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+
+STATE = web.AppKey("fake_state", FakeState)
+
+
+async def _complete(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    body = await request.json()
+    st.requests += 1
+    st.bodies.append(body)
+    if st.mode == "fail500":
+        return web.json_response({"error": "boom"}, status=500)
+    n = int(body.get("max_tokens", 4))
+    chat = request.path.endswith("chat/completions")
+    if not body.get("stream"):
+        await asyncio.sleep(st.delay_s * n)
+        text = " ".join(["tok"] * n)
+        choice = ({"message": {"role": "assistant", "content": text}} if chat
+                  else {"text": text})
+        return web.json_response({"id": "x", "object": "text_completion", "model": "fake",
+                                  "choices": [{"index": 0, **choice, "finish_reason": "length"}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": n,
+                                            "total_tokens": n + 1}})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(n):
+        await asyncio.sleep(st.delay_s)
+        if st.mode == "cut" and i == st.cut_after:
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        if chat:
+            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0,
+                     "model": "fake", "choices": [{"index": 0, "delta": {"content": "tok "},
+                                                   "finish_reason": None}]}
+        else:
+            chunk = {"id": "x", "object": "text_completion", "created": 0, "model": "fake",
+                     "choices": [{"index": 0, "text": "tok ", "finish_reason": None}]}
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    text = ("# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{model_name="fake"} 0.0\n'
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            'vllm:num_requests_waiting{model_name="fake"} 0.0\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            'vllm:kv_cache_usage_perc{model_name="fake"} 0.0\n')
+    return web.Response(text=text, content_type="text/plain")
+
+
+def fake_backend_app(state: FakeState) -> web.Application:
+    app = web.Application()
+    app[STATE] = state
+    app.router.add_post("/v1/completions", _complete)
+    app.router.add_post("/v1/chat/completions", _complete)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server = site._server
+    assert server is not None
+    port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+class Stack:
+    """Fake backends (or given URLs) and a router, in a background event loop."""
+
+    def __init__(self, loaded: LoadedConfig, num_fakes: int,
+                 calibration: CalibrationSource | None = None,
+                 backend_urls: list[str] | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.fakes = [FakeState() for _ in range(num_fakes)]
+        self._fake_runners: list[web.AppRunner | None] = []
+        self.fake_urls: list[str] = []
+        for st in self.fakes:
+            runner, url = self.run(_serve(fake_backend_app(st)))
+            self._fake_runners.append(runner)
+            self.fake_urls.append(url)
+        urls = backend_urls if backend_urls is not None else self.fake_urls
+        self.app = init_app(loaded, backend_urls=urls or None, calibration=calibration)
+        self._runner, self.url = self.run(_serve(self.app), timeout=120)
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        async def wrap() -> Any:
+            return fn()
+        return self.run(wrap())
+
+    def kill_backend(self, i: int) -> None:
+        runner = self._fake_runners[i]
+        if runner is not None:
+            self.run(runner.cleanup())
+            self._fake_runners[i] = None
+
+    def close(self) -> None:
+        try:
+            self.run(self._runner.cleanup(), timeout=30)
+            for i in range(len(self._fake_runners)):
+                self.kill_backend(i)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.loop.close()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, step: float = 0.05) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()

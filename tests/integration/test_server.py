@@ -1,0 +1,314 @@
+"""The routing server end to end: a real aiohttp router on 127.0.0.1 in front of fake
+backends (scriptable failures) started inside the tests, talked to over HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from olproute.calibration import InstanceCalibration
+from olproute.config import load_config
+from olproute.sim.scenario import CalibrationSource
+from tests.conftest import PROFILES
+from tests.integration.server_harness import Stack, wait_until
+
+CAL = InstanceCalibration(beta=(3e-3, 1e-6, 1e-8, 1e-10), prefill_tokens_per_s=50_000,
+                          tpot_s=0.004, mean_batch_seqs=8, service_rate_per_s=20)
+TOKEN = "s3cret"
+
+
+def _config(tmp_path: Path, **extra: Any) -> Path:
+    data: dict[str, Any] = {
+        "profiles": str(PROFILES),
+        "instances": [{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 3}],
+        "router": {"policy": "bid_price", "slot_ms": 20},
+        "prices": {"period_slots": 5, "window": 200, "minibatch": 32},
+        "server": {"health_period_s": 0.1, "scrape_period_s": 0.2, "admin_token": TOKEN},
+        "workload": {"kind": "poisson", "rate_per_s": 1, "num_requests": 10,
+                     "prompt_tokens": 10, "decode_tokens": 10},
+    }
+    data.update(extra)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    loaded = load_config(_config(tmp_path))
+    s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def request(url: str, method: str, path: str, body: Any = None, raw: bytes | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    conn.request(method, path, body=data, headers=hdrs)
+    resp = conn.getresponse()
+    out = resp.read()
+    result = resp.status, {k.lower(): v for k, v in resp.getheaders()}, out
+    conn.close()
+    return result
+
+
+def stream(url: str, path: str, body: Any) -> tuple[int, dict[str, str], list[tuple[float, bytes]]]:
+    """POST and read the answer line by line, with the time each line arrived."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", path, body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    lines = []
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        if line.strip():
+            lines.append((time.monotonic(), line.strip()))
+    headers = {k.lower(): v for k, v in resp.getheaders()}
+    conn.close()
+    return resp.status, headers, lines
+
+
+def test_streaming_completion_arrives_chunk_by_chunk(stack: Stack) -> None:
+    for fake in stack.fakes:
+        fake.delay_s = 0.05
+    status, headers, lines = stream(stack.url, "/v1/completions",
+                                    {"prompt": "hello there world", "max_tokens": 6,
+                                     "stream": True})
+    assert status == 200
+    assert headers["x-olproute-instance"].startswith("q-")
+    assert headers["x-olproute-reason"]
+    data = [line for _, line in lines if line.startswith(b"data: {")]
+    assert len(data) == 6 and lines[-1][1] == b"data: [DONE]"
+    times = [t for t, line in lines if line.startswith(b"data: {")]
+    assert times[-1] - times[0] > 0.15  # chunks were passed on as they came, not at the end
+    forwarded = [b for f in stack.fakes for b in f.bodies]
+    assert forwarded[-1]["max_tokens"] == 6 and forwarded[-1]["stream"] is True
+
+
+def test_non_streaming_and_chat(stack: Stack) -> None:
+    status, _, raw = request(stack.url, "POST", "/v1/completions",
+                             {"prompt": "one two", "max_tokens": 3})
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
+    status, _, lines = stream(stack.url, "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "hi there"}],
+                               "max_tokens": 4, "stream": True})
+    assert status == 200
+    deltas = [json.loads(line[6:]) for _, line in lines
+              if line.startswith(b"data: {")]
+    assert [d["choices"][0]["delta"]["content"] for d in deltas] == ["tok "] * 4
+
+
+def test_openai_client_streams_through_the_router(stack: Stack) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    chunks = list(client.completions.create(model="q", prompt="say something", max_tokens=5,
+                                            stream=True))
+    assert len(chunks) == 5
+    assert "".join(c.choices[0].text for c in chunks) == "tok " * 5
+
+
+def test_metrics_parse_and_count_decisions(stack: Stack) -> None:
+    for _ in range(3):
+        request(stack.url, "POST", "/v1/completions", {"prompt": "a b c", "max_tokens": 2})
+    status, _, raw = request(stack.url, "GET", "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(raw.decode())}
+    decisions = sum(s.value for s in families["olproute_decisions"].samples
+                    if s.name == "olproute_decisions_total" and s.labels["action"] == "dispatch")
+    assert decisions >= 3
+    assert "olproute_decision_seconds" in families and "olproute_ttft_seconds" in families
+
+
+def test_route_answers_with_its_explanation(stack: Stack) -> None:
+    status, _, raw = request(stack.url, "POST", "/route",
+                             {"prompt_tokens": 500, "max_tokens": 50, "ttft_target_ms": 800})
+    assert status == 200
+    doc = json.loads(raw)
+    assert doc["action"] == "dispatch" and doc["instance"] in doc["instances"]
+    for key in ("ttft_s", "reward", "price_cost", "score", "qps", "ttft_saved"):
+        assert len(doc["explanation"][key]) == 3
+    status, _, raw = request(stack.url, "POST", "/route", {"prompt_tokens": 0})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "prompt_tokens"
+    status, _, raw = request(stack.url, "POST", "/route", {"max_tokens": 5})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "prompt"
+    status, _, raw = request(stack.url, "GET", "/openapi.json")
+    assert status == 200 and "/route" in json.loads(raw)["paths"]
+
+
+def test_prices_and_instances(stack: Stack) -> None:
+    for _ in range(4):
+        request(stack.url, "POST", "/v1/completions", {"prompt": "x y", "max_tokens": 2})
+    assert wait_until(lambda: json.loads(request(stack.url, "GET", "/prices")[2])["updates"]
+                      > 0)
+    doc = json.loads(request(stack.url, "GET", "/prices")[2])
+    assert [i["name"] for i in doc["instances"]] == ["q-0", "q-1", "q-2"]
+    assert all(len(i["batch"]) == doc["horizon_slots"] for i in doc["instances"])
+    assert {i["bottleneck"] for i in doc["instances"]} <= {"none", "batch", "kv"}
+    inst = json.loads(request(stack.url, "GET", "/instances")[2])["instances"]
+    assert all(i["healthy"] for i in inst) and len(inst[0]["beta"]) == 4
+
+
+def test_bad_input_is_400_naming_the_field_and_oversize_is_413(stack: Stack) -> None:
+    status, _, raw = request(stack.url, "POST", "/v1/completions", raw=b"{not json")
+    assert status == 400 and "JSON" in json.loads(raw)["error"]["message"]
+    status, _, raw = request(stack.url, "POST", "/v1/completions",
+                             {"prompt": "x", "max_tokens": 0})
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == "max_tokens" and ">= 1" in err["message"]
+    status, _, raw = request(stack.url, "POST", "/v1/completions", {"max_tokens": 3})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "prompt"
+    status, _, raw = request(stack.url, "POST", "/v1/completions", {"prompt": "x"},
+                             headers={"x-slo-ttft-ms": "soon"})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "x-slo-ttft-ms"
+    big = json.dumps({"prompt": "w " * 700_000}).encode()
+    status, _, _ = request(stack.url, "POST", "/v1/completions", raw=big)
+    assert status == 413
+
+
+def test_shedding_gives_429_with_retry_after(tmp_path: Path) -> None:
+    # a reward that never pays for serving: every request is held, then shed at once
+    loaded = load_config(_config(tmp_path, reward={"sigma": 0.0, "beta": 0.0, "gamma": 0.0},
+                                 admission={"mode": "shed", "patience_s": 0.0}))
+    s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
+    try:
+        status, headers, raw = request(s.url, "POST", "/v1/completions",
+                                       {"prompt": "a", "max_tokens": 2})
+        assert status == 429 and headers["retry-after"] == "1"
+        assert "shed" in json.loads(raw)["error"]["message"]
+        assert sum(f.requests for f in s.fakes) == 0
+    finally:
+        s.close()
+
+
+def test_failed_backend_is_retried_once_then_avoided(stack: Stack) -> None:
+    stack.fakes[0].mode = "fail500"
+    for _ in range(6):
+        status, headers, _ = request(stack.url, "POST", "/v1/completions",
+                                     {"prompt": "a b", "max_tokens": 2})
+        assert status == 200 and headers["x-olproute-instance"] != "q-0"
+    inst = json.loads(request(stack.url, "GET", "/instances")[2])["instances"]
+    assert inst[0]["failures"] >= 1
+
+
+def test_killed_backend_ends_the_stream_with_an_error_and_is_avoided(stack: Stack) -> None:
+    for fake in stack.fakes:
+        fake.mode, fake.cut_after, fake.delay_s = "cut", 2, 0.02
+    status, headers, lines = stream(stack.url, "/v1/completions",
+                                    {"prompt": "a", "max_tokens": 8, "stream": True})
+    assert status == 200
+    victim = int(headers["x-olproute-instance"].split("-")[1])
+    assert b"error" in lines[-1][1] and b"backend stream ended early" in lines[-1][1]
+    for fake in stack.fakes:
+        fake.mode = "ok"
+    stack.kill_backend(victim)
+    assert wait_until(lambda: not json.loads(request(stack.url, "GET", "/instances")[2])
+                      ["instances"][victim]["healthy"])
+    for _ in range(6):
+        status, headers, _ = request(stack.url, "POST", "/v1/completions",
+                                     {"prompt": "a", "max_tokens": 2})
+        assert status == 200 and headers["x-olproute-instance"] != f"q-{victim}"
+    # nothing stays in flight: every request was recorded as finished
+    st = stack.app
+    from olproute.server.state import STATE
+
+    assert stack.call(lambda: sum(len(b.flights) for b in st[STATE].tracker.backends)) == 0
+    assert stack.call(lambda: [b.flights for b in st[STATE].tracker.backends]) == [{}, {}, {}]
+
+
+def test_reload_needs_the_token_and_keeps_serving_on_a_bad_file(tmp_path: Path) -> None:
+    path = _config(tmp_path)
+    loaded = load_config(path)
+    s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
+    try:
+        assert request(s.url, "POST", "/admin/reload")[0] == 401
+        assert request(s.url, "POST", "/admin/reload",
+                       headers={"Authorization": "Bearer wrong"})[0] == 401
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        doc = yaml.safe_load(path.read_text())
+        doc["instances"][0]["max_num_seqs"] = 0
+        path.write_text(yaml.safe_dump(doc))
+        status, _, raw = request(s.url, "POST", "/admin/reload", headers=auth)
+        err = json.loads(raw)["error"]
+        assert status == 400 and "instances[0].max_num_seqs: must be >= 1" in err["message"]
+        assert request(s.url, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 2}
+                       )[0] == 200
+        doc["instances"][0]["max_num_seqs"] = 256
+        doc["router"]["policy"] = "least_outstanding"
+        path.write_text(yaml.safe_dump(doc))
+        status, _, raw = request(s.url, "POST", "/admin/reload", headers=auth)
+        assert status == 200 and json.loads(raw)["policy"] == "least_outstanding"
+        status, headers, _ = request(s.url, "POST", "/v1/completions",
+                                     {"prompt": "a", "max_tokens": 2})
+        assert status == 200 and "outstanding" in headers["x-olproute-reason"]
+    finally:
+        s.close()
+
+
+def test_admin_token_from_the_environment(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OLPROUTE_ADMIN_TOKEN", "from-env")
+    loaded = load_config(_config(tmp_path))
+    s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
+    try:
+        assert request(s.url, "POST", "/admin/reload",
+                       headers={"Authorization": f"Bearer {TOKEN}"})[0] == 401
+        assert request(s.url, "POST", "/admin/reload",
+                       headers={"Authorization": "Bearer from-env"})[0] == 200
+    finally:
+        s.close()
+        assert os.environ.get("OLPROUTE_ADMIN_TOKEN") == "from-env"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False)
+    | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                max_size=5),
+    max_leaves=12)
+bodies = st.one_of(
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries({}, optional={"prompt": json_values, "max_tokens": json_values,
+                                        "stream": json_values, "messages": json_values,
+                                        "prompt_tokens": json_values,
+                                        "ttft_target_ms": json_values}
+                          ).map(lambda d: json.dumps(d).encode()),
+    st.binary(max_size=64))
+
+
+def test_fuzzed_bodies_never_get_a_500(tmp_path: Path) -> None:
+    loaded = load_config(_config(tmp_path))
+    s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
+
+    @settings(max_examples=120, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(raw=bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions",
+                                             "/route"]))
+    def check(raw: bytes, path: str) -> None:
+        status, _, _ = request(s.url, "POST", path, raw=raw)
+        assert status < 500, (path, raw)
+
+    try:
+        check()
+    finally:
+        s.close()
