@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import math
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
-import numpy as np
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -231,7 +231,7 @@ async def route(request: web.Request) -> web.Response:
         request_id=req.request_id, action=d.action,
         instance=None if d.instance is None else names[d.instance], reason=d.reason,
         policy=st.router.policy_name, instances=names,
-        explanation={k: [float(x) if np.isfinite(x) else 1e308 for x in v]
+        explanation={k: [x if math.isfinite(x) else 1e308 for x in v]
                      for k, v in d.explanation.items()})
     return web.json_response(answer.model_dump())
 

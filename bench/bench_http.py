@@ -1,0 +1,185 @@
+"""The router over HTTP: decisions per second and the latency the proxy adds.
+
+    python bench/bench_http.py [--seconds S] [--json PATH]
+
+1. ``POST /route`` at concurrency 32 for ``--seconds`` against the router (bid_price,
+   8 emulated Qwen3-8B / H100 instances, BEA and the request's predicted length in
+   every decision), and the same load against a null aiohttp-on-uvloop handler that
+   parses the JSON body and returns a small JSON answer, measured in the same run: rate
+   and p50 / p99 latency of each, and the router's share of the null handler's rate.
+   Servers run in their own processes; the load comes from this process (aiohttp client,
+   32 concurrent workers), so on this 2-core machine client and server share the CPU for
+   both measurements alike.
+2. The TTFT the proxy adds: streamed completions (prompt of 100 words, 4 tokens), one at
+   a time, alternately through the router and straight to one of its emulated backends;
+   the difference of the p50 and of the p99 of the two TTFT distributions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+NULL_SERVER = """
+import sys, uvloop
+from aiohttp import web
+async def handle(request):
+    body = await request.json()
+    return web.json_response({"ok": True, "n": len(body)})
+app = web.Application()
+app.router.add_post("/route", handle)
+uvloop.install()
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_up(url: str, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < end:
+            try:
+                async with s.post(url + "/route", json={"prompt_tokens": 10}) as r:
+                    if r.status < 500:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.25)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def load(url: str, seconds: float, concurrency: int) -> dict[str, float]:
+    bodies = [{"prompt_tokens": int(p), "max_tokens": int(o), "ttft_target_ms": 1000}
+              for p, o in zip(np.random.default_rng(0).integers(50, 3000, 256),
+                              np.random.default_rng(1).integers(10, 600, 256), strict=True)]
+    lat: list[float] = []
+    errors = 0
+    stop = time.monotonic() + seconds
+
+    async def worker(k: int, s: aiohttp.ClientSession) -> None:
+        nonlocal errors
+        i = k
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            async with s.post(url + "/route", json=bodies[i % len(bodies)]) as r:
+                await r.read()
+                if r.status != 200:
+                    errors += 1
+            lat.append(time.perf_counter() - t0)
+            i += concurrency
+
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker(k, s) for k in range(concurrency)))
+        elapsed = time.monotonic() - t0
+    arr = np.array(lat) * 1e3
+    return {"rate_per_s": len(lat) / elapsed, "p50_ms": float(np.percentile(arr, 50)),
+            "p99_ms": float(np.percentile(arr, 99)), "errors": float(errors),
+            "requests": float(len(lat))}
+
+
+async def ttft(url: str, n: int) -> list[float]:
+    body = {"prompt": " ".join(["word"] * 100), "max_tokens": 4, "stream": True}
+    out = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async with s.post(url + "/v1/completions", json=body) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        out.append(time.perf_counter() - t0)
+                        break
+                await r.read()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=10.0, help="load duration per server")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--ttft-requests", type=int, default=200)
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp())
+    cfg = {"profiles": str(REPO / "configs" / "profiles.yaml"),
+           "instances": [{"name": "q8", "model": "qwen3-8b", "gpu": "h100", "replicas": 8}],
+           "workload": {"kind": "poisson", "rate_per_s": 20, "num_requests": 2000,
+                        "lengths_path": str(REPO / "data" / "traces" / "splitwise_conv.csv")},
+           "router": {"policy": "bid_price"}, "prediction": {"mode": "noisy"}}
+    (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
+    rport, nport = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    router = subprocess.Popen([sys.executable, "-m", "olproute.cli", "serve", "--config",
+                               str(tmp / "bench.yaml"), "--port", str(rport)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    null = subprocess.Popen([sys.executable, "-c", NULL_SERVER, str(nport)], env=env)
+    results: dict[str, Any] = {}
+    try:
+        rurl, nurl = f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{nport}"
+        asyncio.run(wait_up(nurl))
+        asyncio.run(wait_up(rurl))
+        results["null"] = asyncio.run(load(nurl, args.seconds, args.concurrency))
+        results["router"] = asyncio.run(load(rurl, args.seconds, args.concurrency))
+
+        async def backend_url() -> str:
+            async with aiohttp.ClientSession() as s, s.get(rurl + "/instances") as r:
+                return str((await r.json())["instances"][0]["url"])
+        direct = asyncio.run(backend_url())
+        via, straight = [], []
+        for _ in range(args.ttft_requests // 20):
+            via += asyncio.run(ttft(rurl, 10))
+            straight += asyncio.run(ttft(direct, 10))
+        v, d = np.array(via) * 1e3, np.array(straight) * 1e3
+        results["ttft_ms"] = {
+            "router_p50": float(np.percentile(v, 50)), "router_p99": float(np.percentile(v, 99)),
+            "direct_p50": float(np.percentile(d, 50)), "direct_p99": float(np.percentile(d, 99))}
+    finally:
+        for p in (router, null):
+            p.terminate()
+            p.wait(timeout=30)
+    n, r, t = results["null"], results["router"], results["ttft_ms"]
+    rows = [
+        ("null handler: requests/s", f"{n['rate_per_s']:,.0f}"),
+        ("null handler: p50 / p99 ms", f"{n['p50_ms']:.2f} / {n['p99_ms']:.2f}"),
+        ("router /route: requests/s", f"{r['rate_per_s']:,.0f}"),
+        ("router /route: p50 / p99 ms", f"{r['p50_ms']:.2f} / {r['p99_ms']:.2f}"),
+        ("router / null rate", f"{r['rate_per_s'] / n['rate_per_s']:.0%}   (goal >= 50%)"),
+        ("router errors", f"{r['errors']:.0f}"),
+        ("TTFT via router p50 / p99 ms", f"{t['router_p50']:.2f} / {t['router_p99']:.2f}"),
+        ("TTFT direct p50 / p99 ms", f"{t['direct_p50']:.2f} / {t['direct_p99']:.2f}"),
+        ("TTFT added p50 / p99 ms", f"{t['router_p50'] - t['direct_p50']:.2f} / "
+                                    f"{t['router_p99'] - t['direct_p99']:.2f}   (goal p99 <= 2)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print(f"{'measure':<{width}}  value")
+    print(f"{'-' * width}  {'-' * 24}")
+    for k, val in rows:
+        print(f"{k:<{width}}  {val}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
