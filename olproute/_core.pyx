@@ -328,6 +328,44 @@ cdef class BatchCore:
         self.e.num_output[slot] = 0
         self._free_slots.append(slot)
 
+    def abort(self, int64_t slot):
+        """Remove an unfinished request (running or waiting, keeping the others' order),
+        free its KV blocks and its slot, as when its client goes away.
+
+        Only between batches: a batch scheduled and not yet committed still refers to its
+        slots, so abort() then raises ValueError (commit() first). Scheduling rules are
+        untouched: the next schedule() sees the queues without the request.
+        """
+        cdef int64_t r, n
+        if slot < 0 or slot >= self.capacity:
+            raise IndexError(f"slot {slot} out of range")
+        if self.e.n_sched > 0:
+            raise ValueError("cannot abort while a batch is scheduled; commit() first")
+        if self.e.num_output[slot] >= self.e.max_output[slot]:
+            raise ValueError(f"slot {slot} holds no unfinished request")
+        for r in range(self.e.n_running):
+            if self.e.running[r] == slot:
+                n = self.e.n_running - r - 1
+                if n > 0:
+                    memmove(&self.e.running[r], &self.e.running[r + 1], <size_t>n * sizeof(int64_t))
+                self.e.n_running -= 1
+                break
+        else:
+            for r in range(self.e.n_waiting):
+                if self.e.waiting[r] == slot:
+                    n = self.e.n_waiting - r - 1
+                    if n > 0:
+                        memmove(&self.e.waiting[r], &self.e.waiting[r + 1],
+                                <size_t>n * sizeof(int64_t))
+                    self.e.n_waiting -= 1
+                    break
+        self.e.free_blocks += self.e.num_blocks[slot]
+        self.e.num_blocks[slot] = 0
+        self.e.num_computed[slot] = 0
+        self.e.max_output[slot] = 0
+        self.e.num_output[slot] = 0
+        self._free_slots.append(slot)
+
     def schedule(self):
         """Form one batch. Returns (num_scheduled, sums) where sums is a tuple of
         (num_seqs, num_tokens, num_decode_tokens, sum_decode_context, num_prefill_tokens,

@@ -91,6 +91,24 @@ class ReferenceCore:
         self._output[slot] = 0
         self._free_slots.append(slot)
 
+    def abort(self, slot: int) -> None:
+        if not 0 <= slot < self.capacity:
+            raise IndexError(f"slot {slot} out of range")
+        if self._batch:
+            raise ValueError("cannot abort while a batch is scheduled; commit() first")
+        if self._output[slot] >= self._max_output[slot]:
+            raise ValueError(f"slot {slot} holds no unfinished request")
+        if slot in self._running:
+            self._running.remove(slot)
+        else:
+            self._waiting.remove(slot)
+        self.num_free_blocks += self._blocks[slot]
+        self._blocks[slot] = 0
+        self._computed[slot] = 0
+        self._max_output[slot] = 0
+        self._output[slot] = 0
+        self._free_slots.append(slot)
+
     # -- one step -------------------------------------------------------------------
     def _preempt_last(self) -> int:
         v = self._running.pop()

@@ -23,11 +23,13 @@ limits = st.fixed_dictionaries({
     "max_num_seqs": st.integers(1, 8),
     "max_num_batched_tokens": st.integers(1, 96),
 })
-# An op is ("add", prompt, output) or ("step",); steps dominate so requests progress.
+# An op is ("add", prompt, output), ("step",) or ("abort", k): abort the k-th resident
+# request (modulo); steps dominate so requests progress.
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 120), st.integers(1, 40)),
         st.tuples(st.just("step")), st.tuples(st.just("step")), st.tuples(st.just("step")),
+        st.tuples(st.just("abort"), st.integers(0, 63)),
     ),
     min_size=1, max_size=120,
 )
@@ -74,6 +76,14 @@ def test_compiled_core_matches_reference(lim: dict[str, int], program: list[tupl
                     ref.add_request(prompt, output)
                 continue
             assert fast.add_request(prompt, output) == ref.add_request(prompt, output)
+            continue
+        if op[0] == "abort":
+            resident = fast.running().tolist() + fast.waiting().tolist()
+            if resident:
+                slot = resident[op[1] % len(resident)]
+                fast.abort(slot)
+                ref.abort(slot)
+                assert _state(fast) == _state(ref)
             continue
         n_fast, sums_fast = fast.schedule()
         n_ref, sums_ref = ref.schedule()
@@ -215,3 +225,33 @@ def test_tables_grow_past_initial_capacity() -> None:
     assert sorted(slots) == list(range(50))
     assert core.waiting().tolist() == slots
     assert core.capacity >= 50
+
+
+@pytest.mark.parametrize("cls", [BatchCore, ReferenceCore])
+def test_abort_frees_slot_and_blocks_and_keeps_queue_order(cls: type[Core]) -> None:
+    core = cls(num_kv_blocks=20, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    a, b, c, d = (core.add_request(8, 6) for _ in range(4))
+    core.schedule()
+    with pytest.raises(ValueError, match="commit"):
+        core.abort(a)  # a batch in flight still refers to its slots
+    core.commit()
+    assert core.running().tolist() == [a, b] and core.waiting().tolist() == [c, d]
+    free = core.num_free_blocks
+    held = core.request(a)[4]
+    core.abort(a)
+    assert core.running().tolist() == [b] and core.num_free_blocks == free + held
+    core.abort(c)
+    assert core.waiting().tolist() == [d]
+    with pytest.raises(ValueError, match="no unfinished request"):
+        core.abort(a)
+    # the freed slots are handed out again, and the rest still finishes
+    assert {core.add_request(4, 2), core.add_request(4, 2)} == {a, c}
+    for _ in range(100):
+        if core.schedule()[0] == 0:
+            break
+        core.commit()
+        for slot, flags in core.event_list():
+            if flags & FINISHED:
+                core.release_slot(slot)
+    assert core.num_running == core.num_waiting == 0
+    assert core.num_free_blocks == 20
