@@ -33,9 +33,11 @@ class Core(Protocol):
     def num_free_blocks(self) -> int: ...
     def add_request(self, prompt_tokens: int, max_output_tokens: int) -> int: ...
     def release_slot(self, slot: int) -> None: ...
+    def abort(self, slot: int) -> None: ...
     def schedule(self) -> tuple[int, Sums]: ...
     def commit(self) -> int: ...
     def event_list(self) -> list[tuple[int, int]]: ...
+    def batch(self) -> tuple[IntArray, IntArray, IntArray, IntArray]: ...
     def request(self, slot: int) -> tuple[int, int, int, int, int, int]: ...
     def snapshot(
         self, predicted_by_slot: IntArray, id_by_slot: IntArray
@@ -83,9 +85,9 @@ class SimEngine:
         return self.core.num_running + self.core.num_waiting
 
     def admit(self, request_id: int, prompt_tokens: int, decode_tokens: int,
-              predicted_decode_tokens: int) -> None:
-        """Queue a request; ``decode_tokens`` is the truth the engine runs to,
-        ``predicted_decode_tokens`` what snapshots report to the router."""
+              predicted_decode_tokens: int) -> int:
+        """Queue a request and return its core slot; ``decode_tokens`` is the truth the
+        engine runs to, ``predicted_decode_tokens`` what snapshots report to the router."""
         slot = self.core.add_request(prompt_tokens, decode_tokens)
         self._slot_request[slot] = request_id
         if slot >= self._predicted.shape[0]:
@@ -94,6 +96,18 @@ class SimEngine:
             self._request_id = np.resize(self._request_id, grown)
         self._predicted[slot] = predicted_decode_tokens
         self._request_id[slot] = request_id
+        return slot
+
+    def abort(self, request_id: int) -> None:
+        """Drop an unfinished request, freeing its slot and KV blocks (its client went
+        away). Only between finish_batch() and the next start_batch(): the core raises
+        ValueError while a batch is scheduled. O(resident), aborts being rare."""
+        for slot, rid in self._slot_request.items():
+            if rid == request_id:
+                self.core.abort(slot)
+                del self._slot_request[slot]
+                return
+        raise KeyError(f"request {request_id} is not resident")
 
     def snapshot(self, now_s: float) -> EngineSnapshot:
         """The engine's state now, with the batch in flight (if busy)."""
