@@ -172,6 +172,35 @@ def _cmd_estimate_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_at_gpu(text: str) -> tuple[str, str]:
+    """argparse type: MODEL@GPU (names from the profiles file)."""
+    model, sep, gpu = text.partition("@")
+    if not (model and sep and gpu):
+        raise argparse.ArgumentTypeError(f"expected MODEL@GPU, got {text!r}")
+    return model, gpu
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def _cmd_emulate(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from olproute.emulator import emulation_config, serve_emulators
+
+    loaded = emulation_config(load_config(args.config), args.instances, args.profile)
+    uvloop.run(serve_emulators(loaded, host=args.host, base_port=args.base_port,
+                               time_scale=args.time_scale, seed=args.seed))
+    return 0
+
+
 def _cmd_train_predictors(args: argparse.Namespace) -> int:
     from olproute.config import load_profiles
     from olproute.predict import TrainConfig, read_training_file, train_and_evaluate
@@ -309,6 +338,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model profiles, for model traits (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=_cmd_train_predictors)
+
+    p = sub.add_parser("emulate", help="serve emulated vLLM-like instances over HTTP",
+                       description="Run each configured instance as an emulated vLLM-like "
+                                   "server (OpenAI-compatible completions with streaming, "
+                                   "/metrics with vLLM names, /health), batches timed in "
+                                   "real time by the simulator's ground truth, on its own "
+                                   "port, until Ctrl-C.")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                   help="configuration YAML (default: %(default)s)")
+    p.add_argument("--instances", type=_positive_int, metavar="N",
+                   help="N copies of the first configured instance (default: the config's)")
+    p.add_argument("--profile", type=_model_at_gpu, metavar="MODEL@GPU",
+                   help="run every instance as this model on this GPU (profiles names)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--base-port", type=int, default=0, metavar="P",
+                   help="instance i listens on P+i (default: 0, free ports)")
+    p.add_argument("--time-scale", type=_positive_float, default=1.0, metavar="X",
+                   help="multiply every batch duration by X (<1 runs faster; default: 1)")
+    p.add_argument("--seed", type=_seed, help="batch-time noise seed (default: sim.seed)")
+    p.set_defaults(handler=_cmd_emulate)
     return parser
 
 

@@ -1,0 +1,26 @@
+"""Emulated vLLM-like serving instances over HTTP, timed in real time by the simulator's
+ground-truth batch-time model (for ``olproute emulate``, the router's embedded default
+and the tests).
+
+- ``engine``: ``EmulatedInstance``, the real-time engine loop around a ``SimEngine``.
+- ``protocol``: the OpenAI-compatible request validation and response/chunk formats.
+- ``metrics``: Prometheus metrics under vLLM's names, one registry per instance.
+- ``app``: the aiohttp app factory ``init_app`` and ``start_emulators`` / ``emulators``.
+"""
+
+from olproute.emulator.app import (
+    INSTANCE_HEADER,
+    RunningEmulator,
+    emulation_config,
+    emulators,
+    ground_truth_timers,
+    init_app,
+    serve_emulators,
+    start_emulators,
+    stop_emulators,
+)
+from olproute.emulator.engine import BATCH_COLUMNS, EmulatedInstance, EmulatedRequest
+
+__all__ = ["BATCH_COLUMNS", "INSTANCE_HEADER", "EmulatedInstance", "EmulatedRequest",
+           "RunningEmulator", "emulation_config", "emulators", "ground_truth_timers",
+           "init_app", "serve_emulators", "start_emulators", "stop_emulators"]

@@ -1,0 +1,247 @@
+"""One emulated vLLM-like engine, run in real time on the event loop.
+
+A ``SimEngine`` (the compiled batch-formation core: continuous batching, chunked prefill,
+paged KV, preemption by recompute) forms each batch; the simulator's ground-truth timer
+(``RooflineTiming`` of the instance's model and GPU, seeded noise) gives its duration,
+times ``time_scale``; the loop sleeps that long, commits the batch and hands every produced
+token to its request. Batches are laid back to back on a virtual clock, so the loop's
+wake-up jitter does not accumulate while the engine is busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from olproute.core_ref import FINISHED
+from olproute.emulator.metrics import EngineMetrics
+from olproute.sim.engine import BATCH_LOG_COLUMNS, BatchTimer, SimEngine
+from olproute.types import InstanceSpec
+
+# A busy engine that falls this far behind its virtual clock (a stalled event loop)
+# restarts the clock at now instead of running the backlog in a burst.
+_MAX_LAG_S = 0.05
+
+
+class EmulatedRequest:
+    """One request inside the engine; its handler waits on it for tokens.
+
+    ``num_tokens`` grows as batches commit; ``done`` is set when it finished all its tokens,
+    was aborted, or the engine stopped (``failed``)."""
+
+    __slots__ = ("_changed", "_finished", "aborted", "arrival_s", "done", "failed", "first_token_s",
+                 "max_tokens", "num_tokens", "prompt_tokens", "request_id", "slot")
+
+    def __init__(self, request_id: int, prompt_tokens: int, max_tokens: int,
+                 arrival_s: float) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.arrival_s = arrival_s
+        self.slot = -1
+        self.num_tokens = 0
+        self.first_token_s: float | None = None
+        self.done = False
+        self.aborted = False
+        self.failed = False
+        self._changed = asyncio.Event()
+        self._finished = asyncio.Event()
+
+    async def wait_done(self) -> None:
+        """Return once the request is done (finished, aborted or failed)."""
+        await self._finished.wait()
+
+    async def wait_beyond(self, num_tokens: int) -> None:
+        """Return once more than ``num_tokens`` tokens exist, or the request is done."""
+        while self.num_tokens <= num_tokens and not self.done:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    def _end(self, *, aborted: bool = False, failed: bool = False) -> None:
+        self.done = True
+        self.aborted |= aborted
+        self.failed |= failed
+        self._changed.set()
+        self._finished.set()
+
+
+class EmulatedInstance:
+    """A vLLM-like engine timed in real time by the simulator's ground truth.
+
+    ``timer`` maps batch sums to seconds (``olproute.sim.timing``); ``time_scale``
+    multiplies every batch duration (< 1 runs faster than the modelled GPU).
+    ``max_model_len`` caps prompt + output tokens (default: the KV capacity).
+    Records of the last ``batch_log_size`` batches are kept for ``batch_records``.
+    """
+
+    def __init__(self, spec: InstanceSpec, timer: BatchTimer, *, index: int = 0,
+                 time_scale: float = 1.0, model_name: str | None = None,
+                 max_model_len: int | None = None, batch_log_size: int = 65_536) -> None:
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.spec = spec
+        self.index = index
+        self.time_scale = time_scale
+        self.model_name = model_name or spec.model
+        cap = spec.kv_capacity_tokens
+        self.max_model_len = cap if max_model_len is None else min(max_model_len, cap)
+        self.metrics = EngineMetrics(self.model_name)
+        self._timer = timer
+        self._sums: Sequence[float] = ()
+        self._engine = SimEngine(index, spec, self._timed)
+        self._requests: dict[int, EmulatedRequest] = {}
+        self._by_slot: dict[int, EmulatedRequest] = {}
+        self._pending_aborts: list[EmulatedRequest] = []
+        self._ids = itertools.count()
+        self._log: deque[tuple[float, ...]] = deque(maxlen=batch_log_size)
+        self._num_batches = 0
+        self._in_batch = False
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.t0 = time.monotonic()  # the clock of batch records starts here
+        self.started_unix_s = time.time()
+
+    def _timed(self, sums: Sequence[float]) -> float:
+        self._sums = sums
+        return self._timer(sums) * self.time_scale
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self._engine.core.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self._engine.core.num_waiting
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use, 0..1 (vLLM's ``kv_cache_usage_perc``)."""
+        return 1.0 - self._engine.core.num_free_blocks / self.spec.num_kv_blocks
+
+    @property
+    def num_batches(self) -> int:
+        return self._num_batches
+
+    def batch_records(self, since: int = 0) -> tuple[int, list[tuple[float, ...]]]:
+        """(index of the first returned record, records since batch ``since``), in the
+        columns of ``BATCH_COLUMNS``; the oldest ones may have been dropped."""
+        first = self._num_batches - len(self._log)
+        start = max(since, first)
+        return start, list(itertools.islice(self._log, start - first, None))
+
+    # -- requests ------------------------------------------------------------------------
+    def submit(self, prompt_tokens: int, max_tokens: int) -> EmulatedRequest:
+        """Queue a request; raises ValueError if it could never fit in the KV cache."""
+        if self._task is None:
+            raise RuntimeError("the engine is not running")
+        req = EmulatedRequest(next(self._ids), prompt_tokens, max_tokens, time.monotonic())
+        req.slot = self._engine.admit(req.request_id, prompt_tokens, max_tokens, max_tokens)
+        self._requests[req.request_id] = req
+        self._by_slot[req.slot] = req
+        self._wake.set()
+        return req
+
+    def abort(self, req: EmulatedRequest) -> None:
+        """Drop an unfinished request (its client went away): frees its slot and KV
+        blocks now, or right after the batch in flight commits. No-op once done."""
+        if req.done:
+            return
+        req._end(aborted=True)
+        if self._in_batch:
+            self._pending_aborts.append(req)
+        else:
+            self._drop(req)
+
+    def _drop(self, req: EmulatedRequest) -> None:
+        if self._requests.pop(req.request_id, None) is not None:
+            self._engine.abort(req.request_id)
+            del self._by_slot[req.slot]
+            self.metrics.aborted()
+
+    # -- the loop ------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name=f"emulator-{self.spec.name}")
+
+    async def close(self) -> None:
+        """Stop the loop; requests still resident end as ``failed``."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})  # without re-raising the task's cancellation
+        for req in self._requests.values():
+            req._end(failed=True)
+        self._requests.clear()
+
+    async def _run(self) -> None:
+        clock = time.monotonic()  # virtual end of the last batch
+        while True:
+            idled = self._engine.num_resident == 0
+            if idled:
+                self._wake.clear()
+                await self._wake.wait()
+            now = time.monotonic()
+            # a busy engine starts the next batch where the last one ended; one that
+            # idled starts now (never before the request that woke it arrived)
+            start = clock if not idled and now - clock <= _MAX_LAG_S else now
+            self._in_batch = True
+            duration = self._engine.start_batch(start - self.t0)
+            if duration is None:  # nothing schedulable; only reachable defensively
+                self._in_batch = False
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            slots = self._engine.core.batch()[0].tolist()
+            self._log.append((float(self.index), start - self.t0, duration,
+                              *self._sums))
+            self._num_batches += 1
+            clock = start + duration
+            while (left := clock - time.monotonic()) > 0:
+                await asyncio.sleep(left)
+            self._commit(slots, time.monotonic())
+            self._in_batch = False
+            for req in self._pending_aborts:
+                self._drop(req)
+            self._pending_aborts.clear()
+
+    def _commit(self, slots: list[int], now: float) -> None:
+        """Apply the batch and hand each produced token to its request."""
+        produced = 0
+        for request_id, flags, preemptions in self._engine.finish_batch():
+            if flags & FINISHED:
+                req = self._requests.pop(request_id)
+                del self._by_slot[req.slot]
+                produced += self._advance(req, req.max_tokens, now)
+                if req.aborted:  # its client left during this, its last batch
+                    self.metrics.aborted()
+                else:
+                    self.metrics.finished(now - req.arrival_s, preemptions)
+                req._end()
+        core = self._engine.core
+        for slot in slots:
+            req_or_none = self._by_slot.get(slot)
+            if req_or_none is not None:
+                produced += self._advance(req_or_none, core.request(slot)[1], now)
+        self.metrics.generated(produced)
+
+    def _advance(self, req: EmulatedRequest, num_tokens: int, now: float) -> int:
+        new = num_tokens - req.num_tokens
+        if new <= 0 or req.aborted:
+            return 0
+        if req.num_tokens == 0:
+            req.first_token_s = now
+            self.metrics.first_token(now - req.arrival_s, req.prompt_tokens)
+        req.num_tokens = num_tokens
+        req._notify()
+        return new
+
+
+BATCH_COLUMNS = BATCH_LOG_COLUMNS

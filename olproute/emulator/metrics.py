@@ -1,0 +1,72 @@
+"""Prometheus metrics of one emulated engine, under vLLM's names, in a registry of its own
+(several instances share a process, so nothing goes to the global registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's buckets for time to first token and end-to-end latency, in seconds
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineMetrics:
+    """Counters and histograms updated by the engine; gauges set at scrape time."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+        self._running = Gauge("vllm:num_requests_running",
+                              "Number of requests in model execution batches.", labels,
+                              registry=r).labels(model_name)
+        self._waiting = Gauge("vllm:num_requests_waiting",
+                              "Number of requests waiting to be processed.", labels,
+                              registry=r).labels(model_name)
+        self._kv = Gauge("vllm:kv_cache_usage_perc",
+                         "KV-cache usage. 1 means 100 percent usage.", labels,
+                         registry=r).labels(model_name)
+        self._prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                               labels, registry=r).labels(model_name)
+        self._generation = Counter("vllm:generation_tokens",
+                                   "Number of generation tokens processed.", labels,
+                                   registry=r).labels(model_name)
+        self._preemptions = Counter("vllm:num_preemptions",
+                                    "Cumulative number of preemptions from the engine.",
+                                    labels, registry=r).labels(model_name)
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*labels, "finished_reason"], registry=r)
+        self._success = success.labels(model_name, "length")
+        self._aborted = success.labels(model_name, "abort")
+        self._ttft = Histogram("vllm:time_to_first_token_seconds",
+                               "Histogram of time to first token in seconds.", labels,
+                               buckets=TTFT_BUCKETS_S, registry=r).labels(model_name)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds",
+                              "Histogram of end to end request latency in seconds.", labels,
+                              buckets=E2E_BUCKETS_S, registry=r).labels(model_name)
+
+    def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
+        self._ttft.observe(ttft_s)
+        self._prompt.inc(prompt_tokens)
+
+    def generated(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._generation.inc(num_tokens)
+
+    def finished(self, e2e_s: float, preemptions: int) -> None:
+        self._e2e.observe(e2e_s)
+        self._success.inc()
+        if preemptions:
+            self._preemptions.inc(preemptions)
+
+    def aborted(self) -> None:
+        self._aborted.inc()
+
+    def render(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> bytes:
+        """The Prometheus text exposition, gauges set to the given state."""
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        self._kv.set(kv_cache_usage)
+        return generate_latest(self.registry)
