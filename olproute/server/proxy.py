@@ -110,22 +110,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_tokens, text = prompt_tokens_of(body)
     req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_s,
                                 request.headers.get("x-slo-class", "default"), text)
-    decision = await decide_until_dispatch(st, req)
+    # a model the pool serves constrains the choice; any other name is an alias
+    models = [s.model for s in st.loaded.specs]
+    exclude = (frozenset(g for g, m in enumerate(models) if m != body.model)
+               if body.model in models else frozenset())
+    decision = await decide_until_dispatch(st, req, exclude)
     if decision.action == "shed":
         st.router.observe(_outcome(req, None, None, None, None, 0))
         return error_response(429, f"request refused: {decision.reason}", kind="rate_limited",
                               headers={"Retry-After": str(server.retry_after_s),
                                        "x-olproute-reason": _ascii(decision.reason)})
-    return await _forward(request, st, req, decision, data, body.stream)
+    return await _forward(request, st, req, decision, data, body.stream, exclude)
 
 
 async def _forward(request: web.Request, st: ServerState, req: Request, decision: Decision,
-                   data: dict[str, Any], stream: bool) -> web.StreamResponse:
+                   data: dict[str, Any], stream: bool,
+                   exclude: frozenset[int]) -> web.StreamResponse:
     tried: set[int] = set()
     while True:
         g = decision.instance
         assert g is not None
         backend = st.tracker.backends[g]
+        data["model"] = backend.spec.model  # the name the backend serves
         now = st.now()
         st.tracker.dispatched(g, req, now)
         upstream: aiohttp.ClientResponse | None = None
@@ -145,7 +151,7 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         if len(tried) > 1:
             st.router.observe(_outcome(req, g, now, None, None, 0))
             return error_response(502, f"backends failed: {failure}", kind="backend_error")
-        decision = await decide_until_dispatch(st, req, frozenset(tried))
+        decision = await decide_until_dispatch(st, req, exclude | frozenset(tried))
         if decision.action != "dispatch":
             st.router.observe(_outcome(req, None, None, None, None, 0))
             return error_response(503, f"no backend after a failure: {decision.reason}",

@@ -312,3 +312,28 @@ def test_fuzzed_bodies_never_get_a_500(tmp_path: Path) -> None:
         check()
     finally:
         s.close()
+
+
+def test_embedded_default_emulates_backends_and_streams(tmp_path: Path) -> None:
+    """No backends in the config: the router starts emulated vLLM instances in-process."""
+    import openai
+
+    loaded = load_config(_config(tmp_path, server={"emulator_time_scale": 0.2,
+                                                   "health_period_s": 0.2}))
+    s = Stack(loaded, num_fakes=0, calibration=CalibrationSource(loaded, known=[CAL] * 3))
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        chunks = list(client.completions.create(model="any-alias", prompt="hello world",
+                                                max_tokens=4, stream=True))
+        assert len(chunks) == 4 and all(c.choices[0].text for c in chunks)
+        chat = client.chat.completions.create(
+            model="qwen3-0.6b", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert chat.usage is not None and chat.usage.completion_tokens == 3
+        inst = json.loads(request(s.url, "GET", "/instances")[2])["instances"]
+        assert [i["model"] for i in inst] == ["qwen3-0.6b"] * 3
+        assert all(i["url"].startswith("http://127.0.0.1:") for i in inst)
+        assert wait_until(lambda: all(
+            i["scraped"].get("vllm:num_requests_running") is not None
+            for i in json.loads(request(s.url, "GET", "/instances")[2])["instances"]))
+    finally:
+        s.close()
