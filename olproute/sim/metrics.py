@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from olproute.config import Profiles
 from olproute.sim.cluster import SimResult
 from olproute.sim.engine import BATCH_LOG_COLUMNS
 
@@ -48,6 +50,9 @@ class Summary:
     slo_attainment: float
     goodput: float
     num_preemptions: int
+    # BEAR eq. 6: mean over all requests of (quality - lambda * cost) when the TTFT target
+    # is met, else 0; NaN when the requests carry no per-model quality
+    on_time_utility: float = float("nan")
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -85,6 +90,54 @@ def slo_flags(res: SimResult) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.boo
     return ttft_met, both
 
 
+def realised_utility(res: SimResult, profiles: Profiles | None = None,
+                     cost_lambda: float = 5e-4) -> FloatArray:
+    """Per request, the accuracy-cost utility it realised (BEAR eq. 4 on the truth):
+    the quality of the model that served it (``Request.quality_by_model``) minus
+    ``cost_lambda`` x its cost in micro-USD (prompt tokens x input price + generated
+    tokens x output price, USD per million tokens from ``profiles``; the repo's
+    ``configs/profiles.yaml`` when None). 0 for a shed or unfinished request; NaN for a
+    request without ``quality_by_model``."""
+    if profiles is None:
+        profiles = _default_profiles()
+    models = [s.model for s in res.specs]
+    missing = sorted({m for m in models if m not in profiles.models})
+    if missing:
+        raise ValueError(f"no profile for model(s) {', '.join(missing)}: cannot price them")
+    price_in = np.array([profiles.models[m].price_input_per_mtok for m in models])
+    price_out = np.array([profiles.models[m].price_output_per_mtok for m in models])
+    served = ~res.shed & np.isfinite(res.finish_s) & (res.instance >= 0)
+    out = np.zeros(len(res.requests))
+    for i, r in enumerate(res.requests):
+        if r.quality_by_model is None:
+            out[i] = np.nan
+        elif served[i]:
+            g = int(res.instance[i])
+            cost_musd = (r.prompt_tokens * price_in[g]
+                         + float(res.decode_tokens[i]) * price_out[g])
+            out[i] = r.quality_by_model[models[g]] - cost_lambda * cost_musd
+    return out
+
+
+def on_time_utility(res: SimResult, profiles: Profiles | None = None,
+                    cost_lambda: float = 5e-4) -> float:
+    """BEAR eq. 6: the realised utility of each request whose TTFT met its target, 0 for
+    the others (shed, or late), averaged over all requests. NaN when any request has no
+    ``quality_by_model`` (or there are no requests)."""
+    u = realised_utility(res, profiles, cost_lambda)
+    if u.size == 0 or np.isnan(u).any():
+        return float("nan")
+    ttft_met, _ = slo_flags(res)
+    return float(np.where(ttft_met, u, 0.0).mean())
+
+
+@functools.cache
+def _default_profiles() -> Profiles:
+    from olproute.config import REPO_ROOT, load_profiles
+
+    return load_profiles(REPO_ROOT / "configs" / "profiles.yaml")
+
+
 def _pct(x: FloatArray, q: float) -> float:
     return float(np.percentile(x, q)) if x.size else float("nan")
 
@@ -93,7 +146,10 @@ def _mean(x: FloatArray) -> float:
     return float(x.mean()) if x.size else float("nan")
 
 
-def summarize(res: SimResult) -> Summary:
+def summarize(res: SimResult, profiles: Profiles | None = None,
+              cost_lambda: float = 5e-4) -> Summary:
+    """Summary of a run; ``profiles`` (prices) and ``cost_lambda`` (lambda, per micro-USD)
+    enter only ``on_time_utility``, as in :func:`on_time_utility`."""
     served = ~res.shed & np.isfinite(res.finish_s)
     ttft, eel, tpot = ttft_s(res)[served], eel_s(res)[served], tpot_s(res)[served]
     tpot = tpot[res.decode_tokens[served] > 1]
@@ -117,6 +173,9 @@ def summarize(res: SimResult) -> Summary:
         slo_attainment=float(ttft_met.mean()) if n else float("nan"),
         goodput=float(both.mean()) if n else float("nan"),
         num_preemptions=int(res.num_preemptions.sum()),
+        on_time_utility=(on_time_utility(res, profiles, cost_lambda)
+                         if any(r.quality_by_model is not None for r in res.requests)
+                         else float("nan")),
     )
 
 

@@ -47,7 +47,8 @@ def run_policy(
             result = simulate(loaded, name, reqs, progress=tick)
     else:
         result = simulate(loaded, name, reqs)
-    run = PolicyRun(name, result, metrics.summarize(result))
+    run = PolicyRun(name, result, metrics.summarize(
+        result, loaded.profiles, loaded.config.reward.cost_lambda))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         metrics.write_records(result, out_dir / f"records_{name}.csv")

@@ -115,15 +115,19 @@ def build_requests(loaded: LoadedConfig, seed: int | None = None) -> list[Reques
 
 
 def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
-    """Generated prompts with Poisson arrivals and per-model truth; predicted lengths for
-    the first instance's model (the truth, noisy truth, or the trained predictor)."""
+    """Generated prompts with Poisson (or MMPP-2, ``workload.arrivals``) arrivals and
+    per-model truth; predicted lengths for the first instance's model (the truth, noisy
+    truth, or the trained predictor)."""
     from olproute.sim.prompts import synthetic_requests
 
     cfg, w = loaded.config, loaded.config.workload
     assert w.rate_per_s is not None
     n = w.num_requests if w.num_requests is not None else int(
         np.ceil(w.rate_per_s * (w.duration_s or 0.0)))
-    arrivals = wl.poisson_arrivals(w.rate_per_s, n, st.workload)
+    if w.arrivals == "mmpp2":
+        arrivals = wl.mmpp2_arrivals(w.rate_per_s, w.ratio, n, st.workload).arrival_s
+    else:
+        arrivals = wl.poisson_arrivals(w.rate_per_s, n, st.workload)
     if w.duration_s is not None:
         arrivals = arrivals[arrivals < w.duration_s]
     reqs = synthetic_requests(len(arrivals), arrivals, [s.model for s in loaded.specs],
