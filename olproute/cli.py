@@ -46,6 +46,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="run configuration YAML (default: %(default)s)")
     p.add_argument("--workload", metavar="YAML",
                    help="YAML file whose 'workload' mapping replaces the config's workload")
+    _add_weights_option(p)
     p.add_argument("--seed", type=_seed, help="run seed (default: sim.seed of the config)")
     p.add_argument("--time-scale", type=_positive_float, metavar="X",
                    help="stretch trace arrivals by X (<1 raises the load)")
@@ -55,8 +56,21 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_weights_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", action="append", default=[], metavar="YAML",
+                   help="weight profile merged over the config's reward/admission/prices "
+                        "(a file, or a name in configs/weights: throughput, mean_latency, "
+                        "tail_latency, balanced, quality_first); repeat to stack")
+
+
+def _weights(args: argparse.Namespace) -> list[Path]:
+    from olproute.weights import resolve_profile
+
+    return [resolve_profile(w) for w in args.weights]
+
+
 def _loaded(args: argparse.Namespace) -> LoadedConfig:
-    loaded = load_config(args.config)
+    loaded = load_config(args.config, _weights(args))
     workload = loaded.config.workload
     if args.workload:
         workload = load_workload(args.workload)
@@ -244,7 +258,7 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from olproute.server import run_server
 
-    loaded = load_config(args.config)
+    loaded = load_config(args.config, _weights(args))
     if args.policy:
         router = loaded.config.router.model_copy(update={"policy": args.policy})
         loaded = loaded.with_updates(router=router)
@@ -272,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="address to bind (default: server.host)")
     p.add_argument("--port", type=int, help="port (default: server.port; 0 picks a free one)")
     p.add_argument("--policy", help="routing policy (default: router.policy of the config)")
+    _add_weights_option(p)
     p.set_defaults(handler=_cmd_serve)
 
     p = sub.add_parser("simulate", help="run one policy in the cluster simulator",

@@ -394,16 +394,19 @@ def load_profiles(path: str | os.PathLike[str]) -> Profiles:
 
 
 class LoadedConfig:
-    """A validated config with its resolved profiles, instance specs and base folder."""
+    """A validated config with its resolved profiles, instance specs and base folder;
+    ``weights``: the weight profiles merged over it (``olproute.weights``), in order."""
 
-    __slots__ = ("base_dir", "config", "path", "profiles", "specs")
+    __slots__ = ("base_dir", "config", "path", "profiles", "specs", "weights")
 
-    def __init__(self, path: Path, config: Config, profiles: Profiles) -> None:
+    def __init__(self, path: Path, config: Config, profiles: Profiles,
+                 weights: Sequence[Path] = ()) -> None:
         self.path = path
         self.base_dir = path.parent
         self.config = config
         self.profiles = profiles
         self.specs = instance_specs(config, profiles, path)
+        self.weights = tuple(weights)
 
     def resolve(self, relative: str) -> Path:
         """A path from the config, relative to the config file's folder."""
@@ -412,7 +415,8 @@ class LoadedConfig:
 
     def with_updates(self, **sections: Any) -> LoadedConfig:
         """A copy with whole sections replaced (``workload=...``, ``router=...``)."""
-        return LoadedConfig(self.path, self.config.model_copy(update=sections), self.profiles)
+        return LoadedConfig(self.path, self.config.model_copy(update=sections), self.profiles,
+                            self.weights)
 
 
 def kv_capacity_tokens(inst: InstanceConfig, model: ModelProfile, gpu: GpuProfile) -> int:
@@ -464,10 +468,16 @@ def instance_specs(config: Config, profiles: Profiles, path: Path) -> tuple[Inst
     return tuple(specs)
 
 
-def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> LoadedConfig:
-    """Read, validate and resolve a run configuration and the profiles it names."""
+def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG,
+                weights: Sequence[str | os.PathLike[str]] = ()) -> LoadedConfig:
+    """Read, validate and resolve a run configuration and the profiles it names; merge
+    the ``weights`` profiles (``olproute.weights``) over its sections, in order."""
     p = Path(path)
     config: Config = _validate(Config, _read_yaml(p), p)
+    if weights:
+        from olproute.weights import apply_profiles
+
+        config = apply_profiles(config, weights)
     profiles_path = Path(config.profiles)
     if not profiles_path.is_absolute():
         profiles_path = p.parent / profiles_path
@@ -485,7 +495,8 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> LoadedConfig:
             problems.append((f"router.policy_params.{name}", "unknown policy"))
     if problems:
         raise ConfigError(p, problems)
-    loaded = LoadedConfig(p, config, load_profiles(profiles_path))
+    loaded = LoadedConfig(p, config, load_profiles(profiles_path),
+                          tuple(Path(w).resolve() for w in weights))
     problems = backend_problems(config.server, loaded.specs)
     if problems:
         raise ConfigError(p, problems)

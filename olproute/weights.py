@@ -1,0 +1,171 @@
+"""Weight profiles: YAML fragments (``configs/weights/*.yaml``, ``olproute tune``'s
+``selected.yaml``) merged over a configuration's ``reward``, ``admission`` and ``prices``
+sections, key by key.
+
+A profile is a mapping of at most those three sections, each a mapping of some of the
+section's keys (``olproute/config.py``: RewardConfig, AdmissionConfig, PriceConfig)::
+
+    reward:
+      zeta2: 5.0          # bonus when the predicted TTFT meets its threshold
+    admission:
+      mode: defer
+
+Keys a profile leaves out keep the configuration's values. The merged sections are
+validated again; a bad profile raises :class:`ConfigError` naming the profile file and the
+key (``configs/weights/x.yaml: reward.zeta2: must be >= 0``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from olproute.config import (
+    AdmissionConfig,
+    Config,
+    ConfigError,
+    PriceConfig,
+    RewardConfig,
+    _problems,
+    _read_yaml,
+)
+
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "configs" / "weights"
+SECTIONS: dict[str, type[BaseModel]] = {
+    "reward": RewardConfig, "admission": AdmissionConfig, "prices": PriceConfig}
+
+# One line per key, written beside it in profiles and in tune's selected.yaml.
+KEY_DOCS: dict[str, dict[str, str]] = {
+    "reward": {
+        "sigma": "reward per request served (QPS term)",
+        "alpha": "reward per token_norm tokens (prompt + predicted output) in the horizon",
+        "token_norm": "tokens per unit of the throughput term",
+        "beta": "reward per slot of end-to-end latency saved within the horizon",
+        "gamma": "reward per slot of TTFT saved within the horizon",
+        "zeta1": "bonus when the predicted end-to-end latency <= eel_threshold_s",
+        "eel_threshold_s": "end-to-end latency threshold of zeta1, seconds",
+        "zeta2": "bonus when the predicted TTFT <= ttft_threshold_s (tail TTFT)",
+        "ttft_threshold_s": "TTFT threshold of zeta2, seconds; null: each request's target",
+        "omega": "weight of the quality-cost utility (quality - cost_lambda * cost)",
+        "cost_lambda": "lambda: utility lost per micro-USD of serving cost",
+        "delta": "score penalty per second of estimated TTFT (not part of the reward)",
+    },
+    "admission": {
+        "mode": "when patience runs out: defer (send to the best instance) or shed (429)",
+        "patience_s": "how long a request may wait in the router, seconds; null: its target",
+        "candidates": "instances sampled per decision (against herding); null: all",
+        "max_waiting": "an instance can start a request if at most this many already wait",
+    },
+    "prices": {
+        "enabled": "learn shadow prices at all (false: prices stay 0)",
+        "period_slots": "update the prices every this many slots",
+        "steps_per_period": "K: dual steps per update",
+        "step_size": "eta0: price change per unit of (free capacity - demand)",
+        "schedule": "step sizes: constant, or inverse_sqrt (eta0 / sqrt(t + 1))",
+        "window": "recent requests kept for sampling",
+        "minibatch": "samples per dual step",
+        "arrival_rate_halflife_s": "half-life of the arrival-rate estimate behind N_H, s",
+    },
+}
+
+
+def read_profile(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """The sections of a profile file, each key checked against its section (unknown
+    keys, wrong types and bounds are errors naming the file and the key)."""
+    p = Path(path)
+    data = _read_yaml(p)
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(p, [("", "top level must be a mapping of sections "
+                                   f"({', '.join(SECTIONS)})")])
+    problems: list[tuple[str, str]] = []
+    out: dict[str, dict[str, Any]] = {}
+    for name, body in data.items():
+        model = SECTIONS.get(str(name))
+        if model is None:
+            problems.append((str(name), "unknown section (a weight profile may set: "
+                                        f"{', '.join(SECTIONS)})"))
+            continue
+        if body is None:
+            continue
+        if not isinstance(body, Mapping):
+            problems.append((str(name), "must be a mapping of keys"))
+            continue
+        problems += _section_problems(name, model, model().model_dump(), body)
+        out[str(name)] = dict(body)
+    if problems:
+        raise ConfigError(p, problems)
+    return out
+
+
+def _section_problems(name: str, model: type[BaseModel], base: Mapping[str, Any],
+                      body: Mapping[str, Any]) -> list[tuple[str, str]]:
+    try:
+        model.model_validate({**base, **body})
+    except ValidationError as exc:
+        return [(f"{name}.{k}" if k else name, m) for k, m in _problems(exc)]
+    return []
+
+
+def merge_profile(config: Config, profile: Mapping[str, Mapping[str, Any]],
+                  path: str | os.PathLike[str]) -> Config:
+    """``config`` with each section of ``profile`` merged over it key by key; the merged
+    sections are validated (errors name ``path`` and the key)."""
+    updates: dict[str, Any] = {}
+    problems: list[tuple[str, str]] = []
+    for name, body in profile.items():
+        model = SECTIONS[name]
+        base = getattr(config, name).model_dump()
+        found = _section_problems(name, model, base, body)
+        if found:
+            problems += found
+        else:
+            updates[name] = model.model_validate({**base, **body})
+    if problems:
+        raise ConfigError(path, problems)
+    return config.model_copy(update=updates)
+
+
+def apply_profiles(config: Config, paths: Sequence[str | os.PathLike[str]]) -> Config:
+    """Merge each profile file over ``config``, in order (later files win)."""
+    for path in paths:
+        config = merge_profile(config, read_profile(path), path)
+    return config
+
+
+def profile_yaml(sections: Mapping[str, Mapping[str, Any]], header: Sequence[str] = ()) -> str:
+    """A profile as YAML text, every key with its one-line documentation as a comment
+    and the ``header`` lines as comments on top; ``read_profile`` reads it back."""
+    lines = [f"# {h}" if h else "#" for h in header]
+    for name, body in sections.items():
+        docs = KEY_DOCS.get(name, {})
+        lines.append(f"{name}:")
+        for key, value in body.items():
+            text = yaml.safe_dump({key: value}, default_flow_style=True, width=10_000)
+            text = text.strip()[1:-1].strip()  # "{key: value}" -> "key: value"
+            doc = docs.get(key)
+            lines.append(f"  {text:<30} # {doc}" if doc else f"  {text}")
+    return "\n".join(lines) + "\n"
+
+
+def profile_names() -> list[str]:
+    """The profiles shipped in ``configs/weights``."""
+    return sorted(p.stem for p in WEIGHTS_DIR.glob("*.yaml"))
+
+
+def resolve_profile(name_or_path: str) -> Path:
+    """A profile path, or the name of a shipped one (``tail_latency``)."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    shipped = WEIGHTS_DIR / f"{name_or_path}.yaml"
+    if shipped.exists():
+        return shipped
+    raise ConfigError(name_or_path, [("", "no such file, and not a shipped weight profile "
+                                          f"({', '.join(profile_names())})")])
