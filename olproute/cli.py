@@ -373,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiply every batch duration by X (<1 runs faster; default: 1)")
     p.add_argument("--seed", type=_seed, help="batch-time noise seed (default: sim.seed)")
     p.set_defaults(handler=_cmd_emulate)
+
+    from olproute.cli_operator import add_operator_commands
+
+    add_operator_commands(sub, _add_run_options, _loaded)  # tune, plots
     return parser
 
 
