@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the routing server (OpenAI-compatible proxy)",
                        description="Serve the router on uvloop: /v1/completions, "
                                    "/v1/chat/completions, /route, /prices, /instances, "
-                                   "/metrics, /healthz, /openapi.json, /admin/reload. With "
+                                   "/metrics, /healthz, /openapi.json, /admin/reload, "
+                                   "/dashboard (live page). With "
                                    "no server.backends in the config, the instances are "
                                    "emulated in-process.")
     p.add_argument("--config", default=str(DEFAULT_CONFIG),

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from olproute.calibration import OnlineCalibrator
 from olproute.config import ConfigError, LoadedConfig, load_config
 from olproute.router import Router
-from olproute.server import proxy
+from olproute.server import dashboard, proxy
 from olproute.server.metrics import ServerMetrics
 from olproute.server.schema import BadRequest, RouteAnswer, RouteBody, count_words, openapi
 from olproute.server.state import STATE, ServerState
@@ -50,6 +50,7 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/openapi.json", openapi_doc)
     app.router.add_post("/admin/reload", reload)
+    dashboard.add_routes(app)  # /dashboard, /dashboard/data
     return app
 
 
@@ -295,7 +296,9 @@ async def reload(request: web.Request) -> web.Response:
     path = st.loaded.path
     loop = asyncio.get_running_loop()
     try:
-        new = await loop.run_in_executor(None, load_config, path)
+        # the weight profiles the router runs with, or {"weights": [paths]} in the body
+        weights = await _reload_weights(request, st.loaded.weights)
+        new = await loop.run_in_executor(None, load_config, path, weights)
     except ConfigError as exc:
         key = exc.problems[0][0] if exc.problems else None
         return proxy.error_response(400, str(exc), param=key, kind="invalid_config")
@@ -308,7 +311,26 @@ async def reload(request: web.Request) -> web.Response:
     st.router = router
     st.loaded = new
     return web.json_response({"status": "reloaded", "config": str(path),
-                              "policy": router.policy_name})
+                              "policy": router.policy_name,
+                              "weights": [str(w) for w in new.weights]})
+
+
+async def _reload_weights(request: web.Request, current: tuple[Any, ...]) -> list[str]:
+    """The weight profiles to reload with: ``{"weights": "a.yaml"}`` or a list of paths
+    (on the router's machine; ``[]`` drops them) in the body, else the current ones."""
+    if not request.can_read_body:
+        return [str(w) for w in current]
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise ConfigError("request body", [("", f"not JSON: {exc}")]) from exc
+    if not isinstance(body, dict) or "weights" not in body:
+        return [str(w) for w in current]
+    given = body["weights"]
+    paths = [given] if isinstance(given, str) else given
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise ConfigError("request body", [("weights", "must be a path or a list of paths")])
+    return paths
 
 
 def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None) -> None:
