@@ -1,0 +1,435 @@
+"""The exact LP of a window (``solvers.problem``) in HiGHS: one sparse matrix, one
+``passModel`` call, and the primal, the prices, the status and the timings back.
+
+    max  sum r_jgk x_jgk
+    s.t. sum_{g,k} x_jgk <= 1                                   (request rows, duals y_j)
+         sum_j a_jgk[l, r] x_jgk <= c[g, l, r]  for every (g, slot l, resource r)
+                                                                 (capacity, duals p[g, l, r])
+         x >= 0
+
+HiGHS minimises -r.x; its duals are flipped once, in ``_duals``, into the prices of the
+maximisation above (p, y >= 0).
+
+**Structure used** (each choice and what it does to the answer):
+
+- *Difference form* (``form="difference"``, default). A usage column is an interval of
+  ones (batch) and a linear ramp (KV): the first difference of the interval has 2
+  nonzeros and the second difference of the ramp 4. With load variables u (batch), v
+  (KV) and slope w (KV) per (g, slot) and the equalities u_l - u_{l-1} = sum dA x,
+  w_l - w_{l-1} = sum d2A x, v_l - v_{l-1} = w_l, the capacity rows become the bounds
+  u <= c_batch, v <= c_kv: 7 nonzeros per column instead of 2 D + 1 (D ~ 100 slots).
+  The LP is the same (x-feasible sets equal), so LP* and x are unchanged; the capacity
+  prices are the reduced costs of u and v, exactly the duals of the dense rows.
+- *Column generation* (``strategy="colgen"``). Most requests start at their earliest
+  slot in an optimum; the master LP starts with that column per (request, instance),
+  then adds the columns of positive reduced cost r - a.p - y_j (priced for all delays
+  in O(1) each from prefix sums of p) and re-solves with dual simplex warm-started
+  from the last basis. It stops when no column prices out (the full LP's optimum, to
+  ``tol``) or when the duality gap D(p) - master <= ``gap_tol`` x master: every
+  iteration's D(p) is an upper bound on LP* (weak duality), so the answer always
+  comes with a valid bound, exact at gap_tol = 0.
+- *Interior point without crossover* (``method="ipm"``, ``crossover=False``): duals and
+  bounds without a vertex; the objective is within HiGHS's IPM tolerance (1e-8
+  relative) of LP* and D(p) of its duals still bounds LP* from above.
+- *Coarser grid* (``coarsen=c > 1``, dense form): capacity rows of c consecutive slots
+  are summed (capacity summed too). That is a relaxation: LP_c* >= LP*, still a valid
+  upper bound on the hindsight optimum, and its prices, copied to every slot of their
+  block, are a valid p for D(p) with D = LP_c*. It costs bound tightness, not validity.
+- *Presolve* is left on for one-shot solves (it removes nothing much here) and off in
+  column generation (the master is re-solved with its basis).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+from scipy import sparse
+
+from solvers.problem import BATCH, KV, FlatColumns, LpProblem, column_block, flatten
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+Method = Literal["auto", "simplex", "ipm"]
+Strategy = Literal["auto", "full", "colgen"]
+Form = Literal["difference", "dense"]
+
+# "auto" picks interior point above this many nonzeros for a one-shot solve
+IPM_ABOVE_NNZ = 300_000
+# column generation prices requests in chunks of this many (memory: chunk x G x L)
+PRICE_CHUNK = 1024
+
+
+def all_columns(prob: LpProblem) -> FlatColumns:
+    """Every column of the LP (every request, instance and delay inside the grid)."""
+    parts = [flatten(column_block(prob, np.arange(i, min(i + PRICE_CHUNK, prob.num_requests))))
+             for i in range(0, prob.num_requests, PRICE_CHUNK)]
+    return FlatColumns.concat(parts) if parts else flatten(column_block(prob, np.arange(0)))
+
+
+def earliest_columns(prob: LpProblem) -> FlatColumns:
+    """The delay-0 column of every (request, instance): the start of column generation."""
+    zero = np.zeros(1, dtype=np.int64)
+    return flatten(column_block(prob, np.arange(prob.num_requests), zero), delays=zero)
+
+
+# -- the matrix ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Row and column blocks of a built model."""
+
+    form: Form
+    num_requests: int
+    num_instances: int
+    num_slots: int          # slots of the capacity rows (K, or ceil(K / coarsen))
+    coarsen: int
+    num_x: int              # x columns first, then (difference form) u, w, v per (g, l)
+
+    @property
+    def cap_rows(self) -> int:
+        return self.num_instances * self.num_slots
+
+
+def _x_entries_difference(prob: LpProblem, cols: FlatColumns) -> tuple[IntArray, IntArray,
+                                                                        FloatArray]:
+    """(row, column, value) of the x columns in difference form; duplicates are summed
+    later (a one-slot column has two entries on row s + 1)."""
+    n, k = prob.num_requests, prob.num_slots
+    gk = prob.num_instances * k
+    j, g, s, e = cols.request, cols.instance, cols.start, cols.end
+    idx = np.arange(len(cols), dtype=np.int64)
+    ba = prob.batch_a[g]
+    a = prob.kv_a[j, g]
+    b = prob.kv_b[j, g]
+    base_b = n + g * k            # batch rows:   u_l - u_{l-1} - sum dA x = 0
+    base_s = n + gk + g * k       # KV slope rows: w_l - w_{l-1} - sum d2A x = 0
+    parts: list[tuple[IntArray, IntArray, FloatArray]] = [
+        (j, idx, np.ones(len(cols))),
+        (base_b + s, idx, -ba),
+        (base_s + s, idx, -a),
+    ]
+    for rows, vals, keep in (
+            (base_b + e, ba, e < k),
+            (base_s + s + 1, a - b, s + 1 < k),
+            (base_s + e, a + b * (e - s), e < k),
+            (base_s + e + 1, -(a + b * (e - 1 - s)), e + 1 < k)):
+        parts.append((rows[keep], idx[keep], vals[keep]))
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            np.concatenate([p[2] for p in parts]))
+
+
+def _x_entries_dense(prob: LpProblem, cols: FlatColumns, coarsen: int,
+                     num_slots: int) -> tuple[IntArray, IntArray, FloatArray]:
+    """(row, column, value) of the x columns on the capacity rows themselves, slots
+    summed in blocks of ``coarsen``; duplicates are summed later."""
+    n = prob.num_requests
+    length = cols.end - cols.start
+    idx = np.repeat(np.arange(len(cols), dtype=np.int64), length)
+    offset = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(length) - length, length)
+    slot = np.repeat(cols.start, length) + offset
+    g = cols.instance[idx]
+    row = n + 2 * (g * num_slots + slot // coarsen)
+    kv = prob.kv_a[cols.request, cols.instance][idx] + prob.kv_b[
+        cols.request, cols.instance][idx] * offset
+    return (np.concatenate([cols.request, row + BATCH, row + KV]),
+            np.concatenate([np.arange(len(cols), dtype=np.int64), idx, idx]),
+            np.concatenate([np.ones(len(cols)), prob.batch_a[g], kv]))
+
+
+def x_matrix(prob: LpProblem, cols: FlatColumns, layout: Layout) -> sparse.csc_matrix:
+    """The x columns as a CSC matrix with the model's rows."""
+    if layout.form == "difference":
+        r, c, v = _x_entries_difference(prob, cols)
+        num_rows = prob.num_requests + 3 * layout.cap_rows
+    else:
+        r, c, v = _x_entries_dense(prob, cols, layout.coarsen, layout.num_slots)
+        num_rows = prob.num_requests + 2 * layout.cap_rows
+    return sparse.csc_matrix((v, (r, c)), shape=(num_rows, len(cols)))
+
+
+def _aux_matrix(prob: LpProblem) -> sparse.csc_matrix:
+    """Columns u, w, v per (g, l) of the difference form (see the module docstring)."""
+    n, k, g = prob.num_requests, prob.num_slots, prob.num_instances
+    gk = g * k
+    cell = np.arange(gk, dtype=np.int64)
+    nxt = (cell % k) < k - 1            # slot l + 1 exists on the same instance
+    rows_b, rows_s, rows_l = n + cell, n + gk + cell, n + 2 * gk + cell
+    cu, cw, cv = cell, gk + cell, 2 * gk + cell
+    r = np.concatenate([rows_b, rows_b[nxt] + 1,             # u: +1 at l, -1 at l + 1
+                        rows_s, rows_s[nxt] + 1, rows_l,      # w: slope rows, level row
+                        rows_l, rows_l[nxt] + 1])             # v: +1 at l, -1 at l + 1
+    c = np.concatenate([cu, cu[nxt], cw, cw[nxt], cw, cv, cv[nxt]])
+    one = np.ones(gk)
+    v = np.concatenate([one, -one[nxt], one, -one[nxt], -one, one, -one[nxt]])
+    return sparse.csc_matrix((v, (r, c)), shape=(n + 3 * gk, 3 * gk))
+
+
+@dataclass
+class Model:
+    """A built LP: the HiGHS arrays (minimise cost.x), its layout and its x columns."""
+
+    layout: Layout
+    cols: FlatColumns
+    matrix: sparse.csc_matrix
+    cost: FloatArray
+    col_lower: FloatArray
+    col_upper: FloatArray
+    row_lower: FloatArray
+    row_upper: FloatArray
+    build_s: float = 0.0
+
+    @property
+    def nnz(self) -> int:
+        return int(self.matrix.nnz)
+
+
+def build(prob: LpProblem, cols: FlatColumns | None = None, form: Form = "difference",
+          coarsen: int = 1) -> Model:
+    """The LP on the columns ``cols`` (default: all of them) as HiGHS arrays."""
+    t0 = time.perf_counter()
+    if coarsen > 1 and form != "dense":
+        raise ValueError("a coarser grid needs form='dense'")
+    cols = all_columns(prob) if cols is None else cols
+    n, g, k = prob.num_requests, prob.num_instances, prob.num_slots
+    inf = np.inf
+    cap = prob.capacity
+    if form == "difference":
+        layout = Layout("difference", n, g, k, 1, len(cols))
+        mat = sparse.hstack([x_matrix(prob, cols, layout), _aux_matrix(prob)], format="csc")
+        gk = g * k
+        col_lower = np.concatenate([np.zeros(len(cols)), np.full(3 * gk, -inf)])
+        col_upper = np.concatenate([np.full(len(cols), inf), cap[:, :, BATCH].ravel(),
+                                    np.full(gk, inf), cap[:, :, KV].ravel()])
+        row_lower = np.concatenate([np.full(n, -inf), np.zeros(3 * gk)])
+        row_upper = np.concatenate([np.ones(n), np.zeros(3 * gk)])
+        cost = np.concatenate([-cols.reward, np.zeros(3 * gk)])
+    else:
+        kc = -(-k // coarsen)
+        layout = Layout("dense", n, g, kc, coarsen, len(cols))
+        mat = x_matrix(prob, cols, layout)
+        pad = np.zeros((g, kc * coarsen, 2))
+        pad[:, :k] = cap
+        cap_c = pad.reshape(g, kc, coarsen, 2).sum(axis=2)
+        col_lower = np.zeros(len(cols))
+        col_upper = np.full(len(cols), inf)
+        row_lower = np.full(n + 2 * g * kc, -inf)
+        row_upper = np.concatenate([np.ones(n), cap_c.ravel()])
+        cost = -cols.reward
+    mat.sort_indices()
+    return Model(layout, cols, mat, cost, col_lower, col_upper, row_lower, row_upper,
+                 build_s=time.perf_counter() - t0)
+
+
+# -- solving -----------------------------------------------------------------------------
+@dataclass
+class LpSolution:
+    """The LP's answer. ``x`` holds the value of each column in ``cols``; ``p`` (G, K, 2)
+    and ``y`` (N,) are the duals of the maximisation (>= 0); ``bound`` is D(p, y) >= LP*
+    from ``solvers.certificate`` when computed (column generation always does)."""
+
+    status: str
+    objective: float
+    cols: FlatColumns
+    x: FloatArray
+    p: FloatArray
+    y: FloatArray
+    method: str
+    strategy: str
+    form: str
+    coarsen: int
+    num_rows: int
+    num_cols: int
+    nnz: int
+    iterations: int
+    rounds: int = 1
+    bound: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return float(sum(self.timings.values()))
+
+
+def _highs(method: str, crossover: bool, presolve: bool, time_limit_s: float | None,
+           threads: int | None) -> Any:
+    import highspy
+
+    make: Any = highspy.Highs    # highspy has no type hints
+    h = make()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("solver", "ipm" if method == "ipm" else "simplex")
+    h.setOptionValue("run_crossover", "on" if crossover else "off")
+    h.setOptionValue("presolve", "on" if presolve else "off")
+    if time_limit_s is not None:
+        h.setOptionValue("time_limit", float(time_limit_s))
+    if threads is not None:
+        h.setOptionValue("threads", int(threads))
+    return h
+
+
+def _pass(h: Any, m: Model) -> None:
+    import highspy
+
+    lp = highspy.HighsLp()
+    lp.num_col_ = m.matrix.shape[1]
+    lp.num_row_ = m.matrix.shape[0]
+    lp.col_cost_ = m.cost
+    lp.col_lower_ = m.col_lower
+    lp.col_upper_ = m.col_upper
+    lp.row_lower_ = m.row_lower
+    lp.row_upper_ = m.row_upper
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = m.matrix.indptr.astype(np.int32)
+    lp.a_matrix_.index_ = m.matrix.indices.astype(np.int32)
+    lp.a_matrix_.value_ = m.matrix.data.astype(np.float64)
+    h.passModel(lp)
+
+
+def _duals(h: Any, prob: LpProblem, m: Model) -> tuple[FloatArray, FloatArray]:
+    """(p, y) of the maximisation from HiGHS's duals of min -r.x. HiGHS's reduced costs
+    are d = cost - A^T row_dual; a row or a bounded column at its upper bound has a
+    dual <= 0 in a minimisation, so the prices of the maximisation are their negatives:
+    y = -row_dual (request rows), p = -col_dual(u), -col_dual(v) (difference form) or
+    p = -row_dual (capacity rows, dense form)."""
+    sol = h.getSolution()
+    n, g = prob.num_requests, prob.num_instances
+    lay = m.layout
+    row_dual = np.asarray(sol.row_dual, dtype=np.float64)
+    y = -row_dual[:n]
+    if lay.form == "difference":
+        col_dual = np.asarray(sol.col_dual, dtype=np.float64)
+        gk = lay.cap_rows
+        aux = col_dual[lay.num_x:lay.num_x + 3 * gk]
+        p = np.stack([-aux[:gk].reshape(g, lay.num_slots),
+                      -aux[2 * gk:].reshape(g, lay.num_slots)], axis=-1)
+    else:
+        pc = -row_dual[n:].reshape(g, lay.num_slots, 2)
+        p = np.repeat(pc, lay.coarsen, axis=1)[:, :prob.num_slots]
+    # round-off below zero is not a price
+    return np.maximum(p, 0.0), np.maximum(y, 0.0)
+
+
+def _status(h: Any) -> str:
+    return str(h.modelStatusToString(h.getModelStatus()))
+
+
+def solve(prob: LpProblem, method: Method = "auto", strategy: Strategy = "auto",
+          form: Form = "difference", coarsen: int = 1, crossover: bool = True,
+          presolve: bool = True, gap_tol: float = 0.0, tol: float = 1e-9,
+          columns_per_request: int = 4, max_rounds: int = 200,
+          time_limit_s: float | None = None, threads: int | None = None,
+          verbose: bool = False) -> LpSolution:
+    """Solve the window's LP.
+
+    ``strategy="full"`` passes every column at once and solves with ``method``
+    (``auto``: dual simplex below ``IPM_ABOVE_NNZ`` nonzeros, else interior point;
+    ``crossover=False`` skips the vertex). ``strategy="colgen"`` runs column generation
+    with warm-started dual simplex (see the module docstring). ``auto`` is column
+    generation on the fine grid and ``full`` on a coarse one."""
+    if strategy == "auto":
+        strategy = "full" if (coarsen > 1 or form == "dense") else "colgen"
+    if strategy == "colgen":
+        if form != "difference":
+            raise ValueError("column generation builds the difference form")
+        master = "simplex" if method == "simplex" else "ipm"
+        return _colgen(prob, master, gap_tol, tol, columns_per_request, max_rounds,
+                       time_limit_s, threads, verbose)
+    m = build(prob, form=form, coarsen=coarsen)
+    if method == "auto":
+        method = "ipm" if m.nnz > IPM_ABOVE_NNZ else "simplex"
+    h = _highs(method, crossover, presolve, time_limit_s, threads)
+    t0 = time.perf_counter()
+    _pass(h, m)
+    t1 = time.perf_counter()
+    h.run()
+    t2 = time.perf_counter()
+    p, y = _duals(h, prob, m)
+    info = h.getInfo()
+    x = np.asarray(h.getSolution().col_value, dtype=np.float64)[:len(m.cols)]
+    iters = int(info.simplex_iteration_count) + int(info.ipm_iteration_count)
+    return LpSolution(
+        status=_status(h), objective=-float(info.objective_function_value), cols=m.cols,
+        x=x, p=p, y=y, method=method + ("" if crossover or method != "ipm" else " (no crossover)"),
+        strategy="full", form=form, coarsen=coarsen, num_rows=m.matrix.shape[0],
+        num_cols=m.matrix.shape[1], nnz=m.nnz, iterations=iters,
+        timings={"build_s": m.build_s, "pass_s": t1 - t0, "solve_s": t2 - t1})
+
+
+def _colgen(prob: LpProblem, master: str, gap_tol: float, tol: float, per_request: int,
+            max_rounds: int, time_limit_s: float | None, threads: int | None,
+            verbose: bool) -> LpSolution:
+    from solvers.certificate import Pricer
+
+    t_start = time.perf_counter()
+    timings = {"build_s": 0.0, "pass_s": 0.0, "solve_s": 0.0, "price_s": 0.0}
+    t0 = time.perf_counter()
+    cols = earliest_columns(prob)
+    m = build(prob, cols, form="difference")
+    pricer = Pricer(prob)
+    in_master = np.zeros((prob.num_requests, prob.num_instances, prob.num_delays), dtype=bool)
+    in_master[cols.request, cols.instance, cols.delay] = True
+    timings["build_s"] += time.perf_counter() - t0
+    # ipm: every master by interior point without crossover (IPX has no warm start, but
+    # its central duals price out fewer useless columns); simplex: the first master by
+    # interior point with crossover, later ones by simplex from the last basis
+    h = _highs("ipm", master == "simplex", True, time_limit_s, threads)
+    t0 = time.perf_counter()
+    _pass(h, m)
+    timings["pass_s"] += time.perf_counter() - t0
+    x_pos = [np.arange(len(cols), dtype=np.int64)]   # HiGHS column of each x column
+    parts = [cols]
+    iters = 0
+    rounds = 0
+    bound = np.inf
+    layout = m.layout
+    while True:
+        rounds += 1
+        t0 = time.perf_counter()
+        h.run()
+        timings["solve_s"] += time.perf_counter() - t0
+        if rounds == 1 and master == "simplex":
+            h.setOptionValue("solver", "simplex")
+            h.setOptionValue("presolve", "off")
+        info = h.getInfo()
+        iters += int(info.simplex_iteration_count) + int(info.ipm_iteration_count)
+        status = _status(h)
+        obj = -float(info.objective_function_value)
+        p, y = _duals(h, prob, m)
+        t1 = time.perf_counter()
+        priced = pricer.price(p, y, tol=tol, per_request=per_request, exclude=in_master)
+        timings["price_s"] += time.perf_counter() - t1
+        bound = min(bound, priced.dual_value)
+        if verbose:
+            print(f"  round {rounds}: master {obj:.6f}  D(p) {priced.dual_value:.6f}  "
+                  f"+{len(priced.new)} columns  {time.perf_counter() - t0:.2f} s", flush=True)
+        out_of_time = (time_limit_s is not None
+                       and time.perf_counter() - t_start > time_limit_s)
+        if (status != "Optimal" or len(priced.new) == 0 or out_of_time
+                or bound - obj <= gap_tol * max(abs(obj), 1e-12) or rounds >= max_rounds):
+            break
+        t0 = time.perf_counter()
+        new = priced.new
+        in_master[new.request, new.instance, new.delay] = True
+        xm = x_matrix(prob, new, layout)
+        xm.sort_indices()
+        first = h.getNumCol()
+        h.addCols(len(new), -new.reward, np.zeros(len(new)), np.full(len(new), np.inf),
+                  xm.nnz, xm.indptr[:-1].astype(np.int32), xm.indices.astype(np.int32),
+                  xm.data.astype(np.float64))
+        x_pos.append(first + np.arange(len(new), dtype=np.int64))
+        parts.append(new)
+        timings["build_s"] += time.perf_counter() - t0
+    allc = FlatColumns.concat(parts)
+    col_value = np.asarray(h.getSolution().col_value, dtype=np.float64)
+    x = col_value[np.concatenate(x_pos)]
+    return LpSolution(
+        status=status, objective=obj, cols=allc, x=x, p=p, y=y,
+        method="ipm (no crossover)" if master == "ipm" else "ipm + crossover, then simplex",
+        strategy="colgen", form="difference", coarsen=1, num_rows=h.getNumRow(),
+        num_cols=h.getNumCol(), nnz=int(h.getNumNz()), iterations=iters, rounds=rounds,
+        bound=float(bound), timings=timings)

@@ -1,0 +1,220 @@
+"""The exact LP: HiGHS against the cvxpy twin, KKT conditions, weak and strong duality
+through D(p), a case solved by hand, and the rolling-to-absolute price mapping."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from olproute.config import RewardConfig
+from olproute.outlook import Outlook
+from olproute.reward import reward_terms
+from solvers.certificate import PriceUpdate, absolute_prices, dual_value, online_reward
+from solvers.cvx import enumerate_columns, solve_cvx, usage_matrix
+from solvers.lp import LpSolution, solve
+from solvers.problem import LpProblem, column_block, random_instance
+
+SMALL = dict(num_requests=14, num_instances=2, num_slots=30, max_delay=5)
+
+
+def small(seed: int, **kw: object) -> LpProblem:
+    args: dict[str, object] = {**SMALL, "seed": seed, **kw}
+    return random_instance(**args)  # type: ignore[arg-type]
+
+
+# -- KKT helpers (as in cvxpy's solver tests: primal feasibility, dual domain,
+# complementary slackness), on the dense rows written out by the cvxpy twin --------------
+def _dense_rows(prob: LpProblem, sol: LpSolution) -> tuple[np.ndarray, np.ndarray]:
+    use = usage_matrix(prob, sol.cols).reshape(-1, len(sol.cols))
+    assign = np.zeros((prob.num_requests, len(sol.cols)))
+    assign[sol.cols.request, np.arange(len(sol.cols))] = 1.0
+    return use, assign
+
+
+def check_primal_feasible(prob: LpProblem, sol: LpSolution, tol: float) -> None:
+    use, assign = _dense_rows(prob, sol)
+    assert sol.x.min() >= -tol
+    assert (assign @ sol.x - 1.0).max() <= tol
+    assert (use @ sol.x - prob.capacity.ravel()).max() <= tol
+
+
+def check_dual_feasible(prob: LpProblem, sol: LpSolution, tol: float) -> None:
+    use, assign = _dense_rows(prob, sol)
+    assert sol.p.min() >= 0.0 and sol.y.min() >= 0.0
+    reduced = sol.cols.reward - use.T @ sol.p.ravel() - assign.T @ sol.y
+    assert reduced.max() <= tol
+
+
+def check_complementarity(prob: LpProblem, sol: LpSolution, tol: float) -> None:
+    use, assign = _dense_rows(prob, sol)
+    reduced = sol.cols.reward - use.T @ sol.p.ravel() - assign.T @ sol.y
+    assert np.abs(sol.x * reduced).max() <= tol
+    assert np.abs(sol.p.ravel() * (prob.capacity.ravel() - use @ sol.x)).max() <= tol
+    assert np.abs(sol.y * (1.0 - assign @ sol.x)).max() <= tol
+
+
+# -- the reward of every start slot is the policy's reward ---------------------------------
+def test_reward_grid_matches_reward_terms() -> None:
+    w = RewardConfig(alpha=0.5, zeta1=2.0, eel_threshold_s=4.0, zeta2=1.5, omega=0.7)
+    prob = random_instance(12, 3, 40, seed=4, max_delay=30, reward=w, horizon=50)
+    blk = column_block(prob, np.arange(prob.num_requests))
+    for j in range(prob.num_requests):
+        for d in (0, 1, 7, 30):
+            ttft = prob.exec_ttft_s[j] + d * prob.slot_s
+            look = Outlook(decode_tokens=prob.decode_tokens[j], quality=prob.utility[j],
+                           cost_musd=np.zeros(prob.num_instances))
+            terms = reward_terms(int(prob.prompt_tokens[j]), float(prob.ttft_target_s[j]),
+                                 look, ttft, prob.tpot_s[j], w, prob.slot_s, prob.horizon)
+            np.testing.assert_allclose(blk.reward[j, :, d], terms.total, rtol=1e-12)
+
+
+def test_columns_match_the_plain_enumeration() -> None:
+    prob = small(0)
+    blk = column_block(prob, np.arange(prob.num_requests))
+    plain = enumerate_columns(prob)
+    assert len(plain) == int(blk.valid.sum())
+    np.testing.assert_array_equal(plain.start, blk.start[plain.request, plain.instance,
+                                                         plain.delay])
+    np.testing.assert_array_equal(plain.end, blk.end[plain.request, plain.instance,
+                                                     plain.delay])
+    np.testing.assert_allclose(plain.reward, blk.reward[plain.request, plain.instance,
+                                                        plain.delay], rtol=1e-12)
+
+
+# -- HiGHS against cvxpy -------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_highs_and_cvxpy_agree(seed: int) -> None:
+    prob = small(seed, load=1.0 + 0.3 * seed)
+    ref = solve_cvx(prob)
+    assert ref.status == "optimal"
+    for kw in ({"strategy": "full", "method": "simplex"},
+               {"strategy": "full", "method": "ipm"},
+               {"strategy": "full", "form": "dense", "method": "simplex"},
+               {"strategy": "colgen"},
+               {"strategy": "colgen", "method": "simplex"}):
+        sol = solve(prob, **kw)  # type: ignore[arg-type]
+        assert sol.status == "Optimal", kw
+        assert sol.objective == pytest.approx(ref.objective, rel=1e-7), kw
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_kkt_of_the_highs_solution(seed: int) -> None:
+    prob = small(seed, load=1.6)
+    for kw in ({"strategy": "full", "method": "simplex"}, {"strategy": "colgen",
+                                                           "method": "simplex"}):
+        sol = solve(prob, **kw)  # type: ignore[arg-type]
+        check_primal_feasible(prob, sol, 1e-6)
+        check_dual_feasible(prob, sol, 1e-6)
+        check_complementarity(prob, sol, 1e-6)
+
+
+def test_the_instance_is_congested() -> None:
+    """The random instances must make the LP choose: otherwise the tests above would
+    check nothing about capacity."""
+    prob = small(0, load=1.6)
+    sol = solve(prob, strategy="full", method="simplex")
+    assert sol.x.sum() < prob.num_requests - 1
+    assert sol.p.max() > 0
+
+
+# -- D(p) -----------------------------------------------------------------------------------
+_PROB = small(7, load=1.5)
+_LP = solve(_PROB, strategy="full", method="simplex")
+
+
+@settings(max_examples=40, deadline=None)
+@given(scale=st.floats(0.0, 50.0), seed=st.integers(0, 2**31 - 1),
+       sparsity=st.floats(0.0, 1.0))
+def test_weak_duality_for_any_prices(scale: float, seed: int, sparsity: float) -> None:
+    rng = np.random.default_rng(seed)
+    p = rng.exponential(scale, _PROB.free.shape) * (rng.random(_PROB.free.shape) < sparsity)
+    assert dual_value(_PROB, p) >= _LP.objective * (1 - 1e-9)
+
+
+def test_strong_duality_at_the_lp_prices() -> None:
+    assert dual_value(_PROB, _LP.p) == pytest.approx(_LP.objective, rel=1e-7)
+    sol = solve(_PROB, strategy="colgen")
+    assert sol.bound == pytest.approx(sol.objective, rel=1e-7)
+    assert dual_value(_PROB, sol.p) == pytest.approx(_LP.objective, rel=1e-7)
+
+
+def test_coarse_grid_is_a_valid_upper_bound() -> None:
+    coarse = solve(_PROB, strategy="full", form="dense", coarsen=4, method="simplex")
+    assert coarse.objective >= _LP.objective * (1 - 1e-9)
+    # its prices, copied to every slot of their block, are a dual solution of the fine LP
+    assert dual_value(_PROB, coarse.p) == pytest.approx(coarse.objective, rel=1e-7)
+
+
+def test_negative_prices_are_rejected() -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        dual_value(_PROB, -np.ones(_PROB.free.shape))
+
+
+# -- by hand -----------------------------------------------------------------------------------
+def hand_problem() -> LpProblem:
+    """One instance, two slots, two requests arriving in slot 0 that start at once
+    (no prefill time, no delay) and decode for two slots. KV: (599 + 1) / 1000 = 0.6 on
+    the first slot and 0.65 on the second (50 tokens per slot); 10 batch slots, never
+    binding. Rewards: sigma 1 + quality (1 and 0.5), nothing else."""
+    w = RewardConfig(sigma=1.0, beta=0.0, gamma=0.0, omega=1.0, cost_lambda=0.0)
+    return LpProblem(
+        slot_s=0.05, num_slots=2, horizon=100, t0_s=0.0, arrival_s=np.array([0.0, 0.01]),
+        prompt_tokens=np.array([599.0, 599.0]), ttft_target_s=np.array([1.0, 1.0]),
+        decode_tokens=np.array([[100.0], [100.0]]), utility=np.array([[1.0], [0.5]]),
+        tpot_s=np.full((2, 1), 0.001), exec_ttft_s=np.zeros((2, 1)),
+        batch_cap=np.array([10.0]), kv_cap=np.array([1000.0]), free=np.ones((1, 2, 2)),
+        reward=w, max_delay=0)
+
+
+@pytest.mark.parametrize("kw", [{"strategy": "full", "method": "simplex"},
+                                {"strategy": "full", "method": "ipm"},
+                                {"strategy": "colgen"}])
+def test_two_requests_by_hand(kw: dict[str, str]) -> None:
+    """KV in slot 1 binds: 0.65 x1 + 0.65 x2 <= 1. Request 1 (reward 2) is served whole,
+    request 2 (reward 1.5) takes the rest, x2 = 0.35 / 0.65 = 7/13. Duals: the KV price of
+    slot 1 makes request 2 break even, p = 1.5 / 0.65; request 1's surplus is its row's
+    dual, y1 = 2 - 0.65 p = 0.5; y2 = 0 and every other price 0."""
+    prob = hand_problem()
+    sol = solve(prob, **kw)  # type: ignore[arg-type]
+    x = np.zeros(2)
+    x[sol.cols.request] = sol.x
+    assert x == pytest.approx([1.0, 7 / 13], abs=1e-7)
+    assert sol.objective == pytest.approx(2.0 + 1.5 * 7 / 13, rel=1e-9)
+    expected_p = np.zeros((1, 2, 2))
+    expected_p[0, 1, 1] = 1.5 / 0.65
+    np.testing.assert_allclose(sol.p, expected_p, atol=1e-6)
+    np.testing.assert_allclose(sol.y, [0.5, 0.0], atol=1e-6)
+    ref = solve_cvx(prob)
+    np.testing.assert_allclose(ref.p, expected_p, atol=1e-6)
+    np.testing.assert_allclose(ref.y, [0.5, 0.0], atol=1e-6)
+
+
+# -- prices and rewards from a run ---------------------------------------------------------------
+def test_absolute_prices_take_the_freshest_update() -> None:
+    h = 4
+    first = PriceUpdate(time_s=1.0, origin_s=1.0, p=np.arange(h, dtype=float).reshape(1, h, 1)
+                        .repeat(2, axis=2))
+    second = PriceUpdate(time_s=1.12, origin_s=1.1, p=np.full((1, h, 2), 10.0))
+    p = absolute_prices([second, first], t0_s=1.0, slot_s=0.05, num_slots=8)
+    # slots 0, 1 (t = 1.00, 1.05) from the first update; slots from t = 1.10 on from the
+    # second, which covers 4 slots (to t = 1.30); the rest takes its horizon mean
+    assert p[0, :, 0].tolist() == [0.0, 1.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0]
+    early = absolute_prices([second], t0_s=0.9, slot_s=0.05, num_slots=2)
+    assert early[0, :, 1].tolist() == [10.0, 10.0]   # before the first origin: its slot 0
+
+
+def test_online_reward_is_the_reward_of_realised_times() -> None:
+    prob = hand_problem()
+    prob = dataclasses.replace(prob, reward=RewardConfig(sigma=1.0, beta=0.01, gamma=0.02,
+                                                         omega=0.0))
+    # request 0: first token 0.12 s after arrival (slot 3), done 2 s later (100 tokens);
+    # request 1: never served
+    got = online_reward(prob, np.array([0, -1]), np.array([0.12, np.nan]),
+                        np.array([2.12, np.nan]))
+    k0, d = 3, 40
+    assert got[0] == pytest.approx(1.0 + 0.01 * (100 - (k0 + d)) + 0.02 * (100 - k0))
+    assert got[1] == 0.0
