@@ -95,10 +95,7 @@ class OutlookSource:
 
     def _decode(self, r: Request, model: str) -> float:
         by_model = r.decode_tokens_by_model
-        if by_model is None or model not in by_model:
-            return float(max(r.predicted_decode_tokens, 1))
-        if self._mode == "oracle":
+        if self._mode == "oracle" and by_model is not None and model in by_model:
             return float(by_model[model])
         # noisy: the request's prediction error applied to this model's length
-        ratio = r.predicted_decode_tokens / max(r.decode_tokens, 1)
-        return float(max(round(by_model[model] * ratio), 1))
+        return float(r.predicted_decode_tokens_for(model))

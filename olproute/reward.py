@@ -109,8 +109,12 @@ def usage_columns(prompt_tokens: int, decode_tokens: FloatArray, ttft_s: FloatAr
 
 def reward_terms(prompt_tokens: int, ttft_target_s: float, outlook: Outlook,
                  ttft_s: FloatArray, tpot_s: FloatArray, w: RewardConfig, slot_s: float,
-                 horizon: int) -> RewardTerms:
-    """r_jg term by term for one request on every instance (see the module docstring)."""
+                 horizon: int, waited_s: float = 0.0) -> RewardTerms:
+    """r_jg term by term for one request on every instance (see the module docstring).
+    ``ttft_s`` is counted from now; ``waited_s`` is the time the request has already
+    spent in the router's buffer, so latencies (and the SLO indicators) are judged from
+    its arrival: a request held past its target no longer earns the on-time bonus."""
+    ttft_s = ttft_s + waited_s
     k0 = first_token_slot(ttft_s, slot_s, horizon)
     d = decode_slots(outlook.decode_tokens, tpot_s, slot_s)
     in_horizon = k0 < horizon

@@ -48,6 +48,16 @@ class Request:
             return self.decode_tokens_by_model[model]
         return self.decode_tokens
 
+    def predicted_decode_tokens_for(self, model: str) -> int:
+        """The predicted output length on ``model``: ``predicted_decode_tokens`` is the
+        prediction for the first model, so where the simulator has per-model truth the
+        same prediction error is applied to that model's length."""
+        by_model = self.decode_tokens_by_model
+        if by_model is None or model not in by_model:
+            return max(self.predicted_decode_tokens, 1)
+        ratio = self.predicted_decode_tokens / max(self.decode_tokens, 1)
+        return max(round(by_model[model] * ratio), 1)
+
 
 @dataclass(frozen=True, slots=True)
 class Prediction:

@@ -88,8 +88,9 @@ class BidPrice:
         tpot = decode_step_times_s(snaps, self._specs, self._bea.beta, req.prompt_tokens)
         cols = usage_columns(req.prompt_tokens, out.decode_tokens, ttft, tpot,
                              self._batch_cap, self._kv_cap, self._slot_s, self._horizon)
+        waited = ctx.now_s - req.arrival_s
         terms = reward_terms(req.prompt_tokens, req.ttft_target_s, out, ttft, tpot,
-                             self._w, self._slot_s, self._horizon)
+                             self._w, self._slot_s, self._horizon, waited_s=waited)
         reward = terms.total
         price = self.book.price(cols)
         finite_ttft = np.where(np.isfinite(ttft), ttft, 1e9)
@@ -115,7 +116,6 @@ class BidPrice:
                                   f"{spec.name}, which can start it now", explanation)
         patience = self._adm.patience_s if self._adm.patience_s is not None \
             else req.ttft_target_s
-        waited = ctx.now_s - req.arrival_s
         why = (f"best score {score[g]:.3f} <= 0" if score[g] <= 0
                else f"{spec.name} cannot start it now" if not startable
                else f"its predicted usage does not fit {spec.name}'s free capacity")

@@ -168,11 +168,12 @@ class Cluster:
                 instance[arg] = g
                 dispatch_s[arg] = now
                 outstanding[g] += 1
-                feed.dispatched(g, now, req.request_id, req.prompt_tokens,
-                                req.predicted_decode_tokens)
-                decode[arg] = req.true_decode_tokens(self.specs[g].model)
+                model = self.specs[g].model
+                predicted = req.predicted_decode_tokens_for(model)
+                feed.dispatched(g, now, req.request_id, req.prompt_tokens, predicted)
+                decode[arg] = req.true_decode_tokens(model)
                 engines[g].admit(req.request_id, req.prompt_tokens, int(decode[arg]),
-                                 req.predicted_decode_tokens)
+                                 predicted)
                 if not engines[g].busy:
                     start(g, now)
             elif decision.action == "hold":

@@ -299,3 +299,25 @@ def test_central_buffer_loses_and_duplicates_nothing(mode: str) -> None:
         assert not res.shed.any()
     s = metrics.summarize(res)
     assert s.num_served + s.num_shed == len(reqs)
+
+
+def test_time_held_counts_against_the_on_time_bonus() -> None:
+    """A request re-scored after waiting in the buffer is judged from its arrival: once
+    its target has passed, the TTFT indicator no longer pays."""
+    policy = _policy(reward=RewardConfig(sigma=0.0, beta=0.0, gamma=0.0, zeta2=10.0,
+                                         delta=1.0),
+                     admission=AdmissionConfig(mode="shed", patience_s=1.0), g=1)
+    fresh = policy.decide(_ctx((_snap(),), now=0.0, arrival=0.0, target=0.2, rid=1))
+    assert fresh.explanation["ttft_slo"] == (10.0,) and fresh.action == "dispatch"
+    late = policy.decide(_ctx((_snap(),), now=0.5, arrival=0.0, target=0.2, rid=2))
+    assert late.explanation["ttft_slo"] == (0.0,)
+    assert late.action == "hold"  # nothing left to gain: the score is not positive
+
+
+def test_request_predicts_per_model_lengths() -> None:
+    r = Request(request_id=0, arrival_s=0.0, prompt_tokens=10, decode_tokens=100,
+                predicted_decode_tokens=120, ttft_target_s=1.0,
+                decode_tokens_by_model={"a": 100, "b": 50})
+    assert r.predicted_decode_tokens_for("a") == 120
+    assert r.predicted_decode_tokens_for("b") == 60   # the same +20% error
+    assert r.predicted_decode_tokens_for("c") == 120  # no truth for c: the prediction
