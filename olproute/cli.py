@@ -269,6 +269,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_lp_check(args: argparse.Namespace) -> int:
+    from solvers.check import lp_check_command
+
+    return lp_check_command(_loaded(args), args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="olproute",
@@ -374,6 +380,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiply every batch duration by X (<1 runs faster; default: 1)")
     p.add_argument("--seed", type=_seed, help="batch-time noise seed (default: sim.seed)")
     p.set_defaults(handler=_cmd_emulate)
+
+    p = sub.add_parser("lp-check", help="exact LP (HiGHS) of a bid_price run vs its prices",
+                       description="Simulate with bid_price, recording its window and price "
+                                   "history; solve the window's exact LP; print LP*, the "
+                                   "online reward, D(p_online), the certificate and gaps, "
+                                   "and binding vs priced capacity rows; draw LP duals vs "
+                                   "online prices per instance (lp_check.png in --out, or "
+                                   "--png).")
+    _add_run_options(p)
+    p.add_argument("--window-start-s", type=float, metavar="S",
+                   help="window start (default: the first price tick)")
+    p.add_argument("--window-s", type=_positive_float, metavar="S",
+                   help="window length (default: to the last arrival)")
+    p.add_argument("--max-delay-slots", type=int, metavar="N",
+                   help="latest LP start after the earliest, in slots (default: the "
+                        "largest realised wait in the window, at most 200)")
+    p.add_argument("--gap-tol", type=float, default=0.0, metavar="X",
+                   help="stop column generation at D(p) - LP <= X * LP (default: exact)")
+    p.add_argument("--png", metavar="PATH", help="price plot (default: OUT/lp_check.png "
+                                                  "or lp_check.png)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.set_defaults(handler=_cmd_lp_check)
 
     from olproute.cli_operator import add_operator_commands
 

@@ -127,6 +127,28 @@ def dual_value(prob: LpProblem, p: FloatArray) -> float:
     return Pricer(prob).price(p).dual_value
 
 
+def best_scale(prob: LpProblem, p: FloatArray, hi: float = 4.0, iters: int = 30
+               ) -> tuple[float, float]:
+    """(lambda, D(lambda p)) minimising D over lambda in [0, hi] (D is convex in lambda;
+    golden-section search): whether online prices have the right shape but the wrong
+    level. A diagnostic, not a certificate of the prices as they were."""
+    pricer = Pricer(prob)
+    golden = (np.sqrt(5.0) - 1.0) / 2.0
+    lo, up = 0.0, hi
+    a, b = up - golden * (up - lo), lo + golden * (up - lo)
+    fa, fb = pricer.price(a * p).dual_value, pricer.price(b * p).dual_value
+    for _ in range(iters):
+        if fa <= fb:
+            up, b, fb = b, a, fa
+            a = up - golden * (up - lo)
+            fa = pricer.price(a * p).dual_value
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + golden * (up - lo)
+            fb = pricer.price(b * p).dual_value
+    return (a, fa) if fa <= fb else (b, fb)
+
+
 def certificate(d_value: float, lp_value: float) -> float:
     """D(p)/LP* - 1 (>= 0 up to solver tolerance)."""
     return d_value / lp_value - 1.0

@@ -1,0 +1,221 @@
+"""``olproute lp-check``: run bid_price, solve the exact LP of the run's window, and
+certify the online prices.
+
+Reported: LP* (column generation to ``gap_tol``), the online reward (realised, see
+``solvers.certificate.online_reward``), D(p_online) of the online prices mapped to
+absolute slots, the certificate D(p_online)/LP* - 1, the online gap (LP* - online)/LP*
+(and against D(p_online), which needs no LP), and capacity rows: how many bind in the
+LP (slack <= 1e-6 of capacity), how many the LP prices (p* > 0), and how many the online
+prices price (p > 1e-6). The LP's duals are not unique (the LP is degenerate), so prices
+are compared through D(p), and the PNG is a picture, not an element-wise test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from olproute.config import LoadedConfig
+from olproute.sim.cluster import ProgressFn
+from solvers.certificate import (
+    absolute_prices,
+    best_scale,
+    certificate,
+    dual_value,
+    gap,
+    online_reward,
+)
+from solvers.lp import LpSolution, solve
+from solvers.problem import BATCH, KV, LpProblem
+from solvers.record import Recording, record_bid_price, window_problem
+
+FloatArray = npt.NDArray[np.float64]
+
+PRICED = 1e-6     # an online price above this counts as pricing its row
+BINDING = 1e-6    # LP slack below this (capacity fractions) counts as binding
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    num_requests: int
+    num_instances: int
+    num_slots: int
+    max_delay: int
+    lp_value: float
+    lp_bound: float
+    online_reward: float
+    online_served: int
+    d_online: float
+    certificate: float        # D(p_online) / LP* - 1
+    best_scale: float         # lambda minimising D(lambda p_online)
+    certificate_scaled: float  # D(lambda p_online) / LP* - 1 at that lambda
+    gap_lp: float             # (LP* - online) / LP*
+    gap_d: float              # (D(p_online) - online) / D(p_online)
+    rows: int                 # capacity rows (G x K x 2)
+    lp_binding: int
+    lp_priced: int
+    online_priced: int
+    lp_status: str
+    lp_method: str
+    lp_rounds: int
+    lp_seconds: float
+    record_seconds: float
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return asdict(self)
+
+
+def lp_load(prob: LpProblem, sol: LpSolution) -> FloatArray:
+    """(G, K, 2) capacity used by the LP's solution, through difference arrays."""
+    keep = sol.x > 1e-12
+    c, x = sol.cols, sol.x[keep]
+    j, g, s, e = c.request[keep], c.instance[keep], c.start[keep], c.end[keep]
+    k = prob.num_slots
+    d0 = np.zeros((prob.num_instances, k + 1, 2))
+    d1 = np.zeros((prob.num_instances, k + 1))
+    ba = prob.batch_a[g] * x
+    a = prob.kv_a[j, g] * x
+    b = prob.kv_b[j, g] * x
+    np.add.at(d0[:, :, BATCH], (g, s), ba)
+    np.add.at(d0[:, :, BATCH], (g, e), -ba)
+    np.add.at(d0[:, :, KV], (g, s), a - b * s)
+    np.add.at(d0[:, :, KV], (g, e), -(a - b * s))
+    np.add.at(d1, (g, s), b)
+    np.add.at(d1, (g, e), -b)
+    idx = np.arange(k, dtype=np.float64)[None, :]
+    out = np.empty((prob.num_instances, k, 2))
+    out[:, :, BATCH] = np.cumsum(d0[:, :k, BATCH], axis=1)
+    out[:, :, KV] = np.cumsum(d0[:, :k, KV], axis=1) + idx * np.cumsum(d1[:, :k], axis=1)
+    return out
+
+
+def check(rec: Recording, ids: npt.NDArray[np.int64], prob: LpProblem, gap_tol: float = 0.0,
+          record_seconds: float = 0.0) -> tuple[CheckResult, LpSolution, FloatArray]:
+    """Solve the window's LP and certify the recorded prices; returns the figures, the LP
+    solution and the online prices on the LP's grid."""
+    t0 = time.perf_counter()
+    sol = solve(prob, gap_tol=gap_tol)
+    lp_s = time.perf_counter() - t0
+    p_online = absolute_prices(rec.updates, prob.t0_s, prob.slot_s, prob.num_slots)
+    d_on = dual_value(prob, p_online)
+    lam, d_scaled = best_scale(prob, p_online)
+    res = rec.result
+    online = online_reward(prob, res.instance[ids], res.first_token_s[ids], res.finish_s[ids])
+    slack = prob.capacity - lp_load(prob, sol)
+    total = float(online.sum())
+    out = CheckResult(
+        num_requests=prob.num_requests, num_instances=prob.num_instances,
+        num_slots=prob.num_slots, max_delay=prob.max_delay, lp_value=sol.objective,
+        lp_bound=float(sol.bound if sol.bound is not None else sol.objective),
+        online_reward=total, online_served=int(np.sum(online > 0)), d_online=d_on,
+        certificate=certificate(d_on, sol.objective), best_scale=lam,
+        certificate_scaled=certificate(d_scaled, sol.objective), gap_lp=gap(sol.objective, total),
+        gap_d=gap(d_on, total), rows=int(prob.capacity.size),
+        lp_binding=int(np.sum(slack <= BINDING)), lp_priced=int(np.sum(sol.p > PRICED)),
+        online_priced=int(np.sum(p_online > PRICED)), lp_status=sol.status,
+        lp_method=f"{sol.strategy}, {sol.method}", lp_rounds=sol.rounds, lp_seconds=lp_s,
+        record_seconds=record_seconds)
+    return out, sol, p_online
+
+
+def run_check(loaded: LoadedConfig, seed: int | None = None, t0_s: float | None = None,
+              t1_s: float | None = None, max_delay: int | None = None, gap_tol: float = 0.0,
+              progress: ProgressFn | None = None
+              ) -> tuple[CheckResult, LpProblem, LpSolution, FloatArray]:
+    """Record a bid_price run, build the window's LP and check it."""
+    t0 = time.perf_counter()
+    rec = record_bid_price(loaded, seed=seed, progress=progress)
+    rec_s = time.perf_counter() - t0
+    prob, ids = window_problem(rec, t0_s, t1_s, max_delay=max_delay)
+    out, sol, p_online = check(rec, ids, prob, gap_tol, rec_s)
+    return out, prob, sol, p_online
+
+
+def format_check(r: CheckResult) -> str:
+    rows = [
+        ("window", f"{r.num_requests} requests, {r.num_instances} instances, "
+                   f"{r.num_slots} slots, max delay {r.max_delay} slots"),
+        ("LP*", f"{r.lp_value:.3f}  ({r.lp_status}; {r.lp_method}; {r.lp_rounds} rounds, "
+                f"{r.lp_seconds:.2f} s; bound {r.lp_bound:.3f})"),
+        ("online reward", f"{r.online_reward:.3f}  ({r.online_served} served)"),
+        ("D(p_online)", f"{r.d_online:.3f}"),
+        ("certificate D(p_online)/LP* - 1", f"{r.certificate * 100:+.2f}%"),
+        ("  best rescaling of p_online", f"x{r.best_scale:.3f}: D/LP* - 1 = "
+                                          f"{r.certificate_scaled * 100:+.2f}%"),
+        ("online gap (LP* - online)/LP*", f"{r.gap_lp * 100:+.2f}%"),
+        ("online gap (D - online)/D", f"{r.gap_d * 100:+.2f}%"),
+        ("capacity rows", f"{r.rows}"),
+        ("  binding in the LP", f"{r.lp_binding}"),
+        ("  priced by the LP (p* > 1e-6)", f"{r.lp_priced}"),
+        ("  priced online (p > 1e-6)", f"{r.online_priced}"),
+    ]
+    width = max(len(a) for a, _ in rows)
+    return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
+
+
+def plot_prices(prob: LpProblem, p_lp: FloatArray, p_online: FloatArray, path: Path,
+                names: list[str] | None = None) -> None:
+    """Per instance: LP duals and online prices over time, batch and KV."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = prob.num_instances
+    t = prob.t0_s + np.arange(prob.num_slots) * prob.slot_s
+    fig, axes = plt.subplots(g, 1, figsize=(11, 2.1 * g + 0.6), sharex=True,
+                             constrained_layout=True, squeeze=False)
+    for i in range(g):
+        ax = axes[i, 0]
+        ax.plot(t, p_lp[i, :, BATCH], color="tab:blue", lw=0.9, label="LP dual, batch")
+        ax.plot(t, p_lp[i, :, KV], color="tab:orange", lw=0.9, label="LP dual, KV")
+        ax.plot(t, p_online[i, :, BATCH], color="tab:blue", lw=0.9, ls="--",
+                label="online, batch")
+        ax.plot(t, p_online[i, :, KV], color="tab:orange", lw=0.9, ls="--",
+                label="online, KV")
+        ax.set_ylabel(names[i] if names else f"instance {i}")
+        ax.grid(True, alpha=0.3)
+    axes[0, 0].legend(ncol=4, fontsize=8, loc="upper right")
+    axes[0, 0].set_title("prices per capacity fraction and slot: exact LP duals (solid) vs "
+                         "bid_price's online prices (dashed)")
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def lp_check_command(loaded: LoadedConfig, args: argparse.Namespace) -> int:
+    """``olproute lp-check`` on a loaded config and the parsed options."""
+    import json
+
+    progress = None
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="bid_price", unit="req", leave=False)
+        progress = bar.update
+    rec_t0 = time.perf_counter()
+    rec = record_bid_price(loaded, progress=(lambda _: progress(1)) if progress else None)
+    rec_s = time.perf_counter() - rec_t0
+    if bar is not None:
+        bar.close()
+    t0 = args.window_start_s
+    t1 = None if args.window_s is None else (t0 or (rec.free[0][0] if rec.free else 0.0)
+                                              ) + args.window_s
+    prob, ids = window_problem(rec, t0, t1, max_delay=args.max_delay_slots)
+    result, sol, p_online = check(rec, ids, prob, args.gap_tol, rec_s)
+    print(format_check(result))
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    png = Path(args.png) if args.png else (out or Path(".")) / "lp_check.png"
+    plot_prices(prob, sol.p, p_online, png, [s.name for s in loaded.specs])
+    print(f"wrote {png}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    return 0

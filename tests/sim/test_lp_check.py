@@ -1,0 +1,97 @@
+"""lp-check end to end on a small congested run: the recorder leaves bid_price's run
+unchanged, the LP bounds what the online prices certify, and the command prints and
+draws what it promises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from olproute.calibration import InstanceCalibration
+from olproute.cli import main
+from olproute.sim.scenario import CalibrationSource, simulate
+from solvers.certificate import dual_value
+from solvers.check import check, format_check, plot_prices
+from solvers.record import record_bid_price, window_problem
+from tests.conftest import CONV_TRACE, make_config
+
+CAL = InstanceCalibration(beta=(0.008, 6e-5, 1e-7, 1e-10), prefill_tokens_per_s=15_000,
+                          tpot_s=0.02, mean_batch_seqs=8)
+SECTIONS = {
+    "instances": [{"name": "llama", "model": "llama-2-7b", "gpu": "a100-80gb",
+                   "replicas": 2, "max_num_seqs": 6}],
+    "workload": {"kind": "poisson", "rate_per_s": 8.0, "num_requests": 120,
+                 "lengths_path": str(CONV_TRACE)},
+    "router": {"policy": "bid_price", "policy_params": {"bid_price": {"backend": "numpy"}}},
+    "sim": {"seed": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def recorded():  # type: ignore[no-untyped-def]
+    loaded = make_config(**SECTIONS)
+    source = CalibrationSource(loaded, known=[CAL, CAL])
+    return loaded, source, record_bid_price(loaded, calibration=source)
+
+
+def test_recording_does_not_change_the_run(recorded) -> None:  # type: ignore[no-untyped-def]
+    loaded, source, rec = recorded
+    plain = simulate(loaded, "bid_price", calibration=source)
+    np.testing.assert_array_equal(plain.instance, rec.result.instance)
+    np.testing.assert_array_equal(plain.first_token_s, rec.result.first_token_s)
+    assert rec.updates and rec.free
+    assert np.isfinite(rec.tpot_s).all() and np.isfinite(rec.ttft_hat_s).all()
+
+
+def test_check_bounds_and_counts(recorded, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    _, _, rec = recorded
+    prob, ids = window_problem(rec, max_delay=20)
+    assert prob.num_requests == len(rec.result.requests)
+    res, sol, p_online = check(rec, ids, prob)
+    assert res.lp_status == "Optimal"
+    assert res.lp_binding > 0, "the run must congest the LP, or nothing is checked"
+    assert res.d_online >= res.lp_value * (1 - 1e-7)          # weak duality
+    assert res.certificate >= -1e-7
+    assert dual_value(prob, sol.p) == pytest.approx(res.lp_value, rel=1e-6)
+    assert res.online_reward > 0 and res.online_served == int(np.sum(rec.result.instance >= 0))
+    assert res.gap_d >= res.gap_lp - 1e-9                        # D(p_online) >= LP*
+    assert "certificate D(p_online)/LP* - 1" in format_check(res)
+    png = tmp_path / "p.png"
+    plot_prices(prob, sol.p, p_online, png)
+    assert png.stat().st_size > 0
+
+
+def test_window_keeps_its_requests_and_initial_occupancy(recorded) -> None:  # type: ignore[no-untyped-def]
+    _, _, rec = recorded
+    mid_arrival = rec.result.requests[len(rec.result.requests) // 2].arrival_s
+    t_mid = max(t for t, _ in rec.free if t <= mid_arrival)
+    prob, ids = window_problem(rec, t0_s=t_mid, t1_s=t_mid + 3.0, max_delay=10)
+    arrival = np.array([rec.result.requests[i].arrival_s for i in ids])
+    assert ((arrival >= t_mid) & (arrival < t_mid + 3.0)).all()
+    assert prob.max_delay == 10 and prob.num_slots == 60 + 10
+    # mid-run the instances hold residents: less than all of their capacity is free
+    assert prob.free[:, 0].min() < 1.0
+
+
+def test_lp_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cal = tmp_path / "cal.yaml"
+    cal.write_text(yaml.safe_dump({"calibration": {"llama-0": CAL.as_dict(),
+                                                   "llama-1": CAL.as_dict()}}))
+    cfg = tmp_path / "run.yaml"
+    data = {**SECTIONS, "profiles": str(Path(__file__).resolve().parents[2] / "configs"
+                                        / "profiles.yaml"), "calibration": str(cal)}
+    data["workload"] = {**SECTIONS["workload"], "num_requests": 60}  # type: ignore[dict-item]
+    cfg.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    code = main(["lp-check", "--config", str(cfg), "--out", str(out), "--no-progress",
+                 "--json", str(tmp_path / "r.json")])
+    assert code == 0
+    text = capsys.readouterr().out
+    for label in ("LP*", "online reward", "D(p_online)", "online gap (LP* - online)/LP*",
+                  "binding in the LP", "priced online"):
+        assert label in text
+    assert (out / "lp_check.png").stat().st_size > 0
+    assert (tmp_path / "r.json").exists()
