@@ -31,10 +31,13 @@ maximisation above (p, y >= 0).
 - *Interior point without crossover* (``method="ipm"``, ``crossover=False``): duals and
   bounds without a vertex; the objective is within HiGHS's IPM tolerance (1e-8
   relative) of LP* and D(p) of its duals still bounds LP* from above.
-- *Coarser grid* (``coarsen=c > 1``, dense form): capacity rows of c consecutive slots
-  are summed (capacity summed too). That is a relaxation: LP_c* >= LP*, still a valid
-  upper bound on the hindsight optimum, and its prices, copied to every slot of their
-  block, are a valid p for D(p) with D = LP_c*. It costs bound tightness, not validity.
+- *Coarser grid* (``coarsen=c > 1``): capacity rows of c consecutive slots are summed
+  (capacity summed too), in difference form as well (a column's block sums are
+  constant or linear on the blocks it covers whole, so its differences stay a few
+  nonzeros around its first and last block). That is a relaxation: LP_c* >= LP*, a
+  valid upper bound on the hindsight optimum with c times fewer rows and chain links;
+  its prices, copied to every slot of their block, are a valid p with D(p) = LP_c*.
+  It costs bound tightness, not validity; start slots stay on the fine grid.
 - *Presolve* is left on for one-shot solves (it removes nothing much here) and off in
   column generation (the master is re-solved with its basis).
 """
@@ -94,10 +97,12 @@ class Layout:
         return self.num_instances * self.num_slots
 
 
-def _x_entries_difference(prob: LpProblem, cols: FlatColumns) -> tuple[IntArray, IntArray,
-                                                                        FloatArray]:
+def _x_entries_difference(prob: LpProblem, cols: FlatColumns, layout: Layout
+                          ) -> tuple[IntArray, IntArray, FloatArray]:
     """(row, column, value) of the x columns in difference form; duplicates are summed
     later (a one-slot column has two entries on row s + 1)."""
+    if layout.coarsen > 1:
+        return _x_entries_difference_coarse(prob, cols, layout)
     n, k = prob.num_requests, prob.num_slots
     gk = prob.num_instances * k
     j, g, s, e = cols.request, cols.instance, cols.start, cols.end
@@ -122,6 +127,53 @@ def _x_entries_difference(prob: LpProblem, cols: FlatColumns) -> tuple[IntArray,
             np.concatenate([p[2] for p in parts]))
 
 
+def _block_sums(alpha: FloatArray, beta: FloatArray, s: IntArray, e: IntArray,
+                blocks: IntArray, c: int) -> FloatArray:
+    """F_B = sum over slots k of block B (slots Bc .. Bc + c - 1) of alpha + beta (k - s)
+    on [s, e), for candidate blocks (m, t); 0 for B < 0."""
+    def upto(k: IntArray) -> FloatArray:
+        m = np.clip(k - s[:, None], 0, (e - s)[:, None]).astype(np.float64)
+        result: FloatArray = alpha[:, None] * m + beta[:, None] * m * (m - 1) / 2.0
+        return result
+
+    lo = np.maximum(blocks, 0) * c
+    result: FloatArray = np.where(blocks >= 0, upto(lo + c) - upto(lo), 0.0)
+    return result
+
+
+def _x_entries_difference_coarse(prob: LpProblem, cols: FlatColumns, layout: Layout
+                                 ) -> tuple[IntArray, IntArray, FloatArray]:
+    """The difference form on blocks of c slots. A column's block sums F_B are constant
+    (batch) or linear (KV) on the blocks it covers whole, so its first (batch) and
+    second (KV) differences are nonzero only on the blocks around its first and last
+    block: evaluated there from closed-form prefix sums, each block once."""
+    n, c, kc = prob.num_requests, layout.coarsen, layout.num_slots
+    gk = prob.num_instances * kc
+    j, g, s, e = cols.request, cols.instance, cols.start, cols.end
+    idx = np.arange(len(cols), dtype=np.int64)
+    bs, be = s // c, (e - 1) // c
+    parts_r, parts_c, parts_v = [j], [idx], [np.ones(len(cols))]
+    for offsets, order, base, alpha, beta in (
+            ((0, 1), 1, n + g * kc, prob.batch_a[g], np.zeros(len(cols))),
+            ((0, 1, 2), 2, n + gk + g * kc, prob.kv_a[j, g], prob.kv_b[j, g])):
+        cand = np.concatenate([bs[:, None] + np.array(offsets)[None, :],
+                               be[:, None] + np.array(offsets)[None, :]], axis=1)
+        f0 = _block_sums(alpha, beta, s, e, cand, c)
+        f1 = _block_sums(alpha, beta, s, e, cand - 1, c)
+        val = (f0 - f1 if order == 1
+               else f0 - 2.0 * f1 + _block_sums(alpha, beta, s, e, cand - 2, c))
+        dup = np.zeros(cand.shape, dtype=bool)
+        for t in range(1, cand.shape[1]):
+            dup[:, t] = (cand[:, :t] == cand[:, t:t + 1]).any(axis=1)
+        scale = (np.abs(alpha) + np.abs(beta) * c) * c
+        keep = ~dup & (cand < kc) & (np.abs(val) > 1e-12 * scale[:, None])
+        rows = np.broadcast_to(base[:, None], cand.shape) + cand
+        parts_r.append(rows[keep])
+        parts_c.append(np.broadcast_to(idx[:, None], cand.shape)[keep])
+        parts_v.append(-val[keep])   # x moves to the left-hand side of the chain rows
+    return np.concatenate(parts_r), np.concatenate(parts_c), np.concatenate(parts_v)
+
+
 def _x_entries_dense(prob: LpProblem, cols: FlatColumns, coarsen: int,
                      num_slots: int) -> tuple[IntArray, IntArray, FloatArray]:
     """(row, column, value) of the x columns on the capacity rows themselves, slots
@@ -144,7 +196,7 @@ def _x_entries_dense(prob: LpProblem, cols: FlatColumns, coarsen: int,
 def x_matrix(prob: LpProblem, cols: FlatColumns, layout: Layout) -> sparse.csc_matrix:
     """The x columns as a CSC matrix with the model's rows."""
     if layout.form == "difference":
-        r, c, v = _x_entries_difference(prob, cols)
+        r, c, v = _x_entries_difference(prob, cols, layout)
         num_rows = prob.num_requests + 3 * layout.cap_rows
     else:
         r, c, v = _x_entries_dense(prob, cols, layout.coarsen, layout.num_slots)
@@ -152,9 +204,10 @@ def x_matrix(prob: LpProblem, cols: FlatColumns, layout: Layout) -> sparse.csc_m
     return sparse.csc_matrix((v, (r, c)), shape=(num_rows, len(cols)))
 
 
-def _aux_matrix(prob: LpProblem) -> sparse.csc_matrix:
-    """Columns u, w, v per (g, l) of the difference form (see the module docstring)."""
-    n, k, g = prob.num_requests, prob.num_slots, prob.num_instances
+def _aux_matrix(prob: LpProblem, k: int) -> sparse.csc_matrix:
+    """Columns u, w, v per (g, l) of the difference form on k (block) slots (see the
+    module docstring)."""
+    n, g = prob.num_requests, prob.num_instances
     gk = g * k
     cell = np.arange(gk, dtype=np.int64)
     nxt = (cell % k) < k - 1            # slot l + 1 exists on the same instance
@@ -167,6 +220,19 @@ def _aux_matrix(prob: LpProblem) -> sparse.csc_matrix:
     one = np.ones(gk)
     v = np.concatenate([one, -one[nxt], one, -one[nxt], -one, one, -one[nxt]])
     return sparse.csc_matrix((v, (r, c)), shape=(n + 3 * gk, 3 * gk))
+
+
+def coarse_capacity(prob: LpProblem, coarsen: int) -> FloatArray:
+    """Capacity summed over blocks of ``coarsen`` slots (G, ceil(K / c), 2); the last
+    block sums the slots that exist."""
+    g, k = prob.num_instances, prob.num_slots
+    if coarsen == 1:
+        return prob.capacity
+    kc = -(-k // coarsen)
+    pad = np.zeros((g, kc * coarsen, 2))
+    pad[:, :k] = prob.capacity
+    result: FloatArray = pad.reshape(g, kc, coarsen, 2).sum(axis=2)
+    return result
 
 
 @dataclass
@@ -192,16 +258,16 @@ def build(prob: LpProblem, cols: FlatColumns | None = None, form: Form = "differ
           coarsen: int = 1) -> Model:
     """The LP on the columns ``cols`` (default: all of them) as HiGHS arrays."""
     t0 = time.perf_counter()
-    if coarsen > 1 and form != "dense":
-        raise ValueError("a coarser grid needs form='dense'")
     cols = all_columns(prob) if cols is None else cols
-    n, g, k = prob.num_requests, prob.num_instances, prob.num_slots
+    n, g = prob.num_requests, prob.num_instances
     inf = np.inf
-    cap = prob.capacity
+    cap = coarse_capacity(prob, coarsen)
     if form == "difference":
-        layout = Layout("difference", n, g, k, 1, len(cols))
-        mat = sparse.hstack([x_matrix(prob, cols, layout), _aux_matrix(prob)], format="csc")
-        gk = g * k
+        kc = cap.shape[1]
+        layout = Layout("difference", n, g, kc, coarsen, len(cols))
+        mat = sparse.hstack([x_matrix(prob, cols, layout), _aux_matrix(prob, kc)],
+                            format="csc")
+        gk = g * kc
         col_lower = np.concatenate([np.zeros(len(cols)), np.full(3 * gk, -inf)])
         col_upper = np.concatenate([np.full(len(cols), inf), cap[:, :, BATCH].ravel(),
                                     np.full(gk, inf), cap[:, :, KV].ravel()])
@@ -209,12 +275,10 @@ def build(prob: LpProblem, cols: FlatColumns | None = None, form: Form = "differ
         row_upper = np.concatenate([np.ones(n), np.zeros(3 * gk)])
         cost = np.concatenate([-cols.reward, np.zeros(3 * gk)])
     else:
-        kc = -(-k // coarsen)
+        kc = cap.shape[1]
         layout = Layout("dense", n, g, kc, coarsen, len(cols))
         mat = x_matrix(prob, cols, layout)
-        pad = np.zeros((g, kc * coarsen, 2))
-        pad[:, :k] = cap
-        cap_c = pad.reshape(g, kc, coarsen, 2).sum(axis=2)
+        cap_c = cap
         col_lower = np.zeros(len(cols))
         col_upper = np.full(len(cols), inf)
         row_lower = np.full(n + 2 * g * kc, -inf)
@@ -305,11 +369,12 @@ def _duals(h: Any, prob: LpProblem, m: Model) -> tuple[FloatArray, FloatArray]:
         col_dual = np.asarray(sol.col_dual, dtype=np.float64)
         gk = lay.cap_rows
         aux = col_dual[lay.num_x:lay.num_x + 3 * gk]
-        p = np.stack([-aux[:gk].reshape(g, lay.num_slots),
-                      -aux[2 * gk:].reshape(g, lay.num_slots)], axis=-1)
+        pc = np.stack([-aux[:gk].reshape(g, lay.num_slots),
+                       -aux[2 * gk:].reshape(g, lay.num_slots)], axis=-1)
     else:
         pc = -row_dual[n:].reshape(g, lay.num_slots, 2)
-        p = np.repeat(pc, lay.coarsen, axis=1)[:, :prob.num_slots]
+    # a block's price applies to each of its slots (module docstring, coarser grid)
+    p = np.repeat(pc, lay.coarsen, axis=1)[:, :prob.num_slots]
     # round-off below zero is not a price
     return np.maximum(p, 0.0), np.maximum(y, 0.0)
 
@@ -321,7 +386,7 @@ def _status(h: Any) -> str:
 def solve(prob: LpProblem, method: Method = "auto", strategy: Strategy = "auto",
           form: Form = "difference", coarsen: int = 1, crossover: bool = True,
           presolve: bool = True, gap_tol: float = 0.0, tol: float = 1e-9,
-          columns_per_request: int = 4, max_rounds: int = 200,
+          columns_per_request: int = 16, max_rounds: int = 200,
           time_limit_s: float | None = None, threads: int | None = None,
           verbose: bool = False) -> LpSolution:
     """Solve the window's LP.
@@ -329,15 +394,17 @@ def solve(prob: LpProblem, method: Method = "auto", strategy: Strategy = "auto",
     ``strategy="full"`` passes every column at once and solves with ``method``
     (``auto``: dual simplex below ``IPM_ABOVE_NNZ`` nonzeros, else interior point;
     ``crossover=False`` skips the vertex). ``strategy="colgen"`` runs column generation
-    with warm-started dual simplex (see the module docstring). ``auto`` is column
-    generation on the fine grid and ``full`` on a coarse one."""
+    (see the module docstring) with interior-point masters, or with ``method="simplex"``
+    an interior-point first master and warm-started simplex after it. ``auto`` is column
+    generation in difference form and ``full`` in dense form. ``coarsen`` > 1 solves the
+    coarse-grid relaxation (an upper bound; its prices are copied to every slot)."""
     if strategy == "auto":
-        strategy = "full" if (coarsen > 1 or form == "dense") else "colgen"
+        strategy = "full" if form == "dense" else "colgen"
     if strategy == "colgen":
         if form != "difference":
             raise ValueError("column generation builds the difference form")
         master = "simplex" if method == "simplex" else "ipm"
-        return _colgen(prob, master, gap_tol, tol, columns_per_request, max_rounds,
+        return _colgen(prob, master, coarsen, gap_tol, tol, columns_per_request, max_rounds,
                        time_limit_s, threads, verbose)
     m = build(prob, form=form, coarsen=coarsen)
     if method == "auto":
@@ -360,8 +427,8 @@ def solve(prob: LpProblem, method: Method = "auto", strategy: Strategy = "auto",
         timings={"build_s": m.build_s, "pass_s": t1 - t0, "solve_s": t2 - t1})
 
 
-def _colgen(prob: LpProblem, master: str, gap_tol: float, tol: float, per_request: int,
-            max_rounds: int, time_limit_s: float | None, threads: int | None,
+def _colgen(prob: LpProblem, master: str, coarsen: int, gap_tol: float, tol: float,
+            per_request: int, max_rounds: int, time_limit_s: float | None, threads: int | None,
             verbose: bool) -> LpSolution:
     from solvers.certificate import Pricer
 
@@ -369,7 +436,9 @@ def _colgen(prob: LpProblem, master: str, gap_tol: float, tol: float, per_reques
     timings = {"build_s": 0.0, "pass_s": 0.0, "solve_s": 0.0, "price_s": 0.0}
     t0 = time.perf_counter()
     cols = earliest_columns(prob)
-    m = build(prob, cols, form="difference")
+    m = build(prob, cols, form="difference", coarsen=coarsen)
+    # for block prices copied to every slot, sum_k p_k c_k = sum_B p_B C_B and a.p is the
+    # coarse column's price: pricing on the fine grid prices the coarse LP exactly
     pricer = Pricer(prob)
     in_master = np.zeros((prob.num_requests, prob.num_instances, prob.num_delays), dtype=bool)
     in_master[cols.request, cols.instance, cols.delay] = True
@@ -430,6 +499,6 @@ def _colgen(prob: LpProblem, master: str, gap_tol: float, tol: float, per_reques
     return LpSolution(
         status=status, objective=obj, cols=allc, x=x, p=p, y=y,
         method="ipm (no crossover)" if master == "ipm" else "ipm + crossover, then simplex",
-        strategy="colgen", form="difference", coarsen=1, num_rows=h.getNumRow(),
+        strategy="colgen", form="difference", coarsen=coarsen, num_rows=h.getNumRow(),
         num_cols=h.getNumCol(), nnz=int(h.getNumNz()), iterations=iters, rounds=rounds,
         bound=float(bound), timings=timings)

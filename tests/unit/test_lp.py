@@ -218,3 +218,16 @@ def test_online_reward_is_the_reward_of_realised_times() -> None:
     k0, d = 3, 40
     assert got[0] == pytest.approx(1.0 + 0.01 * (100 - (k0 + d)) + 0.02 * (100 - k0))
     assert got[1] == 0.0
+
+
+@pytest.mark.parametrize("coarsen", [2, 3, 7])
+def test_coarse_difference_form_matches_coarse_dense_rows(coarsen: int) -> None:
+    prob = small(2, load=1.5, num_slots=31)
+    dense_rows = solve(prob, strategy="full", form="dense", coarsen=coarsen, method="simplex")
+    diff = solve(prob, strategy="full", coarsen=coarsen, method="simplex")
+    gen = solve(prob, strategy="colgen", coarsen=coarsen)
+    assert diff.objective == pytest.approx(dense_rows.objective, rel=1e-7)
+    assert gen.objective == pytest.approx(dense_rows.objective, rel=1e-7)
+    assert gen.bound == pytest.approx(gen.objective, rel=1e-7)
+    fine = solve(prob, strategy="full", method="simplex")
+    assert diff.objective >= fine.objective * (1 - 1e-9)
