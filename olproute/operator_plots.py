@@ -175,7 +175,7 @@ def bottleneck_plot(trace: PriceTrace, path: Path, title: str = "") -> None:
         ax = axes[g, 0]
         for r, resource in enumerate(RESOURCES):
             ax.plot(t, tot[:, g, r], color=colours[r], lw=1.0, label=f"{resource} (sum)")
-        top = max(float(tot[:, g].max(initial=0.0)), 1e-9)
+        top = float(tot[:, g].max(initial=0.0)) or 1.0  # never priced: a unit axis
         for r in (0, 1):
             on = which[:, g] == r
             ax.fill_between(t, 0, -0.06 * top, where=on, step="post", color=colours[r],
@@ -197,55 +197,60 @@ def bottleneck_plot(trace: PriceTrace, path: Path, title: str = "") -> None:
 def pareto_plot(tune: TuneResult, path: Path, title: str = "") -> None:
     """Two panels: P99 TTFT vs tokens/s, and mean TTFT vs OnTimeUtility (or mean EEL);
     every point in grey, each front as a line with its points numbered, the selected
-    point starred; a legend box gives the weights of the labelled points."""
-    from olproute.tune import point_label, varied_keys
+    point starred; a box gives the weights of the labelled points. Points whose runs
+    came out identical are drawn and listed once, under the lowest number."""
+    from olproute.tune import identical_groups, point_label, varied_keys
 
     plt = _pyplot()
     rows = [r.summary.as_dict() for r in tune.results]
+    groups = identical_groups(tune.results)
+    head = {m: i for i, members in groups.items() for m in members}
     second = tune.second_metric
     panels = (
         ("throughput_tokens_per_s", "ttft_p99_s", tune.front_throughput,
-         "throughput (tokens/s)", "P99 TTFT (ms)", 1e3),
+         "throughput (tokens/s)", "P99 TTFT (ms)", 1.0, 1e3),
         ("ttft_mean_s", second, tune.front_second, "mean TTFT (ms)",
-         "OnTimeUtility" if second == "on_time_utility" else "mean EEL (s)", 1.0),
+         "OnTimeUtility" if second == "on_time_utility" else "mean EEL (s)", 1e3, 1.0),
     )
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.8), constrained_layout=True,
                              gridspec_kw={"width_ratios": [1, 1, 0.8]})
-    labelled: set[int] = {tune.selected}
-    for ax, (xk, yk, front, xl, yl, yscale) in zip(axes[:2], panels, strict=True):
-        xs = np.array([float(r[xk]) for r in rows])
+    sel = head[tune.selected]
+    labelled: set[int] = {sel}
+    for ax, (xk, yk, front, xl, yl, xscale, yscale) in zip(axes[:2], panels, strict=True):
+        xs = np.array([float(r[xk]) for r in rows]) * xscale
         ys = np.array([float(r[yk]) for r in rows]) * yscale
-        if xk == "ttft_mean_s":
-            xs = xs * 1e3
         ax.scatter(xs, ys, s=14, color="0.7", label="all points", zorder=1)
-        on = np.flatnonzero(front)
-        order = on[np.argsort(xs[on])]
+        on = np.array([i for i in groups if front[i]], dtype=np.int64)
+        order = on[np.argsort(xs[on])] if on.size else on
         ax.plot(xs[order], ys[order], "-o", color="tab:blue", ms=5, label="Pareto front",
                 zorder=2)
-        spots: dict[tuple[float, float], list[int]] = {}  # coincident points: one label
         for i in order:
             labelled.add(int(i))
-            spots.setdefault((float(xs[i]), float(ys[i])), []).append(tune.results[i].index)
-        for (x, y), ids in spots.items():
-            ids.sort()
-            text = ",".join(f"#{j}" for j in ids[:4]) + ("..." if len(ids) > 4 else "")
-            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8,
+            ax.annotate(f"#{tune.results[i].index}", (xs[i], ys[i]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8,
                         color="tab:blue")
-        s = tune.selected
-        ax.scatter([xs[s]], [ys[s]], marker="*", s=180, color="tab:red", zorder=3,
-                   label=f"selected #{tune.results[s].index}")
+        ax.scatter([xs[sel]], [ys[sel]], marker="*", s=180, color="tab:red", zorder=3,
+                   label=f"selected #{tune.results[sel].index}")
+        if "TTFT" in xl:
+            ax.set_xscale("log")
+        if "TTFT" in yl:
+            ax.set_yscale("log")
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
-        ax.grid(True, alpha=0.3)
+        ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="best")
     keys = varied_keys(tune.results)
+    lines = []
+    for i in sorted(labelled)[:20]:
+        same = len(groups[i]) - 1
+        lines.append(f"#{tune.results[i].index}{' *' if i == sel else ''}"
+                     f"{f' (+{same} identical)' if same else ''}:")
+        lines.append(f"  {point_label(tune.results[i].point, keys)}")
+    rule = tune.selection.describe() + ("" if tune.feasible else " (none met; closest)")
     ax = axes[2]
     ax.axis("off")
-    lines = [f"#{tune.results[i].index}{' *' if i == tune.selected else ''}: "
-             f"{point_label(tune.results[i].point, keys)}" for i in sorted(labelled)][:24]
-    rule = tune.selection.describe() + ("" if tune.feasible else " (none met; closest)")
-    ax.text(0.0, 1.0, "labelled points\n\n" + "\n".join(lines) + f"\n\n* selected:\n{rule}",
-            va="top", ha="left", fontsize=8, family="monospace", wrap=True,
+    ax.text(0.0, 1.0, "labelled points\n\n" + "\n".join(lines) + f"\n\n* selected: {rule}",
+            va="top", ha="left", fontsize=7.5, family="monospace", wrap=True,
             transform=ax.transAxes)
     if title:
         fig.suptitle(title)

@@ -168,6 +168,18 @@ def varied_keys(results: Sequence[PointResult]) -> list[str]:
     return [k for k, vals in seen.items() if len(vals) > 1]
 
 
+def identical_groups(results: Sequence[PointResult]) -> dict[int, list[int]]:
+    """Points whose runs came out identical (every metric equal: their weights made the
+    same decisions), as {first position: [positions]}."""
+    first: dict[str, int] = {}
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(results):
+        key = repr(sorted(r.summary.as_dict().items()))
+        j = first.setdefault(key, i)
+        groups.setdefault(j, []).append(i)
+    return groups
+
+
 def point_label(point: Point, keys: Sequence[str]) -> str:
     parts = []
     for name in keys:
@@ -210,20 +222,28 @@ def selected_profile(loaded: LoadedConfig, tune: TuneResult, grid: Grid,
 def summary_lines(tune: TuneResult) -> list[str]:
     """A table of the front points and the selected one, for the terminal and README."""
     keys = varied_keys(tune.results)
+    utility = tune.second_metric == "on_time_utility"
     head = (f"{'point':>5}  {'front':<5}  {'TTFT att.':>9}  {'TTFT mean ms':>12}  "
-            f"{'TTFT p99 ms':>11}  {'EEL mean s':>10}  {'tok/s':>7}  {'shed':>5}  weights")
+            f"{'TTFT p99 ms':>11}  {'EEL mean s':>10}  {'tok/s':>7}  {'shed':>5}  "
+            + (f"{'OnTimeU':>7}  " if utility else "") + "weights")
     lines = [head, "-" * len(head)]
-    for i, r in enumerate(tune.results):
+    groups = identical_groups(tune.results)
+    for i, members in groups.items():
         on1, on2 = tune.front_throughput[i], tune.front_second[i]
-        if not (on1 or on2 or i == tune.selected):
+        chosen = tune.selected in members
+        if not (on1 or on2 or chosen):
             continue
+        r = tune.results[tune.selected if chosen else i]
         s = r.summary
-        mark = ("T" if on1 else "-") + ("U" if on2 else "-") + ("*" if i == tune.selected
-                                                               else " ")
+        mark = ("T" if on1 else "-") + ("U" if on2 else "-") + ("*" if chosen else " ")
+        same = f" (+{len(members) - 1} identical)" if len(members) > 1 else ""
         lines.append(f"{r.index:>5}  {mark:<5}  {s.slo_attainment:>9.4f}  "
                      f"{s.ttft_mean_s * 1e3:>12.1f}  {s.ttft_p99_s * 1e3:>11.1f}  "
                      f"{s.eel_mean_s:>10.2f}  {s.throughput_tokens_per_s:>7.0f}  "
-                     f"{s.num_shed:>5}  {point_label(r.point, keys)}")
+                     f"{s.num_shed:>5}  "
+                     + (f"{s.on_time_utility:>7.3f}  " if utility else "")
+                     + f"{point_label(r.point, keys)}{same}")
     lines.append(f"front: T = P99 TTFT vs tokens/s, U = mean TTFT vs "
-                 f"{tune.second_metric}; * = selected ({tune.selection.describe()})")
+                 f"{tune.second_metric}; * = selected ({tune.selection.describe()}); "
+                 "identical: other points with the same metrics (all in tune.csv)")
     return lines

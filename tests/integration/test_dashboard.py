@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from olproute.cli import main
 from olproute.config import load_config
 from olproute.server.dashboard import PRICE_BINS, quantile
 from olproute.server.state import STATE
@@ -171,3 +172,16 @@ def test_dashboard_page_in_headless_chromium(stack: Stack, tmp_path: Path) -> No
     assert rate > 0 if recent else rate >= 0, rate
     assert page.ids["ttft-all-count"] == "4" and float(page.ids["ttft-all-mean"]) > 0
     assert dom.count('class="heat"') == 3
+
+
+def test_plots_from_a_live_server(stack: Stack, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``olproute plots --from-server`` polls GET /prices and draws the price plots."""
+    _traffic(stack, 2)
+    out = tmp_path / "live"
+    assert main(["plots", "--from-server", stack.url, "--poll-s", "1.0", "--period-s", "0.25",
+                 "--out", str(out)]) == 0
+    assert "prices.png" in capsys.readouterr().out
+    for name in ("prices.png", "bottleneck.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5_000
