@@ -75,6 +75,11 @@ class Router:
         return replace(d, instance=g, reason=f"{self.specs[d.instance].name} unhealthy; "
                        f"moved to {self.specs[g].name} ({d.reason})")
 
+    def continue_ids(self, previous: Router) -> None:
+        """Take over another router's request-id sequence (after a reload, so that ids of
+        requests still in flight are never reused)."""
+        self._ids = previous._ids
+
     def observe(self, outcome: Outcome) -> None:
         self.policy.observe(outcome)
 

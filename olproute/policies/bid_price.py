@@ -106,19 +106,28 @@ class BidPrice:
                        "score": tuple(score.tolist()),
                        "candidates": tuple(float(c) for c in candidates.tolist()),
                        **terms.as_dict()}
+        # the best-scoring instance that can start the request now and hold it as
+        # predicted; a lower-scoring free instance beats waiting for a busy better one
+        for c in candidates[np.argsort(-score[candidates], kind="stable")]:
+            c = int(c)
+            if score[c] <= 0:
+                break
+            cspec = self._specs[c]
+            if (can_start_now(snaps[c], req.prompt_tokens, cspec.block_size,
+                              cspec.max_num_seqs, self._adm.max_waiting)
+                    and self._fits(c, cols, ctx.now_s)):
+                self._account(c, cols, ctx.now_s)
+                rank = "best score" if c == g else f"best startable score (best: {score[g]:.3f})"
+                return self._decision(ctx, "dispatch", c, f"{rank} {score[c]:.3f} on "
+                                      f"{cspec.name}, which can start it now", explanation)
         spec = self._specs[g]
         startable = can_start_now(snaps[g], req.prompt_tokens, spec.block_size,
                                   spec.max_num_seqs, self._adm.max_waiting)
-        fits = self._fits(g, cols, ctx.now_s)
-        if score[g] > 0 and startable and fits:
-            self._account(g, cols, ctx.now_s)
-            return self._decision(ctx, "dispatch", g, f"best score {score[g]:.3f} on "
-                                  f"{spec.name}, which can start it now", explanation)
         patience = self._adm.patience_s if self._adm.patience_s is not None \
             else req.ttft_target_s
         why = (f"best score {score[g]:.3f} <= 0" if score[g] <= 0
-               else f"{spec.name} cannot start it now" if not startable
-               else f"its predicted usage does not fit {spec.name}'s free capacity")
+               else "no instance with a positive score can start it now" if not startable
+               else "its predicted usage fits no instance with a positive score")
         if waited + 1e-12 < patience:
             return self._decision(ctx, "hold", None, f"held: {why}", explanation)
         self._seen.discard(req.request_id)

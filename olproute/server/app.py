@@ -308,6 +308,7 @@ async def reload(request: web.Request) -> web.Response:
                                     kind="invalid_config")
     calibration = CalibrationSource(new, known=st.router.calibration())
     router = await loop.run_in_executor(None, Router, new, calibration)
+    router.continue_ids(st.router)  # requests in flight keep their ids unique
     st.router = router
     st.loaded = new
     return web.json_response({"status": "reloaded", "config": str(path),

@@ -133,7 +133,7 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         backend = st.tracker.backends[g]
         data["model"] = backend.spec.model  # the name the backend serves
         now = st.now()
-        st.tracker.dispatched(g, req, now)
+        st.tracker.dispatched(g, req, now, streamed=stream)
         upstream: aiohttp.ClientResponse | None = None
         try:
             upstream = await st.session.post(backend.url + request.path, json=data)

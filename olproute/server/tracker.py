@@ -30,6 +30,13 @@ class Flight:
     dispatch_s: float
     tokens: int = 0
     first_token_s: float | None = None
+    streamed: bool = True  # False: tokens are only known when the whole answer arrives
+
+    @property
+    def running(self) -> bool:
+        """Taken to be running: it streamed a token, or (not streamed) it was dispatched;
+        a non-streamed request would otherwise look queued for its whole life."""
+        return self.tokens > 0 or not self.streamed
 
 
 @dataclass(slots=True)
@@ -61,8 +68,8 @@ class Tracker:
         self._max_backoff = max_backoff_s
 
     # -- traffic -------------------------------------------------------------------------
-    def dispatched(self, g: int, request: Request, now_s: float) -> None:
-        self.backends[g].flights[request.request_id] = Flight(request, now_s)
+    def dispatched(self, g: int, request: Request, now_s: float, streamed: bool = True) -> None:
+        self.backends[g].flights[request.request_id] = Flight(request, now_s, streamed=streamed)
 
     def token(self, g: int, request_id: int, now_s: float, count: int = 1) -> None:
         f = self.backends[g].flights.get(request_id)
@@ -99,7 +106,7 @@ class Tracker:
     def loads(self, now_s: float) -> tuple[InstanceLoad, ...]:
         out = []
         for b in self.backends:
-            running = sum(1 for f in b.flights.values() if f.tokens > 0)
+            running = sum(1 for f in b.flights.values() if f.running)
             used = self._blocks_used(b)
             out.append(InstanceLoad(
                 index=b.index, name=b.spec.name, num_running=running,
@@ -111,8 +118,8 @@ class Tracker:
 
     def _blocks_used(self, b: BackendState) -> int:
         bs = b.spec.block_size
-        tracked = sum(math.ceil((f.request.prompt_tokens + f.tokens) / bs)
-                      for f in b.flights.values() if f.tokens > 0)
+        tracked = sum(math.ceil((f.request.prompt_tokens + max(f.tokens, 1)) / bs)
+                      for f in b.flights.values() if f.running)
         perc = b.scraped.get("vllm:kv_cache_usage_perc")
         scraped = int(perc * b.spec.num_kv_blocks) if perc is not None else 0
         return min(max(tracked, scraped), b.spec.num_kv_blocks)
@@ -120,13 +127,14 @@ class Tracker:
     def snapshot(self, g: int, now_s: float) -> EngineSnapshot:
         b = self.backends[g]
         flights = sorted(b.flights.values(), key=lambda f: f.dispatch_s)
-        running = [f for f in flights if f.tokens > 0][: b.spec.max_num_seqs]
+        running = [f for f in flights if f.running][: b.spec.max_num_seqs]
         run_ids = {f.request.request_id for f in running}
         waiting = [f for f in flights if f.request.request_id not in run_ids]
         rows = []
         for f in running:
-            ctx = f.request.prompt_tokens + f.tokens
-            rows.append((f.request.prompt_tokens, f.tokens, f.request.predicted_decode_tokens,
+            out = max(f.tokens, 1)  # a non-streamed request: assume its first token is out
+            ctx = f.request.prompt_tokens + out
+            rows.append((f.request.prompt_tokens, out, f.request.predicted_decode_tokens,
                          ctx - 1, math.ceil(ctx / b.spec.block_size)))
         for f in waiting:
             rows.append((f.request.prompt_tokens, 0, f.request.predicted_decode_tokens, 0, 0))

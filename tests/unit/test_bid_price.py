@@ -259,7 +259,7 @@ def test_hold_then_defer_or_shed_at_patience() -> None:
     for mode, final in (("defer", "dispatch"), ("shed", "shed")):
         policy = _policy(admission=AdmissionConfig(mode=mode, patience_s=0.2))
         d = policy.decide(_ctx((full, full), now=0.0))
-        assert d.action == "hold" and "cannot start" in d.reason
+        assert d.action == "hold" and "can start it now" in d.reason
         d = policy.decide(_ctx((full, full), now=0.15))
         assert d.action == "hold"
         d = policy.decide(_ctx((full, full), now=0.2))
@@ -321,3 +321,22 @@ def test_request_predicts_per_model_lengths() -> None:
     assert r.predicted_decode_tokens_for("a") == 120
     assert r.predicted_decode_tokens_for("b") == 60   # the same +20% error
     assert r.predicted_decode_tokens_for("c") == 120  # no truth for c: the prediction
+
+
+def test_a_free_instance_beats_waiting_for_a_busy_better_one() -> None:
+    """The top-scoring instance is full; a free one with a positive score takes the
+    request rather than holding it."""
+    policy = _policy()
+    long_ctx = np.array([[2990, 10, 100, 2999, 188]] * 3, dtype=np.int64)  # slow decodes
+    slow = EngineSnapshot(time_s=0.0, table=long_ctx, num_running=3, num_free_blocks=61,
+                          inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=0.0,
+                          request_ids=np.arange(3))
+    from olproute.reward import price_prefix as pp
+
+    policy.book.p[1] = 0.6  # instance 1 is dearer, so the full instance 0 scores best
+    policy.book._p0, policy.book._p1 = pp(policy.book.p)
+    d = policy.decide(_ctx((_snap(n_running=4), slow), rid=2))
+    score = d.explanation["score"]
+    assert score[0] > score[1] > 0, "the full instance must be the better-scoring one"
+    assert d.action == "dispatch" and d.instance == 1
+    assert "best startable score" in d.reason
