@@ -52,15 +52,18 @@ def sweep() -> Sweep:
 
 def test_raising_the_tail_ttft_weight_does_not_lower_ttft_attainment(sweep: Sweep) -> None:
     """On seed 0, attainment at the threshold never drops as zeta2 rises, and the
-    dominant weight beats none (0.737 -> 0.980 -> 0.980). Intermediate weights on runs
-    this small can dip (zeta2 = 1 -> 3 gives 0.853 -> 0.840 on this seed), so the test
-    steps from off to dominant rather than through the middle."""
+    dominant weight beats none (0.983 -> 1.0 -> 1.0; it was 0.737 -> 0.980 before
+    bid_price took a free instance when its best one is busy, which already keeps most
+    requests on time without zeta2). Intermediate weights on runs this small can dip,
+    so the test steps from off to dominant rather than through the middle."""
     results = sweep.results
     attainment = [r.summary.slo_attainment for r in results]
     assert all(b >= a for a, b in itertools.pairwise(attainment)), attainment
-    assert attainment[-1] > attainment[0] + 0.03, attainment
-    # the utility is on time more often too (BEAR's OnTimeUtility counts late as 0)
-    assert results[-1].summary.on_time_utility > results[0].summary.on_time_utility
+    assert attainment[-1] > attainment[0], attainment
+    # and the utility delivered on time is not given up for it (within 1%: the weight
+    # moves some requests to faster, lower-quality models, and late ones count 0)
+    assert (results[-1].summary.on_time_utility
+            >= 0.99 * results[0].summary.on_time_utility)
 
 
 def test_analysis_uses_on_time_utility_and_selects_by_the_rule(sweep: Sweep) -> None:
