@@ -162,8 +162,7 @@ async def _scrape(st: ServerState) -> None:
             for sample in family.samples:
                 if sample.name in VLLM_GAUGES:
                     found[sample.name] = found.get(sample.name, 0.0) + float(sample.value)
-        b.scraped = found
-        b.scraped_at_s = st.now()
+        st.tracker.set_scraped(g, found, st.now())
 
     await asyncio.gather(*(one(b.index) for b in st.tracker.backends if b.healthy))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -53,6 +53,9 @@ class BackendState:
     scraped: dict[str, float] = field(default_factory=dict)
     scraped_at_s: float | None = None
     batches_seen: int = 0
+    # bumped on every change of what the views read; the views are cached per version
+    version: int = 0
+    cache: dict[str, tuple[int, object]] = field(default_factory=dict)
 
 
 class Tracker:
@@ -69,18 +72,30 @@ class Tracker:
 
     # -- traffic -------------------------------------------------------------------------
     def dispatched(self, g: int, request: Request, now_s: float, streamed: bool = True) -> None:
-        self.backends[g].flights[request.request_id] = Flight(request, now_s, streamed=streamed)
+        b = self.backends[g]
+        b.flights[request.request_id] = Flight(request, now_s, streamed=streamed)
+        b.version += 1
 
     def token(self, g: int, request_id: int, now_s: float, count: int = 1) -> None:
-        f = self.backends[g].flights.get(request_id)
+        b = self.backends[g]
+        f = b.flights.get(request_id)
         if f is None:
             return
         if f.first_token_s is None:
             f.first_token_s = now_s
         f.tokens += count
+        b.version += 1
 
     def finished(self, g: int, request_id: int) -> Flight | None:
-        return self.backends[g].flights.pop(request_id, None)
+        b = self.backends[g]
+        b.version += 1
+        return b.flights.pop(request_id, None)
+
+    def set_scraped(self, g: int, gauges: dict[str, float], now_s: float) -> None:
+        b = self.backends[g]
+        b.scraped = gauges
+        b.scraped_at_s = now_s
+        b.version += 1
 
     # -- health ----------------------------------------------------------------------------
     def healthy(self) -> list[bool]:
@@ -103,11 +118,19 @@ class Tracker:
         return [b.index for b in self.backends if b.healthy or now_s >= b.next_probe_s]
 
     # -- views -----------------------------------------------------------------------------
+    def _counts(self, b: BackendState) -> tuple[int, int]:
+        """(running, KV blocks used), cached per version."""
+        hit = b.cache.get("counts")
+        if hit is not None and hit[0] == b.version:
+            return hit[1]  # type: ignore[return-value]
+        counts = (sum(1 for f in b.flights.values() if f.running), self._blocks_used(b))
+        b.cache["counts"] = (b.version, counts)
+        return counts
+
     def loads(self, now_s: float) -> tuple[InstanceLoad, ...]:
         out = []
         for b in self.backends:
-            running = sum(1 for f in b.flights.values() if f.running)
-            used = self._blocks_used(b)
+            running, used = self._counts(b)
             out.append(InstanceLoad(
                 index=b.index, name=b.spec.name, num_running=running,
                 num_waiting=len(b.flights) - running, num_outstanding=len(b.flights),
@@ -125,7 +148,18 @@ class Tracker:
         return min(max(tracked, scraped), b.spec.num_kv_blocks)
 
     def snapshot(self, g: int, now_s: float) -> EngineSnapshot:
+        """The backend as a snapshot taken now (rebuilt only when its state changed)."""
         b = self.backends[g]
+        hit = b.cache.get("snapshot")
+        if hit is not None and hit[0] == b.version:
+            snap = hit[1]
+            assert isinstance(snap, EngineSnapshot)
+            return replace(snap, time_s=now_s, inflight_start_s=now_s)
+        snap = self._build_snapshot(b, now_s)
+        b.cache["snapshot"] = (b.version, snap)
+        return snap
+
+    def _build_snapshot(self, b: BackendState, now_s: float) -> EngineSnapshot:
         flights = sorted(b.flights.values(), key=lambda f: f.dispatch_s)
         running = [f for f in flights if f.running][: b.spec.max_num_seqs]
         run_ids = {f.request.request_id for f in running}
@@ -139,7 +173,7 @@ class Tracker:
         for f in waiting:
             rows.append((f.request.prompt_tokens, 0, f.request.predicted_decode_tokens, 0, 0))
         table = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
-        used = self._blocks_used(b)
+        used = self._counts(b)[1]
         return EngineSnapshot(
             time_s=now_s, table=table, num_running=len(running),
             num_free_blocks=b.spec.num_kv_blocks - used,
