@@ -95,7 +95,8 @@ def main() -> None:
         key = (r["N"], r["G"], r["K"])
         goal = GOALS.get(key)
         rel = r.get("rel_to_exact")
-        bgap = None if r["bound"] is None else (r["bound"] - r["objective"]) / r["objective"]
+        bgap = (None if r["bound"] is None or not r["objective"]
+                else (r["bound"] - r["objective"]) / r["objective"])
         print(f"{key!s:<17} {r['variant']:<12} {r['method'][:31]:<31} {r['columns']:>9} "
               f"{r['nnz']:>10} {r['rounds']:>6} {r['build_s']:>8.2f} {r['solve_s']:>8.2f} "
               f"{r['total_s']:>8.2f} {'' if goal is None else f'{goal:g}':>6} "

@@ -179,10 +179,13 @@ def plot_prices(prob: LpProblem, p_lp: FloatArray, p_online: FloatArray, path: P
         ax.plot(t, p_online[i, :, KV], color="tab:orange", lw=0.9, ls="--",
                 label="online, KV")
         ax.set_ylabel(names[i] if names else f"instance {i}")
+        # symlog: LP duals (about the reward per unit of usage) and online prices can be
+        # orders of magnitude apart; both stay readable
+        ax.set_yscale("symlog", linthresh=0.1)
         ax.grid(True, alpha=0.3)
     axes[0, 0].legend(ncol=4, fontsize=8, loc="upper right")
-    axes[0, 0].set_title("prices per capacity fraction and slot: exact LP duals (solid) vs "
-                         "bid_price's online prices (dashed)")
+    axes[0, 0].set_title("prices per capacity fraction and slot (symlog): exact LP duals "
+                         "(solid) vs bid_price's online prices (dashed)")
     axes[-1, 0].set_xlabel("time (s)")
     fig.savefig(path, dpi=100)
     plt.close(fig)

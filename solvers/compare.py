@@ -1,7 +1,7 @@
 """LP vs dual across loads and seeds, as one table.
 
     python -m solvers.compare [--rates 8,12,16] [--seeds 0,1,2] [--requests N]
-                              [--max-num-seqs B] [--json PATH]
+                              [--max-num-seqs B] [--json PATH] [--png PATH]
 
 Four Llama-2-7B / A100 engines with ``max_num_seqs`` B (default 16, so that batch slots
 bind: with vLLM's default of 256 neither capacity row of the LP binds at any load these
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from olproute.config import Config, LoadedConfig, load_profiles
-from solvers.check import CheckResult, run_check
+from solvers.check import CheckResult, plot_prices, run_check
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"
@@ -43,15 +43,18 @@ def scenario(rate: float, num_requests: int, seed: int, max_num_seqs: int) -> Lo
 
 
 def run(rates: list[float], seeds: list[int], num_requests: int, max_num_seqs: int,
-        gap_tol: float = 0.0) -> list[tuple[float, int, CheckResult]]:
+        gap_tol: float = 0.0, png: Path | None = None) -> list[tuple[float, int, CheckResult]]:
+    """Every (rate, seed); with ``png``, the price plot of the last one."""
     rows = []
     for rate in rates:
         for seed in seeds:
             t0 = time.perf_counter()
-            res, *_ = run_check(scenario(rate, num_requests, seed, max_num_seqs),
-                                gap_tol=gap_tol)
+            loaded = scenario(rate, num_requests, seed, max_num_seqs)
+            res, prob, sol, p_online = run_check(loaded, gap_tol=gap_tol)
             print(f"  rate {rate:g} seed {seed}: {time.perf_counter() - t0:.1f} s", flush=True)
             rows.append((rate, seed, res))
+    if png is not None and rows:
+        plot_prices(prob, sol.p, p_online, png, [s.name for s in loaded.specs])
     return rows
 
 
@@ -78,10 +81,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16, help="batch slots B per engine")
     ap.add_argument("--gap-tol", type=float, default=0.0)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--png", metavar="PATH", help="price plot of the last (rate, seed)")
     args = ap.parse_args()
     rows = run([float(r) for r in args.rates.split(",")],
                [int(s) for s in args.seeds.split(",")], args.requests, args.max_num_seqs,
-               args.gap_tol)
+               args.gap_tol, Path(args.png) if args.png else None)
     print()
     print(table(rows))
     if args.json:

@@ -91,10 +91,27 @@ class Layout:
     num_slots: int          # slots of the capacity rows (K, or ceil(K / coarsen))
     coarsen: int
     num_x: int              # x columns first, then (difference form) u, w, v per (g, l)
+    slope_scale: float = 1.0  # the KV slope rows are multiplied by this (difference form)
 
     @property
     def cap_rows(self) -> int:
         return self.num_instances * self.num_slots
+
+    def row_scale(self) -> FloatArray:
+        """Per row: 1, except the KV slope rows (``slope_scale``)."""
+        gk = self.cap_rows
+        out = np.ones(self.num_requests + 3 * gk)
+        out[self.num_requests + gk:self.num_requests + 2 * gk] = self.slope_scale
+        return out
+
+
+def slope_scale(prob: LpProblem) -> float:
+    """Scale of the KV slope rows: their entries are KV fractions of one request (about
+    (s + 1) / M, 1e-2 .. 1e-3) next to the +-1 of the chain. Without scaling them to
+    about 1, interior point stalls at (10000, 8, 1000) ("no progress"); row scaling of
+    an equality row with right-hand side 0 changes neither x nor the capacity prices
+    (reduced costs of u and v)."""
+    return float(np.clip(1.0 / max(float(np.mean(prob.kv_a)), 1e-12), 1.0, 1e4))
 
 
 def _x_entries_difference(prob: LpProblem, cols: FlatColumns, layout: Layout
@@ -198,6 +215,7 @@ def x_matrix(prob: LpProblem, cols: FlatColumns, layout: Layout) -> sparse.csc_m
     if layout.form == "difference":
         r, c, v = _x_entries_difference(prob, cols, layout)
         num_rows = prob.num_requests + 3 * layout.cap_rows
+        v = v * layout.row_scale()[r]
     else:
         r, c, v = _x_entries_dense(prob, cols, layout.coarsen, layout.num_slots)
         num_rows = prob.num_requests + 2 * layout.cap_rows
@@ -264,9 +282,9 @@ def build(prob: LpProblem, cols: FlatColumns | None = None, form: Form = "differ
     cap = coarse_capacity(prob, coarsen)
     if form == "difference":
         kc = cap.shape[1]
-        layout = Layout("difference", n, g, kc, coarsen, len(cols))
-        mat = sparse.hstack([x_matrix(prob, cols, layout), _aux_matrix(prob, kc)],
-                            format="csc")
+        layout = Layout("difference", n, g, kc, coarsen, len(cols), slope_scale(prob))
+        aux = sparse.diags(layout.row_scale()) @ _aux_matrix(prob, kc)
+        mat = sparse.hstack([x_matrix(prob, cols, layout), aux], format="csc")
         gk = g * kc
         col_lower = np.concatenate([np.zeros(len(cols)), np.full(3 * gk, -inf)])
         col_upper = np.concatenate([np.full(len(cols), inf), cap[:, :, BATCH].ravel(),
@@ -460,6 +478,12 @@ def _colgen(prob: LpProblem, master: str, coarsen: int, gap_tol: float, tol: flo
         rounds += 1
         t0 = time.perf_counter()
         h.run()
+        if master == "ipm" and _status(h) != "Optimal":
+            # IPX can stall ("no progress") on a hard master: finish it by crossover
+            # and simplex from where it stopped rather than give up
+            h.setOptionValue("run_crossover", "on")
+            h.run()
+            h.setOptionValue("run_crossover", "off")
         timings["solve_s"] += time.perf_counter() - t0
         if rounds == 1 and master == "simplex":
             h.setOptionValue("solver", "simplex")
