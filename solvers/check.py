@@ -101,7 +101,9 @@ def check(rec: Recording, ids: npt.NDArray[np.int64], prob: LpProblem, gap_tol: 
     t0 = time.perf_counter()
     sol = solve(prob, gap_tol=gap_tol)
     lp_s = time.perf_counter() - t0
-    p_online = absolute_prices(rec.updates, prob.t0_s, prob.slot_s, prob.num_slots)
+    # no updates (prices disabled, or a window before the first tick): the prices were 0
+    p_online = (absolute_prices(rec.updates, prob.t0_s, prob.slot_s, prob.num_slots)
+                if rec.updates else np.zeros_like(prob.free))
     d_on = dual_value(prob, p_online)
     lam, d_scaled = best_scale(prob, p_online)
     res = rec.result

@@ -95,3 +95,15 @@ def test_lp_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert label in text
     assert (out / "lp_check.png").stat().st_size > 0
     assert (tmp_path / "r.json").exists()
+
+
+def test_check_without_price_updates(recorded) -> None:  # type: ignore[no-untyped-def]
+    """Prices disabled (no tick ever learned): the online prices were 0, D(0) >= LP*."""
+    import dataclasses
+
+    _, _, rec = recorded
+    bare = dataclasses.replace(rec, updates=())
+    prob, ids = window_problem(bare, max_delay=5)
+    res, _, p_online = check(bare, ids, prob)
+    assert not p_online.any()
+    assert res.d_online >= res.lp_value * (1 - 1e-7)
