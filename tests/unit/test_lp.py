@@ -231,3 +231,22 @@ def test_coarse_difference_form_matches_coarse_dense_rows(coarsen: int) -> None:
     assert gen.bound == pytest.approx(gen.objective, rel=1e-7)
     fine = solve(prob, strategy="full", method="simplex")
     assert diff.objective >= fine.objective * (1 - 1e-9)
+
+
+def test_best_scale_never_loses_to_the_prices_as_given() -> None:
+    from solvers.certificate import best_scale
+
+    p = np.random.default_rng(1).exponential(3.0, _PROB.free.shape)
+    lam, d = best_scale(_PROB, p)
+    assert 0.0 <= lam <= 4.0
+    assert d <= dual_value(_PROB, p) + 1e-9 and d >= _LP.objective * (1 - 1e-9)
+    # no multiple of the LP's own prices does better than they do (D(p*) = LP*)
+    _, d_star = best_scale(_PROB, _LP.p)
+    assert d_star == pytest.approx(_LP.objective, rel=1e-6)
+
+
+def test_lp_load_is_the_dense_usage_of_the_solution() -> None:
+    from solvers.check import lp_load
+
+    use, _ = _dense_rows(_PROB, _LP)
+    np.testing.assert_allclose(lp_load(_PROB, _LP).ravel(), use @ _LP.x, atol=1e-12)
