@@ -30,15 +30,21 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _seed(text: str) -> int:
-    """argparse type: an integer >= 0 (numpy's SeedSequence rejects negative seeds)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+_seed = int_at_least(0)  # numpy's SeedSequence rejects negative seeds
+_positive_int = int_at_least(1)
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -192,16 +198,6 @@ def _model_at_gpu(text: str) -> tuple[str, str]:
     if not (model and sep and gpu):
         raise argparse.ArgumentTypeError(f"expected MODEL@GPU, got {text!r}")
     return model, gpu
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
 
 
 def _cmd_emulate(args: argparse.Namespace) -> int:

@@ -12,20 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from olproute.cli import int_at_least
 from olproute.config import ConfigError, LoadedConfig
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
 LoadFn = Callable[[argparse.Namespace], LoadedConfig]
 
 
-def _jobs(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
+_jobs = int_at_least(1)
 
 
 def _constraint(text: str) -> Any:
