@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from olproute.bea import remaining_decode_tokens
 from olproute.config import RewardConfig
 from olproute.outlook import Outlook
-from olproute.types import SNAP_OUTPUT, SNAP_PREDICTED, SNAP_PROMPT, EngineSnapshot, InstanceSpec
+from olproute.types import SNAP_OUTPUT, SNAP_PROMPT, EngineSnapshot, InstanceSpec
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -177,7 +178,7 @@ def resident_usage(snap: EngineSnapshot, batch_cap: float, kv_cap: float, tpot_s
     out = np.zeros((horizon, 2))
     if t.shape[0] == 0:
         return out
-    remaining = np.maximum(t[:, SNAP_PREDICTED] - t[:, SNAP_OUTPUT], 1).astype(np.float64)
+    remaining = remaining_decode_tokens(snap).astype(np.float64)
     end = np.minimum(np.ceil(remaining * tpot_s / slot_s - 1e-9).astype(np.int64), horizon)
     end = np.maximum(end, 1)
     context = (t[:, SNAP_PROMPT] + t[:, SNAP_OUTPUT]).astype(np.float64)

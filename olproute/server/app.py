@@ -13,6 +13,7 @@ import hmac
 import math
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -24,7 +25,14 @@ from olproute.config import ConfigError, LoadedConfig, load_config
 from olproute.router import Router
 from olproute.server import dashboard, proxy
 from olproute.server.metrics import ServerMetrics
-from olproute.server.schema import BadRequest, RouteAnswer, RouteBody, count_words, openapi
+from olproute.server.schema import (
+    BadRequest,
+    RouteAnswer,
+    RouteBody,
+    count_words,
+    openapi,
+    validate,
+)
 from olproute.server.state import STATE, ServerState
 from olproute.server.tracker import Tracker
 from olproute.sim.scenario import CalibrationSource
@@ -200,8 +208,6 @@ async def route(request: web.Request) -> web.Response:
     st = request.app[STATE]
     server = st.loaded.config.server
     try:
-        from olproute.server.schema import validate
-
         data = await proxy.read_json(request, server.max_body_bytes)
         body: RouteBody = validate(RouteBody, data)
         if body.prompt_tokens is not None:
@@ -222,8 +228,6 @@ async def route(request: web.Request) -> web.Response:
     req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_ms / 1e3,
                                 body.slo_class, body.prompt)
     if body.predicted_tokens is not None:
-        from dataclasses import replace
-
         req = replace(req, predicted_decode_tokens=body.predicted_tokens)
     d = st.decide(req, exclude)
     names = [s.name for s in st.loaded.specs]
