@@ -295,14 +295,21 @@ cdef class BatchCore:
         self.capacity = new_capacity
         self._bind()
 
-    def add_request(self, int64_t prompt_tokens, int64_t max_output_tokens):
+    def add_request(self, int64_t prompt_tokens, int64_t max_output_tokens,
+                    int64_t computed_tokens=0):
         """Queue a new request at the back of the waiting queue; returns its slot.
+
+        ``computed_tokens`` (< prompt_tokens) of its prompt already have their KV computed
+        elsewhere (a prefill instance's, moved here): only the rest is scheduled, and the
+        blocks for all of them are allocated when it is first scheduled.
 
         Raises ValueError if the request could never fit in the KV cache (it would block
         the FCFS queue forever).
         """
         if prompt_tokens < 1 or max_output_tokens < 1:
             raise ValueError("prompt_tokens and max_output_tokens must be >= 1")
+        if computed_tokens < 0 or computed_tokens >= prompt_tokens:
+            raise ValueError("computed_tokens must be >= 0 and < prompt_tokens")
         if _blocks_for(prompt_tokens + max_output_tokens, self.e.block_size) > self.e.total_blocks:
             raise ValueError(
                 f"request of {prompt_tokens}+{max_output_tokens} tokens exceeds the KV capacity "
@@ -313,7 +320,7 @@ cdef class BatchCore:
         self.e.num_prompt[s] = prompt_tokens
         self.e.num_output[s] = 0
         self.e.max_output[s] = max_output_tokens
-        self.e.num_computed[s] = 0
+        self.e.num_computed[s] = computed_tokens
         self.e.num_blocks[s] = 0
         self.e.num_preempt[s] = 0
         self.e.waiting[self.e.n_waiting] = s

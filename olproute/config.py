@@ -96,6 +96,8 @@ class InstanceConfig(_Frozen):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     activation_reserve_gib: float = Field(default=1.0, ge=0)
     kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    # mixed serves both phases; prefill / decode instances form disaggregated pools
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
 
 
 class WorkloadConfig(_Frozen):
@@ -164,6 +166,16 @@ class SimConfig(_Frozen):
     record_batches: bool = True
     # how old the instance snapshots are that snapshot-reading policies see (BEAR: 0-1000)
     snapshot_age_ms: float = Field(default=0.0, ge=0)
+
+
+class TransferConfig(_Frozen):
+    """Moving a request's KV cache from a prefill to a decode instance (disaggregated
+    pools) takes ``latency_ms + KV bytes / (link_gbytes_per_s x 1e9)``, KV bytes from
+    the model profile (prompt tokens x kv_bytes_per_token). The default link is
+    100 Gb/s RDMA (12.5 GB/s) with 1 ms setup (NIXL-style transfer)."""
+
+    link_gbytes_per_s: float = Field(default=12.5, gt=0)
+    latency_ms: float = Field(default=1.0, ge=0)
 
 
 class RouterConfig(_Frozen):
@@ -258,6 +270,7 @@ class Config(_Frozen):
     reward: RewardConfig = RewardConfig()
     prices: PriceConfig = PriceConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    transfer: TransferConfig = TransferConfig()
     # batch-time calibration for estimating policies: 'auto' profiles the scenario on
     # another seed first; otherwise a YAML file written by `olproute calibrate`
     calibration: str = "auto"
@@ -462,10 +475,34 @@ def instance_specs(config: Config, profiles: Profiles, path: Path) -> tuple[Inst
                 name=name, model=inst.model, gpu=inst.gpu,
                 tensor_parallel=inst.tensor_parallel, max_num_seqs=inst.max_num_seqs,
                 max_num_batched_tokens=inst.max_num_batched_tokens,
-                block_size=inst.block_size, num_kv_blocks=blocks))
+                block_size=inst.block_size, num_kv_blocks=blocks, role=inst.role))
+    problems.extend(role_problems(config.instances))
     if problems:
         raise ConfigError(path, problems)
     return tuple(specs)
+
+
+def role_problems(instances: Sequence[InstanceConfig]) -> list[tuple[str, str]]:
+    """Disaggregated pools need both a prefill and a decode instance, no mixed ones
+    beside them, and one model (a KV cache only moves between engines of one model)."""
+    roles = [inst.role for inst in instances]
+    if set(roles) <= {"mixed"}:
+        return []
+    problems: list[tuple[str, str]] = []
+    for i, inst in enumerate(instances):
+        if inst.role == "mixed":
+            problems.append((f"instances[{i}].role", "a mixed instance cannot sit beside "
+                             "prefill/decode pools; give every instance a role of prefill "
+                             "or decode, or none"))
+    for need in ("prefill", "decode"):
+        if need not in roles:
+            problems.append(("instances", f"disaggregated pools need at least one {need} "
+                             "instance (role: " + need + ")"))
+    models = {inst.model for inst in instances}
+    if len(models) > 1:
+        problems.append(("instances", "disaggregated pools serve one model (the KV cache "
+                         f"moves between them); got {', '.join(sorted(models))}"))
+    return problems
 
 
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG,

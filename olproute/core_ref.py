@@ -64,9 +64,12 @@ class ReferenceCore:
         self.capacity = new_capacity
 
     # -- requests -------------------------------------------------------------------
-    def add_request(self, prompt_tokens: int, max_output_tokens: int) -> int:
+    def add_request(self, prompt_tokens: int, max_output_tokens: int,
+                    computed_tokens: int = 0) -> int:
         if prompt_tokens < 1 or max_output_tokens < 1:
             raise ValueError("prompt_tokens and max_output_tokens must be >= 1")
+        if computed_tokens < 0 or computed_tokens >= prompt_tokens:
+            raise ValueError("computed_tokens must be >= 0 and < prompt_tokens")
         if _blocks_for(prompt_tokens + max_output_tokens, self.block_size) > self.num_kv_blocks:
             raise ValueError(
                 f"request of {prompt_tokens}+{max_output_tokens} tokens exceeds the KV capacity "
@@ -78,7 +81,7 @@ class ReferenceCore:
         self._prompt[s] = prompt_tokens
         self._output[s] = 0
         self._max_output[s] = max_output_tokens
-        self._computed[s] = 0
+        self._computed[s] = computed_tokens
         self._blocks[s] = 0
         self._preempt[s] = 0
         self._waiting.append(s)

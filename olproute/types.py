@@ -16,6 +16,9 @@ import numpy.typing as npt
 
 Action = Literal["dispatch", "hold", "shed"]
 ACTIONS: tuple[Action, ...] = ("dispatch", "hold", "shed")
+# what an instance serves: both phases (mixed), or one side of disaggregated pools
+Role = Literal["mixed", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("mixed", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,7 @@ class InstanceSpec:
     max_num_batched_tokens: int
     block_size: int
     num_kv_blocks: int
+    role: Role = "mixed"
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -150,6 +154,10 @@ class RoutingContext:
     # per instance: (prompt, predicted decode, dispatch time) rows, in dispatch order, of
     # requests the router dispatched there after its snapshot (None for live snapshots)
     pending: tuple[npt.NDArray[np.float64] | None, ...] | None = None
+    # disaggregated pools, per instance: (prompt + first token, predicted remaining decode,
+    # dispatch time) rows of requests bound for it as their decode instance whose KV cache
+    # has not arrived (in prefill or in transfer); None without pools or when empty
+    inbound: tuple[npt.NDArray[np.float64] | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +165,11 @@ class Decision:
     """A policy's answer for one request.
 
     ``instance`` is the index into the cluster's instance list when ``action`` is
-    ``dispatch`` and None otherwise. ``explanation`` carries the per-instance figures the
-    policy used (scores, estimates), keyed by a short name, so a decision can be audited.
+    ``dispatch`` and None otherwise. With disaggregated pools ``instance`` is the prefill
+    instance and ``decode_instance`` the decode instance the KV cache moves to; it is None
+    for a mixed instance, which serves both phases. ``explanation`` carries the
+    per-instance figures the policy used (scores, estimates), keyed by a short name, so a
+    decision can be audited.
     """
 
     request_id: int
@@ -166,12 +177,15 @@ class Decision:
     instance: int | None
     reason: str
     explanation: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    decode_instance: int | None = None
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ValueError(f"Decision.action must be one of {ACTIONS}, got {self.action!r}")
         if (self.action == "dispatch") != (self.instance is not None):
             raise ValueError("Decision.instance must be set exactly when action is 'dispatch'")
+        if self.decode_instance is not None and self.action != "dispatch":
+            raise ValueError("Decision.decode_instance is only set when action is 'dispatch'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +205,7 @@ class Outcome:
     decode_tokens: int
     predicted_decode_tokens: int
     num_preemptions: int = 0
+    decode_instance: int | None = None   # disaggregated pools: where it was decoded
 
     @property
     def ttft_s(self) -> float | None:

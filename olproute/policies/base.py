@@ -81,17 +81,27 @@ class PolicyRegistry:
 
     def __init__(self) -> None:
         self._factories: dict[str, PolicyFactory] = {}
+        self._pools: set[str] = set()
 
-    def register(self, name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    def register(self, name: str, disaggregated: bool = False
+                 ) -> Callable[[PolicyFactory], PolicyFactory]:
+        """Register a factory; ``disaggregated`` when the policy can route prefill/decode
+        pools (its decisions then name a decode instance too)."""
         def wrap(factory: PolicyFactory) -> PolicyFactory:
             if name in self._factories:
                 raise PolicyError(f"policy {name!r} is already registered")
             self._factories[name] = factory
+            if disaggregated:
+                self._pools.add(name)
             return factory
         return wrap
 
     def names(self) -> list[str]:
         return sorted(self._factories)
+
+    def pool_names(self) -> list[str]:
+        """The policies that route disaggregated prefill/decode pools."""
+        return sorted(self._pools)
 
     def create(self, name: str, env: PolicyEnv) -> Policy:
         try:
@@ -99,6 +109,9 @@ class PolicyRegistry:
         except KeyError:
             raise PolicyError(
                 f"unknown policy {name!r} (known: {', '.join(self.names())})") from None
+        if name not in self._pools and any(s.role != "mixed" for s in env.specs):
+            raise PolicyError(f"policy {name!r} cannot route disaggregated prefill/decode "
+                              f"pools (those that can: {', '.join(self.pool_names())})")
         return factory(env)
 
 
@@ -113,6 +126,8 @@ def check_params(policy: str, params: Mapping[str, Any], allowed: Iterable[str])
 
 
 def dispatch(ctx: RoutingContext, index: int, reason: str,
-             explanation: Mapping[str, tuple[float, ...]] | None = None) -> Decision:
+             explanation: Mapping[str, tuple[float, ...]] | None = None,
+             decode_index: int | None = None) -> Decision:
     return Decision(request_id=ctx.request.request_id, action="dispatch", instance=index,
-                    reason=reason, explanation=dict(explanation or {}))
+                    reason=reason, explanation=dict(explanation or {}),
+                    decode_instance=decode_index)

@@ -1,9 +1,18 @@
-"""Load-balancing baselines: round robin, random, least outstanding, power of two."""
+"""Load-balancing baselines: round robin, random, least outstanding, power of two, and
+the least-tokens length heuristic.
+
+On disaggregated prefill/decode pools each picks a prefill and a decode instance the
+same way, within each pool: round robin keeps one turn per pool, least outstanding
+counts a decode instance's requests from dispatch (including those still in prefill or
+in transfer towards it) until they finish.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from olproute.bea import remaining_decode_tokens, remaining_prefill_tokens
+from olproute.disagg import Pools
 from olproute.policies.base import REGISTRY, Policy, PolicyEnv, check_params, dispatch
 from olproute.types import Decision, Outcome, RoutingContext
 
@@ -13,6 +22,21 @@ class _Stateless:
 
     def observe(self, outcome: Outcome) -> None:
         """Load balancers read the live load in the context; nothing to learn."""
+
+
+def _groups(env: PolicyEnv) -> list[list[int]]:
+    """The instance groups a decision picks one from: all instances, or the prefill
+    pool and then the decode pool."""
+    pools = Pools.of(env.specs)
+    if pools.disaggregated:
+        return [pools.prefill.tolist(), pools.decode.tolist()]
+    return [list(range(len(env.specs)))]
+
+
+def _decide(ctx: RoutingContext, picks: list[int], reason: str,
+            explanation: dict[str, tuple[float, ...]] | None = None) -> Decision:
+    return dispatch(ctx, picks[0], reason, explanation,
+                    decode_index=picks[1] if len(picks) > 1 else None)
 
 
 def _least_outstanding(ctx: RoutingContext, candidates: list[int],
@@ -29,13 +53,15 @@ class RoundRobin(_Stateless):
 
     def __init__(self, env: PolicyEnv) -> None:
         check_params(self.name, env.params, ())
-        self._num = len(env.specs)
-        self._next = 0
+        self._groups = _groups(env)
+        self._next = [0] * len(self._groups)
 
     def decide(self, ctx: RoutingContext) -> Decision:
-        index = self._next
-        self._next = (self._next + 1) % self._num
-        return dispatch(ctx, index, "next in turn")
+        picks = []
+        for k, group in enumerate(self._groups):
+            picks.append(group[self._next[k]])
+            self._next[k] = (self._next[k] + 1) % len(group)
+        return _decide(ctx, picks, "next in turn")
 
 
 class Random(_Stateless):
@@ -43,11 +69,12 @@ class Random(_Stateless):
 
     def __init__(self, env: PolicyEnv) -> None:
         check_params(self.name, env.params, ())
-        self._num = len(env.specs)
+        self._groups = _groups(env)
         self._rng = env.rng
 
     def decide(self, ctx: RoutingContext) -> Decision:
-        return dispatch(ctx, int(self._rng.integers(self._num)), "uniform at random")
+        picks = [group[int(self._rng.integers(len(group)))] for group in self._groups]
+        return _decide(ctx, picks, "uniform at random")
 
 
 class LeastOutstanding(_Stateless):
@@ -57,13 +84,13 @@ class LeastOutstanding(_Stateless):
 
     def __init__(self, env: PolicyEnv) -> None:
         check_params(self.name, env.params, ())
-        self._all = list(range(len(env.specs)))
+        self._groups = _groups(env)
         self._rng = env.rng
 
     def decide(self, ctx: RoutingContext) -> Decision:
-        index = _least_outstanding(ctx, self._all, self._rng)
+        picks = [_least_outstanding(ctx, group, self._rng) for group in self._groups]
         loads = tuple(float(inst.num_outstanding) for inst in ctx.instances)
-        return dispatch(ctx, index, "fewest outstanding requests", {"outstanding": loads})
+        return _decide(ctx, picks, "fewest outstanding requests", {"outstanding": loads})
 
 
 class PowerOfTwo(_Stateless):
@@ -73,24 +100,82 @@ class PowerOfTwo(_Stateless):
 
     def __init__(self, env: PolicyEnv) -> None:
         check_params(self.name, env.params, ())
-        self._num = len(env.specs)
+        self._groups = _groups(env)
         self._rng = env.rng
 
     def decide(self, ctx: RoutingContext) -> Decision:
-        if self._num == 1:
-            return dispatch(ctx, 0, "only instance")
-        pair = [int(i) for i in self._rng.choice(self._num, size=2, replace=False)]
-        index = _least_outstanding(ctx, pair, self._rng)
-        loads = tuple(float(ctx.instances[i].num_outstanding) for i in pair)
-        return dispatch(ctx, index, f"fewer outstanding of candidates {pair[0]} and {pair[1]}",
-                        {"candidates": (float(pair[0]), float(pair[1])), "outstanding": loads})
+        picks: list[int] = []
+        pairs: list[int] = []
+        for group in self._groups:
+            if len(group) == 1:
+                picks.append(group[0])
+                continue
+            pair = [group[int(i)] for i in self._rng.choice(len(group), size=2, replace=False)]
+            pairs.extend(pair)
+            picks.append(_least_outstanding(ctx, pair, self._rng))
+        if not pairs:
+            return _decide(ctx, picks, "only instance")
+        loads = tuple(float(ctx.instances[i].num_outstanding) for i in pairs)
+        names = " / ".join(f"{a} and {b}" for a, b in zip(pairs[::2], pairs[1::2], strict=True))
+        return _decide(ctx, picks, f"fewer outstanding of candidates {names}",
+                       {"candidates": tuple(float(i) for i in pairs), "outstanding": loads})
 
 
-def _register(cls: type[RoundRobin | Random | LeastOutstanding | PowerOfTwo]) -> None:
+class LeastTokens(_Stateless):
+    """Length heuristic: the instance with the fewest tokens of work left, from the
+    snapshots and the request lengths they hold. On mixed instances that is the prompt
+    tokens still to prefill plus the predicted output tokens still to generate; on
+    pools, the prefill instance with the fewest prompt tokens queued and the decode
+    instance with the fewest predicted output tokens left, counting the requests bound
+    for it that are still in prefill or in transfer (``ctx.inbound``). Ties at random."""
+
+    name = "least_tokens"
+    needs_snapshots = True
+
+    def __init__(self, env: PolicyEnv) -> None:
+        check_params(self.name, env.params, ())
+        self._pools = Pools.of(env.specs)
+        self._all = list(range(len(env.specs)))
+        self._rng = env.rng
+
+    def decide(self, ctx: RoutingContext) -> Decision:
+        snaps = ctx.snapshots
+        if snaps is None:
+            raise ValueError(f"policy {self.name!r} needs instance snapshots in the context")
+        n = len(snaps)
+        prefill, decode = np.zeros(n), np.zeros(n)
+        for g, snap in enumerate(snaps):
+            prefill[g] = float(remaining_prefill_tokens(snap).sum())
+            decode[g] = float(remaining_decode_tokens(snap).sum())
+            rows = None if ctx.pending is None else ctx.pending[g]
+            if rows is not None and rows.shape[0]:
+                prefill[g] += float(rows[:, 0].sum())
+                decode[g] += float(rows[:, 1].sum())
+            inbound = None if ctx.inbound is None else ctx.inbound[g]
+            if inbound is not None and inbound.shape[0]:
+                decode[g] += float(inbound[:, 1].sum())
+        if self._pools.disaggregated:
+            picks = [self._least(prefill, self._pools.prefill.tolist()),
+                     self._least(decode, self._pools.decode.tolist())]
+            reason = "fewest prompt tokens queued / predicted output tokens left"
+        else:
+            picks = [self._least(prefill + decode, self._all)]
+            reason = "fewest tokens of work left"
+        return _decide(ctx, picks, reason, {"prefill_tokens": tuple(prefill.tolist()),
+                                            "decode_tokens": tuple(decode.tolist())})
+
+    def _least(self, load: np.ndarray, group: list[int]) -> int:
+        values = load[group]
+        tied = [group[i] for i in np.flatnonzero(values == values.min())]
+        return tied[0] if len(tied) == 1 else tied[int(self._rng.integers(len(tied)))]
+
+
+def _register(cls: type[RoundRobin | Random | LeastOutstanding | PowerOfTwo | LeastTokens]
+              ) -> None:
     def factory(env: PolicyEnv) -> Policy:
         return cls(env)
-    REGISTRY.register(cls.name)(factory)
+    REGISTRY.register(cls.name, disaggregated=True)(factory)
 
 
-for _cls in (RoundRobin, Random, LeastOutstanding, PowerOfTwo):
+for _cls in (RoundRobin, Random, LeastOutstanding, PowerOfTwo, LeastTokens):
     _register(_cls)

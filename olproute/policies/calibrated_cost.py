@@ -27,9 +27,13 @@ not the formula. What we chose where it is silent: the weighted sum above with
 w_backlog = w_service = w_queue = 1, rho = 1 and kv_threshold = 0.8 (all parameters);
 "post-admission" pressure counts the request at its peak footprint; the size factor is
 relative to the mean prompt; the SLO class does not enter (one weight profile for all
-classes; per-class weights would be the natural extension). The paper routes over
-disaggregated prefill and decode pools; our instances serve both phases, so the backlog
-term stands for the prefill pool and the service term for the decode pool. Its warning
+classes; per-class weights would be the natural extension). On mixed instances, which
+serve both phases, the backlog term stands for the prefill pool and the service term for
+the decode pool. On disaggregated pools (as in the paper) the prefill instance is the
+least ``w_backlog x backlog x size + w_queue x queue`` of the prefill pool and the decode
+instance the least ``w_service x service x size + w_queue x queue`` of the decode pool,
+whose queue and KV blocks count the requests bound for it still in prefill or transfer
+(``ctx.inbound``). Its warning
 about greedy herding under scarcity applies: the policy sees its own dispatches at once
 (live snapshots, or the pending dispatches with stale ones), which damps but does not
 remove it.
@@ -42,6 +46,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from olproute.bea import remaining_prefill_tokens
+from olproute.disagg import Pools
 from olproute.policies._common import (
     FloatArray,
     NoFeedback,
@@ -63,10 +68,13 @@ def _blocks(tokens: FloatArray, block_size: int) -> FloatArray:
 
 def instance_state(snaps: Sequence[EngineSnapshot], specs: Sequence[InstanceSpec],
                    pending: Sequence[FloatArray | None] | None,
+                   inbound: Sequence[FloatArray | None] | None = None,
                    ) -> tuple[FloatArray, FloatArray, FloatArray]:
     """Per instance: prefill tokens still to run, requests waiting, KV blocks in use,
     counting the router's dispatches after a stale snapshot (``ctx.pending`` rows of
-    prompt, predicted decode, dispatch time) as waiting with their prompt's blocks."""
+    prompt, predicted decode, dispatch time) as waiting with their prompt's blocks, and
+    on a decode instance the requests bound for it (``ctx.inbound``) likewise, without
+    prefill tokens (their prompt is computed elsewhere)."""
     n = len(snaps)
     prefill, waiting, used = np.zeros(n), np.zeros(n), np.zeros(n)
     for g, (snap, spec) in enumerate(zip(snaps, specs, strict=True)):
@@ -75,7 +83,12 @@ def instance_state(snaps: Sequence[EngineSnapshot], specs: Sequence[InstanceSpec
         used[g] = float(spec.num_kv_blocks - snap.num_free_blocks)
         rows = None if pending is None else pending[g]
         if rows is not None and rows.shape[0] > 0:
-            prefill[g] += float(rows[:, 0].sum())
+            if spec.role != "decode":
+                prefill[g] += float(rows[:, 0].sum())
+            waiting[g] += rows.shape[0]
+            used[g] += float(_blocks(rows[:, 0], spec.block_size).sum())
+        rows = None if inbound is None else inbound[g]
+        if rows is not None and rows.shape[0] > 0:
             waiting[g] += rows.shape[0]
             used[g] += float(_blocks(rows[:, 0], spec.block_size).sum())
     return prefill, waiting, used
@@ -109,6 +122,7 @@ class CalibratedCost(NoFeedback):
         self._block_size = np.array([s.block_size for s in env.specs], dtype=np.float64)
         self._outlook = env.outlook()
         self._rng = env.rng
+        self._pools = Pools.of(env.specs)
         self._prompt_sum = 0.0
         self._num_routed = 0
 
@@ -125,20 +139,30 @@ class CalibratedCost(NoFeedback):
         req = ctx.request
         outlook = self._outlook(req)
         decode = decode_per_instance(outlook).astype(np.float64)
-        prefill, queue, used = instance_state(ctx.snapshots, ctx.specs, ctx.pending)
+        prefill, queue, used = instance_state(ctx.snapshots, ctx.specs, ctx.pending,
+                                              ctx.inbound)
         own = np.ceil((req.prompt_tokens + decode) / self._block_size)
         press = np.maximum((used + own) / self._total_blocks - self.kv_threshold, 0.0)
         size = self._size(req.prompt_tokens)
         backlog = prefill / self._prefill_tps
         service = decode * self._tpot * (1.0 + self.rho * press)
+        explain = dict(backlog_s=backlog, service_s=service, kv_pressure=press, queue=queue,
+                       size=np.full(len(backlog), size))
+        if self._pools.disaggregated:
+            pre = self.w_backlog * backlog * size + self.w_queue * queue
+            dec = self.w_service * service * size + self.w_queue * queue
+            cost = np.where(self._pools.role_mask("prefill"), pre, dec)
+            g = pick_best(-pre, self._rng, among=self._pools.role_mask("prefill"))
+            d = pick_best(-dec, self._rng, among=self._pools.role_mask("decode"))
+            return dispatch(ctx, g, "least calibrated cost: prefill backlog + queue on the "
+                            "prefill pool, KV-pressured decode time + queue on the decode pool",
+                            figures(cost=cost, **explain), decode_index=d)
         cost = (self.w_backlog * backlog * size + self.w_service * service * size
                 + self.w_queue * queue)
         g = pick_best(-cost, self._rng)
         return dispatch(
             ctx, g, "least calibrated cost (prefill backlog + KV-pressured decode time "
-            "+ queue)",
-            figures(cost=cost, backlog_s=backlog, service_s=service, kv_pressure=press,
-                    queue=queue, size=np.full(len(cost), size)))
+            "+ queue)", figures(cost=cost, **explain))
 
 
-REGISTRY.register(CalibratedCost.name)(CalibratedCost)
+REGISTRY.register(CalibratedCost.name, disaggregated=True)(CalibratedCost)

@@ -9,6 +9,13 @@ updates, off the request path).
 Requests reach an engine the instant they are dispatched; an idle engine starts a batch
 at once, a busy one takes the request into its next batch. A held request is decided
 again every slot (``slot_s``); a shed one is recorded and never served.
+
+With disaggregated pools (``olproute.disagg``) a dispatch names a prefill and a decode
+instance. The prefill engine runs the prompt and the first token (its TTFT); the KV cache
+then moves for ``transfer(prompt tokens)`` seconds (a transfer event, handled with the
+batch completions) and the decode engine admits the request with its prompt computed.
+Until its KV arrives the request counts as outstanding on the decode instance and shows
+in the context's ``inbound`` rows there.
 """
 
 from __future__ import annotations
@@ -21,12 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from olproute.disagg import Pools, decode_admission
 from olproute.policies.base import Policy
 from olproute.sim.engine import BATCH_LOG_COLUMNS, FINISHED, FIRST_TOKEN, BatchTimer, SimEngine
 from olproute.sim.snapshots import SnapshotFeed
 from olproute.types import InstanceSpec, Outcome, Request, RoutingContext
 
-_BATCH_DONE, _ARRIVAL, _RETRY, _TICK = 0, 1, 2, 3
+_BATCH_DONE, _ARRIVAL, _RETRY, _TICK, _TRANSFER = 0, 1, 2, 3, 4
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
@@ -46,6 +54,8 @@ class SimResult:
     finish_s: FloatArray
     num_preemptions: IntArray
     decode_tokens: IntArray          # output tokens actually generated (0 if shed)
+    decode_instance: IntArray        # disaggregated pools: the decode instance (else -1)
+    kv_arrival_s: FloatArray         # when its KV cache reached the decode instance
     shed: npt.NDArray[np.bool_]
     batch_log: FloatArray            # shape (num_batches, len(BATCH_LOG_COLUMNS))
     in_system_t: FloatArray          # times at which the number of requests in system changed
@@ -66,10 +76,16 @@ class Cluster:
         record_batches: bool = True,
         reference_core: bool = False,
         snapshot_age_s: float = 0.0,
+        transfer: Callable[[int], float] | None = None,
     ) -> None:
         if len(specs) != len(timers):
             raise ValueError("one timer per instance")
         self.specs = tuple(specs)
+        self.pools = Pools.of(specs)
+        if self.pools.disaggregated and transfer is None:
+            raise ValueError("disaggregated pools need a KV transfer time")
+        self._transfer = transfer
+        self._role = [s.role for s in specs]
         self._log: array[float] | None = array("d") if record_batches else None
         self.engines = [SimEngine(i, s, t, self._log, reference_core)
                         for i, (s, t) in enumerate(zip(specs, timers, strict=True))]
@@ -86,8 +102,10 @@ class Cluster:
         if any(r.request_id != i for i, r in enumerate(requests)):
             raise ValueError("request_id must equal the request's position in the list")
         instance = np.full(n, -1, dtype=np.int64)
+        decode_instance = np.full(n, -1, dtype=np.int64)
         dispatch_s = np.full(n, np.nan)
         first_s = np.full(n, np.nan)
+        kv_arrival_s = np.full(n, np.nan)
         finish_s = np.full(n, np.nan)
         preempt = np.zeros(n, dtype=np.int64)
         decode = np.zeros(n, dtype=np.int64)
@@ -106,6 +124,10 @@ class Cluster:
         heapq.heapify(heap)
         arrived = 0
         engines, outstanding, policy, feed = self.engines, self.outstanding, self.policy, self.feed
+        disagg, role, transfer = self.pools.disaggregated, self._role, self._transfer
+        # per instance: request_id -> (dispatch time, prompt, predicted decode) of requests
+        # bound for it as their decode instance whose KV has not arrived yet
+        inbound: list[dict[int, tuple[float, int, int]]] = [{} for _ in engines]
         in_system = 0
         done = 0
         num_events = 0
@@ -119,28 +141,63 @@ class Cluster:
                 heapq.heappush(heap, (t + duration, _BATCH_DONE, seq, _BATCH_DONE, g))
                 seq += 1
 
+        def complete(rid: int, g: int, t: float) -> None:
+            nonlocal in_system, done
+            finish_s[rid] = t
+            outstanding[g] -= 1
+            in_system -= 1
+            in_t.append(t)
+            in_n.append(in_system)
+            done += 1
+            d = int(decode_instance[rid])
+            policy.observe(self._outcome(requests[rid], int(instance[rid]), dispatch_s[rid],
+                                         first_s[rid], t, int(preempt[rid]), int(decode[rid]),
+                                         None if d < 0 else d))
+            if progress is not None:
+                progress(done)
+
         while heap:
             now, _prio, _seq, kind, arg = heapq.heappop(heap)
             num_events += 1
             if kind == _BATCH_DONE:
                 eng = engines[arg]
+                prefill_role = role[arg] == "prefill"
                 for rid, flags, npre in eng.finish_batch():
-                    if flags & FIRST_TOKEN:
+                    if prefill_role:
+                        # its prompt and first token are done: the KV cache moves on
+                        first_s[rid] = now
+                        preempt[rid] += npre
+                        feed.finished(arg, rid)
+                        d = int(decode_instance[rid])
+                        if decode[rid] <= 1:
+                            outstanding[d] -= 1
+                            inbound[d].pop(rid, None)
+                            complete(rid, arg, now)
+                            continue
+                        outstanding[arg] -= 1
+                        assert transfer is not None
+                        heapq.heappush(heap, (now + transfer(requests[rid].prompt_tokens),
+                                              _BATCH_DONE, seq, _TRANSFER, rid))
+                        seq += 1
+                        continue
+                    if flags & FIRST_TOKEN and not disagg:
                         first_s[rid] = now
                     if flags & FINISHED:
-                        finish_s[rid] = now
-                        preempt[rid] = npre
-                        outstanding[arg] -= 1
+                        preempt[rid] += npre
                         feed.finished(arg, rid)
-                        in_system -= 1
-                        in_t.append(now)
-                        in_n.append(in_system)
-                        done += 1
-                        policy.observe(self._outcome(requests[rid], arg, dispatch_s[rid],
-                                                     first_s[rid], now, npre, int(decode[rid])))
-                        if progress is not None:
-                            progress(done)
+                        complete(rid, arg, now)
                 start(arg, now)
+                continue
+            if kind == _TRANSFER:
+                d = int(decode_instance[arg])
+                req = requests[arg]
+                kv_arrival_s[arg] = now
+                _, _, predicted = inbound[d].pop(arg)
+                prompt, out, computed = decode_admission(req.prompt_tokens, int(decode[arg]))
+                feed.dispatched(d, now, arg, prompt, predicted)
+                engines[d].admit(arg, prompt, out, predicted, computed)
+                if not engines[d].busy:
+                    start(d, now)
                 continue
             if kind == _TICK:
                 policy.tick(now, feed.view(now)[0])  # type: ignore[attr-defined]
@@ -158,7 +215,8 @@ class Cluster:
             ctx = RoutingContext(
                 request=req, now_s=now, specs=self.specs,
                 instances=tuple(e.load(outstanding[e.index]) for e in engines),
-                snapshots=snaps, pending=pending)
+                snapshots=snaps, pending=pending,
+                inbound=_rows(inbound) if disagg else None)
             decision = policy.decide(ctx)
             if decision.action == "dispatch":
                 g = decision.instance
@@ -170,10 +228,17 @@ class Cluster:
                 outstanding[g] += 1
                 model = self.specs[g].model
                 predicted = req.predicted_decode_tokens_for(model)
-                feed.dispatched(g, now, req.request_id, req.prompt_tokens, predicted)
                 decode[arg] = req.true_decode_tokens(model)
-                engines[g].admit(req.request_id, req.prompt_tokens, int(decode[arg]),
-                                 predicted)
+                if disagg:
+                    d = self._check_pair(g, decision.decode_instance)
+                    decode_instance[arg] = d
+                    outstanding[d] += 1
+                    inbound[d][arg] = (now, req.prompt_tokens + 1, max(predicted - 1, 1))
+                    feed.dispatched(g, now, arg, req.prompt_tokens, 1)
+                    engines[g].admit(arg, req.prompt_tokens, 1, 1)
+                else:
+                    feed.dispatched(g, now, arg, req.prompt_tokens, predicted)
+                    engines[g].admit(arg, req.prompt_tokens, int(decode[arg]), predicted)
                 if not engines[g].busy:
                     start(g, now)
             elif decision.action == "hold":
@@ -196,18 +261,44 @@ class Cluster:
         return SimResult(
             specs=self.specs, requests=tuple(requests), instance=instance,
             dispatch_s=dispatch_s, first_token_s=first_s, finish_s=finish_s,
-            num_preemptions=preempt, decode_tokens=decode, shed=shed, batch_log=log,
+            num_preemptions=preempt, decode_tokens=decode, decode_instance=decode_instance,
+            kv_arrival_s=kv_arrival_s, shed=shed, batch_log=log,
             in_system_t=np.frombuffer(in_t, dtype=np.float64).copy(),
             in_system_n=np.frombuffer(in_n, dtype=np.int64).copy(),
             end_s=now, num_events=num_events)
 
+    def _check_pair(self, g: int, d: int | None) -> int:
+        """A disaggregated dispatch names a prefill and a decode instance."""
+        if self._role[g] != "prefill":
+            raise ValueError(f"policy sent a request to {self.specs[g].name!r} "
+                             f"(role {self._role[g]}) for its prefill")
+        if d is None or not 0 <= d < len(self.specs) or self._role[d] != "decode":
+            raise ValueError(f"policy named decode instance {d!r}, not one of the decode "
+                             f"pool {self.pools.decode.tolist()}")
+        return d
+
     @staticmethod
     def _outcome(req: Request, g: int | None, dispatch: float, first: float, finish: float,
-                 preemptions: int, decode_tokens: int) -> Outcome:
+                 preemptions: int, decode_tokens: int,
+                 decode_instance: int | None = None) -> Outcome:
         def opt(x: float) -> float | None:
             return None if x != x else float(x)  # NaN -> None
         return Outcome(
             request_id=req.request_id, instance=g, arrival_s=req.arrival_s,
             dispatch_s=opt(dispatch), first_token_s=opt(first), finish_s=opt(finish),
             prompt_tokens=req.prompt_tokens, decode_tokens=decode_tokens,
-            predicted_decode_tokens=req.predicted_decode_tokens, num_preemptions=preemptions)
+            predicted_decode_tokens=req.predicted_decode_tokens, num_preemptions=preemptions,
+            decode_instance=decode_instance)
+
+
+def _rows(inbound: Sequence[dict[int, tuple[float, int, int]]]
+          ) -> tuple[FloatArray | None, ...]:
+    """Per instance, (prompt, predicted decode, dispatch time) rows of its inbound
+    requests in dispatch order, or None when there are none."""
+    out: list[FloatArray | None] = []
+    for rows in inbound:
+        if not rows:
+            out.append(None)
+            continue
+        out.append(np.array([(p, o, t) for t, p, o in rows.values()], dtype=np.float64))
+    return tuple(out)

@@ -31,7 +31,8 @@ class Core(Protocol):
     def num_waiting(self) -> int: ...
     @property
     def num_free_blocks(self) -> int: ...
-    def add_request(self, prompt_tokens: int, max_output_tokens: int) -> int: ...
+    def add_request(self, prompt_tokens: int, max_output_tokens: int,
+                    computed_tokens: int = 0) -> int: ...
     def release_slot(self, slot: int) -> None: ...
     def abort(self, slot: int) -> None: ...
     def schedule(self) -> tuple[int, Sums]: ...
@@ -85,10 +86,11 @@ class SimEngine:
         return self.core.num_running + self.core.num_waiting
 
     def admit(self, request_id: int, prompt_tokens: int, decode_tokens: int,
-              predicted_decode_tokens: int) -> int:
+              predicted_decode_tokens: int, computed_tokens: int = 0) -> int:
         """Queue a request and return its core slot; ``decode_tokens`` is the truth the
-        engine runs to, ``predicted_decode_tokens`` what snapshots report to the router."""
-        slot = self.core.add_request(prompt_tokens, decode_tokens)
+        engine runs to, ``predicted_decode_tokens`` what snapshots report to the router,
+        ``computed_tokens`` the prompt tokens whose KV arrived from a prefill instance."""
+        slot = self.core.add_request(prompt_tokens, decode_tokens, computed_tokens)
         self._slot_request[slot] = request_id
         if slot >= self._predicted.shape[0]:
             grown = max(self.core.capacity, 2 * self._predicted.shape[0], 16)

@@ -214,7 +214,7 @@ def saturation_profile(loaded: LoadedConfig, num_requests: int = 2000) -> list[S
                     "max_num_seqs": spec.max_num_seqs,
                     "max_num_batched_tokens": spec.max_num_batched_tokens,
                     "block_size": spec.block_size,
-                    "kv_capacity_tokens": spec.kv_capacity_tokens}),))
+                    "kv_capacity_tokens": spec.kv_capacity_tokens, "role": "mixed"}),))
         res = simulate(one, "round_robin", burst, seed=loaded.config.sim.seed + 7 + g)
         done = np.sort(res.finish_s)
         t0, t1 = done[int(0.2 * len(done))], done[int(0.8 * len(done))]

@@ -14,6 +14,7 @@ import numpy as np
 
 from olproute.calibration import CalibrationError, InstanceCalibration, read_calibration
 from olproute.config import ConfigError, LoadedConfig, prediction_problems
+from olproute.disagg import KvTransfer
 from olproute.outlook import OutlookSource
 from olproute.policies import REGISTRY, PolicyEnv
 from olproute.sim import workloads as wl
@@ -246,8 +247,15 @@ def simulate(
     cluster = Cluster(loaded.specs, build_timers(loaded, run_seed), policy,
                       slot_s=cfg.router.slot_ms / 1e3, record_batches=cfg.sim.record_batches,
                       reference_core=reference_core,
-                      snapshot_age_s=cfg.sim.snapshot_age_ms / 1e3)
+                      snapshot_age_s=cfg.sim.snapshot_age_ms / 1e3,
+                      transfer=kv_transfer(loaded).seconds)
     return cluster.run(reqs, progress)
+
+
+def kv_transfer(loaded: LoadedConfig) -> KvTransfer:
+    """The KV transfer time between this configuration's pools (its one model)."""
+    model = loaded.profiles.models[loaded.specs[0].model]
+    return KvTransfer.of(model, loaded.config.transfer)
 
 
 def _check_fits(loaded: LoadedConfig, requests: Sequence[Request]) -> None:
