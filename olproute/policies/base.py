@@ -38,7 +38,8 @@ class PolicyEnv:
     length and horizon, the objective (reward, prices, admission sections of the config),
     and two lazily built sources a policy may need: per-instance batch-time calibration
     (``calibration()``, for TTFT estimators) and per-request expectations
-    (``outlook(request)``: predicted tokens, quality, cost per instance).
+    (``outlook(request)``: predicted tokens, quality, cost per instance). On
+    disaggregated pools ``transfer_s(prompt_tokens)`` is the KV transfer time.
 
     A policy may also declare ``needs_snapshots = True`` (the context then carries
     instance snapshots) and ``tick_s`` > 0 with a ``tick(now_s, snapshots)`` method,
@@ -54,6 +55,8 @@ class PolicyEnv:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     calibration_source: Callable[[], Sequence[InstanceCalibration]] | None = None
     outlook_source: OutlookSource | None = None
+    # disaggregated pools: seconds to move a prompt's KV cache from prefill to decode
+    transfer_s: Callable[[int], float] | None = None
 
     def calibration(self) -> tuple[InstanceCalibration, ...]:
         if self.calibration_source is None:

@@ -207,7 +207,14 @@ class BidPrice:
 
 
 def _factory(env: PolicyEnv) -> Policy:
+    """Mixed instances: this module; disaggregated pools: ``bid_price_pools``."""
+    from olproute.disagg import Pools
+
+    if Pools.of(env.specs).disaggregated:
+        from olproute.policies.bid_price_pools import PoolBidPrice
+
+        return PoolBidPrice(env)
     return BidPrice(env)
 
 
-REGISTRY.register(BidPrice.name)(_factory)
+REGISTRY.register(BidPrice.name, disaggregated=True)(_factory)

@@ -223,7 +223,7 @@ def policy_env(loaded: LoadedConfig, name: str, rng: np.random.Generator,
         slot_s=cfg.router.slot_ms / 1e3, horizon_slots=cfg.router.horizon_slots,
         reward=cfg.reward, prices=cfg.prices, admission=cfg.admission,
         calibration_source=calibration or CalibrationSource(loaded),
-        outlook_source=outlook_source(loaded))
+        outlook_source=outlook_source(loaded), transfer_s=kv_transfer(loaded).seconds)
 
 
 def simulate(

@@ -1,0 +1,379 @@
+"""Bid-price routing on disaggregated prefill/decode pools (issue 9).
+
+A request is a pair of choices: the prefill instance p that runs its prompt and first
+token, and the decode instance d its KV cache moves to. For every pair
+
+    score_pd = r_pd - delta * TTFT_p - a_p . pi_p - b_pd . mu_d
+
+- ``TTFT_p``: the BEA replay of p (its residents and queue as they stand, the new request
+  run to its first token);
+- ``r_pd``: the multi-objective reward (``olproute.reward``) with that TTFT and the
+  decode speed the client sees on d: ``tpot_d + transfer / o_hat``, ``tpot_d`` the
+  calibrated time of one decode step of d's residents plus the requests bound for it;
+- ``a_p . pi_p``: the price of p's **prefill token budget** (and its KV) over the slots
+  the prompt runs in, ``[k0 - ceil(s / (theta_p Delta)), k0)`` with k0 the first-token
+  slot and theta_p p's calibrated prefill throughput;
+- ``b_pd . mu_d``: the price of d's **batch slots and KV** over the decode column,
+  which starts when the KV arrives (TTFT_p + transfer) and ramps from s + 1 tokens.
+
+Two price books, one per pool, learned off the request path in ``tick``: the prefill
+book on samples whose reward for p is the best decode completion net of the decode
+prices (max_d r_pd - mu_d), the decode book on samples whose reward for d is net of the
+best prefill's price. Each pool's prices thus clear that pool given the other's.
+
+The best pair is dispatched if its score is positive, its prefill instance can start
+the prompt now (``admission.max_waiting``), both columns fit under the free capacity
+(snapshots as of the last tick, less the router's dispatches since, and on the decode
+side less the requests still in prefill or transfer towards it) and d's predicted TPOT
+meets the request's TPOT target; the decode check plans for the output running
+``decode_slack`` (policy parameter, default 0.25) over its prediction and keeps
+``kv_headroom`` (default 0.03) of each decode engine's KV free, as vLLM keeps a
+watermark of free blocks. Otherwise the request waits in the router's buffer
+and is re-scored every slot: a decode pool at its KV capacity holds admission back
+instead of overflowing into preemptions. When its patience runs out (default: its TTFT
+target) ``admission: shed`` refuses it and ``defer`` sends it to the best pair.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from olproute.bea import BeaEstimator, remaining_prefill_tokens
+from olproute.disagg import Pools
+from olproute.outlook import Outlook
+from olproute.policies._common import float_param
+from olproute.policies.base import PolicyEnv, PolicyError, check_params
+from olproute.policies.bid_price import can_start_now
+from olproute.prices import PriceBook
+from olproute.reward import (
+    Columns,
+    capacities,
+    first_token_slot,
+    free_capacity,
+    reward_terms,
+    usage_columns,
+)
+from olproute.types import (
+    SNAP_OUTPUT,
+    SNAP_PROMPT,
+    Decision,
+    EngineSnapshot,
+    Outcome,
+    RoutingContext,
+)
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class _Inbound:
+    """A dispatch whose KV has not reached its decode instance: its decode column (as
+    of its dispatch) and when it was dispatched."""
+
+    decode: int           # index within the decode pool
+    start: int
+    end: int
+    batch_a: float
+    kv_a: float
+    kv_b: float
+    dispatch_s: float
+    expires_s: float      # forget it by then even if never seen (a lost request)
+
+
+def _column(cols: Columns, i: int | tuple[int, int]) -> tuple[int, int, float, float, float]:
+    return (int(cols.start[i]), int(cols.end[i]), float(cols.batch_a[i]),
+            float(cols.kv_a[i]), float(cols.kv_b[i]))
+
+
+class PoolBidPrice:
+    name = "bid_price"
+    needs_snapshots = True
+
+    def __init__(self, env: PolicyEnv) -> None:
+        check_params(self.name, env.params, ("backend", "decode_slack", "kv_headroom"))
+        self._slack = float_param(self.name, env.params, "decode_slack", 0.25)
+        self._headroom = float_param(self.name, env.params, "kv_headroom", 0.03)
+        backend = env.params.get("backend", "jax")
+        if backend not in ("jax", "numpy"):
+            raise ValueError(f"bid_price backend must be 'jax' or 'numpy', got {backend!r}")
+        if env.transfer_s is None:
+            raise PolicyError("bid_price on disaggregated pools needs the KV transfer time")
+        self._transfer: Callable[[int], float] = env.transfer_s
+        self._specs = env.specs
+        pools = Pools.of(env.specs)
+        self._pre, self._dec = pools.prefill, pools.decode
+        self._pre_specs = tuple(env.specs[i] for i in self._pre)
+        self._dec_specs = tuple(env.specs[i] for i in self._dec)
+        cal = env.calibration()
+        self._bea = BeaEstimator(env.specs, cal)
+        self._theta = np.array([cal[i].prefill_tokens_per_s for i in self._pre])
+        _, self._pre_kv = capacities(self._pre_specs)
+        self._dec_batch, self._dec_kv = capacities(self._dec_specs)
+        self._dec_block = np.array([s.block_size for s in self._dec_specs]) / self._dec_kv
+        self._outlook = env.outlook()
+        self._w = env.reward
+        self._adm = env.admission
+        self._slot_s = env.slot_s
+        self._horizon = env.horizon_slots
+        self.book_prefill = PriceBook(self._pre_specs, env.slot_s, env.horizon_slots,
+                                      env.prices, env.rng, backend=backend)
+        self.book_decode = PriceBook(self._dec_specs, env.slot_s, env.horizon_slots,
+                                     env.prices, env.rng, backend=backend)
+        self.tick_s = env.prices.period_slots * env.slot_s if env.prices.enabled else 0.0
+        self._seen: set[int] = set()
+        self._inbound: dict[int, _Inbound] = {}
+        # free capacity (pool size, H, 2) as of the last tick, less the dispatches since
+        self._free_pre: FloatArray | None = None
+        self._free_dec: FloatArray | None = None
+        self._free_time_s = 0.0
+
+    # -- request path ----------------------------------------------------------------
+    def decide(self, ctx: RoutingContext) -> Decision:
+        req = ctx.request
+        snaps = ctx.snapshots
+        if snaps is None:
+            raise ValueError("bid_price needs instance snapshots in the context")
+        n_pre, n_dec = len(self._pre), len(self._dec)
+        out = self._outlook(req)
+        o_hat = np.maximum(out.decode_tokens[self._dec], 1.0)          # per decode instance
+        ones = np.ones(len(self._specs), dtype=np.int64)                 # prefill: 1 token
+        ttft_all = self._bea.estimate(ctx, predicted_decode=ones).ttft_s
+        ttft_p = np.where(np.isfinite(ttft_all[self._pre]), ttft_all[self._pre], 1e9)
+        xfer = self._transfer(req.prompt_tokens)
+        tpot_d = self._decode_step_s(snaps, ctx.inbound, req.prompt_tokens)
+        seen_tpot = tpot_d + xfer / o_hat                                # as the client sees
+        # pairs, prefill-major: index = i * n_dec + j
+        pi = np.repeat(np.arange(n_pre), n_dec)
+        dj = np.tile(np.arange(n_dec), n_pre)
+        dg = self._dec[dj]
+        pair_out = Outlook(decode_tokens=out.decode_tokens[dg], quality=out.quality[dg],
+                           cost_musd=out.cost_musd[dg])
+        waited = ctx.now_s - req.arrival_s
+        terms = reward_terms(req.prompt_tokens, req.ttft_target_s, pair_out, ttft_p[pi],
+                             seen_tpot[dj], self._w, self._slot_s, self._horizon,
+                             waited_s=waited)
+        reward = terms.total.reshape(n_pre, n_dec)
+        pre_cols = self._prefill_columns(req.prompt_tokens, ttft_p)
+        dec_cols = usage_columns(
+            req.prompt_tokens, (o_hat - 1.0)[None, :], (ttft_p + xfer)[:, None],
+            tpot_d[None, :], self._dec_batch[None, :], self._dec_kv[None, :],
+            self._slot_s, self._horizon)                                  # (n_pre, n_dec)
+        shape = (n_pre, n_dec)
+        dec_cols = Columns(
+            start=np.broadcast_to(dec_cols.start, shape),
+            end=np.broadcast_to(dec_cols.end, shape),
+            batch_a=np.broadcast_to(dec_cols.batch_a, shape),
+            kv_a=np.broadcast_to(dec_cols.kv_a, shape),
+            kv_b=np.broadcast_to(dec_cols.kv_b, shape))
+        price_pre = self.book_prefill.price(pre_cols)                    # (n_pre,)
+        price_dec = self.book_decode.price(dec_cols)                     # (n_pre, n_dec)
+        score = (reward - self._w.delta * ttft_p[:, None] - price_pre[:, None] - price_dec)
+        tpot_ok = np.ones(n_dec, dtype=bool) if req.tpot_target_s is None else (
+            seen_tpot <= req.tpot_target_s)
+        if req.request_id not in self._seen:  # first sight: a sample of demand per pool
+            self._seen.add(req.request_id)
+            self._sample(reward, pre_cols, dec_cols, price_pre, price_dec, score, ctx.now_s)
+        flat = score.ravel()
+        best = int(np.argmax(flat))
+        explanation = {
+            "ttft_s": tuple(np.where(np.isin(np.arange(len(self._specs)), self._pre),
+                                     ttft_all, np.nan).tolist()),
+            "pair_prefill": tuple(float(x) for x in self._pre[pi]),
+            "pair_decode": tuple(float(x) for x in dg),
+            "pair_tpot_s": tuple(seen_tpot[dj].tolist()),
+            "pair_reward": tuple(reward.ravel().tolist()),
+            "pair_prefill_price": tuple(price_pre[pi].tolist()),
+            "pair_decode_price": tuple(price_dec.ravel().tolist()),
+            "pair_score": tuple(flat.tolist()),
+        }
+        for k in np.argsort(-flat, kind="stable"):
+            k = int(k)
+            if flat[k] <= 0:
+                break
+            i, j = divmod(k, n_dec)
+            p, d = int(self._pre[i]), int(self._dec[j])
+            pspec = self._specs[p]
+            if not tpot_ok[j]:
+                continue
+            if not can_start_now(snaps[p], req.prompt_tokens, pspec.block_size,
+                                 pspec.max_num_seqs, self._adm.max_waiting):
+                continue
+            if not (self._fits(self._free_pre, i, _column(pre_cols, i), ctx.now_s)
+                    and self._fits(self._free_dec, j, self._padded(dec_cols, (i, j)),
+                                   ctx.now_s)):
+                continue
+            self._admit(req.request_id, i, j, pre_cols, dec_cols, ctx.now_s, ttft_p[i] + xfer)
+            rank = "best pair" if k == best else f"best admissible pair (best: {flat[best]:.3f})"
+            return Decision(req.request_id, "dispatch", p,
+                            f"{rank} {flat[k]:.3f}: prefill on {pspec.name}, decode on "
+                            f"{self._specs[d].name}", explanation, decode_instance=d)
+        why = (f"best pair score {flat[best]:.3f} <= 0" if flat[best] <= 0
+               else "no positive pair can start now with its decode KV and TPOT in reach")
+        patience = self._adm.patience_s if self._adm.patience_s is not None \
+            else req.ttft_target_s
+        if waited + 1e-12 < patience:
+            return Decision(req.request_id, "hold", None, f"held: {why}", explanation)
+        self._seen.discard(req.request_id)
+        if self._adm.mode == "shed":
+            return Decision(req.request_id, "shed", None,
+                            f"shed after {waited * 1e3:.0f} ms: {why}", explanation)
+        i, j = divmod(best, n_dec)
+        p, d = int(self._pre[i]), int(self._dec[j])
+        self._admit(req.request_id, i, j, pre_cols, dec_cols, ctx.now_s, ttft_p[i] + xfer)
+        return Decision(req.request_id, "dispatch", p,
+                        f"deferred after {waited * 1e3:.0f} ms to prefill on "
+                        f"{self._specs[p].name}, decode on {self._specs[d].name}: {why}",
+                        explanation, decode_instance=d)
+
+    def _decode_step_s(self, snaps: tuple[EngineSnapshot, ...],
+                       inbound: tuple[FloatArray | None, ...] | None,
+                       prompt_tokens: int) -> FloatArray:
+        """Per decode instance, the calibrated time of one decode step of its residents,
+        the requests bound for it and the new request (up to max_num_seqs)."""
+        beta = self._bea.beta
+        out = np.empty(len(self._dec))
+        for j, g in enumerate(self._dec):
+            t = snaps[g].table
+            contexts = (t[:, SNAP_PROMPT] + t[:, SNAP_OUTPUT]).astype(np.float64)
+            rows = None if inbound is None else inbound[g]
+            if rows is not None and rows.shape[0]:
+                contexts = np.concatenate([contexts, rows[:, 0]])
+            n = min(contexts.shape[0], self._specs[g].max_num_seqs - 1)
+            b = beta[g]
+            out[j] = b[0] + b[1] * (n + 1) + b[2] * (float(contexts[:n].sum()) + prompt_tokens)
+        return out
+
+    def _prefill_columns(self, prompt_tokens: int, ttft_s: FloatArray) -> Columns:
+        """The prompt's column on each prefill instance: its share of the prefill token
+        budget (theta_p x Delta tokens a slot) over the slots before its first token, and
+        its KV there, in capacity fractions."""
+        k0 = first_token_slot(ttft_s, self._slot_s, self._horizon)
+        length = np.maximum(np.ceil(prompt_tokens / (self._theta * self._slot_s) - 1e-9), 1)
+        start = np.maximum(k0 - length.astype(np.int64), 0)
+        span = np.maximum(k0 - start, 1)
+        end = np.maximum(k0, np.minimum(start + 1, self._horizon))
+        share = np.minimum(prompt_tokens / (self._theta * self._slot_s * span), 1.0)
+        return Columns(start=start, end=end, batch_a=share,
+                       kv_a=prompt_tokens / self._pre_kv, kv_b=np.zeros(len(self._pre)))
+
+    def _sample(self, reward: FloatArray, pre: Columns, dec: Columns, price_pre: FloatArray,
+                price_dec: FloatArray, score: FloatArray, now_s: float) -> None:
+        """One sample of demand per pool: each pool's reward net of the other pool's
+        price at the best completion."""
+        i_best = int(np.unravel_index(int(np.argmax(score)), score.shape)[0])
+        self.book_prefill.observe_arrival(now_s)
+        self.book_prefill.add_sample((reward - price_dec).max(axis=1), pre)
+        self.book_decode.observe_arrival(now_s)
+        self.book_decode.add_sample(reward[i_best] - price_pre[i_best], Columns(
+            start=np.array(dec.start[i_best]), end=np.array(dec.end[i_best]),
+            batch_a=np.array(dec.batch_a[i_best]), kv_a=np.array(dec.kv_a[i_best]),
+            kv_b=np.array(dec.kv_b[i_best])))
+
+    def _padded(self, cols: Columns, i: tuple[int, int]
+                ) -> tuple[int, int, float, float, float]:
+        """The decode column as admission checks it: its output running ``decode_slack``
+        over the prediction (the ramp goes on growing), a slot early and a slot late, so
+        that length and speed errors do not overflow a full KV cache into preemptions."""
+        s, e, ba, ka, kb = _column(cols, i)
+        extra = math.ceil(self._slack * (e - s)) + 1
+        s0 = max(s - 1, 0)
+        # plus its last, partly filled KV block and the headroom kept free
+        ka += self._dec_block[i[1]] + self._headroom
+        return s0, min(e + extra, self._horizon), ba, ka + kb * (s0 - s), kb
+
+    def _offset(self, now_s: float) -> int:
+        return max(int((now_s - self._free_time_s) // self._slot_s), 0)
+
+    def _usage(self, col: tuple[int, int, float, float, float], k: int
+               ) -> tuple[slice, FloatArray] | None:
+        """The slots (shifted by k; a negative k for a column placed k slots ago) and the
+        usage there of a column, or None when none of it is within the horizon."""
+        s, e, ba, ka, kb = col
+        lo, hi = max(s + k, 0), min(e + k, self._horizon)
+        if lo >= hi:
+            return None
+        usage = np.empty((hi - lo, 2))
+        usage[:, 0] = ba
+        usage[:, 1] = ka + kb * np.arange(lo - (s + k), hi - (s + k), dtype=np.float64)
+        return slice(lo, hi), usage
+
+    def _fits(self, free: FloatArray | None, i: int,
+              col: tuple[int, int, float, float, float], now_s: float) -> bool:
+        if free is None:
+            return True
+        win = self._usage(col, self._offset(now_s))
+        return win is None or bool((free[i, win[0]] - win[1]).min() >= 0.0)
+
+    def _take(self, free: FloatArray | None, i: int,
+              col: tuple[int, int, float, float, float], k: int) -> None:
+        if free is None:
+            return
+        win = self._usage(col, k)
+        if win is not None:
+            free[i, win[0]] -= win[1]
+
+    def _admit(self, request_id: int, i: int, j: int, pre: Columns, dec: Columns,
+               now_s: float, arrival_in_s: float) -> None:
+        """Immediate accounting of both columns, and the decode column remembered until
+        the KV reaches the decode instance (its snapshots then hold the request)."""
+        k = self._offset(now_s)
+        self._take(self._free_pre, i, _column(pre, i), k)
+        col = _column(dec, (i, j))
+        self._take(self._free_dec, j, col, k)
+        self._inbound[request_id] = _Inbound(j, *col, dispatch_s=now_s,
+                                             expires_s=now_s + 2.0 * arrival_in_s + 60.0)
+
+    # -- feedback and learning ---------------------------------------------------------
+    def observe(self, outcome: Outcome) -> None:
+        self._seen.discard(outcome.request_id)
+        self._inbound.pop(outcome.request_id, None)
+
+    def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
+        """Off the request path: each pool's free capacity from the snapshots (the decode
+        side less the requests still on their way to it), then K dual steps per book."""
+        resident: set[int] = set()
+        for g in self._dec:
+            resident.update(snapshots[g].request_ids.tolist())
+        self._inbound = {rid: b for rid, b in self._inbound.items()
+                         if rid not in resident and b.expires_s > now_s}
+        pre = self._prefill_free([snapshots[g] for g in self._pre])
+        dec_snaps = [snapshots[g] for g in self._dec]
+        tpot = self._decode_step_s(snapshots, None, 0)
+        dec = free_capacity(dec_snaps, self._dec_specs, tpot, self._slot_s, self._horizon)
+        for b in self._inbound.values():
+            shift = int((b.dispatch_s - now_s) // self._slot_s)  # <= 0: slots since dispatch
+            self._take(dec, b.decode, (b.start, b.end, b.batch_a, b.kv_a, b.kv_b), shift)
+        self.book_prefill.set_free_capacity(pre)
+        self.book_decode.set_free_capacity(dec)
+        self._free_pre, self._free_dec = pre.copy(), dec.copy()
+        self._free_time_s = now_s
+        self.book_prefill.update(now_s)
+        self.book_decode.update(now_s)
+
+    def _prefill_free(self, snaps: list[EngineSnapshot]) -> FloatArray:
+        """c[p, k] of the prefill pool: the token budget is taken while the residents'
+        remaining prompt tokens run at theta_p, and so is the KV their prompts hold."""
+        h = self._horizon
+        c = np.ones((len(snaps), h, 2))
+        for i, (snap, spec) in enumerate(zip(snaps, self._pre_specs, strict=True)):
+            busy = float(remaining_prefill_tokens(snap).sum()) / (self._theta[i] * self._slot_s)
+            full = min(math.floor(busy), h)
+            c[i, :full, 0] = 0.0
+            if full < h:
+                c[i, full, 0] = 1.0 - (busy - full)
+            used = 1.0 - snap.num_free_blocks / spec.num_kv_blocks
+            c[i, :min(math.ceil(busy), h), 1] = 1.0 - used
+        return c
+
+    def prices(self) -> dict[str, FloatArray]:
+        """The two books' current prices, for the admin endpoint and plots."""
+        return {"prefill": self.book_prefill.p.copy(), "decode": self.book_decode.p.copy()}
+
+
+__all__ = ["PoolBidPrice"]

@@ -1,0 +1,276 @@
+"""Disaggregated prefill/decode pools: roles, KV transfer, two-stage routing (issue 9)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from olproute.config import ConfigError, load_config
+from olproute.core_ref import ReferenceCore
+from olproute.disagg import KvTransfer, Pools, decode_admission
+from olproute.policies import REGISTRY, PolicyError
+from olproute.sim import metrics
+from olproute.sim.engine import SimEngine
+from olproute.sim.scenario import CalibrationSource, build_requests, kv_transfer, simulate
+from tests.conftest import CONV_TRACE, REPO, make_config
+
+POOL_POLICIES = ("round_robin", "least_outstanding", "least_tokens", "calibrated_cost",
+                 "bid_price")
+
+
+def pd_config(num_prefill: int = 2, num_decode: int = 4, decode_kv: int = 60000,
+              rate: float = 6.0, duration_s: float = 40.0, **sections: Any) -> Any:
+    data: dict[str, Any] = {
+        "instances": [
+            {"name": "prefill", "model": "qwen2.5-3b", "gpu": "a40", "role": "prefill",
+             "replicas": num_prefill},
+            {"name": "decode", "model": "qwen2.5-3b", "gpu": "a40", "role": "decode",
+             "replicas": num_decode, "kv_capacity_tokens": decode_kv}],
+        "workload": {"kind": "mmpp2", "rate_per_s": rate, "duration_s": duration_s,
+                     "lengths_path": str(CONV_TRACE)},
+        "slo": {"mode": "classes"},
+        "prediction": {"mode": "noisy", "noise": 0.2},
+        "transfer": {"link_gbytes_per_s": 12.5, "latency_ms": 1.0},
+    }
+    data.update(sections)
+    return make_config(**data)
+
+
+class AdmitLog:
+    """Records every admission of every engine: (engine, request, prompt, max output,
+    computed tokens)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.rows: list[tuple[int, int, int, int, int]] = []
+        original = SimEngine.admit
+        log = self.rows
+
+        def admit(engine: SimEngine, request_id: int, prompt_tokens: int, decode_tokens: int,
+                  predicted_decode_tokens: int, computed_tokens: int = 0) -> int:
+            log.append((engine.index, request_id, prompt_tokens, decode_tokens,
+                        computed_tokens))
+            return original(engine, request_id, prompt_tokens, decode_tokens,
+                            predicted_decode_tokens, computed_tokens)
+
+        monkeypatch.setattr(SimEngine, "admit", admit)
+
+
+@pytest.mark.parametrize("policy", POOL_POLICIES)
+def test_every_request_is_prefilled_once_and_decoded_once(
+        policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = pd_config()
+    cal = CalibrationSource(loaded)
+    cal()  # profile first: its own runs admit requests too
+    log = AdmitLog(monkeypatch)
+    res = simulate(loaded, policy, calibration=cal)
+    pools = Pools.of(loaded.specs)
+    served = np.flatnonzero(~res.shed)
+    assert served.size > 100
+    prefill_rows = [r for r in log.rows if r[0] in set(pools.prefill.tolist())]
+    decode_rows = [r for r in log.rows if r[0] in set(pools.decode.tolist())]
+    # once on a prefill engine: the whole prompt, one output token, nothing precomputed
+    assert sorted(r[1] for r in prefill_rows) == served.tolist()
+    for eng, rid, prompt, out, computed in prefill_rows:
+        req = res.requests[rid]
+        assert (eng, prompt, out, computed) == (res.instance[rid], req.prompt_tokens, 1, 0)
+    # once on its decode engine, with its prompt computed, for the other outputs
+    multi = [int(i) for i in served if res.decode_tokens[i] > 1]
+    assert sorted(r[1] for r in decode_rows) == multi
+    for eng, rid, prompt, out, computed in decode_rows:
+        req = res.requests[rid]
+        assert eng == res.decode_instance[rid]
+        assert (prompt, out, computed) == decode_admission(req.prompt_tokens,
+                                                          int(res.decode_tokens[rid]))
+    # every served request finished with all its output
+    assert np.isfinite(res.finish_s[served]).all()
+    assert (res.decode_tokens[served] == [res.requests[i].decode_tokens for i in served]).all()
+
+
+def test_prefill_runs_every_prompt_token_and_decode_only_one_per_request() -> None:
+    """Counted in the batch logs: the prefill pool computes each prompt once (plus its
+    recomputes), the decode pool feeds one token per decoded request (plus recomputes
+    after preemption) and generates the rest of the outputs."""
+    loaded = pd_config()
+    res = simulate(loaded, "least_outstanding")
+    pools = Pools.of(loaded.specs)
+    log = res.batch_log
+    on_prefill = np.isin(log[:, 0], pools.prefill)
+    col = {c: i for i, c in enumerate(metrics.BATCH_LOG_COLUMNS)}
+    served = ~res.shed
+    prompts = np.array([r.prompt_tokens for r in res.requests])
+    assert res.num_preemptions.sum() == 0   # 60k-token decode engines at this load
+    assert log[on_prefill, col["num_prefill_tokens"]].sum() == prompts[served].sum()
+    assert log[on_prefill, col["num_decode_tokens"]].sum() == 0
+    decoded = served & (res.decode_tokens > 1)
+    assert log[~on_prefill, col["num_prefill_tokens"]].sum() == decoded.sum()
+    assert log[~on_prefill, col["num_decode_tokens"]].sum() == (
+        res.decode_tokens[decoded] - 2).sum()
+
+
+def test_transfer_time_is_accounted() -> None:
+    loaded = pd_config()
+    res = simulate(loaded, "round_robin")
+    xfer = kv_transfer(loaded)
+    model = loaded.profiles.models["qwen2.5-3b"]
+    # Qwen2.5-3B: 2 x 36 layers x 2 KV heads x 128 x 2 bytes = 36,864 bytes a token
+    assert model.kv_bytes_per_token == 36864
+    assert xfer.seconds(1000) == pytest.approx(1e-3 + 1000 * 36864 / 12.5e9)
+    decoded = np.flatnonzero(~res.shed & (res.decode_tokens > 1))
+    for i in decoded:
+        expected = xfer.seconds(res.requests[i].prompt_tokens)
+        assert res.kv_arrival_s[i] - res.first_token_s[i] == pytest.approx(expected, abs=1e-9)
+    # the decode engine runs nothing of a request before its KV arrives: its first batch
+    # there starts at or after the arrival
+    log = res.batch_log
+    for i in decoded[:50]:
+        d = res.decode_instance[i]
+        starts = log[(log[:, 0] == d) & (log[:, 1] >= res.kv_arrival_s[i] - 1e-12), 1]
+        assert starts.size and starts.min() == pytest.approx(res.kv_arrival_s[i], abs=0.2)
+    # a slower link: every decoded request finishes later by at least the added time
+    slow = pd_config(transfer={"link_gbytes_per_s": 0.5, "latency_ms": 20.0})
+    res_slow = simulate(slow, "round_robin")
+    xs = kv_transfer(slow)
+    for i in decoded[:50]:
+        assert (res_slow.kv_arrival_s[i] - res_slow.first_token_s[i]
+                == pytest.approx(xs.seconds(res.requests[i].prompt_tokens), abs=1e-9))
+    tpot_fast = metrics.tpot_s(res)[decoded]
+    tpot_slow = metrics.tpot_s(res_slow)[decoded]
+    assert np.median(tpot_slow - tpot_fast) > 0
+
+
+def test_a_decode_pool_at_kv_capacity_holds_admission_back() -> None:
+    """Decode engines with room for a handful of requests: round robin overflows them
+    (preemptions, recomputed prompts); bid_price holds requests in its buffer until a
+    decode engine has the KV for them, and none is preempted."""
+    common: dict[str, Any] = dict(num_prefill=1, num_decode=2, decode_kv=6000, rate=8.0,
+                                  duration_s=30.0,
+                                  admission={"mode": "shed", "patience_s": 30.0})
+    loaded = pd_config(**common, prediction={"mode": "oracle"})
+    reqs = build_requests(loaded)
+    cal = CalibrationSource(loaded)
+    rr = simulate(loaded, "round_robin", reqs, calibration=cal)
+    bp = simulate(loaded, "bid_price", reqs, calibration=cal)
+    assert rr.num_preemptions.sum() > 100
+    assert bp.num_preemptions.sum() == 0
+    waited = bp.dispatch_s - np.array([r.arrival_s for r in reqs])
+    assert np.nanmax(waited) > 1.0          # held in the router, not queued on the engine
+    assert (~bp.shed).sum() > 0.6 * len(reqs)
+    # with +/-20% noise on the predicted lengths it overflows rarely, not never
+    noisy = pd_config(**common)
+    reqs = build_requests(noisy)
+    rr = simulate(noisy, "round_robin", reqs, calibration=cal)
+    bp = simulate(noisy, "bid_price", reqs, calibration=cal)
+    assert bp.num_preemptions.sum() <= 0.1 * rr.num_preemptions.sum()
+
+
+def test_bid_price_decisions_name_both_instances_and_explain_pairs() -> None:
+    loaded = pd_config(duration_s=10.0)
+    decisions: list[Any] = []
+    from olproute.policies import bid_price_pools
+
+    original = bid_price_pools.PoolBidPrice.decide
+
+    def spy(self: Any, ctx: Any) -> Any:
+        d = original(self, ctx)
+        decisions.append(d)
+        return d
+
+    bid_price_pools.PoolBidPrice.decide = spy  # type: ignore[method-assign]
+    try:
+        simulate(loaded, "bid_price")
+    finally:
+        bid_price_pools.PoolBidPrice.decide = original  # type: ignore[method-assign]
+    sent = [d for d in decisions if d.action == "dispatch"]
+    assert sent
+    for d in sent:
+        assert loaded.specs[d.instance].role == "prefill"
+        assert loaded.specs[d.decode_instance].role == "decode"
+        assert len(d.explanation["pair_score"]) == 2 * 4
+        assert "prefill on prefill-" in d.reason and "decode on decode-" in d.reason
+
+
+def test_policies_that_cannot_route_pools_say_so() -> None:
+    loaded = pd_config()
+    assert set(POOL_POLICIES) <= set(REGISTRY.pool_names())
+    with pytest.raises(PolicyError, match="'bear' cannot route disaggregated"):
+        simulate(loaded, "bear")
+
+
+def test_a_policy_naming_a_wrong_decode_instance_is_an_error() -> None:
+    from olproute.sim.cluster import Cluster
+    from olproute.sim.scenario import build_timers
+    from olproute.types import Decision
+
+    loaded = pd_config(duration_s=5.0)
+
+    class Bad:
+        name = "bad"
+
+        def decide(self, ctx: Any) -> Decision:
+            return Decision(ctx.request.request_id, "dispatch", 0, "prefill only")
+
+        def observe(self, outcome: Any) -> None:
+            pass
+
+    cluster = Cluster(loaded.specs, build_timers(loaded), Bad(), slot_s=0.05,
+                      transfer=kv_transfer(loaded).seconds)
+    with pytest.raises(ValueError, match="decode instance None"):
+        cluster.run(build_requests(loaded))
+
+
+@pytest.mark.parametrize(("instances", "key", "message"), [
+    ([{"name": "p", "model": "qwen2.5-3b", "gpu": "a40", "role": "prefill"}],
+     "instances", "at least one decode instance"),
+    ([{"name": "p", "model": "qwen2.5-3b", "gpu": "a40", "role": "prefill"},
+      {"name": "d", "model": "qwen2.5-3b", "gpu": "a40", "role": "decode"},
+      {"name": "m", "model": "qwen2.5-3b", "gpu": "a40"}],
+     "instances[2].role", "mixed instance cannot sit beside"),
+    ([{"name": "p", "model": "qwen2.5-3b", "gpu": "a40", "role": "prefill"},
+      {"name": "d", "model": "qwen2-7b", "gpu": "a40", "role": "decode"}],
+     "instances", "serve one model"),
+])
+def test_pool_config_errors_name_the_key(tmp_path: Any, instances: list[dict[str, Any]],
+                                         key: str, message: str) -> None:
+    import yaml
+
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump({
+        "profiles": str(REPO / "configs" / "profiles.yaml"), "instances": instances,
+        "workload": {"kind": "poisson", "rate_per_s": 1.0, "num_requests": 5,
+                     "prompt_tokens": 10, "decode_tokens": 10}}))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    text = str(err.value)
+    assert str(path) in text and f"{key}: " in text and message in text
+
+
+def test_the_shipped_pd_config_loads() -> None:
+    loaded = load_config(REPO / "configs" / "pd.yaml")
+    pools = Pools.of(loaded.specs)
+    assert pools.prefill.tolist() == [0, 1] and pools.decode.tolist() == [2, 3, 4, 5]
+    assert all(loaded.specs[i].kv_capacity_tokens == 60000 for i in pools.decode)
+
+
+def test_decode_admission_and_transfer_arithmetic() -> None:
+    assert decode_admission(100, 5) == (101, 4, 100)
+    with pytest.raises(ValueError, match="no decode phase"):
+        decode_admission(100, 1)
+    t = KvTransfer(bytes_per_token=1000.0, bytes_per_s=1e6, latency_s=0.01)
+    assert t.seconds(0) == 0.01 and t.seconds(500) == pytest.approx(0.51)
+
+
+def test_core_admits_a_request_with_its_prompt_computed() -> None:
+    from olproute._core import BatchCore
+
+    for cls in (BatchCore, ReferenceCore):
+        core = cls(100, 16, 8, 512)
+        slot = core.add_request(101, 3, 100)
+        n, sums = core.schedule()
+        # one token fed (the first output), attending to the 100 computed ones
+        assert n == 1 and sums[4] == 1 and sums[7] == 100
+        core.commit()
+        assert core.request(slot)[3:5] == (101, 7)   # all 101 tokens' blocks allocated
+        with pytest.raises(ValueError, match="computed_tokens"):
+            core.add_request(10, 3, 10)
