@@ -237,6 +237,8 @@ class BackendConfig(_Frozen):
 
     name: str = Field(min_length=1)
     url: str = Field(pattern=r"^https?://")
+    # optional: when given, it must be the role of the instance of that name
+    role: Literal["mixed", "prefill", "decode"] | None = None
 
 
 class ServerConfig(_Frozen):
@@ -542,16 +544,22 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG,
 
 def backend_problems(server: ServerConfig,
                      specs: Sequence[InstanceSpec]) -> list[tuple[str, str]]:
-    """Every backend names one instance, once; with backends, every instance has one."""
+    """Every backend names one instance, once, with that instance's role if it declares
+    one; with backends, every instance has one."""
     if not server.backends:
         return []
     names = [s.name for s in specs]
+    roles = {s.name: s.role for s in specs}
     problems = []
     seen: set[str] = set()
     for i, b in enumerate(server.backends):
         if b.name not in names:
             problems.append((f"server.backends[{i}].name",
                              f"unknown instance {b.name!r} (instances: {', '.join(names)})"))
+        elif b.role is not None and b.role != roles[b.name]:
+            problems.append((f"server.backends[{i}].role",
+                             f"{b.role!r}, but instance {b.name!r} has role "
+                             f"{roles[b.name]!r} (instances[].role)"))
         if b.name in seen:
             problems.append((f"server.backends[{i}].name", f"duplicate backend {b.name!r}"))
         seen.add(b.name)

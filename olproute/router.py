@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from olproute.config import LoadedConfig
+from olproute.disagg import Pools
 from olproute.policies import REGISTRY, Policy
 from olproute.sim.scenario import CalibrationSource, policy_env
 from olproute.types import (
@@ -39,6 +41,7 @@ class Router:
         self.calibration = calibration or CalibrationSource(loaded)
         self.policy: Policy = REGISTRY.create(
             self.policy_name, policy_env(loaded, self.policy_name, rng, self.calibration))
+        self.pools = Pools.of(self.specs)
         self.needs_snapshots = bool(getattr(self.policy, "needs_snapshots", False))
         self.tick_s = float(getattr(self.policy, "tick_s", 0.0) or 0.0)
         self._ids = itertools.count()
@@ -55,25 +58,67 @@ class Router:
 
     def decide(self, request: Request, now_s: float, loads: tuple[InstanceLoad, ...],
                snapshots: tuple[EngineSnapshot, ...] | None,
-               healthy: Sequence[bool]) -> Decision:
+               healthy: Sequence[bool],
+               inbound: tuple[npt.NDArray[np.float64] | None, ...] | None = None) -> Decision:
         """The policy's decision; a dispatch to an unhealthy backend is moved to the best
         healthy one (by the policy's own scores when it gives them, else fewest
-        outstanding), and a pool with no healthy backend sheds."""
+        outstanding), and a pool with no healthy backend sheds. On disaggregated pools
+        ``inbound`` is the context's inbound rows; the decision names a prefill and a
+        decode instance, each moved within its own pool when unhealthy."""
         if not any(healthy):
             return Decision(request.request_id, "shed", None, "no healthy backend")
+        pools = self.pools.disaggregated
+        if pools:
+            for role, group in (("prefill", self.pools.prefill), ("decode", self.pools.decode)):
+                if not any(healthy[g] for g in group.tolist()):
+                    return Decision(request.request_id, "shed", None,
+                                    f"no healthy {role} backend")
         ctx = RoutingContext(request=request, now_s=now_s, instances=loads, specs=self.specs,
-                             snapshots=snapshots if self.needs_snapshots else None)
+                             snapshots=snapshots if self.needs_snapshots else None,
+                             inbound=inbound if pools else None)
         d = self.policy.decide(ctx)
-        if d.action != "dispatch" or d.instance is None or healthy[d.instance]:
+        if d.action != "dispatch" or d.instance is None:
             return d
+        if not pools:
+            g = self._healthy_choice(d, d.instance, range(len(self.specs)), loads, healthy)
+            return d if g == d.instance else replace(
+                d, instance=g, reason=f"{self.specs[d.instance].name} unhealthy; "
+                f"moved to {self.specs[g].name} ({d.reason})")
+        self._check_pair(d)
+        assert d.decode_instance is not None
+        p = self._healthy_choice(d, d.instance, self.pools.prefill.tolist(), loads, healthy)
+        q = self._healthy_choice(d, d.decode_instance, self.pools.decode.tolist(), loads,
+                                 healthy)
+        moved = [f"{self.specs[a].name} unhealthy; moved to {self.specs[b].name}"
+                 for a, b in ((d.instance, p), (d.decode_instance, q)) if a != b]
+        if not moved:
+            return d
+        return replace(d, instance=p, decode_instance=q,
+                       reason=f"{'; '.join(moved)} ({d.reason})")
+
+    def _healthy_choice(self, d: Decision, g: int, group: Iterable[int],
+                        loads: tuple[InstanceLoad, ...], healthy: Sequence[bool]) -> int:
+        """``g`` if healthy, else the healthy member of ``group`` the policy scores best
+        (fewest outstanding without scores); the caller made sure there is one."""
+        if healthy[g]:
+            return g
+        candidates = [i for i in group if healthy[i]]
         scores = d.explanation.get("score")
-        candidates = [g for g, ok in enumerate(healthy) if ok]
         if scores is not None and len(scores) == len(healthy):
-            g = max(candidates, key=lambda i: scores[i])
-        else:
-            g = min(candidates, key=lambda i: loads[i].num_outstanding)
-        return replace(d, instance=g, reason=f"{self.specs[d.instance].name} unhealthy; "
-                       f"moved to {self.specs[g].name} ({d.reason})")
+            return max(candidates, key=lambda i: scores[i])
+        return min(candidates, key=lambda i: loads[i].num_outstanding)
+
+    def _check_pair(self, d: Decision) -> None:
+        """On disaggregated pools a dispatch names a prefill and a decode instance."""
+        roles = [s.role for s in self.specs]
+        if d.instance is None or roles[d.instance] != "prefill":
+            raise ValueError(f"policy {self.policy_name!r} sent a request to instance "
+                             f"{d.instance} for its prefill, not one of the prefill pool "
+                             f"{self.pools.prefill.tolist()}")
+        q = d.decode_instance
+        if q is None or not 0 <= q < len(roles) or roles[q] != "decode":
+            raise ValueError(f"policy {self.policy_name!r} named decode instance {q!r}, not "
+                             f"one of the decode pool {self.pools.decode.tolist()}")
 
     def continue_ids(self, previous: Router) -> None:
         """Take over another router's request-id sequence (after a reload, so that ids of

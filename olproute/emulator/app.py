@@ -3,7 +3,12 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI-compatible,
 streaming or not; formats in ``protocol``), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus, vLLM names) and ``GET /olproute/batches?since=N`` (the batch
-records, for recalibrating beta).
+records, for recalibrating beta). An instance's role (``InstanceSpec.role``) decides which
+side of a disaggregated prefill/decode request (``kv_transfer_params``) it takes: a
+prefill instance answers ``do_remote_decode`` with the ``kv_transfer_params`` for the
+decode request; a decode (or mixed) instance takes ``do_remote_prefill`` by waiting the KV
+transfer time of the config's ``transfer`` section, then decoding with the prompt
+computed.
 
 Stopping an emulator is abrupt, like killing a vLLM process: requests in flight are
 dropped and their connections closed without a final chunk or ``[DONE]``.
@@ -24,13 +29,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from olproute.config import LoadedConfig, Profiles, SimConfig, load_config
+from olproute.disagg import KvTransfer
 from olproute.emulator.engine import BATCH_COLUMNS, EmulatedInstance, EmulatedRequest
 from olproute.emulator.protocol import (
     ApiError,
     ChunkWriter,
     Kind,
+    check_role,
     parse_body,
     parse_request,
+    prefill_kv_params,
     response_body,
 )
 from olproute.sim.engine import BatchTimer
@@ -67,7 +75,15 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         gen = parse_request(parse_body(await _read_body(request)), kind, inst.model_name,
                             inst.max_model_len)
-        req = inst.submit(gen.prompt_tokens, gen.max_tokens)
+        check_role(gen, inst.spec.role)
+        if gen.remote_prefill:
+            if inst.kv_transfer is None:
+                raise ApiError(400, "kv_transfer_params.do_remote_prefill: this instance has "
+                                    "no KV transfer model", "kv_transfer_params")
+            await inst.receive_kv(gen.prompt_tokens, gen.remote_engine_id)
+            req = inst.submit_decode(gen.prompt_tokens, gen.max_tokens)
+        else:
+            req = inst.submit(gen.prompt_tokens, gen.max_tokens)
     except ApiError as err:
         return _error(err)
     except RuntimeError:  # the engine is stopping
@@ -81,7 +97,13 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         if req.failed:
             _cut(request)
             return web.Response(status=503)
-        body = response_body(gen, request_id, int(time.time()), req.num_tokens)
+        kv_params = None
+        if gen.remote_decode:
+            inst.num_remote_decode_prefills += 1
+            kv_params = prefill_kv_params(inst.spec.name, request.url.host, request.url.port,
+                                          gen.prompt_tokens, inst.spec.block_size,
+                                          inst.spec.tensor_parallel)
+        body = response_body(gen, request_id, int(time.time()), req.num_tokens, kv_params)
         return web.json_response(body, headers=headers)
     finally:
         inst.abort(req)  # no-op when it finished; frees slot and KV when the client left
@@ -252,7 +274,9 @@ async def start_emulators(
             model = loaded.profiles.models.get(spec.model)
             inst = EmulatedInstance(
                 spec, timer, index=i, time_scale=time_scale,
-                max_model_len=None if model is None else model.max_context_tokens)
+                max_model_len=None if model is None else model.max_context_tokens,
+                kv_transfer=None if model is None else KvTransfer.of(
+                    model, loaded.config.transfer))
             runner = web.AppRunner(init_app(inst, max_body_bytes=max_body_bytes),
                                    handler_cancellation=True, access_log=None,
                                    shutdown_timeout=1.0)

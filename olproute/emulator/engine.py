@@ -6,6 +6,14 @@ paged KV, preemption by recompute) forms each batch; the simulator's ground-trut
 times ``time_scale``; the loop sleeps that long, commits the batch and hands every produced
 token to its request. Batches are laid back to back on a virtual clock, so the loop's
 wake-up jitter does not accumulate while the engine is busy.
+
+Disaggregated pools: a decode request whose prompt's KV cache comes from a prefill
+instance (``receive_kv`` then ``submit_decode``) waits the transfer time
+(``olproute.disagg.KvTransfer``, times ``time_scale``) before the engine admits it with
+its prompt computed (``olproute.disagg.decode_admission``); the first token, which the
+prefill instance produced, is re-emitted at admission, and the engine generates the rest.
+While its KV is in transfer the request is not in the engine (vLLM would already hold
+its blocks).
 """
 
 from __future__ import annotations
@@ -15,8 +23,10 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from olproute.core_ref import FINISHED
+from olproute.disagg import KvTransfer, decode_admission
 from olproute.emulator.metrics import EngineMetrics
 from olproute.sim.engine import BATCH_LOG_COLUMNS, BatchTimer, SimEngine
 from olproute.types import InstanceSpec
@@ -26,6 +36,16 @@ from olproute.types import InstanceSpec
 _MAX_LAG_S = 0.05
 
 
+@dataclass(frozen=True, slots=True)
+class KvTransferRecord:
+    """One prompt's KV cache received from a prefill instance: its tokens, the
+    (scaled) seconds the transfer took, and the prefill engine it came from."""
+
+    prompt_tokens: int
+    delay_s: float
+    remote_engine_id: str | None
+
+
 class EmulatedRequest:
     """One request inside the engine; its handler waits on it for tokens.
 
@@ -33,7 +53,7 @@ class EmulatedRequest:
     was aborted, or the engine stopped (``failed``)."""
 
     __slots__ = ("_changed", "_finished", "aborted", "arrival_s", "done", "failed", "first_token_s",
-                 "max_tokens", "num_tokens", "prompt_tokens", "request_id", "slot")
+                 "max_tokens", "num_tokens", "prompt_tokens", "reemitted", "request_id", "slot")
 
     def __init__(self, request_id: int, prompt_tokens: int, max_tokens: int,
                  arrival_s: float) -> None:
@@ -43,6 +63,7 @@ class EmulatedRequest:
         self.arrival_s = arrival_s
         self.slot = -1
         self.num_tokens = 0
+        self.reemitted = 0  # leading tokens produced elsewhere (a remote prefill's first)
         self.first_token_s: float | None = None
         self.done = False
         self.aborted = False
@@ -78,11 +99,15 @@ class EmulatedInstance:
     multiplies every batch duration (< 1 runs faster than the modelled GPU).
     ``max_model_len`` caps prompt + output tokens (default: the KV capacity).
     Records of the last ``batch_log_size`` batches are kept for ``batch_records``.
+    ``kv_transfer`` times the KV caches it receives from prefill instances (needed to
+    take remote prefills); ``kv_transfers`` records the last ``batch_log_size`` of them
+    and ``num_remote_decode_prefills`` counts the prefills it ran for a remote decode.
     """
 
     def __init__(self, spec: InstanceSpec, timer: BatchTimer, *, index: int = 0,
                  time_scale: float = 1.0, model_name: str | None = None,
-                 max_model_len: int | None = None, batch_log_size: int = 65_536) -> None:
+                 max_model_len: int | None = None, batch_log_size: int = 65_536,
+                 kv_transfer: KvTransfer | None = None) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.spec = spec
@@ -100,6 +125,9 @@ class EmulatedInstance:
         self._pending_aborts: list[EmulatedRequest] = []
         self._ids = itertools.count()
         self._log: deque[tuple[float, ...]] = deque(maxlen=batch_log_size)
+        self.kv_transfer = kv_transfer
+        self.kv_transfers: deque[KvTransferRecord] = deque(maxlen=batch_log_size)
+        self.num_remote_decode_prefills = 0
         self._num_batches = 0
         self._in_batch = False
         self._wake = asyncio.Event()
@@ -146,6 +174,40 @@ class EmulatedInstance:
         self._requests[req.request_id] = req
         self._by_slot[req.slot] = req
         self._wake.set()
+        return req
+
+    async def receive_kv(self, prompt_tokens: int, remote_engine_id: str | None) -> float:
+        """Wait while a prompt's KV cache moves here from a prefill instance
+        (``kv_transfer.seconds(prompt_tokens) x time_scale``); record it and return the
+        delay in seconds. Raises ValueError without a transfer model."""
+        if self.kv_transfer is None:
+            raise ValueError(f"instance {self.spec.name!r} has no KV transfer model")
+        delay = self.kv_transfer.seconds(prompt_tokens) * self.time_scale
+        await asyncio.sleep(delay)
+        self.kv_transfers.append(KvTransferRecord(prompt_tokens, delay, remote_engine_id))
+        return delay
+
+    def submit_decode(self, prompt_tokens: int, max_tokens: int) -> EmulatedRequest:
+        """Queue a request whose prompt's KV cache arrived and whose first token a
+        prefill instance produced: that token is re-emitted now, and the engine admits
+        the rest as ``decode_admission`` says (nothing to admit when ``max_tokens`` is
+        1). Raises ValueError if it could never fit in the KV cache."""
+        if self._task is None:
+            raise RuntimeError("the engine is not running")
+        now = time.monotonic()
+        req = EmulatedRequest(next(self._ids), prompt_tokens, max_tokens, now)
+        if max_tokens > 1:
+            prompt, output, computed = decode_admission(prompt_tokens, max_tokens)
+            req.slot = self._engine.admit(req.request_id, prompt, output, output, computed)
+            self._requests[req.request_id] = req
+            self._by_slot[req.slot] = req
+            self._wake.set()
+        req.reemitted = req.num_tokens = 1
+        req.first_token_s = now
+        req._notify()
+        if max_tokens == 1:
+            self.metrics.finished(0.0, 0)
+            req._end()
         return req
 
     def abort(self, req: EmulatedRequest) -> None:
@@ -229,7 +291,8 @@ class EmulatedInstance:
         for slot in slots:
             req_or_none = self._by_slot.get(slot)
             if req_or_none is not None:
-                produced += self._advance(req_or_none, core.request(slot)[1], now)
+                produced += self._advance(req_or_none,
+                                          core.request(slot)[1] + req_or_none.reemitted, now)
         self.metrics.generated(produced)
 
     def _advance(self, req: EmulatedRequest, num_tokens: int, now: float) -> int:

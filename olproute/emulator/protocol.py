@@ -6,6 +6,12 @@ request finishes with ``finish_reason: "length"``); token i is the filler word
 ``FILLER[i % len(FILLER)]`` preceded by a space. Prompt tokens are counted simply: the
 number of whitespace-separated words of a string prompt (of every message's text for chat),
 the length of a token-id list, or the extension field ``prompt_tokens`` when given.
+
+Disaggregated prefill/decode (vLLM's NIXL connector): ``kv_transfer_params`` with
+``do_remote_decode`` asks a prefill instance to keep the KV cache for a decode instance
+(its answer carries ``kv_transfer_params`` for the decode request, ``prefill_kv_params``);
+with ``do_remote_prefill`` a decode instance takes the prompt's KV cache from a prefill
+instance instead of computing it.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ class GenerationRequest:
     max_tokens: int
     stream: bool
     include_usage: bool
+    remote_decode: bool = False         # kv_transfer_params.do_remote_decode
+    remote_prefill: bool = False        # kv_transfer_params.do_remote_prefill
+    remote_engine_id: str | None = None  # the prefill instance the KV comes from
 
 
 def token_text(index: int) -> str:
@@ -162,7 +171,62 @@ def parse_request(body: dict[str, Any], kind: Kind, served_model: str,
         raise ApiError(400, f"this instance's maximum length is {max_model_len} tokens; "
                             f"{prompt_tokens} prompt + {max_tokens} requested tokens exceed "
                             f"it", key)
-    return GenerationRequest(kind, model, prompt_tokens, max_tokens, stream, include_usage)
+    remote_decode, remote_prefill, remote_engine_id = _kv_transfer(
+        body.get("kv_transfer_params"))
+    return GenerationRequest(kind, model, prompt_tokens, max_tokens, stream, include_usage,
+                             remote_decode, remote_prefill, remote_engine_id)
+
+
+def _kv_transfer(params: object) -> tuple[bool, bool, str | None]:
+    """(do_remote_decode, do_remote_prefill, remote_engine_id) of ``kv_transfer_params``."""
+    if params is None:
+        return False, False, None
+    if not isinstance(params, dict):
+        raise ApiError(400, "kv_transfer_params must be an object", "kv_transfer_params")
+    flags = []
+    for key in ("do_remote_decode", "do_remote_prefill"):
+        value = params.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"kv_transfer_params.{key} must be a boolean",
+                           f"kv_transfer_params.{key}")
+        flags.append(bool(value))
+    if all(flags):
+        raise ApiError(400, "kv_transfer_params: do_remote_decode and do_remote_prefill "
+                            "cannot both be true", "kv_transfer_params")
+    engine = params.get("remote_engine_id")
+    if engine is not None and not isinstance(engine, str):
+        raise ApiError(400, "kv_transfer_params.remote_engine_id must be a string",
+                       "kv_transfer_params.remote_engine_id")
+    return flags[0], flags[1], engine
+
+
+def check_role(req: GenerationRequest, role: str) -> None:
+    """A prefill instance does not take a remote prefill, a decode instance does not
+    prefill for a remote decode, and a prefill kept for a remote decode is answered
+    whole (its ``kv_transfer_params`` ride on the response body)."""
+    if req.remote_prefill and role == "prefill":
+        raise ApiError(400, "kv_transfer_params.do_remote_prefill: this is a prefill "
+                            "instance; send the decode request to a decode instance",
+                       "kv_transfer_params.do_remote_prefill")
+    if req.remote_decode and role == "decode":
+        raise ApiError(400, "kv_transfer_params.do_remote_decode: this is a decode "
+                            "instance; send the prefill request to a prefill instance",
+                       "kv_transfer_params.do_remote_decode")
+    if req.remote_decode and req.stream:
+        raise ApiError(400, "kv_transfer_params.do_remote_decode needs a non-streamed "
+                            "request (the answer carries the KV transfer parameters)",
+                       "stream")
+
+
+def prefill_kv_params(engine_id: str, host: str | None, port: int | None,
+                      prompt_tokens: int, block_size: int, tp_size: int) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a prefill instance returns for the decode request,
+    shaped like vLLM's NIXL connector's: where the prompt's KV blocks are (the block ids
+    are the request's blocks numbered from 0, the emulator having no real ones)."""
+    num_blocks = -(-prompt_tokens // block_size)
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": engine_id, "remote_block_ids": list(range(num_blocks)),
+            "remote_host": host, "remote_port": port, "tp_size": tp_size}
 
 
 # -- bodies -------------------------------------------------------------------------------
@@ -172,8 +236,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def response_body(req: GenerationRequest, request_id: str, created: int,
-                  num_tokens: int) -> dict[str, Any]:
-    """The non-streaming response: the whole text, ``finish_reason`` and ``usage``."""
+                  num_tokens: int,
+                  kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The non-streaming response: the whole text, ``finish_reason`` and ``usage`` (and
+    ``kv_transfer_params`` when given: a prefill for a remote decode)."""
     text = generated_text(num_tokens)
     choice: dict[str, Any]
     if req.kind == "completion":
@@ -183,8 +249,11 @@ def response_body(req: GenerationRequest, request_id: str, created: int,
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "logprobs": None, "finish_reason": "length"}
         obj = "chat.completion"
-    return {"id": request_id, "object": obj, "created": created, "model": req.model,
+    body = {"id": request_id, "object": obj, "created": created, "model": req.model,
             "choices": [choice], "usage": usage(req.prompt_tokens, num_tokens)}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return body
 
 
 class ChunkWriter:

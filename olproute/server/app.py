@@ -71,6 +71,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
             if not urls and server.backends:
                 by_name = {b.name: b.url for b in server.backends}
                 urls = [by_name[s.name] for s in loaded.specs]
+            running: list[Any] = []
             if not urls:
                 from olproute.emulator import start_emulators
 
@@ -85,7 +86,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
             router = await loop.run_in_executor(None, _build_router, loaded, calibration)
             st = ServerState(loaded=loaded, router=router,
                              tracker=Tracker(loaded.specs, urls), metrics=ServerMetrics(),
-                             session=session, t0=loop.time())
+                             session=session, t0=loop.time(), emulators=running)
             st.calibrators = [OnlineCalibrator(c.beta) for c in router.calibration()]
             st.batches_supported = [True] * len(urls)
             app[STATE] = st
@@ -151,7 +152,7 @@ async def _health(st: ServerState) -> None:
 
     await asyncio.gather(*(probe(g) for g in st.tracker.due_for_probe(st.now())))
     st.metrics.set_backends([b.spec.name for b in st.tracker.backends], st.tracker.healthy(),
-                            [len(b.flights) for b in st.tracker.backends])
+                            [len(b.flights) + len(b.inbound) for b in st.tracker.backends])
 
 
 async def _scrape(st: ServerState) -> None:
@@ -233,7 +234,9 @@ async def route(request: web.Request) -> web.Response:
     names = [s.name for s in st.loaded.specs]
     answer = RouteAnswer(
         request_id=req.request_id, action=d.action,
-        instance=None if d.instance is None else names[d.instance], reason=d.reason,
+        instance=None if d.instance is None else names[d.instance],
+        decode_instance=None if d.decode_instance is None else names[d.decode_instance],
+        reason=d.reason,
         policy=st.router.policy_name, instances=names,
         explanation={k: [x if math.isfinite(x) else 1e308 for x in v]
                      for k, v in d.explanation.items()})
@@ -258,6 +261,8 @@ async def instances(request: web.Request) -> web.Response:
     for b, load in zip(st.tracker.backends, loads, strict=True):
         out.append({
             "name": b.spec.name, "url": b.url, "model": b.spec.model, "gpu": b.spec.gpu,
+            "role": b.spec.role, "inbound": len(b.inbound), "transfers": b.num_transfers,
+            "transfer_seconds": b.transfer_seconds,
             "healthy": b.healthy, "failures": b.failures, "in_flight": load.num_outstanding,
             "running": load.num_running, "waiting": load.num_waiting,
             "kv_blocks_used": load.num_kv_blocks_used, "kv_blocks": load.num_kv_blocks,

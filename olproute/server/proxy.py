@@ -5,6 +5,13 @@ the tracker follows every token.
 Failures: a connect error or a 5xx before the first byte is retried once on the
 next-best instance (the failed one is marked unhealthy and probed with backoff); a
 stream cut midway ends with an error event to the client and a recorded outcome.
+
+Disaggregated prefill/decode pools (a decision with a ``decode_instance``), as vLLM's
+disaggregated proxy does with its NIXL connector: the prefill request (``max_tokens: 1``,
+not streamed, ``kv_transfer_params: {"do_remote_decode": true}``) goes to the prefill
+backend; then the client's request, with the ``kv_transfer_params`` the prefill answer
+returned, goes to the decode backend, whose answer (streamed or not) is relayed. A
+failure of either is not retried: the client gets a 502 naming the backend.
 """
 
 from __future__ import annotations
@@ -120,6 +127,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return error_response(429, f"request refused: {decision.reason}", kind="rate_limited",
                               headers={"Retry-After": str(server.retry_after_s),
                                        "x-olproute-reason": _ascii(decision.reason)})
+    if decision.decode_instance is not None:
+        return await _forward_pair(request, st, req, decision, data, body.stream)
     return await _forward(request, st, req, decision, data, body.stream, exclude)
 
 
@@ -216,9 +225,138 @@ async def _relay_whole(st: ServerState, g: int, req: Request,
 
 
 def _outcome(req: Request, g: int | None, dispatch: float | None, first: float | None,
-             finish: float | None, tokens: int) -> Outcome:
+             finish: float | None, tokens: int, decode_instance: int | None = None) -> Outcome:
     return Outcome(request_id=req.request_id, instance=g, arrival_s=req.arrival_s,
                    dispatch_s=dispatch, first_token_s=first,
                    finish_s=finish if first is not None else None,
                    prompt_tokens=req.prompt_tokens, decode_tokens=tokens,
-                   predicted_decode_tokens=req.predicted_decode_tokens)
+                   predicted_decode_tokens=req.predicted_decode_tokens,
+                   decode_instance=decode_instance)
+
+
+# -- disaggregated prefill/decode -------------------------------------------------------------
+# what vLLM's disaggregated proxy sends its prefill instance (NIXL connector)
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def prefill_body(data: dict[str, Any], model: str) -> dict[str, Any]:
+    """The prefill request: the client's body for one token, not streamed, asking the
+    prefill backend to keep the KV cache for a remote decode."""
+    body = {k: v for k, v in data.items() if k not in ("stream", "stream_options")}
+    body.update(model=model, max_tokens=1, stream=False,
+                kv_transfer_params=dict(PREFILL_KV_PARAMS))
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    return body
+
+
+def decode_kv_params(answer: Any, prefill_name: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` for the decode request: those the prefill answer
+    returned, else a remote prefill from the prefill backend named ``prefill_name``."""
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if isinstance(params, dict) and params:
+        return params
+    return {"do_remote_prefill": True, "remote_engine_id": prefill_name}
+
+
+def decode_body(data: dict[str, Any], model: str, kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The decode request: the client's body (its ``max_tokens``, ``stream``) with the
+    KV transfer parameters."""
+    return {**data, "model": model, "kv_transfer_params": kv_params}
+
+
+class _Failed(Exception):
+    """A backend of a disaggregated pair failed; ``response`` is the client's answer."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.text)
+        self.response = response
+
+
+async def _prefill(st: ServerState, p: int, path: str, body: dict[str, Any],
+                   headers: dict[str, str]) -> Any:
+    """Post the prefill request and return its answer's JSON; raises _Failed with the
+    client's response (the backend's own 4xx, else a 502 naming it)."""
+    backend = st.tracker.backends[p]
+    name = backend.spec.name
+    try:
+        async with st.session.post(backend.url + path, json=body) as upstream:
+            raw = await upstream.read()
+            status = upstream.status
+            ctype = upstream.headers.get("Content-Type", "application/json")
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        status, raw, ctype = 0, f"connect: {type(exc).__name__}".encode(), ""
+    if 400 <= status < 500:
+        raise _Failed(web.Response(body=raw, status=status,
+                                   headers={**headers, "Content-Type": ctype}))
+    answer: Any = None
+    if status == 200:
+        try:
+            answer = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            status, raw = -1, b"an answer that is not JSON"
+    if status != 200:
+        failure = raw.decode(errors="replace") if status <= 0 else f"status {status}"
+        st.tracker.mark_failure(p, st.now())
+        st.metrics.errors.labels(name, "prefill").inc()
+        raise _Failed(error_response(502, f"prefill backend {name} failed: {failure}",
+                                     kind="backend_error", headers=headers))
+    return answer
+
+
+async def _forward_pair(request: web.Request, st: ServerState, req: Request,
+                        decision: Decision, data: dict[str, Any],
+                        stream: bool) -> web.StreamResponse:
+    """Prefill on the decision's instance, then decode on its decode instance; the
+    tracker's bookkeeping of both is released however it ends."""
+    p, q = decision.instance, decision.decode_instance
+    assert p is not None and q is not None
+    bp, bq = st.tracker.backends[p], st.tracker.backends[q]
+    headers = {"x-olproute-instance": bp.spec.name,
+               "x-olproute-decode-instance": bq.spec.name,
+               "x-olproute-reason": _ascii(decision.reason)}
+    rid = req.request_id
+    dispatch = st.now()
+    first: float | None = None
+    st.tracker.dispatched_pair(p, q, req, dispatch)
+    try:
+        answer = await _prefill(st, p, request.path, prefill_body(data, bp.spec.model),
+                                headers)
+        first = st.now()
+        st.tracker.prefilled(p, q, rid, first)
+        body = decode_body(data, bq.spec.model, decode_kv_params(answer, bp.spec.name))
+        st.tracker.decode_sent(q, rid, st.now(), stream)
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            upstream = await st.session.post(bq.url + request.path, json=body)
+            failure = f"status {upstream.status}" if upstream.status >= 500 else None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            failure = f"connect: {type(exc).__name__}"
+        try:
+            if failure is not None:
+                st.tracker.mark_failure(q, st.now())
+                st.metrics.errors.labels(bq.spec.name, "before_first_byte").inc()
+                return error_response(502, f"decode backend {bq.spec.name} failed after the "
+                                      f"prefill on {bp.spec.name}: {failure}",
+                                      kind="backend_error", headers=headers)
+            assert upstream is not None
+            if stream and upstream.status == 200:
+                return await _relay_stream(request, st, q, req, upstream, headers)
+            return await _relay_whole(st, q, req, upstream, headers)
+        finally:
+            if upstream is not None:
+                upstream.release()
+    except _Failed as failed:
+        return failed.response
+    finally:
+        _, decode, handoff = st.tracker.released_pair(p, q, rid)
+        end = st.now()
+        tokens = (0 if first is None else 1) + (0 if decode is None else decode.tokens)
+        st.router.observe(_outcome(req, p, dispatch, first, end, tokens, q))
+        if first is not None:
+            st.metrics.ttft_seconds.labels(bp.spec.name).observe(first - req.arrival_s)
+            st.metrics.eel_seconds.labels(bq.spec.name).observe(end - req.arrival_s)
+        if handoff is not None and handoff.transfer_s is not None:
+            st.metrics.transfer_seconds.labels(bq.spec.name).observe(handoff.transfer_s)

@@ -70,6 +70,9 @@ class RouteAnswer(BaseModel):
     request_id: int
     action: Literal["dispatch", "hold", "shed"]
     instance: str | None
+    decode_instance: str | None = Field(
+        default=None, description="disaggregated pools: the decode instance (``instance`` "
+                                  "is then the prefill instance)")
     reason: str
     policy: str
     instances: list[str]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -30,6 +31,8 @@ class ServerState:
     t0: float
     calibrators: list[OnlineCalibrator] = field(default_factory=list)
     batches_supported: list[bool] = field(default_factory=list)
+    # the embedded emulated instances (olproute.emulator.RunningEmulator), if any
+    emulators: list[Any] = field(default_factory=list)
 
     def now(self) -> float:
         """Seconds since the server started (the policies' clock)."""
@@ -49,8 +52,9 @@ class ServerState:
         now = self.now()
         healthy = [ok and g not in exclude for g, ok in enumerate(self.tracker.healthy())]
         t = asyncio.get_running_loop().time()
+        inbound = self.tracker.inbound_rows() if self.router.pools.disaggregated else None
         d = self.router.decide(request, now, self.tracker.loads(now), self.snapshots(now),
-                               healthy)
+                               healthy, inbound)
         self.metrics.decision_seconds.observe(asyncio.get_running_loop().time() - t)
         name = "" if d.instance is None else self.loaded.specs[d.instance].name
         self.metrics.decisions.labels(d.action, name).inc()

@@ -9,6 +9,17 @@ replay then over-estimates their remaining prefill, the safe side). Scraped gaug
 (vLLM's ``vllm:kv_cache_usage_perc``) reconcile the KV estimate when they report more
 use than the tracker sees. Health: failures take a backend out; it is probed again after
 an exponentially growing backoff.
+
+Disaggregated prefill/decode pools: a dispatch names a prefill and a decode backend. The
+prefill backend holds the request as a flight (prompt, one output token) until its
+answer; the decode backend counts it as *inbound* (outstanding, and a row of
+``inbound_rows`` for the policies) from the dispatch until its decode starts: the decode
+stream's first token (the prefill's token, re-emitted once the KV cache has arrived), or,
+for a non-streamed decode, the moment the decode request is sent. It then becomes a flight
+there with its prompt (plus the first token) already computed. The time from the end of
+the prefill to the start of a streamed decode is the transfer phase as the router sees it
+(the KV transfer, plus the decode backend's admission); a non-streamed decode's start is
+not seen, so its transfer phase is not counted.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import numpy.typing as npt
 
 from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec, Request
 
@@ -31,12 +43,58 @@ class Flight:
     tokens: int = 0
     first_token_s: float | None = None
     streamed: bool = True  # False: tokens are only known when the whole answer arrives
+    computed_tokens: int = 0  # prompt tokens whose KV arrived computed (a decode flight)
+    skip_tokens: int = 0      # leading answer tokens that are not new (re-emitted)
+    origin: Inbound | None = None  # a decode flight: its time as inbound
 
     @property
     def running(self) -> bool:
         """Taken to be running: it streamed a token, or (not streamed) it was dispatched;
         a non-streamed request would otherwise look queued for its whole life."""
         return self.tokens > 0 or not self.streamed
+
+
+@dataclass(slots=True)
+class Inbound:
+    """A request bound for a decode backend whose decode has not started (mutable:
+    owned by the tracker). ``request`` is the decode backend's view of it: prompt plus
+    the first token, the predicted remaining output."""
+
+    request: Request
+    dispatch_s: float
+    prefill_end_s: float | None = None
+    streamed: bool = True  # False once a non-streamed decode request was sent
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """A disaggregated request's phases (seconds on the server's clock): dispatch, end
+    of the prefill (its first token), start of the decode (its stream's first token);
+    ``transfer_s`` the time between the last two (None when a phase was not seen)."""
+
+    dispatch_s: float
+    prefill_end_s: float | None
+    decode_start_s: float | None
+
+    @property
+    def transfer_s(self) -> float | None:
+        if self.prefill_end_s is None or self.decode_start_s is None:
+            return None
+        return self.decode_start_s - self.prefill_end_s
+
+
+def decode_view(request: Request) -> Request:
+    """The request as its decode backend serves it (``olproute.disagg.decode_admission``):
+    the prompt plus the first token, whose KV arrives computed, and the output after the
+    first token."""
+    return replace(request, prompt_tokens=request.prompt_tokens + 1,
+                   decode_tokens=max(request.decode_tokens - 1, 1),
+                   predicted_decode_tokens=max(request.predicted_decode_tokens - 1, 1))
+
+
+def prefill_view(request: Request) -> Request:
+    """The request as its prefill backend serves it: the prompt and one output token."""
+    return replace(request, decode_tokens=1, predicted_decode_tokens=1)
 
 
 @dataclass(slots=True)
@@ -47,12 +105,15 @@ class BackendState:
     spec: InstanceSpec
     url: str
     flights: dict[int, Flight] = field(default_factory=dict)
+    inbound: dict[int, Inbound] = field(default_factory=dict)  # decode backends only
     healthy: bool = True
     failures: int = 0
     next_probe_s: float = 0.0
     scraped: dict[str, float] = field(default_factory=dict)
     scraped_at_s: float | None = None
     batches_seen: int = 0
+    num_transfers: int = 0          # decodes started here after a remote prefill
+    transfer_seconds: float = 0.0   # their transfer phases, summed
     # bumped on every change of what the views read; the views are cached per version
     version: int = 0
     cache: dict[str, tuple[int, object]] = field(default_factory=dict)
@@ -77,10 +138,20 @@ class Tracker:
         b.version += 1
 
     def token(self, g: int, request_id: int, now_s: float, count: int = 1) -> None:
+        """``count`` answer tokens arrived; the first one of an inbound request starts its
+        decode (and is the re-emitted first token, not a new one)."""
         b = self.backends[g]
         f = b.flights.get(request_id)
         if f is None:
-            return
+            if request_id not in b.inbound:
+                return
+            f = self._start_decode(b, request_id, now_s)
+        if f.skip_tokens:
+            skipped = min(count, f.skip_tokens)
+            f.skip_tokens -= skipped
+            count -= skipped
+            if count <= 0:
+                return
         if f.first_token_s is None:
             f.first_token_s = now_s
         f.tokens += count
@@ -90,6 +161,85 @@ class Tracker:
         b = self.backends[g]
         b.version += 1
         return b.flights.pop(request_id, None)
+
+    # -- disaggregated pools ---------------------------------------------------------------
+    def dispatched_pair(self, p: int, d: int, request: Request, now_s: float) -> None:
+        """A disaggregated dispatch: the prefill on ``p`` (waiting until its answer, which
+        is its one token) and the request inbound on ``d``."""
+        rid = request.request_id
+        bp, bd = self.backends[p], self.backends[d]
+        bp.flights[rid] = Flight(prefill_view(request), now_s)
+        bd.inbound[rid] = Inbound(decode_view(request), now_s)
+        bp.version += 1
+        bd.version += 1
+
+    def prefilled(self, p: int, d: int, request_id: int, now_s: float) -> Flight | None:
+        """The prefill on ``p`` answered at ``now_s`` (the request's first token): its
+        flight ends and the transfer phase to ``d`` begins."""
+        bp = self.backends[p]
+        f = bp.flights.pop(request_id, None)
+        bp.version += 1
+        if f is not None:
+            f.first_token_s = now_s
+            f.tokens = max(f.tokens, 1)
+        inbound = self.backends[d].inbound.get(request_id)
+        if inbound is not None:
+            inbound.prefill_end_s = now_s
+        return f
+
+    def decode_sent(self, d: int, request_id: int, now_s: float, streamed: bool) -> None:
+        """The decode request went to ``d``. A streamed decode starts at its first token;
+        a non-streamed one starts now (its tokens are only known when it ends)."""
+        b = self.backends[d]
+        inbound = b.inbound.get(request_id)
+        if inbound is None:
+            return
+        inbound.streamed = streamed
+        if not streamed:
+            self._start_decode(b, request_id, now_s)
+
+    def _start_decode(self, b: BackendState, request_id: int, now_s: float) -> Flight:
+        inbound = b.inbound.pop(request_id)
+        req = inbound.request
+        f = Flight(req, now_s, streamed=inbound.streamed,
+                   computed_tokens=req.prompt_tokens - 1, skip_tokens=1, origin=inbound)
+        b.flights[request_id] = f
+        if inbound.prefill_end_s is not None and inbound.streamed:
+            b.num_transfers += 1
+            b.transfer_seconds += now_s - inbound.prefill_end_s
+        b.version += 1
+        return f
+
+    def released_pair(self, p: int, d: int, request_id: int) -> tuple[
+            Flight | None, Flight | None, Handoff | None]:
+        """End a disaggregated request wherever it is (prefill, inbound or decode):
+        (its prefill flight if still open, its decode flight if the decode started, its
+        phases)."""
+        bp, bd = self.backends[p], self.backends[d]
+        prefill = bp.flights.pop(request_id, None)
+        inbound = bd.inbound.pop(request_id, None)
+        decode = bd.flights.pop(request_id, None)
+        bp.version += 1
+        bd.version += 1
+        origin = inbound if decode is None else decode.origin
+        handoff = None if origin is None else Handoff(
+            origin.dispatch_s, origin.prefill_end_s,
+            decode.dispatch_s if decode is not None and origin.streamed else None)
+        return prefill, decode, handoff
+
+    def inbound_rows(self) -> tuple[npt.NDArray[np.float64] | None, ...]:
+        """Per backend, the (prompt + first token, predicted remaining decode, dispatch
+        time) rows of the requests inbound there in dispatch order; None when none
+        (``RoutingContext.inbound``)."""
+        out: list[npt.NDArray[np.float64] | None] = []
+        for b in self.backends:
+            if not b.inbound:
+                out.append(None)
+                continue
+            out.append(np.array([(i.request.prompt_tokens, i.request.predicted_decode_tokens,
+                                  i.dispatch_s) for i in b.inbound.values()],
+                                dtype=np.float64))
+        return tuple(out)
 
     def set_scraped(self, g: int, gauges: dict[str, float], now_s: float) -> None:
         b = self.backends[g]
@@ -133,7 +283,8 @@ class Tracker:
             running, used = self._counts(b)
             out.append(InstanceLoad(
                 index=b.index, name=b.spec.name, num_running=running,
-                num_waiting=len(b.flights) - running, num_outstanding=len(b.flights),
+                num_waiting=len(b.flights) - running,
+                num_outstanding=len(b.flights) + len(b.inbound),
                 num_kv_blocks_used=used, num_kv_blocks=b.spec.num_kv_blocks,
                 max_num_seqs=b.spec.max_num_seqs,
                 age_s=0.0 if b.scraped_at_s is None else now_s - b.scraped_at_s))
@@ -171,7 +322,8 @@ class Tracker:
             rows.append((f.request.prompt_tokens, out, f.request.predicted_decode_tokens,
                          ctx - 1, math.ceil(ctx / b.spec.block_size)))
         for f in waiting:
-            rows.append((f.request.prompt_tokens, 0, f.request.predicted_decode_tokens, 0, 0))
+            rows.append((f.request.prompt_tokens, 0, f.request.predicted_decode_tokens,
+                         f.computed_tokens, 0))
         table = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
         used = self._counts(b)[1]
         return EngineSnapshot(

@@ -4,7 +4,8 @@ thread's event loop so that tests (and hypothesis) can talk plain synchronous HT
 The fake backend speaks just enough OpenAI: completions and chat completions, streamed
 one chunk per token after ``delay_s`` each, or whole; ``/health``; ``/metrics`` with the
 vLLM gauge names. Its ``mode`` scripts failures: ``ok``, ``fail500`` (5xx before the
-first byte), ``cut`` (drops the connection after ``cut_after`` chunks).
+first byte), ``cut`` (drops the connection after ``cut_after`` chunks). ``extra`` is merged
+into its whole (non-streamed) answers (e.g. a prefill's ``kv_transfer_params``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class FakeState:
     cut_after: int = 2
     requests: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 STATE = web.AppKey("fake_state", FakeState)
@@ -55,7 +57,7 @@ async def _complete(request: web.Request) -> web.StreamResponse:
         return web.json_response({"id": "x", "object": "text_completion", "model": "fake",
                                   "choices": [{"index": 0, **choice, "finish_reason": "length"}],
                                   "usage": {"prompt_tokens": 1, "completion_tokens": n,
-                                            "total_tokens": n + 1}})
+                                            "total_tokens": n + 1}, **st.extra})
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     for i in range(n):

@@ -1,0 +1,274 @@
+"""Disaggregated prefill/decode dispatch through the real router on 127.0.0.1: every
+request is prefilled once (``max_tokens: 1``) on a prefill backend and decoded once on a
+decode backend, with the KV transfer parameters passed between them; over emulated
+instances (the transfer delay recorded by the decode emulators) and over scriptable
+fakes (the exact bodies, and failures)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from olproute.config import ConfigError, LoadedConfig, load_config
+from olproute.disagg import KvTransfer
+from olproute.emulator.protocol import generated_text
+from olproute.server.proxy import PREFILL_KV_PARAMS
+from olproute.server.state import STATE
+from olproute.sim.scenario import CalibrationSource
+from olproute.types import Outcome
+from tests.integration.server_harness import Stack
+from tests.integration.test_server import CAL, request, stream
+
+TIME_SCALE = 0.2
+TRANSFER = {"link_gbytes_per_s": 0.5, "latency_ms": 20.0}
+
+
+def _pd_config(tmp_path: Path, policy: str, num_prefill: int = 2, num_decode: int = 2,
+               **extra: Any) -> Path:
+    from tests.conftest import PROFILES
+
+    data: dict[str, Any] = {
+        "profiles": str(PROFILES),
+        "instances": [
+            {"name": "p", "model": "qwen2.5-3b", "gpu": "a40", "role": "prefill",
+             "replicas": num_prefill, "max_num_seqs": 64},
+            {"name": "d", "model": "qwen2.5-3b", "gpu": "a40", "role": "decode",
+             "replicas": num_decode, "max_num_seqs": 64, "kv_capacity_tokens": 20000}],
+        "transfer": TRANSFER,
+        "router": {"policy": policy, "slot_ms": 20},
+        "server": {"emulator_time_scale": TIME_SCALE, "health_period_s": 0.2},
+        "workload": {"kind": "poisson", "rate_per_s": 1, "num_requests": 10,
+                     "prompt_tokens": 10, "decode_tokens": 10},
+    }
+    data.update(extra)
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _stack(loaded: LoadedConfig, num_fakes: int) -> Stack:
+    n = len(loaded.specs)
+    return Stack(loaded, num_fakes=num_fakes,
+                 calibration=CalibrationSource(loaded, known=[CAL] * n))
+
+
+def _record_outcomes(s: Stack) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    router = s.app[STATE].router
+    observe = router.observe
+
+    def recording(outcome: Outcome) -> None:
+        outcomes.append(outcome)
+        observe(outcome)
+
+    s.call(lambda: setattr(router, "observe", recording))
+    return outcomes
+
+
+def _bookkeeping(s: Stack) -> list[tuple[int, int]]:
+    """(flights, inbound) per backend, read on the router's loop."""
+    return s.call(lambda: [(len(b.flights), len(b.inbound))
+                           for b in s.app[STATE].tracker.backends])
+
+
+def _samples(text: str) -> dict[str, float]:
+    """Sample values by name, summed over labels (histogram buckets left out)."""
+    out: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "le" not in sample.labels:
+                out[sample.name] += sample.value
+    return dict(out)
+
+
+# -- over emulated instances -------------------------------------------------------------
+# (prompt words, max_tokens, stream, chat)
+REQUESTS = [(12, 5, True, False), (30, 3, False, False), (7, 1, True, False),
+            (20, 4, True, True), (9, 6, False, True), (40, 2, True, False),
+            (15, 1, False, False), (25, 7, True, True)]
+
+
+def _send(url: str, words: int, max_tokens: int, streamed: bool, chat: bool
+          ) -> tuple[int, dict[str, str], str]:
+    """One request; (status, headers, the generated text)."""
+    prompt = " ".join(f"w{i}" for i in range(words))
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = ({"messages": [{"role": "user", "content": prompt}]} if chat
+                            else {"prompt": prompt})
+    body.update(max_tokens=max_tokens, stream=streamed)
+    if not streamed:
+        status, headers, raw = request(url, "POST", path, body)
+        choice = json.loads(raw)["choices"][0] if status == 200 else {}
+        return status, headers, (choice["message"]["content"] if chat else
+                                 choice.get("text", ""))
+    status, headers, lines = stream(url, path, body)
+    chunks = [json.loads(line[6:]) for _, line in lines if line.startswith(b"data: {")]
+    text = "".join(c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"]
+                   for c in chunks)
+    return status, headers, text
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_outstanding", "calibrated_cost"])
+def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy: str) -> None:
+    loaded = load_config(_pd_config(tmp_path, policy))
+    s = _stack(loaded, num_fakes=0)  # no backends: the instances are emulated in-process
+    try:
+        outcomes = _record_outcomes(s)
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            answers = list(pool.map(lambda r: _send(s.url, *r), REQUESTS))
+        prefill = {s_.name for s_ in loaded.specs if s_.role == "prefill"}
+        decode = {s_.name for s_ in loaded.specs if s_.role == "decode"}
+        for (_, max_tokens, _, _), (status, headers, text) in zip(REQUESTS, answers,
+                                                                  strict=True):
+            assert status == 200
+            assert headers["x-olproute-instance"] in prefill
+            assert headers["x-olproute-decode-instance"] in decode
+            assert text == generated_text(max_tokens)  # the first token re-emitted, then more
+
+        emus = {e.name: e.instance for e in s.app[STATE].emulators}
+        # the prefill instances ran each prompt once, for one token, for a remote decode
+        assert sum(emus[n].num_remote_decode_prefills for n in prefill) == len(REQUESTS)
+        assert sum(emus[n].num_remote_decode_prefills for n in decode) == 0
+        urls = {i["name"]: i["url"] for i in
+                json.loads(request(s.url, "GET", "/instances")[2])["instances"]}
+        metrics = {n: _samples(request(urls[n], "GET", "/metrics")[2].decode()) for n in emus}
+        assert sum(metrics[n]["vllm:generation_tokens_total"] for n in prefill) == len(REQUESTS)
+        assert sum(metrics[n]["vllm:prompt_tokens_total"] for n in prefill) == sum(
+            w for w, *_ in REQUESTS)
+        # the decode instances computed no prompt, and generated the rest of each answer
+        assert sum(metrics[n]["vllm:prompt_tokens_total"] for n in decode) == 0
+        assert sum(metrics[n]["vllm:generation_tokens_total"] for n in decode) == sum(
+            m - 1 for _, m, _, _ in REQUESTS)
+
+        # each KV cache moved once, to a decode instance, taking the modelled time
+        model = loaded.profiles.models["qwen2.5-3b"]
+        transfer = KvTransfer.of(model, loaded.config.transfer)
+        records = [r for n in decode for r in emus[n].kv_transfers]
+        assert all(not emus[n].kv_transfers for n in prefill)
+        assert sorted(r.prompt_tokens for r in records) == sorted(w for w, *_ in REQUESTS)
+        for r in records:
+            assert r.remote_engine_id in prefill
+            assert r.delay_s == pytest.approx(transfer.seconds(r.prompt_tokens) * TIME_SCALE)
+            assert r.delay_s >= TRANSFER["latency_ms"] / 1e3 * TIME_SCALE
+
+        # the router's outcomes: TTFT at the prefill's end, every token counted
+        assert sorted(o.decode_tokens for o in outcomes) == sorted(m for _, m, *_ in REQUESTS)
+        names = [s_.name for s_ in loaded.specs]
+        for o in outcomes:
+            assert o.instance is not None and names[o.instance] in prefill
+            assert o.decode_instance is not None and names[o.decode_instance] in decode
+            assert o.dispatch_s is not None and o.first_token_s is not None
+            assert o.finish_s is not None
+            assert o.dispatch_s <= o.first_token_s <= o.finish_s
+        router = _samples(request(s.url, "GET", "/metrics")[2].decode())
+        assert router["olproute_ttft_seconds_count"] == len(REQUESTS)
+        streamed = sum(1 for r in REQUESTS if r[2])
+        assert router["olproute_transfer_seconds_count"] == streamed
+        inst = json.loads(request(s.url, "GET", "/instances")[2])["instances"]
+        assert sum(i["transfers"] for i in inst) == streamed
+        assert {i["name"]: i["role"] for i in inst} == {n: ("prefill" if n in prefill
+                                                            else "decode") for n in emus}
+        assert _bookkeeping(s) == [(0, 0)] * len(loaded.specs)
+    finally:
+        s.close()
+
+
+# -- over fakes: what is sent where, and failures -----------------------------------------
+@pytest.fixture
+def fake_pd(tmp_path: Path) -> Iterator[Stack]:
+    """One prefill fake (p) and one decode fake (d) behind a round-robin router."""
+    s = _stack(load_config(_pd_config(tmp_path, "round_robin", 1, 1)), num_fakes=2)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_prefill_gets_one_token_and_decode_the_request_with_kv_params(fake_pd: Stack) -> None:
+    prefill, decode = fake_pd.fakes
+    status, headers, lines = stream(fake_pd.url, "/v1/completions",
+                                    {"prompt": "a b c", "max_tokens": 4, "stream": True,
+                                     "stream_options": {"include_usage": True}})
+    assert status == 200
+    assert headers["x-olproute-instance"] == "p"
+    assert headers["x-olproute-decode-instance"] == "d"
+    assert len([line for _, line in lines if line.startswith(b"data: {")]) == 4
+    [pbody], [dbody] = prefill.bodies, decode.bodies
+    assert pbody["max_tokens"] == 1 and pbody["stream"] is False
+    assert "stream_options" not in pbody
+    assert pbody["kv_transfer_params"] == PREFILL_KV_PARAMS
+    assert pbody["model"] == dbody["model"] == "qwen2.5-3b"
+    # the fake's answer carries no kv_transfer_params: the decode is told where from
+    assert dbody["kv_transfer_params"] == {"do_remote_prefill": True, "remote_engine_id": "p"}
+    assert dbody["max_tokens"] == 4 and dbody["stream"] is True
+    assert dbody["stream_options"] == {"include_usage": True}
+
+    # a prefill answer with kv_transfer_params (as vLLM's): passed on as they are
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
+              "remote_block_ids": [3, 4], "remote_host": "10.0.0.1", "remote_port": 5600,
+              "tp_size": 1}
+    prefill.extra = {"kv_transfer_params": params}
+    status, _, raw = request(fake_pd.url, "POST", "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 3})
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
+    assert prefill.bodies[-1]["max_completion_tokens"] == 1
+    assert prefill.bodies[-1]["max_tokens"] == 1
+    assert decode.bodies[-1]["kv_transfer_params"] == params
+    assert decode.bodies[-1]["max_completion_tokens"] == 3
+    assert _bookkeeping(fake_pd) == [(0, 0), (0, 0)]
+
+
+def test_prefill_failure_is_a_502_naming_it_and_nothing_is_decoded(fake_pd: Stack) -> None:
+    prefill, decode = fake_pd.fakes
+    prefill.mode = "fail500"
+    outcomes = _record_outcomes(fake_pd)
+    status, headers, raw = request(fake_pd.url, "POST", "/v1/completions",
+                                   {"prompt": "a b", "max_tokens": 3})
+    assert status == 502
+    error = json.loads(raw)["error"]
+    assert error["message"] == "prefill backend p failed: status 500"
+    assert error["type"] == "backend_error"
+    assert headers["x-olproute-instance"] == "p"
+    assert prefill.requests == 1 and decode.requests == 0
+    assert _bookkeeping(fake_pd) == [(0, 0), (0, 0)]
+    [o] = outcomes
+    assert o.first_token_s is None and o.finish_s is None and o.decode_tokens == 0
+    inst = json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
+    assert inst[0]["failures"] >= 1 and inst[1]["failures"] == 0
+    assert inst[1]["in_flight"] == 0
+
+
+def test_decode_failure_is_a_502_naming_it_and_releases_bookkeeping(fake_pd: Stack) -> None:
+    prefill, decode = fake_pd.fakes
+    decode.mode = "fail500"
+    status, _, raw = request(fake_pd.url, "POST", "/v1/completions",
+                             {"prompt": "a b", "max_tokens": 3, "stream": True})
+    assert status == 502
+    assert json.loads(raw)["error"]["message"] == (
+        "decode backend d failed after the prefill on p: status 500")
+    assert prefill.requests == 1 and decode.requests == 1
+    assert _bookkeeping(fake_pd) == [(0, 0), (0, 0)]
+
+
+def test_backend_role_must_match_its_instance(tmp_path: Path) -> None:
+    backends = [{"name": "p", "url": "http://127.0.0.1:1", "role": "prefill"},
+                {"name": "d", "url": "http://127.0.0.1:2", "role": "prefill"}]
+    path = _pd_config(tmp_path, "round_robin", 1, 1, server={"backends": backends})
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [("server.backends[1].role",
+                                    "'prefill', but instance 'd' has role 'decode' "
+                                    "(instances[].role)")]
+    assert str(path) in str(info.value)
+    backends[1]["role"] = "decode"
+    path = _pd_config(tmp_path, "round_robin", 1, 1, server={"backends": backends})
+    assert [b.role for b in load_config(path).config.server.backends] == ["prefill", "decode"]

@@ -1,0 +1,209 @@
+"""Disaggregated dispatch below HTTP: the prefill and decode bodies, the tracker's
+prefill / inbound / decode bookkeeping, the router's health rerouting within pools, and
+the emulator's ``kv_transfer_params`` parsing."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from olproute.config import load_config
+from olproute.emulator.protocol import (
+    ApiError,
+    check_role,
+    parse_request,
+    prefill_kv_params,
+    response_body,
+)
+from olproute.router import Router
+from olproute.server.proxy import PREFILL_KV_PARAMS, decode_body, decode_kv_params, prefill_body
+from olproute.server.tracker import Tracker
+from olproute.types import InstanceSpec, Request
+from tests.conftest import PROFILES
+
+P = InstanceSpec(name="p", model="m", gpu="g", tensor_parallel=1, max_num_seqs=4,
+                 max_num_batched_tokens=64, block_size=16, num_kv_blocks=64, role="prefill")
+D = replace(P, name="d", role="decode")
+
+
+def _request(rid: int = 7, prompt: int = 20, max_tokens: int = 5) -> Request:
+    return Request(request_id=rid, arrival_s=0.0, prompt_tokens=prompt,
+                   decode_tokens=max_tokens, predicted_decode_tokens=max_tokens,
+                   ttft_target_s=1.0)
+
+
+# -- bodies ---------------------------------------------------------------------------------
+def test_prefill_body_asks_for_one_unstreamed_token_kept_for_a_remote_decode() -> None:
+    data = {"prompt": "a b", "max_tokens": 9, "max_completion_tokens": 9, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0.5, "model": "alias"}
+    body = prefill_body(data, "m")
+    assert body == {"prompt": "a b", "max_tokens": 1, "max_completion_tokens": 1,
+                    "stream": False, "temperature": 0.5, "model": "m",
+                    "kv_transfer_params": PREFILL_KV_PARAMS}
+    assert data["max_tokens"] == 9 and data["stream"] is True  # the client's body untouched
+    assert "max_completion_tokens" not in prefill_body({"prompt": "a"}, "m")
+
+
+@pytest.mark.parametrize("answer, expected", [
+    ({"kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e"}},
+     {"do_remote_prefill": True, "remote_engine_id": "e"}),
+    ({"choices": []}, {"do_remote_prefill": True, "remote_engine_id": "p"}),
+    ({"kv_transfer_params": None}, {"do_remote_prefill": True, "remote_engine_id": "p"}),
+    ({"kv_transfer_params": {}}, {"do_remote_prefill": True, "remote_engine_id": "p"}),
+    ([1, 2], {"do_remote_prefill": True, "remote_engine_id": "p"}),
+])
+def test_decode_kv_params_are_the_prefill_answers_or_name_the_prefill(
+        answer: Any, expected: dict[str, Any]) -> None:
+    assert decode_kv_params(answer, "p") == expected
+
+
+def test_decode_body_is_the_clients_with_the_kv_params() -> None:
+    data = {"prompt": "a", "max_tokens": 4, "stream": True}
+    assert decode_body(data, "m", {"x": 1}) == {**data, "model": "m",
+                                                "kv_transfer_params": {"x": 1}}
+
+
+# -- tracker --------------------------------------------------------------------------------
+def test_tracker_follows_a_streamed_pair_through_prefill_transfer_and_decode() -> None:
+    t = Tracker([P, D], ["http://p", "http://d"])
+    req = _request(prompt=20, max_tokens=5)
+    t.dispatched_pair(0, 1, req, 1.0)
+    loads = t.loads(1.0)
+    assert (loads[0].num_waiting, loads[0].num_outstanding) == (1, 1)
+    assert (loads[1].num_waiting, loads[1].num_outstanding) == (0, 1)
+    rows = t.inbound_rows()
+    assert rows[0] is None and rows[1] is not None
+    np.testing.assert_array_equal(rows[1], [[21.0, 4.0, 1.0]])  # prompt + 1, 5 - 1, dispatch
+    # the prefill waits for its prompt and one token
+    np.testing.assert_array_equal(t.snapshot(0, 1.0).table, [[20, 0, 1, 0, 0]])
+    assert t.snapshot(1, 1.0).num_resident == 0
+
+    t.prefilled(0, 1, req.request_id, 2.0)
+    assert t.loads(2.0)[0].num_outstanding == 0
+    assert t.loads(2.0)[1].num_outstanding == 1
+    t.decode_sent(1, req.request_id, 2.1, streamed=True)
+    assert t.inbound_rows()[1] is not None  # still inbound: the decode has not started
+
+    t.token(1, req.request_id, 2.5)  # the re-emitted first token: decode starts, KV here
+    assert t.inbound_rows()[1] is None
+    np.testing.assert_array_equal(t.snapshot(1, 2.5).table, [[21, 0, 4, 20, 0]])
+    t.token(1, req.request_id, 2.6)  # the first new token
+    np.testing.assert_array_equal(t.snapshot(1, 2.6).table, [[21, 1, 4, 21, 2]])
+    assert t.backends[1].num_transfers == 1
+    assert t.backends[1].transfer_seconds == pytest.approx(0.5)
+
+    prefill, decode, handoff = t.released_pair(0, 1, req.request_id)
+    assert prefill is None and decode is not None and decode.tokens == 1
+    assert handoff is not None and handoff.transfer_s == pytest.approx(0.5)
+    assert (handoff.dispatch_s, handoff.prefill_end_s) == (1.0, 2.0)
+    assert [len(b.flights) + len(b.inbound) for b in t.backends] == [0, 0]
+
+
+def test_tracker_non_streamed_decode_starts_when_sent_and_counts_no_transfer() -> None:
+    t = Tracker([P, D], ["http://p", "http://d"])
+    req = _request(max_tokens=6)
+    t.dispatched_pair(0, 1, req, 0.0)
+    t.prefilled(0, 1, req.request_id, 1.0)
+    t.decode_sent(1, req.request_id, 1.2, streamed=False)
+    assert t.inbound_rows()[1] is None and t.loads(1.2)[1].num_running == 1
+    t.token(1, req.request_id, 3.0, 6)  # the whole answer: the re-emitted token and 5 new
+    _, decode, handoff = t.released_pair(0, 1, req.request_id)
+    assert decode is not None and decode.tokens == 5
+    assert handoff is not None and handoff.transfer_s is None
+    assert t.backends[1].num_transfers == 0
+
+
+def test_tracker_releases_a_pair_that_failed_in_prefill() -> None:
+    t = Tracker([P, D], ["http://p", "http://d"])
+    req = _request()
+    t.dispatched_pair(0, 1, req, 0.0)
+    prefill, decode, handoff = t.released_pair(0, 1, req.request_id)
+    assert prefill is not None and decode is None
+    assert handoff is not None and handoff.prefill_end_s is None and handoff.transfer_s is None
+    assert t.loads(0.0)[1].num_outstanding == 0 and t.inbound_rows() == (None, None)
+
+
+# -- router ---------------------------------------------------------------------------------
+def _pools_router(tmp_path: Path) -> Router:
+    data = {"profiles": str(PROFILES),
+            "instances": [{"name": "p", "model": "qwen2.5-3b", "gpu": "a40",
+                           "role": "prefill", "replicas": 2},
+                          {"name": "d", "model": "qwen2.5-3b", "gpu": "a40",
+                           "role": "decode", "replicas": 2}],
+            "router": {"policy": "round_robin"},
+            "workload": {"kind": "poisson", "rate_per_s": 1, "num_requests": 10,
+                         "prompt_tokens": 10, "decode_tokens": 10}}
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return Router(load_config(path))
+
+
+def test_router_moves_an_unhealthy_pick_within_its_own_pool(tmp_path: Path) -> None:
+    router = _pools_router(tmp_path)
+    tracker = Tracker(router.specs, ["http://x"] * 4)
+    req = router.new_request(0.0, 10, 4, 1.0)
+    d = router.decide(req, 0.0, tracker.loads(0.0), None, [True] * 4, tracker.inbound_rows())
+    assert (d.instance, d.decode_instance) == (0, 2)
+    # the next round-robin pair is (p-1, d-1); both down: moved to p-0 and d-0
+    d = router.decide(req, 0.0, tracker.loads(0.0), None, [True, False, True, False],
+                      tracker.inbound_rows())
+    assert (d.instance, d.decode_instance) == (0, 2)
+    assert d.reason.startswith("p-1 unhealthy; moved to p-0; d-1 unhealthy; moved to d-0")
+    for healthy, reason in (([False, False, True, True], "no healthy prefill backend"),
+                            ([True, True, False, False], "no healthy decode backend")):
+        d = router.decide(req, 0.0, tracker.loads(0.0), None, healthy)
+        assert d.action == "shed" and d.reason == reason
+
+
+# -- emulator protocol -------------------------------------------------------------------------
+@pytest.mark.parametrize("params, flags", [
+    (None, (False, False, None)),
+    ({"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None},
+     (True, False, None)),
+    ({"do_remote_prefill": True, "remote_engine_id": "p-0", "remote_block_ids": [1]},
+     (False, True, "p-0")),
+])
+def test_kv_transfer_params_parse(params: Any, flags: tuple[bool, bool, str | None]) -> None:
+    body: dict[str, Any] = {"prompt": "a b", "max_tokens": 2}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    gen = parse_request(body, "completion", "m", 100)
+    assert (gen.remote_decode, gen.remote_prefill, gen.remote_engine_id) == flags
+
+
+@pytest.mark.parametrize("params, param", [
+    ([], "kv_transfer_params"),
+    ({"do_remote_decode": "yes"}, "kv_transfer_params.do_remote_decode"),
+    ({"do_remote_decode": True, "do_remote_prefill": True}, "kv_transfer_params"),
+    ({"do_remote_prefill": True, "remote_engine_id": 3}, "kv_transfer_params.remote_engine_id"),
+])
+def test_bad_kv_transfer_params_name_the_field(params: Any, param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_request({"prompt": "a", "kv_transfer_params": params}, "completion", "m", 100)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_roles_and_the_prefill_answer() -> None:
+    remote_prefill = parse_request({"prompt": "a", "kv_transfer_params":
+                                    {"do_remote_prefill": True}}, "completion", "m", 100)
+    remote_decode = parse_request({"prompt": "a", "max_tokens": 1, "kv_transfer_params":
+                                   {"do_remote_decode": True}}, "completion", "m", 100)
+    for gen, role in ((remote_prefill, "decode"), (remote_prefill, "mixed"),
+                      (remote_decode, "prefill"), (remote_decode, "mixed")):
+        check_role(gen, role)
+    for gen, role in ((remote_prefill, "prefill"), (remote_decode, "decode"),
+                      (replace(remote_decode, stream=True), "prefill")):
+        with pytest.raises(ApiError):
+            check_role(gen, role)
+    params = prefill_kv_params("p-0", "h", 8, 33, 16, 2)
+    assert params == {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_engine_id": "p-0", "remote_block_ids": [0, 1, 2],
+                      "remote_host": "h", "remote_port": 8, "tp_size": 2}
+    body = response_body(remote_decode, "id", 0, 1, params)
+    assert body["kv_transfer_params"] == params and body["usage"]["completion_tokens"] == 1
+    assert "kv_transfer_params" not in response_body(remote_decode, "id", 0, 1)
