@@ -116,7 +116,8 @@ def _send(url: str, words: int, max_tokens: int, streamed: bool, chat: bool
     return status, headers, text
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "least_outstanding", "calibrated_cost"])
+@pytest.mark.parametrize("policy", ["round_robin", "least_outstanding", "calibrated_cost",
+                                    "bid_price"])
 def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy: str) -> None:
     loaded = load_config(_pd_config(tmp_path, policy))
     s = _stack(loaded, num_fakes=0)  # no backends: the instances are emulated in-process
