@@ -31,7 +31,9 @@ meets the request's TPOT target; the decode check plans for the output running
 watermark of free blocks. Otherwise the request waits in the router's buffer
 and is re-scored every slot: a decode pool at its KV capacity holds admission back
 instead of overflowing into preemptions. When its patience runs out (default: its TTFT
-target) ``admission: shed`` refuses it and ``defer`` sends it to the best pair.
+target) ``admission: shed`` refuses it and ``defer`` sends it to the decode instance
+whose KV fits (else the one it overflows least), TPOT in reach, best score, and to the
+prefill instance that can start it now with the best score.
 """
 
 from __future__ import annotations
@@ -223,7 +225,24 @@ class PoolBidPrice:
         if self._adm.mode == "shed":
             return Decision(req.request_id, "shed", None,
                             f"shed after {waited * 1e3:.0f} ms: {why}", explanation)
-        i, j = divmod(best, n_dec)
+        # deferred: the decode instance whose KV fits (else the one it overflows least),
+        # TPOT in reach, best score; then the prefill instance that can start it now,
+        # best score
+        i0 = int(np.argmax(score.max(axis=1)))
+
+        def decode_key(j: int) -> tuple[float, bool, float]:
+            margin = self._margin(self._free_dec, j, self._padded(dec_cols, (i0, j)),
+                                  ctx.now_s)
+            return min(margin, 0.0), bool(tpot_ok[j]), float(score[:, j].max())
+
+        def prefill_key(i: int) -> tuple[bool, float]:
+            g = int(self._pre[i])
+            spec = self._specs[g]
+            return (can_start_now(snaps[g], req.prompt_tokens, spec.block_size,
+                                  spec.max_num_seqs, self._adm.max_waiting), float(score[i, j]))
+
+        j = max(range(n_dec), key=decode_key)
+        i = max(range(n_pre), key=prefill_key)
         p, d = int(self._pre[i]), int(self._dec[j])
         self._admit(req.request_id, i, j, pre_cols, dec_cols, ctx.now_s, ttft_p[i] + xfer)
         return Decision(req.request_id, "dispatch", p,
@@ -303,12 +322,18 @@ class PoolBidPrice:
         usage[:, 1] = ka + kb * np.arange(lo - (s + k), hi - (s + k), dtype=np.float64)
         return slice(lo, hi), usage
 
+    def _margin(self, free: FloatArray | None, i: int,
+                col: tuple[int, int, float, float, float], now_s: float) -> float:
+        """The least free capacity the column leaves on pool instance i (negative: it
+        does not fit); +inf before the first tick or outside the horizon."""
+        if free is None:
+            return math.inf
+        win = self._usage(col, self._offset(now_s))
+        return math.inf if win is None else float((free[i, win[0]] - win[1]).min())
+
     def _fits(self, free: FloatArray | None, i: int,
               col: tuple[int, int, float, float, float], now_s: float) -> bool:
-        if free is None:
-            return True
-        win = self._usage(col, self._offset(now_s))
-        return win is None or bool((free[i, win[0]] - win[1]).min() >= 0.0)
+        return self._margin(free, i, col, now_s) >= 0.0
 
     def _take(self, free: FloatArray | None, i: int,
               col: tuple[int, int, float, float, float], k: int) -> None:

@@ -22,7 +22,8 @@ from olproute.weights import (
     resolve_profile,
 )
 
-SHIPPED = ("balanced", "mean_latency", "quality_first", "tail_latency", "throughput")
+SHIPPED = ("balanced", "goodput", "mean_latency", "quality_first", "tail_latency",
+           "throughput")
 
 
 def _write(path: Path, content: Any) -> Path:
