@@ -146,17 +146,28 @@ class Router:
         """Current shadow prices per instance and slot, with each bottleneck; None for a
         policy without prices."""
         book = getattr(self.policy, "book", None)
-        if book is None:
-            return None
-        bottleneck = book.bottleneck()
+        if book is not None:
+            rows = [(s, book, g) for g, s in enumerate(self.specs)]
+        else:
+            # disaggregated pools: one book per pool, in pool order; on a prefill instance
+            # the "batch" row prices its prefill token budget
+            pre = getattr(self.policy, "book_prefill", None)
+            dec = getattr(self.policy, "book_decode", None)
+            if pre is None or dec is None:
+                return None
+            book = dec
+            rows, seen = [], {"prefill": 0, "decode": 0}
+            for s in self.specs:
+                rows.append((s, pre if s.role == "prefill" else dec, seen[s.role]))
+                seen[s.role] += 1
         return {
             "policy": self.policy_name, "slot_s": book.slot_s, "horizon_slots": book.horizon,
             "updates": book.num_updates, "arrivals_in_horizon": book.arrivals_in_horizon,
             "instances": [
-                {"name": s.name, "bottleneck": bottleneck[g],
-                 "batch": [_finite(x) for x in book.p[g, :, 0].tolist()],
-                 "kv": [_finite(x) for x in book.p[g, :, 1].tolist()]}
-                for g, s in enumerate(self.specs)],
+                {"name": s.name, "role": s.role, "bottleneck": b.bottleneck()[i],
+                 "batch": [_finite(x) for x in b.p[i, :, 0].tolist()],
+                 "kv": [_finite(x) for x in b.p[i, :, 1].tolist()]}
+                for s, b, i in rows],
         }
 
 

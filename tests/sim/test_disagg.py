@@ -274,3 +274,18 @@ def test_core_admits_a_request_with_its_prompt_computed() -> None:
         assert core.request(slot)[3:5] == (101, 7)   # all 101 tokens' blocks allocated
         with pytest.raises(ValueError, match="computed_tokens"):
             core.add_request(10, 3, 10)
+
+
+def test_router_prices_show_both_pools_books() -> None:
+    from olproute.router import Router
+
+    loaded = pd_config(router={"policy": "bid_price", "horizon_slots": 40})
+    router = Router(loaded, CalibrationSource(loaded))
+    book = router.policy.book_prefill  # type: ignore[attr-defined]
+    book.p[0, :, 0] = 2.0              # the first prefill engine's token budget is dear
+    prices = router.prices()
+    assert prices is not None
+    rows = prices["instances"]
+    assert [r["role"] for r in rows] == ["prefill"] * 2 + ["decode"] * 4
+    assert rows[0]["batch"] == [2.0] * 40 and rows[0]["bottleneck"] == "batch"
+    assert all(r["bottleneck"] == "none" and len(r["kv"]) == 40 for r in rows[1:])
