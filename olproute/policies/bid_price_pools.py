@@ -127,7 +127,10 @@ class PoolBidPrice:
                                       env.prices, env.rng, backend=backend)
         self.book_decode = PriceBook(self._dec_specs, env.slot_s, env.horizon_slots,
                                      env.prices, env.rng, backend=backend)
-        self.tick_s = env.prices.period_slots * env.slot_s if env.prices.enabled else 0.0
+        # the tick refreshes the free capacity the admission checks read even when the
+        # prices are not learned (prices.enabled: false keeps them at zero)
+        self.tick_s = env.prices.period_slots * env.slot_s
+        self._learn = env.prices.enabled
         self._seen: set[int] = set()
         self._inbound: dict[int, _Inbound] = {}
         # free capacity (pool size, H, 2) as of the last tick, less the dispatches since
@@ -361,7 +364,8 @@ class PoolBidPrice:
 
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
         """Off the request path: each pool's free capacity from the snapshots (the decode
-        side less the requests still on their way to it), then K dual steps per book."""
+        side less the requests still on their way to it), then K dual steps per book
+        (when prices are learned)."""
         resident: set[int] = set()
         for g in self._dec:
             resident.update(snapshots[g].request_ids.tolist())
@@ -378,8 +382,9 @@ class PoolBidPrice:
         self.book_decode.set_free_capacity(dec)
         self._free_pre, self._free_dec = pre.copy(), dec.copy()
         self._free_time_s = now_s
-        self.book_prefill.update(now_s)
-        self.book_decode.update(now_s)
+        if self._learn:
+            self.book_prefill.update(now_s)
+            self.book_decode.update(now_s)
 
     def _prefill_free(self, snaps: list[EngineSnapshot]) -> FloatArray:
         """c[p, k] of the prefill pool: the token budget is taken while the residents'

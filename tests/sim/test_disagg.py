@@ -140,13 +140,16 @@ def test_transfer_time_is_accounted() -> None:
     assert np.median(tpot_slow - tpot_fast) > 0
 
 
-def test_a_decode_pool_at_kv_capacity_holds_admission_back() -> None:
+@pytest.mark.parametrize("learn_prices", [True, False])
+def test_a_decode_pool_at_kv_capacity_holds_admission_back(learn_prices: bool) -> None:
     """Decode engines with room for a handful of requests: round robin overflows them
     (preemptions, recomputed prompts); bid_price holds requests in its buffer until a
-    decode engine has the KV for them, and none is preempted."""
+    decode engine has the KV for them, and none is preempted. The free-capacity check
+    works with the prices switched off too."""
     common: dict[str, Any] = dict(num_prefill=1, num_decode=2, decode_kv=6000, rate=8.0,
                                   duration_s=30.0,
-                                  admission={"mode": "shed", "patience_s": 30.0})
+                                  admission={"mode": "shed", "patience_s": 30.0},
+                                  prices={"enabled": learn_prices})
     loaded = pd_config(**common, prediction={"mode": "oracle"})
     reqs = build_requests(loaded)
     cal = CalibrationSource(loaded)
