@@ -197,13 +197,21 @@ async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Requ
             n = _tokens_in(line)
             if n:
                 st.tracker.token(g, req.request_id, st.now(), n)
-            await resp.write(line)
+            try:
+                await resp.write(line)
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                # the client went away: not the backend's fault; stop its generation
+                upstream.close()
+                return resp
     except (TimeoutError, aiohttp.ClientError) as exc:
         st.tracker.mark_failure(g, st.now())
         st.metrics.errors.labels(st.loaded.specs[g].name, "mid_stream").inc()
         event = {"error": {"message": f"backend stream ended early: {type(exc).__name__}",
                            "type": "backend_error"}}
-        await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        try:
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            return resp
     await resp.write_eof()
     return resp
 

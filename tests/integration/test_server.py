@@ -337,3 +337,25 @@ def test_embedded_default_emulates_backends_and_streams(tmp_path: Path) -> None:
             for i in json.loads(request(s.url, "GET", "/instances")[2])["instances"]))
     finally:
         s.close()
+
+
+def test_a_client_leaving_mid_stream_is_not_a_backend_failure(stack: Stack) -> None:
+    for fake in stack.fakes:
+        fake.delay_s = 0.05
+    u = urlparse(stack.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                 body=json.dumps({"prompt": "a", "max_tokens": 40, "stream": True}).encode())
+    resp = conn.getresponse()
+    victim = int(resp.getheader("x-olproute-instance", "q--1").split("-")[1])
+    assert resp.readline().startswith(b"data: {")
+    conn.sock.shutdown(2)  # the client goes away with 39 tokens to come
+    conn.close()
+    from olproute.server.state import STATE
+
+    st = stack.app
+    # its flight ends (the relay noticed) and the backend is not blamed for it
+    assert wait_until(lambda: stack.call(
+        lambda: sum(len(b.flights) for b in st[STATE].tracker.backends)) == 0)
+    inst = json.loads(request(stack.url, "GET", "/instances")[2])["instances"]
+    assert inst[victim]["healthy"] and inst[victim]["failures"] == 0
