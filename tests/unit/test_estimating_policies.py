@@ -402,3 +402,58 @@ def test_calibrated_cost_size_factor_is_relative_to_the_running_mean_prompt() ->
     sizes = [policy.decide(_ctx([spec], [_snap(spec)], prompt=p, request_id=k))
              .explanation["size"][0] for k, p in enumerate((100, 300, 200))]
     assert sizes == pytest.approx([1.0, 300 / 200, 200 / 200])
+
+
+def test_least_tokens_counts_prefill_and_predicted_decode_left() -> None:
+    specs = [_spec(f"i{g}") for g in range(3)]
+    snaps = [_snap(specs[0], waiting=[1000]),                        # 1000 + 50 tokens
+             _snap(specs[1], running=[(100, 10, 500)]),              # 490 to generate
+             _snap(specs[2], running=[(100, 10, 60)], waiting=[200])]  # 50 + 200 + 50
+    env = PolicyEnv(specs=tuple(specs), rng=np.random.default_rng(0))
+    policy = REGISTRY.create("least_tokens", env)
+    d = policy.decide(_ctx(specs, snaps))
+    assert d.instance == 2 and d.decode_instance is None
+    assert d.explanation["prefill_tokens"] == (1000.0, 0.0, 200.0)
+    assert d.explanation["decode_tokens"] == (50.0, 490.0, 100.0)
+    # the router's dispatches after a stale snapshot count too: 500 + 100 more on i2
+    pending = (None, None, np.array([[500.0, 100.0, 0.0]]))
+    assert policy.decide(_ctx(specs, snaps, pending=pending)).instance == 1
+
+
+def test_least_tokens_on_pools_picks_per_pool_and_counts_inbound() -> None:
+    from dataclasses import replace
+
+    specs = [replace(_spec(f"p{i}"), role="prefill") for i in range(2)] + [
+        replace(_spec(f"d{i}"), role="decode") for i in range(2)]
+    snaps = [_snap(specs[0], waiting=[800]), _snap(specs[1], waiting=[300]),
+             _snap(specs[2], running=[(100, 10, 300)]),              # 290 to generate
+             _snap(specs[3], running=[(100, 10, 100)])]              # 90 to generate
+    env = PolicyEnv(specs=tuple(specs), rng=np.random.default_rng(0))
+    policy = REGISTRY.create("least_tokens", env)
+    d = policy.decide(_ctx(specs, snaps))
+    assert (d.instance, d.decode_instance) == (1, 3)
+    # a request on its way to d1 (in prefill or transfer) with 400 tokens to generate
+    ctx = replace(_ctx(specs, snaps), inbound=(None, None, None, np.array([[301.0, 400.0, 0.0]])))
+    d = policy.decide(ctx)
+    assert (d.instance, d.decode_instance) == (1, 2)
+    assert d.explanation["decode_tokens"][3] == 490.0
+
+
+def test_calibrated_cost_on_pools_splits_its_cost_per_pool() -> None:
+    from dataclasses import replace
+
+    specs = [replace(_spec(f"p{i}"), role="prefill") for i in range(2)] + [
+        replace(_spec(f"d{i}"), role="decode") for i in range(2)]
+    policy = _policy("calibrated_cost", specs, params={"size_ref_tokens": PROMPT})
+    snaps = [_snap(specs[0], waiting=[2000]), _snap(specs[1], waiting=[100]),
+             _snap(specs[2]), _snap(specs[3])]
+    d = policy.decide(_ctx(specs, snaps))
+    assert d.instance == 1                        # the smaller prefill backlog
+    first = d.decode_instance
+    assert first in (2, 3)                        # empty decode engines tie
+    # two requests on their way to the first: its queue counts them
+    inbound: list[np.ndarray | None] = [None] * 4
+    inbound[first] = np.array([[301.0, 50.0, 0.0], [401.0, 50.0, 0.0]])
+    d = policy.decide(replace(_ctx(specs, snaps), inbound=tuple(inbound)))
+    assert d.decode_instance == 5 - first
+    assert d.explanation["queue"][first] == 2.0
