@@ -135,7 +135,12 @@ class Router:
             tick(now_s, snapshots)
 
     def set_beta(self, g: int, beta: Sequence[float]) -> bool:
-        """Give the policy's BEA estimator a recalibrated beta; False if it has none."""
+        """Give the policy's BEA estimator a recalibrated beta; False if it has none. A
+        policy that maps instances itself (pools) takes it through its own ``set_beta``."""
+        own = getattr(self.policy, "set_beta", None)
+        if own is not None:
+            own(g, beta)
+            return True
         bea = getattr(self.policy, "_bea", None)
         if bea is None:
             return False

@@ -39,8 +39,8 @@ prefill instance that can start it now with the best score.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -113,7 +113,9 @@ class PoolBidPrice:
         self._pre_specs = tuple(env.specs[i] for i in self._pre)
         self._dec_specs = tuple(env.specs[i] for i in self._dec)
         cal = env.calibration()
-        self._bea = BeaEstimator(env.specs, cal)
+        self._beta = np.array([c.beta for c in cal], dtype=np.float64)
+        # the replay runs on the prefill pool only: decode engines never prefill a prompt
+        self._bea = BeaEstimator(self._pre_specs, [cal[i] for i in self._pre])
         self._theta = np.array([cal[i].prefill_tokens_per_s for i in self._pre])
         _, self._pre_kv = capacities(self._pre_specs)
         self._dec_batch, self._dec_kv = capacities(self._dec_specs)
@@ -147,9 +149,13 @@ class PoolBidPrice:
         n_pre, n_dec = len(self._pre), len(self._dec)
         out = self._outlook(req)
         o_hat = np.maximum(out.decode_tokens[self._dec], 1.0)          # per decode instance
-        ones = np.ones(len(self._specs), dtype=np.int64)                 # prefill: 1 token
-        ttft_all = self._bea.estimate(ctx, predicted_decode=ones).ttft_s
-        ttft_p = np.where(np.isfinite(ttft_all[self._pre]), ttft_all[self._pre], 1e9)
+        pre_ctx = replace(ctx, specs=self._pre_specs,
+                          snapshots=tuple(snaps[g] for g in self._pre),
+                          pending=None if ctx.pending is None else tuple(
+                              ctx.pending[g] for g in self._pre))
+        ones = np.ones(n_pre, dtype=np.int64)                            # prefill: 1 token
+        ttft_pre = self._bea.estimate(pre_ctx, predicted_decode=ones).ttft_s
+        ttft_p = np.where(np.isfinite(ttft_pre), ttft_pre, 1e9)
         xfer = self._transfer(req.prompt_tokens)
         tpot_d = self._decode_step_s(snaps, ctx.inbound, req.prompt_tokens)
         seen_tpot = tpot_d + xfer / o_hat                                # as the client sees
@@ -187,8 +193,7 @@ class PoolBidPrice:
         flat = score.ravel()
         best = int(np.argmax(flat))
         explanation = {
-            "ttft_s": tuple(np.where(np.isin(np.arange(len(self._specs)), self._pre),
-                                     ttft_all, np.nan).tolist()),
+            "prefill_ttft_s": tuple(ttft_pre.tolist()),
             "pair_prefill": tuple(float(x) for x in self._pre[pi]),
             "pair_decode": tuple(float(x) for x in dg),
             "pair_tpot_s": tuple(seen_tpot[dj].tolist()),
@@ -258,7 +263,7 @@ class PoolBidPrice:
                        prompt_tokens: int) -> FloatArray:
         """Per decode instance, the calibrated time of one decode step of its residents,
         the requests bound for it and the new request (up to max_num_seqs)."""
-        beta = self._bea.beta
+        beta = self._beta
         out = np.empty(len(self._dec))
         for j, g in enumerate(self._dec):
             t = snaps[g].table
@@ -400,6 +405,16 @@ class PoolBidPrice:
             used = 1.0 - snap.num_free_blocks / spec.num_kv_blocks
             c[i, :min(math.ceil(busy), h), 1] = 1.0 - used
         return c
+
+    def set_beta(self, g: int, beta: Sequence[float]) -> None:
+        """A recalibrated batch-time model for instance g (global index): the decode-step
+        estimate reads it, and the prefill replay when g is a prefill engine."""
+        if len(beta) != 4 or min(beta) < 0:
+            raise ValueError("beta must be 4 coefficients >= 0")
+        self._beta[g] = beta
+        local = np.flatnonzero(self._pre == g)
+        if local.size:
+            self._bea.set_beta(int(local[0]), beta)
 
     def prices(self) -> dict[str, FloatArray]:
         """The two books' current prices, for the admin endpoint and plots."""

@@ -292,3 +292,19 @@ def test_router_prices_show_both_pools_books() -> None:
     assert [r["role"] for r in rows] == ["prefill"] * 2 + ["decode"] * 4
     assert rows[0]["batch"] == [2.0] * 40 and rows[0]["bottleneck"] == "batch"
     assert all(r["bottleneck"] == "none" and len(r["kv"]) == 40 for r in rows[1:])
+
+
+def test_recalibrated_beta_reaches_the_right_pool_instance() -> None:
+    from olproute.router import Router
+
+    loaded = pd_config(router={"policy": "bid_price"})
+    router = Router(loaded, CalibrationSource(loaded))
+    policy: Any = router.policy
+    before = policy._bea.beta.copy()
+    assert router.set_beta(1, (0.5, 0.0, 0.0, 0.0))       # the second prefill engine
+    assert router.set_beta(4, (0.25, 0.0, 0.0, 0.0))      # a decode engine
+    assert policy._bea.beta[1].tolist() == [0.5, 0.0, 0.0, 0.0]
+    assert policy._bea.beta[0].tolist() == before[0].tolist()
+    assert policy._beta[4].tolist() == [0.25, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="4 coefficients"):
+        router.set_beta(0, (1.0, 2.0))
