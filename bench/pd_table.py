@@ -4,6 +4,9 @@ and the scarcity case.
 
     python bench/pd_table.py [--json PATH] [--duration S] [--seeds N] [--find-rates]
 
+It also times every routing decision (``decide``, perf_counter; the simulator calls it
+as the server does; price updates are off the request path and not included).
+
 The pools of ``configs/pd.yaml``: 2 prefill + 4 decode Qwen2.5-3B engines on A40s, 60k
 KV tokens per decode engine, KV moved over 12.5 GB/s with 1 ms latency. Two SLO classes
 drawn half and half: tight (TTFT 175 ms, TPOT 39.7 ms) and loose (3x). Goodput is the
@@ -39,10 +42,18 @@ from typing import Any
 import numpy as np
 
 from olproute.config import LoadedConfig, load_config
+from olproute.policies import REGISTRY
 from olproute.sim import metrics
 from olproute.sim import workloads as wl
-from olproute.sim.scenario import CalibrationSource, simulate
-from olproute.types import Request
+from olproute.sim.cluster import Cluster
+from olproute.sim.scenario import (
+    CalibrationSource,
+    build_timers,
+    kv_transfer,
+    policy_env,
+    streams,
+)
+from olproute.types import Decision, Request, RoutingContext
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "data" / "traces"
@@ -109,11 +120,30 @@ def pools(loaded: LoadedConfig, num_prefill: int, num_decode: int) -> LoadedConf
 
 def run_one(loaded: LoadedConfig, policy: str, reqs: list[Request],
             cal: CalibrationSource) -> dict[str, float]:
+    """One simulation (as ``simulate`` runs it), every ``decide`` call timed."""
+    cfg = loaded.config
+    st = streams(cfg.sim.seed, len(loaded.specs))
+    pol = REGISTRY.create(policy, policy_env(loaded, policy, st.policy, cal))
+    times: list[float] = []
+    inner = pol.decide
+
+    def timed(ctx: RoutingContext) -> Decision:
+        t = time.perf_counter()
+        d = inner(ctx)
+        times.append(time.perf_counter() - t)
+        return d
+
+    pol.decide = timed  # type: ignore[method-assign]
+    cluster = Cluster(loaded.specs, build_timers(loaded), pol, slot_s=cfg.router.slot_ms / 1e3,
+                      transfer=kv_transfer(loaded).seconds)
     t0 = time.perf_counter()
-    res = simulate(loaded, policy, reqs, calibration=cal)
+    res = cluster.run(reqs)
     s = metrics.summarize(res)
+    us = np.array(times) * 1e6
     return {"goodput": s.goodput, "ttft_p99_s": s.ttft_p99_s, "tpot_p99_s": s.tpot_p99_s,
-            "shed": float(res.shed.mean()), "seconds": time.perf_counter() - t0}
+            "shed": float(res.shed.mean()), "seconds": time.perf_counter() - t0,
+            "decide_p50_us": float(np.percentile(us, 50)),
+            "decide_p99_us": float(np.percentile(us, 99))}
 
 
 def bid_price_config(loaded: LoadedConfig, route_only: bool = False) -> LoadedConfig:
@@ -193,7 +223,8 @@ def summary(results: dict[str, dict[str, list[dict[str, float]]]],
     out: dict[str, Any] = {"duration_s": args.duration, "seeds": args.seeds, "cases": {}}
     for label, mix, rate, *_ in cases:
         out["cases"][label] = {"mix": mix, "rate_per_s": rate, "policies": {
-            p: {k: _mean(rows, k) for k in ("goodput", "ttft_p99_s", "tpot_p99_s", "shed")}
+            p: {k: _mean(rows, k) for k in ("goodput", "ttft_p99_s", "tpot_p99_s", "shed",
+                                            "decide_p50_us", "decide_p99_us")}
             for p, rows in results[label].items()}}
     mean = {p: float(np.mean([_mean(results[m][p], "goodput") for m in MIXES]))
             for p in POLICIES}
@@ -222,6 +253,14 @@ def render(results: dict[str, dict[str, list[dict[str, float]]]], cases: list[An
             cells.append(f"{_mean(rows, 'goodput'):.3f} / {_mean(rows, 'ttft_p99_s'):.2f}s"
                          f" / {_mean(rows, 'tpot_p99_s') * 1e3:.0f}ms")
         lines.append(f"{p:<18}" + "".join(f"{c:>26}" for c in cells))
+    lines.append("")
+    lines.append("decision time p50 / p99 (us) on the chat-like mix, and p50 against "
+                 "least_outstanding's in the same run:")
+    chat = results["chat"]
+    base = _mean(chat["least_outstanding"], "decide_p50_us")
+    for p in POLICIES:
+        p50, p99 = _mean(chat[p], "decide_p50_us"), _mean(chat[p], "decide_p99_us")
+        lines.append(f"  {p:<18} {p50:7.0f} / {p99:7.0f}   {p50 / base:6.1f}x")
     lines.append("")
     lines.append("mean goodput over the three mixes: " + ", ".join(
         f"{p} {v:.3f}" for p, v in s["mean_goodput_three_mixes"].items()))
