@@ -1,12 +1,14 @@
 """Disaggregated prefill/decode pools: which instances play which role, and how long a
 request's KV cache takes to move between them.
 
-A request on disaggregated pools is prefilled on a prefill instance, which produces its
-first token; its KV cache (prompt tokens x the model's KV bytes per token) then moves to
-a decode instance over a link of ``link_gbytes_per_s`` after ``latency_ms`` of set-up,
-and is decoded there. The decode instance admits it with its prompt's KV already
-computed (``computed_tokens``): its first step feeds the first token and yields the
-second. A request whose output is one token ends on the prefill instance.
+As vLLM's disaggregated serving does it (a proxy and the NIXL connector): the prefill
+instance runs the prompt with ``max_tokens = 1``; its one token is not sent to the
+client. The KV cache (prompt tokens x the model's KV bytes per token) moves to the
+decode instance over a link of ``link_gbytes_per_s`` after ``latency_ms`` of set-up. The
+decode instance admits the request with all but the last prompt token computed
+(``computed_tokens = prompt - 1``): its first step recomputes that token and samples the
+first output token, which is the client's first token (TTFT), then it generates the
+rest. Every request has both phases, a one-token answer included.
 """
 
 from __future__ import annotations
@@ -78,11 +80,11 @@ class KvTransfer:
 
 def decode_admission(prompt_tokens: int, decode_tokens: int) -> tuple[int, int, int]:
     """(prompt, max output, computed) with which a decode instance admits a request whose
-    first token came from the prefill instance: the prompt plus that token, of which the
-    prompt's KV arrived computed; the other ``decode_tokens - 1`` outputs to generate."""
-    if decode_tokens < 2:
-        raise ValueError("a request with one output token has no decode phase")
-    return prompt_tokens + 1, decode_tokens - 1, prompt_tokens
+    prompt a prefill instance ran: the whole prompt, of which all but the last token
+    arrived computed, and all ``decode_tokens`` outputs to generate."""
+    if prompt_tokens < 1 or decode_tokens < 1:
+        raise ValueError("prompt_tokens and decode_tokens must be >= 1")
+    return prompt_tokens, decode_tokens, prompt_tokens - 1
 
 
 __all__ = ["KvTransfer", "Pools", "decode_admission"]

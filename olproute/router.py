@@ -134,6 +134,15 @@ class Router:
         if tick is not None:
             tick(now_s, snapshots)
 
+    def forget(self, request_id: int) -> None:
+        """A decision that will not be carried out (``/route`` answers without
+        dispatching): the policy drops what it keeps for that request until its outcome
+        (a request on its way to a decode instance, a demand sample's first sight). The
+        capacity it took at once comes back at the policy's next tick."""
+        forget = getattr(self.policy, "forget", None)
+        if forget is not None:
+            forget(request_id)
+
     def set_beta(self, g: int, beta: Sequence[float]) -> bool:
         """Give the policy's BEA estimator a recalibrated beta; False if it has none. A
         policy that maps instances itself (pools) takes it through its own ``set_beta``."""

@@ -192,7 +192,11 @@ class BidPrice:
                         reason, explanation)
 
     def observe(self, outcome: Outcome) -> None:
-        self._seen.discard(outcome.request_id)
+        self.forget(outcome.request_id)
+
+    def forget(self, request_id: int) -> None:
+        """Drop what is kept for a request until its outcome (its first sight)."""
+        self._seen.discard(request_id)
 
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
         """Off the request path: free capacity from the snapshots (residents at their

@@ -364,8 +364,12 @@ class PoolBidPrice:
 
     # -- feedback and learning ---------------------------------------------------------
     def observe(self, outcome: Outcome) -> None:
-        self._seen.discard(outcome.request_id)
-        self._inbound.pop(outcome.request_id, None)
+        self.forget(outcome.request_id)
+
+    def forget(self, request_id: int) -> None:
+        """Drop what is kept for a request until its outcome."""
+        self._seen.discard(request_id)
+        self._inbound.pop(request_id, None)
 
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
         """Off the request path: each pool's free capacity from the snapshots (the decode
