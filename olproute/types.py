@@ -154,9 +154,9 @@ class RoutingContext:
     # per instance: (prompt, predicted decode, dispatch time) rows, in dispatch order, of
     # requests the router dispatched there after its snapshot (None for live snapshots)
     pending: tuple[npt.NDArray[np.float64] | None, ...] | None = None
-    # disaggregated pools, per instance: (prompt + first token, predicted remaining decode,
-    # dispatch time) rows of requests bound for it as their decode instance whose KV cache
-    # has not arrived (in prefill or in transfer); None without pools or when empty
+    # disaggregated pools, per instance: (prompt, predicted decode, dispatch time) rows of
+    # requests bound for it as their decode instance whose decode has not started there
+    # (in prefill or in transfer); None without pools or when empty
     inbound: tuple[npt.NDArray[np.float64] | None, ...] | None = None
 
 

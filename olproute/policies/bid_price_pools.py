@@ -1,20 +1,22 @@
 """Bid-price routing on disaggregated prefill/decode pools (issue 9).
 
-A request is a pair of choices: the prefill instance p that runs its prompt and first
-token, and the decode instance d its KV cache moves to. For every pair
+A request is a pair of choices: the prefill instance p that runs its prompt, and the
+decode instance d its KV cache moves to, which gives the client its first token and the
+rest (``olproute.disagg``). For every pair
 
-    score_pd = r_pd - delta * TTFT_p - a_p . pi_p - b_pd . mu_d
+    score_pd = r_pd - delta * TTFT_pd - a_p . pi_p - b_pd . mu_d
 
-- ``TTFT_p``: the BEA replay of p (its residents and queue as they stand, the new request
-  run to its first token);
-- ``r_pd``: the multi-objective reward (``olproute.reward``) with that TTFT and the
-  decode speed the client sees on d: ``tpot_d + transfer / o_hat``, ``tpot_d`` the
-  calibrated time of one decode step of d's residents plus the requests bound for it;
+- ``TTFT_pd = P_p + transfer + tpot_d``: ``P_p`` the BEA replay of p (its residents and
+  queue as they stand, the new prompt run to its one token), the KV transfer, and one
+  decode step on d for the first token;
+- ``tpot_d``: the calibrated time of one decode step of d's residents plus the requests
+  bound for it and this one (``beta0 + beta1 n + beta2 sum of contexts``);
+- ``r_pd``: the multi-objective reward (``olproute.reward``) with that TTFT and tpot_d;
 - ``a_p . pi_p``: the price of p's **prefill token budget** (and its KV) over the slots
-  the prompt runs in, ``[k0 - ceil(s / (theta_p Delta)), k0)`` with k0 the first-token
-  slot and theta_p p's calibrated prefill throughput;
+  the prompt runs in, ``[k0 - ceil(s / (theta_p Delta)), k0)`` with k0 the slot its
+  prefill ends in and theta_p p's calibrated prefill throughput;
 - ``b_pd . mu_d``: the price of d's **batch slots and KV** over the decode column,
-  which starts when the KV arrives (TTFT_p + transfer) and ramps from s + 1 tokens.
+  which starts when the KV arrives (P_p + transfer) and ramps from s + 1 tokens.
 
 Two price books, one per pool, learned off the request path in ``tick``: the prefill
 book on samples whose reward for p is the best decode completion net of the decode
@@ -158,7 +160,7 @@ class PoolBidPrice:
         ttft_p = np.where(np.isfinite(ttft_pre), ttft_pre, 1e9)
         xfer = self._transfer(req.prompt_tokens)
         tpot_d = self._decode_step_s(snaps, ctx.inbound, req.prompt_tokens)
-        seen_tpot = tpot_d + xfer / o_hat                                # as the client sees
+        kv_at = ttft_p + xfer                                            # per prefill
         # pairs, prefill-major: index = i * n_dec + j
         pi = np.repeat(np.arange(n_pre), n_dec)
         dj = np.tile(np.arange(n_dec), n_pre)
@@ -166,13 +168,14 @@ class PoolBidPrice:
         pair_out = Outlook(decode_tokens=out.decode_tokens[dg], quality=out.quality[dg],
                            cost_musd=out.cost_musd[dg])
         waited = ctx.now_s - req.arrival_s
-        terms = reward_terms(req.prompt_tokens, req.ttft_target_s, pair_out, ttft_p[pi],
-                             seen_tpot[dj], self._w, self._slot_s, self._horizon,
+        ttft = kv_at[:, None] + tpot_d[None, :]                          # (n_pre, n_dec)
+        terms = reward_terms(req.prompt_tokens, req.ttft_target_s, pair_out, ttft.ravel(),
+                             tpot_d[dj], self._w, self._slot_s, self._horizon,
                              waited_s=waited)
         reward = terms.total.reshape(n_pre, n_dec)
         pre_cols = self._prefill_columns(req.prompt_tokens, ttft_p)
         dec_cols = usage_columns(
-            req.prompt_tokens, (o_hat - 1.0)[None, :], (ttft_p + xfer)[:, None],
+            req.prompt_tokens, o_hat[None, :], kv_at[:, None],
             tpot_d[None, :], self._dec_batch[None, :], self._dec_kv[None, :],
             self._slot_s, self._horizon)                                  # (n_pre, n_dec)
         shape = (n_pre, n_dec)
@@ -184,19 +187,20 @@ class PoolBidPrice:
             kv_b=np.broadcast_to(dec_cols.kv_b, shape))
         price_pre = self.book_prefill.price(pre_cols)                    # (n_pre,)
         price_dec = self.book_decode.price(dec_cols)                     # (n_pre, n_dec)
-        score = (reward - self._w.delta * ttft_p[:, None] - price_pre[:, None] - price_dec)
+        score = reward - self._w.delta * ttft - price_pre[:, None] - price_dec
         tpot_ok = np.ones(n_dec, dtype=bool) if req.tpot_target_s is None else (
-            seen_tpot <= req.tpot_target_s)
+            tpot_d <= req.tpot_target_s)
         if req.request_id not in self._seen:  # first sight: a sample of demand per pool
             self._seen.add(req.request_id)
             self._sample(reward, pre_cols, dec_cols, price_pre, price_dec, score, ctx.now_s)
         flat = score.ravel()
         best = int(np.argmax(flat))
         explanation = {
-            "prefill_ttft_s": tuple(ttft_pre.tolist()),
+            "prefill_s": tuple(ttft_pre.tolist()),
+            "pair_ttft_s": tuple(ttft.ravel().tolist()),
             "pair_prefill": tuple(float(x) for x in self._pre[pi]),
             "pair_decode": tuple(float(x) for x in dg),
-            "pair_tpot_s": tuple(seen_tpot[dj].tolist()),
+            "pair_tpot_s": tuple(tpot_d[dj].tolist()),
             "pair_reward": tuple(reward.ravel().tolist()),
             "pair_prefill_price": tuple(price_pre[pi].tolist()),
             "pair_decode_price": tuple(price_dec.ravel().tolist()),
@@ -218,7 +222,7 @@ class PoolBidPrice:
                     and self._fits(self._free_dec, j, self._padded(dec_cols, (i, j)),
                                    ctx.now_s)):
                 continue
-            self._admit(req.request_id, i, j, pre_cols, dec_cols, ctx.now_s, ttft_p[i] + xfer)
+            self._admit(req.request_id, i, j, pre_cols, dec_cols, ctx.now_s, kv_at[i])
             rank = "best pair" if k == best else f"best admissible pair (best: {flat[best]:.3f})"
             return Decision(req.request_id, "dispatch", p,
                             f"{rank} {flat[k]:.3f}: prefill on {pspec.name}, decode on "
@@ -252,7 +256,7 @@ class PoolBidPrice:
         j = max(range(n_dec), key=decode_key)
         i = max(range(n_pre), key=prefill_key)
         p, d = int(self._pre[i]), int(self._dec[j])
-        self._admit(req.request_id, i, j, pre_cols, dec_cols, ctx.now_s, ttft_p[i] + xfer)
+        self._admit(req.request_id, i, j, pre_cols, dec_cols, ctx.now_s, kv_at[i])
         return Decision(req.request_id, "dispatch", p,
                         f"deferred after {waited * 1e3:.0f} ms to prefill on "
                         f"{self._specs[p].name}, decode on {self._specs[d].name}: {why}",

@@ -11,9 +11,10 @@ at once, a busy one takes the request into its next batch. A held request is dec
 again every slot (``slot_s``); a shed one is recorded and never served.
 
 With disaggregated pools (``olproute.disagg``) a dispatch names a prefill and a decode
-instance. The prefill engine runs the prompt and the first token (its TTFT); the KV cache
-then moves for ``transfer(prompt tokens)`` seconds (a transfer event, handled with the
-batch completions) and the decode engine admits the request with its prompt computed.
+instance. The prefill engine runs the prompt and one token (not the client's); the KV
+cache then moves for ``transfer(prompt tokens)`` seconds (a transfer event, handled with
+the batch completions) and the decode engine admits the request with all but the last
+prompt token computed; its first output token is the request's first token (TTFT).
 Until its KV arrives the request counts as outstanding on the decode instance and shows
 in the context's ``inbound`` rows there.
 """
@@ -55,6 +56,7 @@ class SimResult:
     num_preemptions: IntArray
     decode_tokens: IntArray          # output tokens actually generated (0 if shed)
     decode_instance: IntArray        # disaggregated pools: the decode instance (else -1)
+    prefill_end_s: FloatArray        # when its prefill instance finished the prompt
     kv_arrival_s: FloatArray         # when its KV cache reached the decode instance
     shed: npt.NDArray[np.bool_]
     batch_log: FloatArray            # shape (num_batches, len(BATCH_LOG_COLUMNS))
@@ -105,6 +107,7 @@ class Cluster:
         decode_instance = np.full(n, -1, dtype=np.int64)
         dispatch_s = np.full(n, np.nan)
         first_s = np.full(n, np.nan)
+        prefill_end_s = np.full(n, np.nan)
         kv_arrival_s = np.full(n, np.nan)
         finish_s = np.full(n, np.nan)
         preempt = np.zeros(n, dtype=np.int64)
@@ -164,23 +167,18 @@ class Cluster:
                 prefill_role = role[arg] == "prefill"
                 for rid, flags, npre in eng.finish_batch():
                     if prefill_role:
-                        # its prompt and first token are done: the KV cache moves on
-                        first_s[rid] = now
+                        # its prompt is done (the one token is not the client's): the KV
+                        # cache moves on
+                        prefill_end_s[rid] = now
                         preempt[rid] += npre
                         feed.finished(arg, rid)
-                        d = int(decode_instance[rid])
-                        if decode[rid] <= 1:
-                            outstanding[d] -= 1
-                            inbound[d].pop(rid, None)
-                            complete(rid, arg, now)
-                            continue
                         outstanding[arg] -= 1
                         assert transfer is not None
                         heapq.heappush(heap, (now + transfer(requests[rid].prompt_tokens),
                                               _BATCH_DONE, seq, _TRANSFER, rid))
                         seq += 1
                         continue
-                    if flags & FIRST_TOKEN and not disagg:
+                    if flags & FIRST_TOKEN:
                         first_s[rid] = now
                     if flags & FINISHED:
                         preempt[rid] += npre
@@ -233,7 +231,7 @@ class Cluster:
                     d = self._check_pair(g, decision.decode_instance)
                     decode_instance[arg] = d
                     outstanding[d] += 1
-                    inbound[d][arg] = (now, req.prompt_tokens + 1, max(predicted - 1, 1))
+                    inbound[d][arg] = (now, req.prompt_tokens, predicted)
                     feed.dispatched(g, now, arg, req.prompt_tokens, 1)
                     engines[g].admit(arg, req.prompt_tokens, 1, 1)
                 else:
@@ -262,7 +260,7 @@ class Cluster:
             specs=self.specs, requests=tuple(requests), instance=instance,
             dispatch_s=dispatch_s, first_token_s=first_s, finish_s=finish_s,
             num_preemptions=preempt, decode_tokens=decode, decode_instance=decode_instance,
-            kv_arrival_s=kv_arrival_s, shed=shed, batch_log=log,
+            prefill_end_s=prefill_end_s, kv_arrival_s=kv_arrival_s, shed=shed, batch_log=log,
             in_system_t=np.frombuffer(in_t, dtype=np.float64).copy(),
             in_system_n=np.frombuffer(in_n, dtype=np.int64).copy(),
             end_s=now, num_events=num_events)

@@ -47,7 +47,8 @@ def _result(with_quality: bool = True) -> SimResult:
         num_preemptions=np.zeros(4, dtype=np.int64),
         # generated tokens on the serving model, not Request.decode_tokens (999)
         decode_tokens=np.array([50, 100, 100, 0]), decode_instance=np.full(4, -1),
-        kv_arrival_s=np.full(4, np.nan), shed=np.array([False, False, False, True]),
+        prefill_end_s=np.full(4, np.nan), kv_arrival_s=np.full(4, np.nan),
+        shed=np.array([False, False, False, True]),
         batch_log=np.zeros((0, 9)), in_system_t=np.zeros(1), in_system_n=np.zeros(1, np.int64),
         end_s=5.0, num_events=0)
 
