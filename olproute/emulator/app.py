@@ -7,8 +7,9 @@ records, for recalibrating beta). An instance's role (``InstanceSpec.role``) dec
 side of a disaggregated prefill/decode request (``kv_transfer_params``) it takes: a
 prefill instance answers ``do_remote_decode`` with the ``kv_transfer_params`` for the
 decode request; a decode (or mixed) instance takes ``do_remote_prefill`` by waiting the KV
-transfer time of the config's ``transfer`` section, then decoding with the prompt
-computed.
+transfer time of the config's ``transfer`` section, then decoding with all but the last
+prompt token computed (``olproute.disagg.decode_admission``): every token it sends is
+new, the first one included.
 
 Stopping an emulator is abrupt, like killing a vLLM process: requests in flight are
 dropped and their connections closed without a final chunk or ``[DONE]``.
@@ -80,8 +81,9 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             if inst.kv_transfer is None:
                 raise ApiError(400, "kv_transfer_params.do_remote_prefill: this instance has "
                                     "no KV transfer model", "kv_transfer_params")
+            arrival = time.monotonic()
             await inst.receive_kv(gen.prompt_tokens, gen.remote_engine_id)
-            req = inst.submit_decode(gen.prompt_tokens, gen.max_tokens)
+            req = inst.submit_decode(gen.prompt_tokens, gen.max_tokens, arrival)
         else:
             req = inst.submit(gen.prompt_tokens, gen.max_tokens)
     except ApiError as err:

@@ -7,13 +7,25 @@ times ``time_scale``; the loop sleeps that long, commits the batch and hands eve
 token to its request. Batches are laid back to back on a virtual clock, so the loop's
 wake-up jitter does not accumulate while the engine is busy.
 
-Disaggregated pools: a decode request whose prompt's KV cache comes from a prefill
-instance (``receive_kv`` then ``submit_decode``) waits the transfer time
-(``olproute.disagg.KvTransfer``, times ``time_scale``) before the engine admits it with
-its prompt computed (``olproute.disagg.decode_admission``); the first token, which the
-prefill instance produced, is re-emitted at admission, and the engine generates the rest.
-While its KV is in transfer the request is not in the engine (vLLM would already hold
-its blocks).
+Disaggregated pools (``olproute.disagg``, as vLLM with its NIXL connector): a decode
+request whose prompt's KV cache comes from a prefill instance (``receive_kv`` then
+``submit_decode``) waits the transfer time (``olproute.disagg.KvTransfer``, times
+``time_scale``); the engine then admits it as ``olproute.disagg.decode_admission`` says:
+the whole prompt, all but its last token computed, and all ``max_tokens`` outputs. Its
+first step recomputes the last prompt token and samples the first output token, which is
+the client's first token; every token the decode instance streams is new. While its KV
+is in transfer the request is not in the engine (vLLM would already hold its blocks and
+count it as waiting).
+
+Metrics of a decode request are those of any request, as vLLM reports them on a decode
+instance: its first token is a normal first token, the time to it counted from the
+request's arrival at the instance (so it includes the KV transfer wait: vLLM stamps the
+arrival before the request waits for its remote KV), ``vllm:prompt_tokens`` counts its
+whole prompt (vLLM counts the prompt length, computed here or received), and
+``vllm:generation_tokens`` all ``max_tokens`` of its outputs. The prefill instance
+counts its prompt and its one (discarded) token likewise; the batch records
+(``num_prefill_tokens``) show that a decode instance computed one prompt token per
+request.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ class EmulatedRequest:
     was aborted, or the engine stopped (``failed``)."""
 
     __slots__ = ("_changed", "_finished", "aborted", "arrival_s", "done", "failed", "first_token_s",
-                 "max_tokens", "num_tokens", "prompt_tokens", "reemitted", "request_id", "slot")
+                 "max_tokens", "num_tokens", "prompt_tokens", "request_id", "slot")
 
     def __init__(self, request_id: int, prompt_tokens: int, max_tokens: int,
                  arrival_s: float) -> None:
@@ -63,7 +75,6 @@ class EmulatedRequest:
         self.arrival_s = arrival_s
         self.slot = -1
         self.num_tokens = 0
-        self.reemitted = 0  # leading tokens produced elsewhere (a remote prefill's first)
         self.first_token_s: float | None = None
         self.done = False
         self.aborted = False
@@ -167,10 +178,15 @@ class EmulatedInstance:
     # -- requests ------------------------------------------------------------------------
     def submit(self, prompt_tokens: int, max_tokens: int) -> EmulatedRequest:
         """Queue a request; raises ValueError if it could never fit in the KV cache."""
+        return self._admit(prompt_tokens, max_tokens, 0, time.monotonic())
+
+    def _admit(self, prompt_tokens: int, max_tokens: int, computed_tokens: int,
+               arrival_s: float) -> EmulatedRequest:
         if self._task is None:
             raise RuntimeError("the engine is not running")
-        req = EmulatedRequest(next(self._ids), prompt_tokens, max_tokens, time.monotonic())
-        req.slot = self._engine.admit(req.request_id, prompt_tokens, max_tokens, max_tokens)
+        req = EmulatedRequest(next(self._ids), prompt_tokens, max_tokens, arrival_s)
+        req.slot = self._engine.admit(req.request_id, prompt_tokens, max_tokens, max_tokens,
+                                      computed_tokens)
         self._requests[req.request_id] = req
         self._by_slot[req.slot] = req
         self._wake.set()
@@ -187,28 +203,16 @@ class EmulatedInstance:
         self.kv_transfers.append(KvTransferRecord(prompt_tokens, delay, remote_engine_id))
         return delay
 
-    def submit_decode(self, prompt_tokens: int, max_tokens: int) -> EmulatedRequest:
-        """Queue a request whose prompt's KV cache arrived and whose first token a
-        prefill instance produced: that token is re-emitted now, and the engine admits
-        the rest as ``decode_admission`` says (nothing to admit when ``max_tokens`` is
-        1). Raises ValueError if it could never fit in the KV cache."""
-        if self._task is None:
-            raise RuntimeError("the engine is not running")
-        now = time.monotonic()
-        req = EmulatedRequest(next(self._ids), prompt_tokens, max_tokens, now)
-        if max_tokens > 1:
-            prompt, output, computed = decode_admission(prompt_tokens, max_tokens)
-            req.slot = self._engine.admit(req.request_id, prompt, output, output, computed)
-            self._requests[req.request_id] = req
-            self._by_slot[req.slot] = req
-            self._wake.set()
-        req.reemitted = req.num_tokens = 1
-        req.first_token_s = now
-        req._notify()
-        if max_tokens == 1:
-            self.metrics.finished(0.0, 0)
-            req._end()
-        return req
+    def submit_decode(self, prompt_tokens: int, max_tokens: int,
+                      arrival_s: float | None = None) -> EmulatedRequest:
+        """Queue a request whose prompt's KV cache arrived from a prefill instance,
+        admitted as ``decode_admission`` says (all but the last prompt token computed, all
+        ``max_tokens`` outputs to generate). ``arrival_s`` (``time.monotonic()``, default
+        now) is when it reached this instance, before its KV transfer: the start of its
+        time to first token. Raises ValueError if it could never fit in the KV cache."""
+        prompt, output, computed = decode_admission(prompt_tokens, max_tokens)
+        return self._admit(prompt, output, computed,
+                           time.monotonic() if arrival_s is None else arrival_s)
 
     def abort(self, req: EmulatedRequest) -> None:
         """Drop an unfinished request (its client went away): frees its slot and KV
@@ -291,8 +295,7 @@ class EmulatedInstance:
         for slot in slots:
             req_or_none = self._by_slot.get(slot)
             if req_or_none is not None:
-                produced += self._advance(req_or_none,
-                                          core.request(slot)[1] + req_or_none.reemitted, now)
+                produced += self._advance(req_or_none, core.request(slot)[1], now)
         self.metrics.generated(produced)
 
     def _advance(self, req: EmulatedRequest, num_tokens: int, now: float) -> int:

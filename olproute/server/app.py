@@ -231,6 +231,8 @@ async def route(request: web.Request) -> web.Response:
     if body.predicted_tokens is not None:
         req = replace(req, predicted_decode_tokens=body.predicted_tokens)
     d = st.decide(req, exclude)
+    # a decision only: nothing is dispatched, so the policy keeps nothing for it
+    st.router.forget(req.request_id)
     names = [s.name for s in st.loaded.specs]
     answer = RouteAnswer(
         request_id=req.request_id, action=d.action,
@@ -256,19 +258,22 @@ async def instances(request: web.Request) -> web.Response:
     st = request.app[STATE]
     now = st.now()
     loads = st.tracker.loads(now)
-    beta = getattr(getattr(st.router.policy, "_bea", None), "beta", None)
+    # the beta each backend's replay runs with: its online calibrator's, which the router
+    # hands the policy (whose estimator may cover one pool only); None without BEA
+    has_bea = getattr(st.router.policy, "_bea", None) is not None and bool(st.calibrators)
     out = []
     for b, load in zip(st.tracker.backends, loads, strict=True):
         out.append({
             "name": b.spec.name, "url": b.url, "model": b.spec.model, "gpu": b.spec.gpu,
-            "role": b.spec.role, "inbound": len(b.inbound), "transfers": b.num_transfers,
-            "transfer_seconds": b.transfer_seconds,
+            "role": b.spec.role, "inbound": len(b.inbound), "handoffs": b.num_handoffs,
+            "handoff_seconds": b.handoff_seconds,
             "healthy": b.healthy, "failures": b.failures, "in_flight": load.num_outstanding,
             "running": load.num_running, "waiting": load.num_waiting,
             "kv_blocks_used": load.num_kv_blocks_used, "kv_blocks": load.num_kv_blocks,
             "max_num_seqs": b.spec.max_num_seqs, "scraped": b.scraped,
             "scraped_age_s": None if b.scraped_at_s is None else now - b.scraped_at_s,
-            "beta": None if beta is None else [float(x) for x in beta[b.index]]})
+            "beta": ([float(x) for x in st.calibrators[b.index].beta] if has_bea
+                     else None)})
     return web.json_response({"policy": st.router.policy_name, "instances": out})
 
 

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0)
-TRANSFER_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+HANDOFF_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3,
                       12.8e-3, 25.6e-3)
 
@@ -24,14 +24,18 @@ class ServerMetrics:
         self.decision_seconds = Histogram("olproute_decision_seconds", "Time to decide one "
                                           "request", buckets=DECISION_BUCKETS_S, registry=r)
         self.ttft_seconds = Histogram("olproute_ttft_seconds", "Observed time to first token, "
-                                      "from arrival at the router", ["instance"],
+                                      "from arrival at the router, by the instance that gave "
+                                      "it (on disaggregated pools the decode instance)",
+                                      ["instance"],
                                       buckets=LATENCY_BUCKETS_S, registry=r)
-        self.eel_seconds = Histogram("olproute_eel_seconds", "Observed end-to-end latency",
-                                     ["instance"], buckets=LATENCY_BUCKETS_S, registry=r)
-        self.transfer_seconds = Histogram(
-            "olproute_transfer_seconds", "Disaggregated pools: from the end of a request's "
-            "prefill to the start of its decode, by decode instance", ["instance"],
-            buckets=TRANSFER_BUCKETS_S, registry=r)
+        self.eel_seconds = Histogram("olproute_eel_seconds", "Observed end-to-end latency "
+                                     "of finished requests", ["instance"],
+                                     buckets=LATENCY_BUCKETS_S, registry=r)
+        self.handoff_seconds = Histogram(
+            "olproute_handoff_seconds", "Disaggregated pools: from the end of a request's "
+            "prefill to its streamed decode's first token (KV transfer, queueing and first "
+            "decode step), by decode instance", ["instance"],
+            buckets=HANDOFF_BUCKETS_S, registry=r)
         self.in_flight = Gauge("olproute_requests_in_flight", "Requests dispatched and not "
                                "finished", ["instance"], registry=r)
         self.backend_up = Gauge("olproute_backend_up", "1 if the backend passes its health "

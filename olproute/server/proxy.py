@@ -4,14 +4,19 @@ the tracker follows every token.
 
 Failures: a connect error or a 5xx before the first byte is retried once on the
 next-best instance (the failed one is marked unhealthy and probed with backoff); a
-stream cut midway ends with an error event to the client and a recorded outcome.
+stream cut midway ends with an error event to the client. A request is recorded as
+finished (an outcome with ``finish_s``, an end-to-end latency sample) only when its
+backend's whole answer reached the client: a failure, a backend's 4xx or a client that
+left is an outcome with ``finish_s=None`` (its first token kept if the client got one).
 
 Disaggregated prefill/decode pools (a decision with a ``decode_instance``), as vLLM's
 disaggregated proxy does with its NIXL connector: the prefill request (``max_tokens: 1``,
 not streamed, ``kv_transfer_params: {"do_remote_decode": true}``) goes to the prefill
-backend; then the client's request, with the ``kv_transfer_params`` the prefill answer
-returned, goes to the decode backend, whose answer (streamed or not) is relayed. A
-failure of either is not retried: the client gets a 502 naming the backend.
+backend, and its one token is discarded; then the client's request, with the
+``kv_transfer_params`` the prefill answer returned, goes to the decode backend, whose
+answer (streamed or not) is relayed: its first token is the request's first token (TTFT,
+labelled by the decode instance), its tokens the request's output. A failure of either is
+not retried: the client gets a 502 naming the backend.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from olproute.server.schema import (
     validate,
 )
 from olproute.server.state import STATE, ServerState
+from olproute.server.tracker import Flight
 from olproute.types import Decision, Outcome, Request
 
 
@@ -166,28 +172,45 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
             return error_response(503, f"no backend after a failure: {decision.reason}",
                                   kind="backend_error")
     assert upstream is not None
-    name = backend.spec.name
-    headers = {"x-olproute-instance": name, "x-olproute-reason": _ascii(decision.reason)}
+    headers = {"x-olproute-instance": backend.spec.name,
+               "x-olproute-reason": _ascii(decision.reason)}
+    completed = False
     try:
-        if stream and upstream.status == 200:
-            return await _relay_stream(request, st, g, req, upstream, headers)
-        return await _relay_whole(st, g, req, upstream, headers)
+        relay = (_relay_stream(request, st, g, req, upstream, headers)
+                 if stream and upstream.status == 200
+                 else _relay_whole(st, g, req, upstream, headers))
+        resp, completed = await relay
+        return resp
     finally:
         upstream.release()
         flight = st.tracker.finished(g, req.request_id)
         if flight is not None:
-            end = st.now()
-            outcome = _outcome(req, g, flight.dispatch_s, flight.first_token_s, end,
-                               flight.tokens)
-            st.router.observe(outcome)
-            if flight.first_token_s is not None:
-                st.metrics.ttft_seconds.labels(name).observe(flight.first_token_s - req.arrival_s)
-                st.metrics.eel_seconds.labels(name).observe(end - req.arrival_s)
+            _record(st, req, g, None, flight, completed)
+
+
+def _record(st: ServerState, req: Request, g: int, decode_instance: int | None,
+            flight: Flight, completed: bool) -> None:
+    """Feed back to the policy the outcome of a request whose tokens ``flight`` followed
+    on backend ``g`` (on pools: ``g`` its prefill backend, ``flight`` its decode on
+    ``decode_instance``); sample its TTFT if the client got a first token, and its
+    end-to-end latency if ``completed`` (its whole answer reached the client)."""
+    name = st.loaded.specs[g if decode_instance is None else decode_instance].name
+    end = st.now() if completed else None
+    first = flight.first_token_s
+    dispatch = flight.dispatch_s if flight.origin is None else flight.origin.dispatch_s
+    st.router.observe(_outcome(req, g, dispatch, first, end, flight.tokens, decode_instance))
+    if first is not None:
+        st.metrics.ttft_seconds.labels(name).observe(first - req.arrival_s)
+        if end is not None:
+            st.metrics.eel_seconds.labels(name).observe(end - req.arrival_s)
 
 
 async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Request,
                         upstream: aiohttp.ClientResponse,
-                        headers: dict[str, str]) -> web.StreamResponse:
+                        headers: dict[str, str]) -> tuple[web.StreamResponse, bool]:
+    """Relay the backend's stream line by line; (the response, True if the backend's
+    stream ended cleanly and all of it went to the client). A client that leaves stops
+    the relay without blaming the backend; a backend stream that fails marks it."""
     resp = web.StreamResponse(status=200, headers={
         **headers, "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
         "Cache-Control": "no-cache"})
@@ -202,7 +225,7 @@ async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Requ
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                 # the client went away: not the backend's fault; stop its generation
                 upstream.close()
-                return resp
+                return resp, False
     except (TimeoutError, aiohttp.ClientError) as exc:
         st.tracker.mark_failure(g, st.now())
         st.metrics.errors.labels(st.loaded.specs[g].name, "mid_stream").inc()
@@ -210,16 +233,31 @@ async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Requ
                            "type": "backend_error"}}
         try:
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            return resp
-    await resp.write_eof()
-    return resp
+            pass
+        return resp, False
+    try:
+        await resp.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        return resp, False
+    return resp, True
 
 
 async def _relay_whole(st: ServerState, g: int, req: Request,
                        upstream: aiohttp.ClientResponse,
-                       headers: dict[str, str]) -> web.Response:
-    raw = await upstream.read()
+                       headers: dict[str, str]) -> tuple[web.Response, bool]:
+    """Relay the backend's whole answer; (the response, True if it is a 200 answer read
+    whole). A body that fails to arrive is a 502 and marks the backend."""
+    try:
+        raw = await upstream.read()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        st.tracker.mark_failure(g, st.now())
+        name = st.loaded.specs[g].name
+        st.metrics.errors.labels(name, "mid_stream").inc()
+        return error_response(502, f"backend {name} failed mid-answer: "
+                              f"{type(exc).__name__}", kind="backend_error",
+                              headers=headers), False
     if upstream.status == 200:
         try:
             usage = json.loads(raw).get("usage") or {}
@@ -229,7 +267,8 @@ async def _relay_whole(st: ServerState, g: int, req: Request,
         if tokens:
             st.tracker.token(g, req.request_id, st.now(), tokens)
     return web.Response(body=raw, status=upstream.status, headers={
-        **headers, "Content-Type": upstream.headers.get("Content-Type", "application/json")})
+        **headers, "Content-Type": upstream.headers.get("Content-Type", "application/json")}
+    ), upstream.status == 200
 
 
 def _outcome(req: Request, g: int | None, dispatch: float | None, first: float | None,
@@ -327,13 +366,12 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
                "x-olproute-reason": _ascii(decision.reason)}
     rid = req.request_id
     dispatch = st.now()
-    first: float | None = None
+    completed = False
     st.tracker.dispatched_pair(p, q, req, dispatch)
     try:
         answer = await _prefill(st, p, request.path, prefill_body(data, bp.spec.model),
                                 headers)
-        first = st.now()
-        st.tracker.prefilled(p, q, rid, first)
+        st.tracker.prefilled(p, q, rid, st.now())
         body = decode_body(data, bq.spec.model, decode_kv_params(answer, bp.spec.name))
         st.tracker.decode_sent(q, rid, st.now(), stream)
         upstream: aiohttp.ClientResponse | None = None
@@ -350,9 +388,11 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
                                       f"prefill on {bp.spec.name}: {failure}",
                                       kind="backend_error", headers=headers)
             assert upstream is not None
-            if stream and upstream.status == 200:
-                return await _relay_stream(request, st, q, req, upstream, headers)
-            return await _relay_whole(st, q, req, upstream, headers)
+            relay = (_relay_stream(request, st, q, req, upstream, headers)
+                     if stream and upstream.status == 200
+                     else _relay_whole(st, q, req, upstream, headers))
+            resp, completed = await relay
+            return resp
         finally:
             if upstream is not None:
                 upstream.release()
@@ -360,11 +400,9 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
         return failed.response
     finally:
         _, decode, handoff = st.tracker.released_pair(p, q, rid)
-        end = st.now()
-        tokens = (0 if first is None else 1) + (0 if decode is None else decode.tokens)
-        st.router.observe(_outcome(req, p, dispatch, first, end, tokens, q))
-        if first is not None:
-            st.metrics.ttft_seconds.labels(bp.spec.name).observe(first - req.arrival_s)
-            st.metrics.eel_seconds.labels(bq.spec.name).observe(end - req.arrival_s)
-        if handoff is not None and handoff.transfer_s is not None:
-            st.metrics.transfer_seconds.labels(bq.spec.name).observe(handoff.transfer_s)
+        if decode is not None:
+            _record(st, req, p, q, decode, completed)
+        else:  # the decode never started: no token reached the client
+            st.router.observe(_outcome(req, p, dispatch, None, None, 0, q))
+        if handoff is not None and handoff.handoff_s is not None:
+            st.metrics.handoff_seconds.labels(bq.spec.name).observe(handoff.handoff_s)

@@ -10,16 +10,21 @@ replay then over-estimates their remaining prefill, the safe side). Scraped gaug
 use than the tracker sees. Health: failures take a backend out; it is probed again after
 an exponentially growing backoff.
 
-Disaggregated prefill/decode pools: a dispatch names a prefill and a decode backend. The
-prefill backend holds the request as a flight (prompt, one output token) until its
-answer; the decode backend counts it as *inbound* (outstanding, and a row of
-``inbound_rows`` for the policies) from the dispatch until its decode starts: the decode
-stream's first token (the prefill's token, re-emitted once the KV cache has arrived), or,
-for a non-streamed decode, the moment the decode request is sent. It then becomes a flight
-there with its prompt (plus the first token) already computed. The time from the end of
-the prefill to the start of a streamed decode is the transfer phase as the router sees it
-(the KV transfer, plus the decode backend's admission); a non-streamed decode's start is
-not seen, so its transfer phase is not counted.
+Disaggregated prefill/decode pools (``olproute.disagg``): a dispatch names a prefill and a
+decode backend. The prefill backend holds the request as a flight (prompt, one output
+token, which is discarded) until its answer; the decode backend counts it as *inbound*
+(outstanding, and a row of ``inbound_rows`` for the policies) from the dispatch until its
+decode starts: the decode stream's first token or, for a non-streamed decode, the moment
+the decode request is sent. It then becomes a flight there as the decode backend serves
+it (``decode_view``: the whole prompt, all but its last token computed, all its outputs
+to come). The decode answer's tokens are all new; its first one is the request's first
+token (the client's TTFT): the decode stream's first token, or the arrival of a
+non-streamed decode answer.
+
+The *handoff* of a streamed decode is the time from the end of its prefill to its decode
+stream's first token: the KV transfer, the decode backend's queueing, and its first step
+(recompute the last prompt token, sample the first output). A non-streamed decode's first
+token is only seen with its whole answer, so its handoff is not counted.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import numpy.typing as npt
 
+from olproute.disagg import decode_admission
 from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec, Request
 
 
@@ -44,7 +50,6 @@ class Flight:
     first_token_s: float | None = None
     streamed: bool = True  # False: tokens are only known when the whole answer arrives
     computed_tokens: int = 0  # prompt tokens whose KV arrived computed (a decode flight)
-    skip_tokens: int = 0      # leading answer tokens that are not new (re-emitted)
     origin: Inbound | None = None  # a decode flight: its time as inbound
 
     @property
@@ -57,10 +62,11 @@ class Flight:
 @dataclass(slots=True)
 class Inbound:
     """A request bound for a decode backend whose decode has not started (mutable:
-    owned by the tracker). ``request`` is the decode backend's view of it: prompt plus
-    the first token, the predicted remaining output."""
+    owned by the tracker). ``request`` is the decode backend's view of it
+    and the prompt tokens whose KV arrives computed (``decode_view``)."""
 
     request: Request
+    computed_tokens: int
     dispatch_s: float
     prefill_end_s: float | None = None
     streamed: bool = True  # False once a non-streamed decode request was sent
@@ -69,31 +75,33 @@ class Inbound:
 @dataclass(frozen=True, slots=True)
 class Handoff:
     """A disaggregated request's phases (seconds on the server's clock): dispatch, end
-    of the prefill (its first token), start of the decode (its stream's first token);
-    ``transfer_s`` the time between the last two (None when a phase was not seen)."""
+    of the prefill (its answer), start of the decode (its stream's first token, the
+    request's first token); ``handoff_s`` the time between the last two (None when a
+    phase was not seen): the KV transfer, the decode's queueing and its first step."""
 
     dispatch_s: float
     prefill_end_s: float | None
     decode_start_s: float | None
 
     @property
-    def transfer_s(self) -> float | None:
+    def handoff_s(self) -> float | None:
         if self.prefill_end_s is None or self.decode_start_s is None:
             return None
         return self.decode_start_s - self.prefill_end_s
 
 
-def decode_view(request: Request) -> Request:
-    """The request as its decode backend serves it (``olproute.disagg.decode_admission``):
-    the prompt plus the first token, whose KV arrives computed, and the output after the
-    first token."""
-    return replace(request, prompt_tokens=request.prompt_tokens + 1,
-                   decode_tokens=max(request.decode_tokens - 1, 1),
-                   predicted_decode_tokens=max(request.predicted_decode_tokens - 1, 1))
+def decode_view(request: Request) -> tuple[Request, int]:
+    """(the request as its decode backend serves it, its prompt tokens whose KV arrives
+    computed), as ``olproute.disagg.decode_admission`` says: the same prompt, all but its
+    last token computed, and the same (predicted) output, all of it generated there."""
+    prompt, decode, computed = decode_admission(max(request.prompt_tokens, 1),
+                                                max(request.decode_tokens, 1))
+    return replace(request, prompt_tokens=prompt, decode_tokens=decode), computed
 
 
 def prefill_view(request: Request) -> Request:
-    """The request as its prefill backend serves it: the prompt and one output token."""
+    """The request as its prefill backend serves it: the prompt and one output token
+    (discarded by the proxy)."""
     return replace(request, decode_tokens=1, predicted_decode_tokens=1)
 
 
@@ -112,8 +120,8 @@ class BackendState:
     scraped: dict[str, float] = field(default_factory=dict)
     scraped_at_s: float | None = None
     batches_seen: int = 0
-    num_transfers: int = 0          # decodes started here after a remote prefill
-    transfer_seconds: float = 0.0   # their transfer phases, summed
+    num_handoffs: int = 0           # streamed decodes started here after a remote prefill
+    handoff_seconds: float = 0.0    # their handoffs (prefill end -> first token), summed
     # bumped on every change of what the views read; the views are cached per version
     version: int = 0
     cache: dict[str, tuple[int, object]] = field(default_factory=dict)
@@ -138,20 +146,14 @@ class Tracker:
         b.version += 1
 
     def token(self, g: int, request_id: int, now_s: float, count: int = 1) -> None:
-        """``count`` answer tokens arrived; the first one of an inbound request starts its
-        decode (and is the re-emitted first token, not a new one)."""
+        """``count`` new answer tokens arrived; the first one of an inbound request starts
+        its decode."""
         b = self.backends[g]
         f = b.flights.get(request_id)
         if f is None:
             if request_id not in b.inbound:
                 return
             f = self._start_decode(b, request_id, now_s)
-        if f.skip_tokens:
-            skipped = min(count, f.skip_tokens)
-            f.skip_tokens -= skipped
-            count -= skipped
-            if count <= 0:
-                return
         if f.first_token_s is None:
             f.first_token_s = now_s
         f.tokens += count
@@ -164,24 +166,21 @@ class Tracker:
 
     # -- disaggregated pools ---------------------------------------------------------------
     def dispatched_pair(self, p: int, d: int, request: Request, now_s: float) -> None:
-        """A disaggregated dispatch: the prefill on ``p`` (waiting until its answer, which
-        is its one token) and the request inbound on ``d``."""
+        """A disaggregated dispatch: the prefill on ``p`` (waiting until its answer, its
+        one discarded token) and the request inbound on ``d``."""
         rid = request.request_id
         bp, bd = self.backends[p], self.backends[d]
         bp.flights[rid] = Flight(prefill_view(request), now_s)
-        bd.inbound[rid] = Inbound(decode_view(request), now_s)
+        bd.inbound[rid] = Inbound(*decode_view(request), now_s)
         bp.version += 1
         bd.version += 1
 
     def prefilled(self, p: int, d: int, request_id: int, now_s: float) -> Flight | None:
-        """The prefill on ``p`` answered at ``now_s`` (the request's first token): its
-        flight ends and the transfer phase to ``d`` begins."""
+        """The prefill on ``p`` answered at ``now_s`` (not the request's first token: its
+        token is discarded): its flight ends and the handoff to ``d`` begins."""
         bp = self.backends[p]
         f = bp.flights.pop(request_id, None)
         bp.version += 1
-        if f is not None:
-            f.first_token_s = now_s
-            f.tokens = max(f.tokens, 1)
         inbound = self.backends[d].inbound.get(request_id)
         if inbound is not None:
             inbound.prefill_end_s = now_s
@@ -202,11 +201,11 @@ class Tracker:
         inbound = b.inbound.pop(request_id)
         req = inbound.request
         f = Flight(req, now_s, streamed=inbound.streamed,
-                   computed_tokens=req.prompt_tokens - 1, skip_tokens=1, origin=inbound)
+                   computed_tokens=inbound.computed_tokens, origin=inbound)
         b.flights[request_id] = f
         if inbound.prefill_end_s is not None and inbound.streamed:
-            b.num_transfers += 1
-            b.transfer_seconds += now_s - inbound.prefill_end_s
+            b.num_handoffs += 1
+            b.handoff_seconds += now_s - inbound.prefill_end_s
         b.version += 1
         return f
 
@@ -228,9 +227,11 @@ class Tracker:
         return prefill, decode, handoff
 
     def inbound_rows(self) -> tuple[npt.NDArray[np.float64] | None, ...]:
-        """Per backend, the (prompt + first token, predicted remaining decode, dispatch
-        time) rows of the requests inbound there in dispatch order; None when none
-        (``RoutingContext.inbound``)."""
+        """Per backend, the (prompt, predicted decode, dispatch time) rows of the requests
+        bound for it as their decode backend whose decode has not started there (in
+        prefill, in transfer, or queued there before a streamed decode's first token), in
+        dispatch order; None when none (``RoutingContext.inbound``, as the simulator
+        gives it)."""
         out: list[npt.NDArray[np.float64] | None] = []
         for b in self.backends:
             if not b.inbound:

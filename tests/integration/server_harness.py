@@ -4,8 +4,10 @@ thread's event loop so that tests (and hypothesis) can talk plain synchronous HT
 The fake backend speaks just enough OpenAI: completions and chat completions, streamed
 one chunk per token after ``delay_s`` each, or whole; ``/health``; ``/metrics`` with the
 vLLM gauge names. Its ``mode`` scripts failures: ``ok``, ``fail500`` (5xx before the
-first byte), ``cut`` (drops the connection after ``cut_after`` chunks). ``extra`` is merged
-into its whole (non-streamed) answers (e.g. a prefill's ``kv_transfer_params``).
+first byte), ``fail400`` (the backend refuses the request), ``cut`` (drops the
+connection after ``cut_after`` chunks). ``extra`` is merged into its whole (non-streamed)
+answers (e.g. a prefill's ``kv_transfer_params``).
+``client_gone`` counts the streams its client (the router) closed before their end.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class FakeState:
     requests: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    client_gone: int = 0
 
 
 STATE = web.AppKey("fake_state", FakeState)
@@ -47,6 +50,8 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     st.bodies.append(body)
     if st.mode == "fail500":
         return web.json_response({"error": "boom"}, status=500)
+    if st.mode == "fail400":
+        return web.json_response({"error": {"message": "no", "param": "prompt"}}, status=400)
     n = int(body.get("max_tokens", 4))
     chat = request.path.endswith("chat/completions")
     if not body.get("stream"):
@@ -60,6 +65,15 @@ async def _complete(request: web.Request) -> web.StreamResponse:
                                             "total_tokens": n + 1}, **st.extra})
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
+    try:
+        return await _stream(request, resp, st, n, chat)
+    except (ConnectionResetError, asyncio.CancelledError):
+        st.client_gone += 1  # a write to a closed connection, or the handler cancelled
+        raise
+
+
+async def _stream(request: web.Request, resp: web.StreamResponse, st: FakeState, n: int,
+                  chat: bool) -> web.StreamResponse:
     for i in range(n):
         await asyncio.sleep(st.delay_s)
         if st.mode == "cut" and i == st.cut_after:

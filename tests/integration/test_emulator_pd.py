@@ -1,7 +1,8 @@
 """Emulated instances with roles, spoken to over HTTP as the router's disaggregated
 dispatch does: a prefill instance answers ``do_remote_decode`` with the KV transfer
 parameters, a decode instance takes ``do_remote_prefill`` after the modelled transfer
-delay and decodes with the prompt computed."""
+delay and decodes with all but the last prompt token computed, generating every output
+token itself."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from olproute.config import load_config
 from olproute.disagg import KvTransfer
@@ -82,20 +84,34 @@ async def test_prefill_answers_with_kv_params_and_decode_waits_the_transfer(
 
     text = await _stream_text(http, dec.url, {"prompt": prompt, "max_tokens": 6,
                                               "kv_transfer_params": params})
-    assert text == generated_text(6)  # the prefill's token re-emitted, then five more
+    assert text == generated_text(6)  # six new tokens, the first one included
     status, whole = await _post(http, dec.url, {"prompt": prompt, "max_tokens": 1,
                                                 "kv_transfer_params": params})
     assert status == 200 and whole["choices"][0]["text"] == generated_text(1)
+    assert whole["usage"] == {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41}
     transfer = KvTransfer.of(LOADED.profiles.models["qwen2.5-3b"], LOADED.config.transfer)
     expected = transfer.seconds(40) * TIME_SCALE
     assert [(r.prompt_tokens, r.remote_engine_id) for r in dec.instance.kv_transfers] == [
         (40, "pre"), (40, "pre")]
     assert all(r.delay_s == pytest.approx(expected) for r in dec.instance.kv_transfers)
-    # the decode engine ran one one-token step per generated token, never the prompt:
-    # the first step feeds the re-emitted token (a one-token chunk over the 40 computed)
+    # the decode engine ran one one-token step per output token (6, then 1 for the
+    # one-token answer, which is decoded too); each request's first step recomputes its
+    # last prompt token (a one-token prefill chunk over the 39 computed) and samples
+    # its first output
     _, rows = dec.instance.batch_records()
-    assert [row[4] for row in rows] == [1.0] * 5                    # num_tokens
-    assert [row[7] for row in rows] == [1.0, 0.0, 0.0, 0.0, 0.0]    # num_prefill_tokens
+    assert [row[4] for row in rows] == [1.0] * 7                            # num_tokens
+    assert [row[7] for row in rows] == [1.0, 0, 0, 0, 0, 0, 1.0]           # prefill tokens
+
+    # vLLM's metrics: the decode's first token is a normal first token (its TTFT counted
+    # from its arrival, before the transfer), its whole prompt counted, all its outputs
+    samples = {(s.name, s.labels.get("finished_reason")): s.value
+               for f in text_string_to_metric_families(
+                   (await (await http.get(dec.url + "/metrics")).read()).decode())
+               for s in f.samples if "le" not in s.labels}
+    assert samples[("vllm:time_to_first_token_seconds_count", None)] == 2
+    assert samples[("vllm:prompt_tokens_total", None)] == 80
+    assert samples[("vllm:generation_tokens_total", None)] == 7
+    assert samples[("vllm:request_success_total", "length")] == 2
 
 
 async def test_roles_refuse_the_other_side(pair: tuple[RunningEmulator, RunningEmulator],

@@ -236,6 +236,39 @@ def test_killed_backend_ends_the_stream_with_an_error_and_is_avoided(stack: Stac
     assert stack.call(lambda: [b.flights for b in st[STATE].tracker.backends]) == [{}, {}, {}]
 
 
+def test_a_stream_cut_midway_is_recorded_unfinished_with_its_first_token(
+        stack: Stack) -> None:
+    from olproute.server.state import STATE
+    from olproute.types import Outcome
+
+    outcomes: list[Outcome] = []
+    router = stack.app[STATE].router
+    observe = router.observe
+
+    def recording(outcome: Outcome) -> None:
+        outcomes.append(outcome)
+        observe(outcome)
+
+    stack.call(lambda: setattr(router, "observe", recording))
+    for fake in stack.fakes:
+        fake.mode, fake.cut_after, fake.delay_s = "cut", 2, 0.02
+    status, _, lines = stream(stack.url, "/v1/completions",
+                              {"prompt": "a", "max_tokens": 8, "stream": True})
+    assert status == 200 and b"backend stream ended early" in lines[-1][1]
+    assert wait_until(lambda: len(outcomes) == 1)  # recorded once the relay returned
+    [o] = outcomes
+    assert o.first_token_s is not None and o.decode_tokens == 2
+    assert o.finish_s is None  # not finished: no end-to-end latency for it
+    counts = {name: 0.0 for name in ("olproute_eel_seconds_count",
+                                     "olproute_ttft_seconds_count")}
+    for family in text_string_to_metric_families(
+            request(stack.url, "GET", "/metrics")[2].decode()):
+        for sample in family.samples:
+            if sample.name in counts:
+                counts[sample.name] += sample.value
+    assert counts == {"olproute_eel_seconds_count": 0.0, "olproute_ttft_seconds_count": 1.0}
+
+
 def test_reload_needs_the_token_and_keeps_serving_on_a_bad_file(tmp_path: Path) -> None:
     path = _config(tmp_path)
     loaded = load_config(path)
@@ -341,21 +374,24 @@ def test_embedded_default_emulates_backends_and_streams(tmp_path: Path) -> None:
 
 def test_a_client_leaving_mid_stream_is_not_a_backend_failure(stack: Stack) -> None:
     for fake in stack.fakes:
-        fake.delay_s = 0.05
+        fake.delay_s = 0.05  # 200 tokens: a 10 s stream, cut by the client after its first
     u = urlparse(stack.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
     conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
-                 body=json.dumps({"prompt": "a", "max_tokens": 40, "stream": True}).encode())
+                 body=json.dumps({"prompt": "a", "max_tokens": 200, "stream": True}).encode())
     resp = conn.getresponse()
     victim = int(resp.getheader("x-olproute-instance", "q--1").split("-")[1])
     assert resp.readline().startswith(b"data: {")
-    conn.sock.shutdown(2)  # the client goes away with 39 tokens to come
+    conn.sock.shutdown(2)  # the client goes away with 199 tokens to come
     conn.close()
     from olproute.server.state import STATE
 
     st = stack.app
-    # its flight ends (the relay noticed) and the backend is not blamed for it
+    # the relay noticed: it closed the backend's stream before its end, and the flight ended
+    assert wait_until(lambda: stack.fakes[victim].client_gone == 1)
     assert wait_until(lambda: stack.call(
         lambda: sum(len(b.flights) for b in st[STATE].tracker.backends)) == 0)
+    assert [f.client_gone for f in stack.fakes] == [int(i == victim) for i in range(3)]
+    # and the backend is not blamed for it
     inst = json.loads(request(stack.url, "GET", "/instances")[2])["instances"]
     assert inst[victim]["healthy"] and inst[victim]["failures"] == 0

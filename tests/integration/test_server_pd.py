@@ -1,8 +1,9 @@
 """Disaggregated prefill/decode dispatch through the real router on 127.0.0.1: every
-request is prefilled once (``max_tokens: 1``) on a prefill backend and decoded once on a
-decode backend, with the KV transfer parameters passed between them; over emulated
-instances (the transfer delay recorded by the decode emulators) and over scriptable
-fakes (the exact bodies, and failures)."""
+request is prefilled once (``max_tokens: 1``, its token discarded) on a prefill backend
+and decoded once, all its tokens, on a decode backend, whose first token is the client's
+first; the KV transfer parameters pass between them. Over emulated instances (the
+transfer delay recorded by the decode emulators) and over scriptable fakes (the exact
+bodies, and failures recorded as unfinished requests)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from olproute.config import ConfigError, LoadedConfig, load_config
 from olproute.disagg import KvTransfer
+from olproute.emulator.engine import BATCH_COLUMNS
 from olproute.emulator.protocol import generated_text
 from olproute.server.proxy import PREFILL_KV_PARAMS
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import Outcome
-from tests.integration.server_harness import Stack
+from tests.integration.server_harness import Stack, wait_until
 from tests.integration.test_server import CAL, request, stream
 
 TIME_SCALE = 0.2
@@ -79,14 +81,20 @@ def _bookkeeping(s: Stack) -> list[tuple[int, int]]:
                            for b in s.app[STATE].tracker.backends])
 
 
-def _samples(text: str) -> dict[str, float]:
-    """Sample values by name, summed over labels (histogram buckets left out)."""
+def _samples(text: str, **labels: str) -> dict[str, float]:
+    """Sample values by name, summed over the samples with ``labels`` (histogram buckets
+    left out)."""
     out: Counter[str] = Counter()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if "le" not in sample.labels:
+            if "le" not in sample.labels and all(sample.labels.get(k) == v
+                                                 for k, v in labels.items()):
                 out[sample.name] += sample.value
     return dict(out)
+
+
+def _router_samples(s: Stack, **labels: str) -> dict[str, float]:
+    return _samples(request(s.url, "GET", "/metrics")[2].decode(), **labels)
 
 
 # -- over emulated instances -------------------------------------------------------------
@@ -132,7 +140,7 @@ def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy
             assert status == 200
             assert headers["x-olproute-instance"] in prefill
             assert headers["x-olproute-decode-instance"] in decode
-            assert text == generated_text(max_tokens)  # the first token re-emitted, then more
+            assert text == generated_text(max_tokens)  # all from the decode instance
 
         emus = {e.name: e.instance for e in s.app[STATE].emulators}
         # the prefill instances ran each prompt once, for one token, for a remote decode
@@ -144,10 +152,18 @@ def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy
         assert sum(metrics[n]["vllm:generation_tokens_total"] for n in prefill) == len(REQUESTS)
         assert sum(metrics[n]["vllm:prompt_tokens_total"] for n in prefill) == sum(
             w for w, *_ in REQUESTS)
-        # the decode instances computed no prompt, and generated the rest of each answer
-        assert sum(metrics[n]["vllm:prompt_tokens_total"] for n in decode) == 0
+        # the decode instances generated every output token (one-token answers included),
+        # and computed one prompt token per request (the last: the rest arrived computed);
+        # like vLLM they count each request's whole prompt and its first token's TTFT
         assert sum(metrics[n]["vllm:generation_tokens_total"] for n in decode) == sum(
-            m - 1 for _, m, _, _ in REQUESTS)
+            m for _, m, _, _ in REQUESTS)
+        assert sum(metrics[n]["vllm:time_to_first_token_seconds_count"]
+                   for n in decode) == len(REQUESTS)
+        assert sum(metrics[n]["vllm:prompt_tokens_total"] for n in decode) == sum(
+            w for w, *_ in REQUESTS)
+        prefill_col = BATCH_COLUMNS.index("num_prefill_tokens")
+        assert sum(row[prefill_col] for n in decode
+                   for row in emus[n].batch_records()[1]) == len(REQUESTS)
 
         # each KV cache moved once, to a decode instance, taking the modelled time
         model = loaded.profiles.models["qwen2.5-3b"]
@@ -160,7 +176,7 @@ def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy
             assert r.delay_s == pytest.approx(transfer.seconds(r.prompt_tokens) * TIME_SCALE)
             assert r.delay_s >= TRANSFER["latency_ms"] / 1e3 * TIME_SCALE
 
-        # the router's outcomes: TTFT at the prefill's end, every token counted
+        # the router's outcomes: the decode's tokens, its first token the request's first
         assert sorted(o.decode_tokens for o in outcomes) == sorted(m for _, m, *_ in REQUESTS)
         names = [s_.name for s_ in loaded.specs]
         for o in outcomes:
@@ -169,12 +185,15 @@ def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy
             assert o.dispatch_s is not None and o.first_token_s is not None
             assert o.finish_s is not None
             assert o.dispatch_s <= o.first_token_s <= o.finish_s
-        router = _samples(request(s.url, "GET", "/metrics")[2].decode())
-        assert router["olproute_ttft_seconds_count"] == len(REQUESTS)
+        # TTFT and end-to-end latency sampled once per request, by decode instance
+        for metric in ("olproute_ttft_seconds_count", "olproute_eel_seconds_count"):
+            assert sum(_router_samples(s, instance=n).get(metric, 0) for n in decode) == len(
+                REQUESTS)
+            assert sum(_router_samples(s, instance=n).get(metric, 0) for n in prefill) == 0
         streamed = sum(1 for r in REQUESTS if r[2])
-        assert router["olproute_transfer_seconds_count"] == streamed
+        assert _router_samples(s)["olproute_handoff_seconds_count"] == streamed
         inst = json.loads(request(s.url, "GET", "/instances")[2])["instances"]
-        assert sum(i["transfers"] for i in inst) == streamed
+        assert sum(i["handoffs"] for i in inst) == streamed
         assert {i["name"]: i["role"] for i in inst} == {n: ("prefill" if n in prefill
                                                             else "decode") for n in emus}
         assert _bookkeeping(s) == [(0, 0)] * len(loaded.specs)
@@ -195,6 +214,7 @@ def fake_pd(tmp_path: Path) -> Iterator[Stack]:
 
 def test_prefill_gets_one_token_and_decode_the_request_with_kv_params(fake_pd: Stack) -> None:
     prefill, decode = fake_pd.fakes
+    outcomes = _record_outcomes(fake_pd)
     status, headers, lines = stream(fake_pd.url, "/v1/completions",
                                     {"prompt": "a b c", "max_tokens": 4, "stream": True,
                                      "stream_options": {"include_usage": True}})
@@ -211,6 +231,14 @@ def test_prefill_gets_one_token_and_decode_the_request_with_kv_params(fake_pd: S
     assert dbody["kv_transfer_params"] == {"do_remote_prefill": True, "remote_engine_id": "p"}
     assert dbody["max_tokens"] == 4 and dbody["stream"] is True
     assert dbody["stream_options"] == {"include_usage": True}
+    # the prefill's token is not the client's: the request's tokens are the decode's four,
+    # its first token the decode's first (TTFT labelled by the decode backend)
+    assert wait_until(lambda: len(outcomes) == 1)
+    [o] = outcomes
+    assert (o.instance, o.decode_instance, o.decode_tokens) == (0, 1, 4)
+    assert o.first_token_s is not None and o.finish_s is not None
+    assert _router_samples(fake_pd, instance="d")["olproute_ttft_seconds_count"] == 1
+    assert "olproute_ttft_seconds_count" not in _router_samples(fake_pd, instance="p")
 
     # a prefill answer with kv_transfer_params (as vLLM's): passed on as they are
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
@@ -248,16 +276,97 @@ def test_prefill_failure_is_a_502_naming_it_and_nothing_is_decoded(fake_pd: Stac
     assert inst[1]["in_flight"] == 0
 
 
-def test_decode_failure_is_a_502_naming_it_and_releases_bookkeeping(fake_pd: Stack) -> None:
+def _unfinished(s: Stack, outcomes: list[Outcome], tokens: int) -> Outcome:
+    """The one outcome, recorded as not finished with ``tokens`` tokens (a first token
+    only if the client got one); no end-to-end latency sampled; bookkeeping released."""
+    assert wait_until(lambda: len(outcomes) == 1)
+    [o] = outcomes
+    assert o.finish_s is None and o.decode_tokens == tokens
+    assert (o.first_token_s is not None) == (tokens > 0)
+    assert (o.instance, o.decode_instance) == (0, 1)
+    router = _router_samples(s)
+    assert router.get("olproute_eel_seconds_count", 0) == 0
+    assert router.get("olproute_ttft_seconds_count", 0) == (tokens > 0)
+    assert _bookkeeping(s) == [(0, 0), (0, 0)]
+    return o
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_decode_failure_is_a_502_naming_it_and_an_unfinished_request(
+        fake_pd: Stack, streamed: bool) -> None:
     prefill, decode = fake_pd.fakes
     decode.mode = "fail500"
+    outcomes = _record_outcomes(fake_pd)
     status, _, raw = request(fake_pd.url, "POST", "/v1/completions",
-                             {"prompt": "a b", "max_tokens": 3, "stream": True})
+                             {"prompt": "a b", "max_tokens": 3, "stream": streamed})
     assert status == 502
     assert json.loads(raw)["error"]["message"] == (
         "decode backend d failed after the prefill on p: status 500")
     assert prefill.requests == 1 and decode.requests == 1
-    assert _bookkeeping(fake_pd) == [(0, 0), (0, 0)]
+    _unfinished(fake_pd, outcomes, 0)
+    inst = json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
+    assert inst[0]["failures"] == 0 and inst[1]["failures"] >= 1
+
+
+def test_unreachable_decode_is_a_502_and_an_unfinished_request(fake_pd: Stack) -> None:
+    fake_pd.kill_backend(1)
+    outcomes = _record_outcomes(fake_pd)
+    status, _, raw = request(fake_pd.url, "POST", "/v1/completions",
+                             {"prompt": "a b", "max_tokens": 3, "stream": True})
+    assert status == 502
+    assert json.loads(raw)["error"]["message"].startswith(
+        "decode backend d failed after the prefill on p: connect: ")
+    _unfinished(fake_pd, outcomes, 0)
+
+
+def test_decode_refusal_is_passed_on_and_an_unfinished_request(fake_pd: Stack) -> None:
+    decode = fake_pd.fakes[1]
+    decode.mode = "fail400"
+    outcomes = _record_outcomes(fake_pd)
+    status, headers, raw = request(fake_pd.url, "POST", "/v1/completions",
+                                   {"prompt": "a b", "max_tokens": 3, "stream": True})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "prompt"
+    assert headers["x-olproute-decode-instance"] == "d"
+    _unfinished(fake_pd, outcomes, 0)
+    inst = json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
+    assert [i["failures"] for i in inst] == [0, 0]  # the backend's own answer, not a failure
+
+
+def test_decode_cut_midway_is_an_unfinished_request_with_its_first_token(
+        fake_pd: Stack) -> None:
+    decode = fake_pd.fakes[1]
+    decode.mode, decode.cut_after = "cut", 2
+    outcomes = _record_outcomes(fake_pd)
+    status, _, lines = stream(fake_pd.url, "/v1/completions",
+                              {"prompt": "a b", "max_tokens": 6, "stream": True})
+    assert status == 200 and b"backend stream ended early" in lines[-1][1]
+    o = _unfinished(fake_pd, outcomes, 2)  # the client got two tokens, then the error
+    assert o.first_token_s is not None
+    assert _router_samples(fake_pd, instance="d")["olproute_ttft_seconds_count"] == 1
+    inst = json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
+    assert inst[0]["failures"] == 0 and inst[1]["failures"] >= 1
+
+
+def test_route_on_pools_leaves_no_reservation_in_the_policy() -> None:
+    loaded = load_config(Path(__file__).parents[2] / "configs" / "pd.yaml")
+    s = _stack(loaded, num_fakes=0)  # the embedded emulators, idle: nothing is dispatched
+    try:
+        policy = s.app[STATE].router.policy
+        assert hasattr(policy, "_inbound")
+        actions: Counter[str] = Counter()
+        for i in range(40):
+            status, _, raw = request(s.url, "POST", "/route",
+                                     {"prompt_tokens": 200 + 50 * i, "max_tokens": 100})
+            assert status == 200
+            answer = json.loads(raw)
+            actions[answer["action"]] += 1
+            if answer["action"] == "dispatch":
+                assert answer["decode_instance"] is not None
+        assert actions["dispatch"] > 0  # decisions that took capacity, then were forgotten
+        assert s.call(lambda: dict(policy._inbound)) == {}
+        assert _bookkeeping(s) == [(0, 0)] * len(loaded.specs)
+    finally:
+        s.close()
 
 
 def test_backend_role_must_match_its_instance(tmp_path: Path) -> None:

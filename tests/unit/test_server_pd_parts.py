@@ -1,5 +1,7 @@
 """Disaggregated dispatch below HTTP: the prefill and decode bodies, the tracker's
-prefill / inbound / decode bookkeeping, the router's health rerouting within pools, and
+prefill / inbound / decode bookkeeping (``olproute.disagg``'s semantics: the prefill's
+token discarded, the decode with all but the last prompt token computed giving every
+output token), the router's health rerouting within pools, and
 the emulator's ``kv_transfer_params`` parsing."""
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from olproute.emulator.protocol import (
 )
 from olproute.router import Router
 from olproute.server.proxy import PREFILL_KV_PARAMS, decode_body, decode_kv_params, prefill_body
-from olproute.server.tracker import Tracker
+from olproute.server.tracker import Tracker, decode_view
 from olproute.types import InstanceSpec, Request
 from tests.conftest import PROFILES
 
@@ -69,7 +71,7 @@ def test_decode_body_is_the_clients_with_the_kv_params() -> None:
 
 
 # -- tracker --------------------------------------------------------------------------------
-def test_tracker_follows_a_streamed_pair_through_prefill_transfer_and_decode() -> None:
+def test_tracker_follows_a_streamed_pair_through_prefill_handoff_and_decode() -> None:
     t = Tracker([P, D], ["http://p", "http://d"])
     req = _request(prompt=20, max_tokens=5)
     t.dispatched_pair(0, 1, req, 1.0)
@@ -78,44 +80,67 @@ def test_tracker_follows_a_streamed_pair_through_prefill_transfer_and_decode() -
     assert (loads[1].num_waiting, loads[1].num_outstanding) == (0, 1)
     rows = t.inbound_rows()
     assert rows[0] is None and rows[1] is not None
-    np.testing.assert_array_equal(rows[1], [[21.0, 4.0, 1.0]])  # prompt + 1, 5 - 1, dispatch
+    np.testing.assert_array_equal(rows[1], [[20.0, 5.0, 1.0]])  # prompt, decode, dispatch
     # the prefill waits for its prompt and one token
     np.testing.assert_array_equal(t.snapshot(0, 1.0).table, [[20, 0, 1, 0, 0]])
     assert t.snapshot(1, 1.0).num_resident == 0
 
-    t.prefilled(0, 1, req.request_id, 2.0)
+    prefill = t.prefilled(0, 1, req.request_id, 2.0)
+    assert prefill is not None and prefill.first_token_s is None  # its token is discarded
     assert t.loads(2.0)[0].num_outstanding == 0
     assert t.loads(2.0)[1].num_outstanding == 1
     t.decode_sent(1, req.request_id, 2.1, streamed=True)
     assert t.inbound_rows()[1] is not None  # still inbound: the decode has not started
 
-    t.token(1, req.request_id, 2.5)  # the re-emitted first token: decode starts, KV here
+    t.token(1, req.request_id, 2.5)  # the decode's first token: new, the request's first
     assert t.inbound_rows()[1] is None
-    np.testing.assert_array_equal(t.snapshot(1, 2.5).table, [[21, 0, 4, 20, 0]])
-    t.token(1, req.request_id, 2.6)  # the first new token
-    np.testing.assert_array_equal(t.snapshot(1, 2.6).table, [[21, 1, 4, 21, 2]])
-    assert t.backends[1].num_transfers == 1
-    assert t.backends[1].transfer_seconds == pytest.approx(0.5)
+    # running, one token out, the whole prompt and that token in context (20 + 1 = 2 blocks)
+    np.testing.assert_array_equal(t.snapshot(1, 2.5).table, [[20, 1, 5, 20, 2]])
+    t.token(1, req.request_id, 2.6)
+    np.testing.assert_array_equal(t.snapshot(1, 2.6).table, [[20, 2, 5, 21, 2]])
+    assert t.backends[1].num_handoffs == 1
+    assert t.backends[1].handoff_seconds == pytest.approx(0.5)
 
     prefill, decode, handoff = t.released_pair(0, 1, req.request_id)
-    assert prefill is None and decode is not None and decode.tokens == 1
-    assert handoff is not None and handoff.transfer_s == pytest.approx(0.5)
+    assert prefill is None and decode is not None
+    assert (decode.tokens, decode.first_token_s, decode.computed_tokens) == (2, 2.5, 19)
+    assert decode.origin is not None and decode.origin.dispatch_s == 1.0
+    assert handoff is not None and handoff.handoff_s == pytest.approx(0.5)
     assert (handoff.dispatch_s, handoff.prefill_end_s) == (1.0, 2.0)
     assert [len(b.flights) + len(b.inbound) for b in t.backends] == [0, 0]
 
 
-def test_tracker_non_streamed_decode_starts_when_sent_and_counts_no_transfer() -> None:
+def test_a_decode_queued_behind_others_waits_with_all_but_its_last_prompt_token() -> None:
+    # a non-streamed decode starts when sent; one past max_num_seqs (4) waits, and its
+    # snapshot row says what the decode backend must still compute: one prompt token
+    t = Tracker([P, D], ["http://p", "http://d"])
+    for rid in range(5):
+        req = _request(rid=rid, prompt=20, max_tokens=5)
+        t.dispatched_pair(0, 1, req, float(rid))
+        t.prefilled(0, 1, rid, 10.0)
+        t.decode_sent(1, rid, 10.0 + rid, streamed=False)
+    table = t.snapshot(1, 20.0).table
+    np.testing.assert_array_equal(table[-1], [20, 0, 5, 19, 0])
+
+
+def test_decode_view_is_the_request_with_all_but_its_last_prompt_token_computed() -> None:
+    req = _request(prompt=20, max_tokens=1)
+    view, computed = decode_view(req)
+    assert (view, computed) == (req, 19)  # a one-token answer is decoded too
+
+
+def test_tracker_non_streamed_decode_starts_when_sent_and_counts_no_handoff() -> None:
     t = Tracker([P, D], ["http://p", "http://d"])
     req = _request(max_tokens=6)
     t.dispatched_pair(0, 1, req, 0.0)
     t.prefilled(0, 1, req.request_id, 1.0)
     t.decode_sent(1, req.request_id, 1.2, streamed=False)
     assert t.inbound_rows()[1] is None and t.loads(1.2)[1].num_running == 1
-    t.token(1, req.request_id, 3.0, 6)  # the whole answer: the re-emitted token and 5 new
+    t.token(1, req.request_id, 3.0, 6)  # the whole answer: six new tokens
     _, decode, handoff = t.released_pair(0, 1, req.request_id)
-    assert decode is not None and decode.tokens == 5
-    assert handoff is not None and handoff.transfer_s is None
-    assert t.backends[1].num_transfers == 0
+    assert decode is not None and (decode.tokens, decode.first_token_s) == (6, 3.0)
+    assert handoff is not None and handoff.handoff_s is None
+    assert t.backends[1].num_handoffs == 0
 
 
 def test_tracker_releases_a_pair_that_failed_in_prefill() -> None:
@@ -124,7 +149,7 @@ def test_tracker_releases_a_pair_that_failed_in_prefill() -> None:
     t.dispatched_pair(0, 1, req, 0.0)
     prefill, decode, handoff = t.released_pair(0, 1, req.request_id)
     assert prefill is not None and decode is None
-    assert handoff is not None and handoff.prefill_end_s is None and handoff.transfer_s is None
+    assert handoff is not None and handoff.prefill_end_s is None and handoff.handoff_s is None
     assert t.loads(0.0)[1].num_outstanding == 0 and t.inbound_rows() == (None, None)
 
 
