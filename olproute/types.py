@@ -192,7 +192,9 @@ class Decision:
 class Outcome:
     """What happened to one request; fed back to the policy through ``observe``.
 
-    ``first_token_s`` and ``finish_s`` are None for a request that was shed.
+    ``first_token_s`` and ``finish_s`` are None for a request that was shed;
+    ``finish_s`` is None (and ``first_token_s`` too unless the client got a token) for
+    one that did not finish (its backend failed, or its client left).
     """
 
     request_id: int
