@@ -93,6 +93,9 @@ class Router:
                  for a, b in ((d.instance, p), (d.decode_instance, q)) if a != b]
         if not moved:
             return d
+        rerouted = getattr(self.policy, "rerouted", None)
+        if rerouted is not None:  # the policy moves what it holds for the request too
+            rerouted(request.request_id, p, q)
         return replace(d, instance=p, decode_instance=q,
                        reason=f"{'; '.join(moved)} ({d.reason})")
 

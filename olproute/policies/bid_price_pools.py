@@ -370,6 +370,15 @@ class PoolBidPrice:
     def observe(self, outcome: Outcome) -> None:
         self.forget(outcome.request_id)
 
+    def rerouted(self, request_id: int, prefill: int, decode: int) -> None:
+        """The router moved a dispatch to other instances (global indices; the first was
+        unhealthy): the request's decode column is now held on the new decode instance.
+        The capacity taken at once on the old ones comes back at the next tick."""
+        b = self._inbound.get(request_id)
+        local = np.flatnonzero(self._dec == decode)
+        if b is not None and local.size:
+            self._inbound[request_id] = replace(b, decode=int(local[0]))
+
     def forget(self, request_id: int) -> None:
         """Drop what is kept for a request until its outcome."""
         self._seen.discard(request_id)

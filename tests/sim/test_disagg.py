@@ -311,3 +311,30 @@ def test_recalibrated_beta_reaches_the_right_pool_instance() -> None:
     assert policy._beta[4].tolist() == [0.25, 0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="4 coefficients"):
         router.set_beta(0, (1.0, 2.0))
+
+
+def test_a_rerouted_dispatch_moves_its_decode_column_with_it() -> None:
+    """The router moves a bid_price pair off an unhealthy decode engine: the policy then
+    holds the request's decode column on the engine it actually goes to."""
+    from olproute.router import Router
+    from olproute.sim.engine import SimEngine
+    from olproute.sim.scenario import build_timers
+
+    loaded = pd_config(router={"policy": "bid_price"})
+    router = Router(loaded, CalibrationSource(loaded))
+    engines = [SimEngine(g, s, t) for g, (s, t) in enumerate(
+        zip(loaded.specs, build_timers(loaded), strict=True))]
+    loads = tuple(e.load(0) for e in engines)
+    snaps = tuple(e.snapshot(0.0) for e in engines)
+    req = router.new_request(0.0, 500, 50, 1.0)
+    first = router.decide(req, 0.0, loads, snaps, [True] * 6)
+    assert first.action == "dispatch" and first.decode_instance is not None
+    policy: Any = router.policy
+    policy.forget(req.request_id)
+    healthy = [True] * 6
+    healthy[first.decode_instance] = False
+    d = router.decide(req, 0.0, loads, snaps, healthy)
+    assert d.decode_instance is not None and d.decode_instance != first.decode_instance
+    assert "unhealthy" in d.reason
+    held = policy._inbound[req.request_id].decode
+    assert int(policy._dec[held]) == d.decode_instance
