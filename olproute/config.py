@@ -207,7 +207,7 @@ class RewardConfig(_Frozen):
 class PriceConfig(_Frozen):
     """Online learning of the shadow prices (projected mini-batch SAA dual steps)."""
 
-    enabled: bool = True
+    enabled: bool = True   # false: prices stay 0 (free-capacity checks still run each period)
     period_slots: int = Field(default=10, ge=1)    # update every this many slots
     steps_per_period: int = Field(default=5, ge=1)  # K dual steps per update
     # eta0: price change per unit of (free capacity - demand), both in capacity fractions.

@@ -69,7 +69,10 @@ class BidPrice:
         self._rng = env.rng
         self.book = PriceBook(env.specs, env.slot_s, env.horizon_slots, env.prices, env.rng,
                               backend=backend)
-        self.tick_s = env.prices.period_slots * env.slot_s if env.prices.enabled else 0.0
+        # the tick refreshes the free capacity the admission checks read even when the
+        # prices are not learned (prices.enabled: false keeps them at zero)
+        self.tick_s = env.prices.period_slots * env.slot_s
+        self._learn = env.prices.enabled
         self._seen: set[int] = set()
         # free capacity (G, H, 2) as of the last tick, less the dispatches since
         self._free: FloatArray | None = None
@@ -200,13 +203,14 @@ class BidPrice:
 
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
         """Off the request path: free capacity from the snapshots (residents at their
-        instance's current decode speed), then K dual steps."""
+        instance's current decode speed), then K dual steps (when prices are learned)."""
         tpot = decode_step_times_s(snapshots, self._specs, self._bea.beta, 0)
         free = free_capacity(snapshots, self._specs, tpot, self._slot_s, self._horizon)
         self.book.set_free_capacity(free)
         self._free = free.copy()
         self._free_time_s = now_s
-        self.book.update(now_s)
+        if self._learn:
+            self.book.update(now_s)
 
 
 

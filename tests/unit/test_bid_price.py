@@ -340,3 +340,35 @@ def test_a_free_instance_beats_waiting_for_a_busy_better_one() -> None:
     assert score[0] > score[1] > 0, "the full instance must be the better-scoring one"
     assert d.action == "dispatch" and d.instance == 1
     assert "best startable score" in d.reason
+
+
+def test_free_capacity_is_refreshed_with_prices_off() -> None:
+    """prices.enabled: false keeps every price at 0, but the periodic tick still refreshes
+    the free capacity the admission checks read."""
+    loaded = make_config(
+        instances=[{"name": "q", "model": "qwen2.5-3b", "gpu": "a40", "replicas": 2,
+                    "kv_capacity_tokens": 8000}],
+        workload={"kind": "poisson", "rate_per_s": 6.0, "num_requests": 200,
+                  "lengths_path": str(CONV_TRACE)},
+        prediction={"mode": "oracle"}, prices={"enabled": False},
+        admission={"mode": "shed", "patience_s": 60.0}, router={"policy": "bid_price"})
+    ticks: list[float] = []
+    original = BidPrice.tick
+
+    def counting(self: BidPrice, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
+        original(self, now_s, snapshots)
+        ticks.append(now_s)
+        assert float(np.abs(self.book.p).max()) == 0.0
+
+    BidPrice.tick = counting  # type: ignore[method-assign]
+    cal = CalibrationSource(loaded)
+    reqs = build_requests(loaded)
+    try:
+        res = simulate(loaded, "bid_price", reqs, calibration=cal)
+    finally:
+        BidPrice.tick = original  # type: ignore[method-assign]
+    assert len(ticks) > 10
+    # held by the free-capacity check instead of overflowing the 8k-token KV caches
+    rr = simulate(loaded, "round_robin", reqs, calibration=cal)
+    assert res.num_preemptions.sum() <= 0.1 * rr.num_preemptions.sum()
+    assert np.nanmax(res.dispatch_s - np.array([r.arrival_s for r in reqs])) > 0.5
