@@ -2,7 +2,8 @@
 P99 TTFT and P99 TPOT of every pool-routing policy on three mixed, bursty workloads,
 and the scarcity case.
 
-    python bench/pd_table.py [--json PATH] [--duration S] [--seeds N] [--find-rates]
+    python bench/pd_table.py [--json PATH] [--png PATH] [--duration S] [--seeds N]
+                             [--find-rates]
 
 It also times every routing decision (``decide``, perf_counter; the simulator calls it
 as the server does; price updates are off the request path and not included).
@@ -180,6 +181,7 @@ def find_rate(loaded: LoadedConfig, mix: str, duration_s: float, cal: Calibratio
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--png", type=Path, help="goodput and P99 TTFT per case and policy")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--find-rates", action="store_true")
@@ -212,6 +214,42 @@ def main() -> None:
     print(render(results, cases, args))
     if args.json:
         args.json.write_text(json.dumps(summary(results, cases, args), indent=2) + "\n")
+    if args.png:
+        plot(summary(results, cases, args), args.png)
+        print(f"wrote {args.png}")
+
+
+def plot(s: dict[str, Any], path: Path) -> None:
+    """Two panels, one group of bars per case: goodput, and P99 TTFT (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(s["cases"])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    width = 0.8 / len(POLICIES)
+    x = np.arange(len(cases))
+    for k, p in enumerate(POLICIES):
+        for ax, key in zip(axes, ("goodput", "ttft_p99_s"), strict=True):
+            ax.bar(x + (k - (len(POLICIES) - 1) / 2) * width,
+                   [s["cases"][c]["policies"][p][key] for c in cases], width, label=p)
+    labels = [f"{c}\n{s['cases'][c]['rate_per_s']:g} req/s" for c in cases]
+    for ax, title in zip(axes, ("goodput (both SLOs met, of all requests)",
+                                "P99 TTFT of served requests (s, log)"), strict=True):
+        ax.set_xticks(x, labels)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylim(0.5, 1.0)
+    axes[1].set_yscale("log")
+    axes[1].axhline(0.175, color="k", lw=0.8, ls=":")
+    axes[1].axhline(0.525, color="k", lw=0.8, ls="--")
+    axes[0].legend(fontsize=8, ncol=2, loc="upper left")
+    fig.suptitle("Disaggregated pools (2 prefill + 4 decode Qwen2.5-3B / A40): "
+                 "bid_price against the baselines; dotted / dashed: tight / loose TTFT")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _mean(rows: list[dict[str, float]], key: str) -> float:
