@@ -103,6 +103,8 @@ def record_prices(loaded: LoadedConfig, policy: str = "bid_price",
     """Simulate ``policy`` (one with a price book) and keep its prices after every tick;
     the run is the one ``simulate`` does on the same config and seed."""
     cfg = loaded.config
+    if not cfg.prices.enabled:
+        raise ValueError("prices.enabled is false: the policy learns no prices to record")
     reqs = list(requests) if requests is not None else build_requests(loaded)
     st = seed_streams(cfg.sim.seed, len(loaded.specs))
     inner = REGISTRY.create(policy, policy_env(loaded, policy, st.policy, calibration))
@@ -112,7 +114,7 @@ def record_prices(loaded: LoadedConfig, policy: str = "bid_price",
                       snapshot_age_s=cfg.sim.snapshot_age_ms / 1e3)
     res = cluster.run(reqs)
     if not probe.samples:
-        raise ValueError("the policy never updated its prices (prices.enabled: false?)")
+        raise ValueError("the policy never updated its prices")
     return res, PriceTrace(tuple(s.name for s in loaded.specs), cfg.router.slot_ms / 1e3,
                            np.array(probe.times), np.stack(probe.samples).astype(np.float64))
 

@@ -140,8 +140,9 @@ class Router:
     def forget(self, request_id: int) -> None:
         """A decision that will not be carried out (``/route`` answers without
         dispatching): the policy drops what it keeps for that request until its outcome
-        (a request on its way to a decode instance, a demand sample's first sight). The
-        capacity it took at once comes back at the policy's next tick."""
+        (a request on its way to a decode instance, its first-sight mark). The capacity
+        it took at once comes back at the policy's next tick; the demand sample it added
+        to the price books stays (a ``/route`` query counts as demand)."""
         forget = getattr(self.policy, "forget", None)
         if forget is not None:
             forget(request_id)

@@ -391,13 +391,20 @@ class PoolBidPrice:
         resident: set[int] = set()
         for g in self._dec:
             resident.update(snapshots[g].request_ids.tolist())
-        self._inbound = {rid: b for rid, b in self._inbound.items()
-                         if rid not in resident and b.expires_s > now_s}
+        # the server runs this in a worker thread while decisions add to and remove from
+        # _inbound: copy it in one step (atomic under the GIL) and drop only stale keys,
+        # so that a dispatch made meanwhile is neither lost nor iterated half-added
+        inbound = list(self._inbound.items())
+        for rid, b in inbound:
+            if rid in resident or b.expires_s <= now_s:
+                self._inbound.pop(rid, None)
+        inbound = [(rid, b) for rid, b in inbound if rid not in resident
+                   and b.expires_s > now_s]
         pre = self._prefill_free([snapshots[g] for g in self._pre])
         dec_snaps = [snapshots[g] for g in self._dec]
         tpot = self._decode_step_s(snapshots, None, 0)
         dec = free_capacity(dec_snaps, self._dec_specs, tpot, self._slot_s, self._horizon)
-        for b in self._inbound.values():
+        for _, b in inbound:
             shift = int((b.dispatch_s - now_s) // self._slot_s)  # <= 0: slots since dispatch
             self._take(dec, b.decode, (b.start, b.end, b.batch_a, b.kv_a, b.kv_b), shift)
         self.book_prefill.set_free_capacity(pre)

@@ -7,12 +7,14 @@ bodies, and failures recorded as unfinished requests)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 import yaml
@@ -382,3 +384,28 @@ def test_backend_role_must_match_its_instance(tmp_path: Path) -> None:
     backends[1]["role"] = "decode"
     path = _pd_config(tmp_path, "round_robin", 1, 1, server={"backends": backends})
     assert [b.role for b in load_config(path).config.server.backends] == ["prefill", "decode"]
+
+
+def test_a_client_leaving_the_decode_stream_is_not_a_backend_failure(
+        fake_pd: Stack) -> None:
+    decode = fake_pd.fakes[1]
+    decode.delay_s = 0.05  # 200 tokens: a 10 s stream, cut by the client after its first
+    outcomes = _record_outcomes(fake_pd)
+    u = urlparse(fake_pd.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                 body=json.dumps({"prompt": "a b", "max_tokens": 200,
+                                  "stream": True}).encode())
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: {")
+    conn.sock.shutdown(2)  # the client goes away with 199 tokens to come
+    conn.close()
+    # the relay closed the decode backend's stream early; the request is unfinished,
+    # with the first token the client got, and its bookkeeping is released
+    assert wait_until(lambda: decode.client_gone == 1)
+    assert wait_until(lambda: len(outcomes) == 1)
+    [o] = outcomes
+    assert o.finish_s is None and o.first_token_s is not None and o.decode_tokens < 200
+    assert wait_until(lambda: _bookkeeping(fake_pd) == [(0, 0), (0, 0)])
+    inst = json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
+    assert [i["failures"] for i in inst] == [0, 0] and all(i["healthy"] for i in inst)

@@ -108,7 +108,18 @@ def test_prefill_runs_every_prompt_token_and_decode_only_one_per_request() -> No
         res.decode_tokens[served] - 1).sum()
 
 
-def test_transfer_time_is_accounted() -> None:
+def test_transfer_time_is_accounted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from olproute.sim.snapshots import SnapshotFeed
+
+    handed: dict[tuple[int, int], float] = {}   # (engine, request) -> when it got it
+    original = SnapshotFeed.dispatched
+
+    def record(feed: SnapshotFeed, g: int, now_s: float, request_id: int, prompt: int,
+               predicted: int) -> None:
+        handed[(g, request_id)] = now_s
+        original(feed, g, now_s, request_id, prompt, predicted)
+
+    monkeypatch.setattr(SnapshotFeed, "dispatched", record)
     loaded = pd_config()
     res = simulate(loaded, "round_robin")
     xfer = kv_transfer(loaded)
@@ -122,12 +133,12 @@ def test_transfer_time_is_accounted() -> None:
         assert res.kv_arrival_s[i] - res.prefill_end_s[i] == pytest.approx(expected, abs=1e-9)
         # the client's first token comes from the decode engine, after the KV arrived
         assert res.first_token_s[i] > res.kv_arrival_s[i]
-    # the decode engine's first batch with the request starts no earlier than its KV
-    log = res.batch_log
-    for i in decoded[:50]:
-        d = res.decode_instance[i]
-        starts = log[(log[:, 0] == d) & (log[:, 1] >= res.kv_arrival_s[i] - 1e-12), 1]
-        assert starts.size and starts.min() <= res.first_token_s[i]
+    # the prefill engine gets the request at its dispatch, the decode engine at its KV's
+    # arrival, not before
+    for i in decoded:
+        assert handed[(int(res.instance[i]), int(i))] == res.dispatch_s[i]
+        assert handed[(int(res.decode_instance[i]), int(i))] == res.kv_arrival_s[i]
+        assert res.prefill_end_s[i] < res.kv_arrival_s[i]
     # a slower link: each transfer takes its modelled time, and TTFT grows by about it
     slow = pd_config(transfer={"link_gbytes_per_s": 0.5, "latency_ms": 20.0})
     res_slow = simulate(slow, "round_robin")
@@ -272,12 +283,13 @@ def test_core_admits_a_request_with_its_prompt_computed() -> None:
 
     for cls in (BatchCore, ReferenceCore):
         core = cls(100, 16, 8, 512)
-        slot = core.add_request(101, 3, 100)
+        slot = core.add_request(100, 3, 99)
         n, sums = core.schedule()
-        # one token fed (the first output), attending to the 100 computed ones
-        assert n == 1 and sums[4] == 1 and sums[7] == 100
-        core.commit()
-        assert core.request(slot)[3:5] == (101, 7)   # all 101 tokens' blocks allocated
+        # the last prompt token recomputed, attending to the 99 computed ones; it samples
+        # the first output token
+        assert n == 1 and sums[4] == 1 and sums[7] == 99
+        assert core.commit() == 1 and core.event_list() == [(slot, 1)]   # first token
+        assert core.request(slot)[1:5] == (1, 3, 100, 7)   # all 100 tokens' blocks held
         with pytest.raises(ValueError, match="computed_tokens"):
             core.add_request(10, 3, 10)
 

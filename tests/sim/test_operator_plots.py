@@ -100,3 +100,9 @@ def test_plots_command_writes_the_three_figures(tmp_path: Path,
     assert "round_robin" in printed and "bid_price" in printed
     for name in ("prices.png", "bottleneck.png", "cdf.png"):
         _png(out / name)
+
+
+def test_prices_switched_off_are_refused_before_the_run() -> None:
+    loaded = make_config(**{**SECTIONS, "prices": {"enabled": False}})
+    with pytest.raises(ValueError, match=r"prices\.enabled is false"):
+        record_prices(loaded, "bid_price")

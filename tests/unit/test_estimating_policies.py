@@ -433,7 +433,7 @@ def test_least_tokens_on_pools_picks_per_pool_and_counts_inbound() -> None:
     d = policy.decide(_ctx(specs, snaps))
     assert (d.instance, d.decode_instance) == (1, 3)
     # a request on its way to d1 (in prefill or transfer) with 400 tokens to generate
-    ctx = replace(_ctx(specs, snaps), inbound=(None, None, None, np.array([[301.0, 400.0, 0.0]])))
+    ctx = replace(_ctx(specs, snaps), inbound=(None, None, None, np.array([[300.0, 400.0, 0.0]])))
     d = policy.decide(ctx)
     assert (d.instance, d.decode_instance) == (1, 2)
     assert d.explanation["decode_tokens"][3] == 490.0
@@ -453,7 +453,7 @@ def test_calibrated_cost_on_pools_splits_its_cost_per_pool() -> None:
     assert first in (2, 3)                        # empty decode engines tie
     # two requests on their way to the first: its queue counts them
     inbound: list[np.ndarray | None] = [None] * 4
-    inbound[first] = np.array([[301.0, 50.0, 0.0], [401.0, 50.0, 0.0]])
+    inbound[first] = np.array([[300.0, 50.0, 0.0], [400.0, 50.0, 0.0]])
     d = policy.decide(replace(_ctx(specs, snaps), inbound=tuple(inbound)))
     assert d.decode_instance == 5 - first
     assert d.explanation["queue"][first] == 2.0
