@@ -106,10 +106,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# what `olproute compare` runs without --policies
+MIXED_COMPARE = "round_robin,random,least_outstanding,power_of_two"
+POOL_COMPARE = "round_robin,least_outstanding,least_tokens,calibrated_cost,bid_price"
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from olproute.sim.runner import compare_policies, summary_table
 
     loaded = _loaded(args)
+    if args.policies is None:
+        pools = any(s.role != "mixed" for s in loaded.specs)
+        args.policies = POOL_COMPARE if pools else MIXED_COMPARE
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     if not names:
         raise PolicyError(f"--policies names no policy: {args.policies!r}")
@@ -304,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run each policy on the same requests and seed; print a "
                                    "table, write compare.csv and a PNG of TTFT/EEL CDFs.")
     _add_run_options(p)
-    p.add_argument("--policies", default="round_robin,random,least_outstanding,power_of_two",
-                   help="comma-separated policy names (default: %(default)s)")
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated policy names (default: {MIXED_COMPARE}; on "
+                        f"prefill/decode pools: {POOL_COMPARE})")
     p.add_argument("--json", metavar="PATH", help="also write the summaries as JSON")
     p.set_defaults(handler=_cmd_compare)
 

@@ -278,3 +278,22 @@ def test_calibrate_rejects_a_malformed_log(tmp_path: Path,
     bad.write_text("not,a,batch,log\n")
     assert main(["calibrate", "--batch-log", str(bad), "--out", str(tmp_path / "c.yaml")]) == 2
     assert "line 1" in capsys.readouterr().err
+
+
+def test_compare_on_pools_runs_the_pool_policies_by_default(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = {
+        "profiles": str(PROFILES),
+        "instances": [
+            {"name": "p", "model": "qwen2.5-3b", "gpu": "a40", "role": "prefill"},
+            {"name": "d", "model": "qwen2.5-3b", "gpu": "a40", "role": "decode",
+             "replicas": 2, "kv_capacity_tokens": 60000}],
+        "workload": {"kind": "poisson", "rate_per_s": 3.0, "duration_s": 10.0,
+                     "lengths_path": str(TRACE)},
+        "slo": {"mode": "classes"},
+    }
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["compare", "--config", str(path), *QUIET]) == 0
+    assert list(_table_rows(capsys.readouterr().out)) == [
+        "round_robin", "least_outstanding", "least_tokens", "calibrated_cost", "bid_price"]
