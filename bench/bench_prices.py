@@ -80,7 +80,12 @@ def dual_step_times(repeats: int) -> dict[str, float]:
 def decision_times(quick: bool, use_predictor: bool) -> dict[str, float]:
     from olproute.predict import TrainConfig, train_and_evaluate
     from olproute.sim.prompts import generate_prompts, training_data
-    from olproute.sim.scenario import CalibrationSource, policy_env, streams
+    from olproute.sim.scenario import (
+        CalibrationSource,
+        build_requests,
+        make_cluster,
+        make_policy,
+    )
 
     profiles = load_profiles(REPO / "configs" / "profiles.yaml")
     traits = {n: (m.num_params, m.max_context_tokens) for n, m in profiles.models.items()}
@@ -101,10 +106,7 @@ def decision_times(quick: bool, use_predictor: bool) -> dict[str, float]:
                               profiles)
         cal = CalibrationSource(loaded)
         cal()
-        from olproute.policies import REGISTRY
-
-        st = streams(0, len(loaded.specs))
-        policy = REGISTRY.create("bid_price", policy_env(loaded, "bid_price", st.policy, cal))
+        policy = make_policy(loaded, "bid_price", calibration=cal)
         times: list[float] = []
         inner = policy.decide
 
@@ -115,11 +117,7 @@ def decision_times(quick: bool, use_predictor: bool) -> dict[str, float]:
             return d
 
         policy.decide = timed  # type: ignore[method-assign]
-        from olproute.sim.cluster import Cluster
-        from olproute.sim.scenario import build_requests, build_timers
-
-        Cluster(loaded.specs, build_timers(loaded), policy, slot_s=0.05).run(
-            build_requests(loaded))
+        make_cluster(loaded, policy).run(build_requests(loaded))
     arr = np.array(times) * 1e6
     return {"decisions": float(len(arr)), "p50_us": float(np.percentile(arr, 50)),
             "p90_us": float(np.percentile(arr, 90)), "p99_us": float(np.percentile(arr, 99))}

@@ -43,17 +43,9 @@ from typing import Any
 import numpy as np
 
 from olproute.config import LoadedConfig, load_config
-from olproute.policies import REGISTRY
 from olproute.sim import metrics
 from olproute.sim import workloads as wl
-from olproute.sim.cluster import Cluster
-from olproute.sim.scenario import (
-    CalibrationSource,
-    build_timers,
-    kv_transfer,
-    policy_env,
-    streams,
-)
+from olproute.sim.scenario import CalibrationSource, make_cluster, make_policy
 from olproute.types import Decision, Request, RoutingContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,9 +114,7 @@ def pools(loaded: LoadedConfig, num_prefill: int, num_decode: int) -> LoadedConf
 def run_one(loaded: LoadedConfig, policy: str, reqs: list[Request],
             cal: CalibrationSource) -> dict[str, float]:
     """One simulation (as ``simulate`` runs it), every ``decide`` call timed."""
-    cfg = loaded.config
-    st = streams(cfg.sim.seed, len(loaded.specs))
-    pol = REGISTRY.create(policy, policy_env(loaded, policy, st.policy, cal))
+    pol = make_policy(loaded, policy, calibration=cal)
     times: list[float] = []
     inner = pol.decide
 
@@ -135,8 +125,7 @@ def run_one(loaded: LoadedConfig, policy: str, reqs: list[Request],
         return d
 
     pol.decide = timed  # type: ignore[method-assign]
-    cluster = Cluster(loaded.specs, build_timers(loaded), pol, slot_s=cfg.router.slot_ms / 1e3,
-                      transfer=kv_transfer(loaded).seconds)
+    cluster = make_cluster(loaded, pol)
     t0 = time.perf_counter()
     res = cluster.run(reqs)
     s = metrics.summarize(res)

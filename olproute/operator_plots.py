@@ -16,11 +16,10 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config import LoadedConfig
-from olproute.policies import REGISTRY, Policy
+from olproute.policies import Policy
 from olproute.prices import RESOURCES
-from olproute.sim.cluster import Cluster, SimResult
-from olproute.sim.scenario import CalibrationSource, build_requests, build_timers, policy_env
-from olproute.sim.scenario import streams as seed_streams
+from olproute.sim.cluster import SimResult
+from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, make_policy
 from olproute.types import Decision, EngineSnapshot, Outcome, Request, RoutingContext
 
 if TYPE_CHECKING:
@@ -106,13 +105,8 @@ def record_prices(loaded: LoadedConfig, policy: str = "bid_price",
     if not cfg.prices.enabled:
         raise ValueError("prices.enabled is false: the policy learns no prices to record")
     reqs = list(requests) if requests is not None else build_requests(loaded)
-    st = seed_streams(cfg.sim.seed, len(loaded.specs))
-    inner = REGISTRY.create(policy, policy_env(loaded, policy, st.policy, calibration))
-    probe = PriceRecorder(inner)
-    cluster = Cluster(loaded.specs, build_timers(loaded), probe,
-                      slot_s=cfg.router.slot_ms / 1e3, record_batches=cfg.sim.record_batches,
-                      snapshot_age_s=cfg.sim.snapshot_age_ms / 1e3)
-    res = cluster.run(reqs)
+    probe = PriceRecorder(make_policy(loaded, policy, calibration=calibration))
+    res = make_cluster(loaded, probe).run(reqs)
     if not probe.samples:
         raise ValueError("the policy never updated its prices")
     return res, PriceTrace(tuple(s.name for s in loaded.specs), cfg.router.slot_ms / 1e3,

@@ -21,11 +21,11 @@ import numpy.typing as npt
 from olproute.config import LoadedConfig
 from olproute.policies import REGISTRY
 from olproute.policies.bid_price import BidPrice
-from olproute.sim.cluster import Cluster, ProgressFn, SimResult
+from olproute.sim.cluster import ProgressFn, SimResult
 from olproute.sim.scenario import (
     CalibrationSource,
     build_requests,
-    build_timers,
+    make_cluster,
     policy_env,
     streams,
 )
@@ -113,10 +113,7 @@ def record_bid_price(loaded: LoadedConfig, seed: int | None = None,
     if not isinstance(inner, BidPrice):
         raise TypeError("the registered bid_price policy is not olproute's BidPrice")
     rec = Recorder(inner)
-    cluster = Cluster(loaded.specs, build_timers(loaded, run_seed), rec,
-                      slot_s=cfg.router.slot_ms / 1e3, record_batches=False,
-                      snapshot_age_s=cfg.sim.snapshot_age_ms / 1e3)
-    res = cluster.run(reqs, progress)
+    res = make_cluster(loaded, rec, run_seed, record_batches=False).run(reqs, progress)
     n, g = len(reqs), len(loaded.specs)
     outlook = env.outlook()
     decode = np.empty((n, g))

@@ -22,16 +22,15 @@ from olproute.calibration import (
     predict_batch_time,
 )
 from olproute.config import LoadedConfig
-from olproute.policies import REGISTRY, Policy
+from olproute.policies import Policy
 from olproute.sim import metrics
-from olproute.sim.cluster import Cluster, ProgressFn, SimResult
+from olproute.sim.cluster import ProgressFn, SimResult
 from olproute.sim.scenario import (
     CalibrationSource,
     build_requests,
-    build_timers,
-    policy_env,
+    make_cluster,
+    make_policy,
     simulate,
-    streams,
 )
 from olproute.types import Decision, Outcome, RoutingContext
 
@@ -105,16 +104,12 @@ def run_estimate_eval(
 ) -> EstimateEval:
     """Run ``policy`` with every estimator probing its dispatches. The snapshot age is
     the config's ``sim.snapshot_age_ms`` unless given (seconds)."""
-    cfg = loaded.config
     cal = list(calibration) if calibration is not None else profile_calibration(loaded, policy)
     ests = [make_estimator(n, loaded.specs, cal) for n in estimators]
-    st = streams(cfg.sim.seed, len(loaded.specs))
     source = CalibrationSource(loaded, known=cal)  # the policy sees the estimators' own
-    probe = EstimatorProbe(REGISTRY.create(policy, policy_env(loaded, policy, st.policy,
-                                                              source)), ests)
-    cluster = Cluster(loaded.specs, build_timers(loaded), probe, slot_s=cfg.router.slot_ms / 1e3,
-                      snapshot_age_s=(cfg.sim.snapshot_age_ms / 1e3 if snapshot_age_s is None
-                                      else snapshot_age_s))
+    probe = EstimatorProbe(make_policy(loaded, policy, calibration=source), ests)
+    cluster = make_cluster(loaded, probe, snapshot_age_s=snapshot_age_s,
+                           record_batches=True)  # its batch times are judged below
     res = cluster.run(build_requests(loaded), progress)
     ttft = metrics.ttft_s(res)
     ids = np.array(sorted(rid for rid in probe.estimates if np.isfinite(ttft[rid])),

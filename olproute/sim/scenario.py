@@ -16,7 +16,7 @@ from olproute.calibration import CalibrationError, InstanceCalibration, read_cal
 from olproute.config import ConfigError, LoadedConfig, prediction_problems
 from olproute.disagg import KvTransfer
 from olproute.outlook import OutlookSource
-from olproute.policies import REGISTRY, PolicyEnv
+from olproute.policies import REGISTRY, Policy, PolicyEnv
 from olproute.sim import workloads as wl
 from olproute.sim.cluster import Cluster, ProgressFn, SimResult
 from olproute.sim.engine import BatchTimer
@@ -242,14 +242,34 @@ def simulate(
     name = policy_name or cfg.router.policy
     reqs = list(requests) if requests is not None else build_requests(loaded, run_seed)
     _check_fits(loaded, reqs)
-    st = streams(run_seed, len(loaded.specs))
-    policy = REGISTRY.create(name, policy_env(loaded, name, st.policy, calibration))
-    cluster = Cluster(loaded.specs, build_timers(loaded, run_seed), policy,
-                      slot_s=cfg.router.slot_ms / 1e3, record_batches=cfg.sim.record_batches,
-                      reference_core=reference_core,
-                      snapshot_age_s=cfg.sim.snapshot_age_ms / 1e3,
-                      transfer=kv_transfer(loaded).seconds)
-    return cluster.run(reqs, progress)
+    policy = make_policy(loaded, name, run_seed, calibration)
+    return make_cluster(loaded, policy, run_seed, reference_core).run(reqs, progress)
+
+
+def make_policy(loaded: LoadedConfig, name: str, seed: int | None = None,
+                calibration: CalibrationSource | None = None) -> Policy:
+    """The named policy as a run on ``seed`` (the config's when None) builds it: its
+    generator is that seed's policy stream."""
+    cfg = loaded.config
+    st = streams(cfg.sim.seed if seed is None else seed, len(loaded.specs))
+    return REGISTRY.create(name, policy_env(loaded, name, st.policy, calibration))
+
+
+def make_cluster(loaded: LoadedConfig, policy: Policy, seed: int | None = None,
+                 reference_core: bool = False, snapshot_age_s: float | None = None,
+                 record_batches: bool | None = None) -> Cluster:
+    """The configuration's engines, timed on ``seed``'s streams, behind ``policy``: slot,
+    KV transfer, and the batch log and snapshot age (seconds) of the config unless
+    given."""
+    cfg = loaded.config
+    return Cluster(loaded.specs, build_timers(loaded, seed), policy,
+                   slot_s=cfg.router.slot_ms / 1e3,
+                   record_batches=(cfg.sim.record_batches if record_batches is None
+                                   else record_batches),
+                   reference_core=reference_core,
+                   snapshot_age_s=(cfg.sim.snapshot_age_ms / 1e3 if snapshot_age_s is None
+                                   else snapshot_age_s),
+                   transfer=kv_transfer(loaded).seconds)
 
 
 def kv_transfer(loaded: LoadedConfig) -> KvTransfer:
