@@ -325,16 +325,23 @@ def make_estimator(name: str, specs: Sequence[InstanceSpec],
 
 
 def decode_step_times_s(snapshots: Sequence[EngineSnapshot], specs: Sequence[InstanceSpec],
-                        beta: FloatArray, prompt_tokens: int) -> FloatArray:
+                        beta: FloatArray, prompt_tokens: int,
+                        inbound: Sequence[FloatArray | None] | None = None) -> FloatArray:
     """Per instance, the calibrated time of one decode batch of its residents plus the new
     request (up to max_num_seqs, contexts as they stand): the time per output token the
     new request should expect there now. Unlike the profiled mean TPOT, it grows with
-    the instance's decode load (beta0 + beta1 * n + beta2 * sum of contexts)."""
+    the instance's decode load (beta0 + beta1 * n + beta2 * sum of contexts). With
+    ``inbound`` (``RoutingContext.inbound`` rows, prompt first) the requests on their way
+    to an instance count as residents after the others."""
     out = np.empty(len(snapshots))
     for g, (snap, spec) in enumerate(zip(snapshots, specs, strict=True)):
         t = snap.table
-        n = min(t.shape[0], spec.max_num_seqs - 1)
-        ctx = float((t[:n, SNAP_PROMPT] + t[:n, SNAP_OUTPUT]).sum()) + prompt_tokens
+        contexts = (t[:, SNAP_PROMPT] + t[:, SNAP_OUTPUT]).astype(np.float64)
+        rows = None if inbound is None else inbound[g]
+        if rows is not None and rows.shape[0]:
+            contexts = np.concatenate([contexts, rows[:, 0]])
+        n = min(contexts.shape[0], spec.max_num_seqs - 1)
+        ctx = float(contexts[:n].sum()) + prompt_tokens
         b = beta[g]
         out[g] = b[0] + b[1] * (n + 1) + b[2] * ctx
     return out

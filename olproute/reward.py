@@ -54,6 +54,35 @@ class Columns:
     kv_b: FloatArray
 
 
+# one request's column on one instance: (start, end, batch_a, kv_a, kv_b)
+Column = tuple[int, int, float, float, float]
+
+
+def column_at(cols: Columns, i: int | tuple[int, ...]) -> Column:
+    """Entry ``i`` of a set of columns, as plain numbers."""
+    return (int(cols.start[i]), int(cols.end[i]), float(cols.batch_a[i]),
+            float(cols.kv_a[i]), float(cols.kv_b[i]))
+
+
+def shifted_usage(col: Column, k: int, horizon: int) -> tuple[slice, FloatArray] | None:
+    """The slots a column covers on a capacity curve computed k slots ago (so it moves
+    by k; a negative k for a column placed -k slots ago), and its (batch, KV) usage
+    there; None when none of it is within the horizon."""
+    s, e, ba, ka, kb = col
+    lo, hi = max(s + k, 0), min(e + k, horizon)
+    if lo >= hi:
+        return None
+    usage = np.empty((hi - lo, 2))
+    usage[:, 0] = ba
+    usage[:, 1] = ka + kb * np.arange(lo - (s + k), hi - (s + k), dtype=np.float64)
+    return slice(lo, hi), usage
+
+
+def slots_since(now_s: float, then_s: float, slot_s: float) -> int:
+    """Whole slots elapsed from then to now (0 if now is earlier)."""
+    return max(int((now_s - then_s) // slot_s), 0)
+
+
 @dataclass(frozen=True, slots=True)
 class RewardTerms:
     """Each reward term per instance (already weighted), and their sum."""

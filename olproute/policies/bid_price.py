@@ -24,16 +24,20 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.bea import BeaEstimator, decode_step_times_s
+from olproute.config import AdmissionConfig
 from olproute.policies.base import REGISTRY, Policy, PolicyEnv, check_params
 from olproute.prices import PriceBook
 from olproute.reward import (
     Columns,
     capacities,
+    column_at,
     free_capacity,
     reward_terms,
+    shifted_usage,
+    slots_since,
     usage_columns,
 )
-from olproute.types import Decision, EngineSnapshot, Outcome, RoutingContext
+from olproute.types import Decision, EngineSnapshot, Outcome, Request, RoutingContext
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -45,6 +49,13 @@ def can_start_now(snap: EngineSnapshot, prompt_tokens: int, block_size: int,
     need = math.ceil(prompt_tokens / block_size)
     return (snap.num_running < max_num_seqs and waiting <= max_waiting
             and snap.num_free_blocks >= need)
+
+
+def still_patient(adm: AdmissionConfig, request: Request, waited_s: float) -> bool:
+    """Has a held request waited less than its patience (``admission.patience_s``, or
+    its TTFT target)?"""
+    patience = adm.patience_s if adm.patience_s is not None else request.ttft_target_s
+    return waited_s + 1e-12 < patience
 
 
 class BidPrice:
@@ -126,12 +137,10 @@ class BidPrice:
         spec = self._specs[g]
         startable = can_start_now(snaps[g], req.prompt_tokens, spec.block_size,
                                   spec.max_num_seqs, self._adm.max_waiting)
-        patience = self._adm.patience_s if self._adm.patience_s is not None \
-            else req.ttft_target_s
         why = (f"best score {score[g]:.3f} <= 0" if score[g] <= 0
                else "no instance with a positive score can start it now" if not startable
                else "its predicted usage fits no instance with a positive score")
-        if waited + 1e-12 < patience:
+        if still_patient(self._adm, req, waited):
             return self._decision(ctx, "hold", None, f"held: {why}", explanation)
         self._seen.discard(req.request_id)
         if self._adm.mode == "shed":
@@ -141,26 +150,15 @@ class BidPrice:
         return self._decision(ctx, "dispatch", g, f"deferred to {spec.name} after "
                               f"{waited * 1e3:.0f} ms: {why}", explanation)
 
-    def _offset(self, now_s: float) -> int:
-        """Slots elapsed since the free capacity was computed."""
-        return max(int((now_s - self._free_time_s) // self._slot_s), 0)
-
     def _window(self, g: int, cols: Columns, now_s: float) -> tuple[slice, FloatArray] | None:
         """The slots of g's free-capacity curve the request's column covers (the curve is
         as of the last tick, so the column moves by the slots elapsed since), and its usage
         there; None before the first tick or when the column misses the curve."""
         if self._free is None:
             return None
-        k = self._offset(now_s)
-        s, e = int(cols.start[g]), int(cols.end[g])
-        lo, hi = s + k, min(e + k, self._horizon)
-        if lo >= hi:
-            return None
-        ramp = np.arange(hi - lo, dtype=np.float64)
-        usage = np.empty((hi - lo, 2))
-        usage[:, 0] = cols.batch_a[g]
-        usage[:, 1] = cols.kv_a[g] + cols.kv_b[g] * ramp
-        return slice(lo, hi), usage
+        return shifted_usage(column_at(cols, g),
+                             slots_since(now_s, self._free_time_s, self._slot_s),
+                             self._horizon)
 
     def _fits(self, g: int, cols: Columns, now_s: float) -> bool:
         """Does the request's predicted usage on g fit under g's free capacity (as of the

@@ -47,24 +47,26 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
-from olproute.bea import BeaEstimator, remaining_prefill_tokens
+from olproute.bea import BeaEstimator, decode_step_times_s, remaining_prefill_tokens
 from olproute.disagg import Pools
 from olproute.outlook import Outlook
 from olproute.policies._common import float_param
 from olproute.policies.base import PolicyEnv, PolicyError, check_params
-from olproute.policies.bid_price import can_start_now
+from olproute.policies.bid_price import can_start_now, still_patient
 from olproute.prices import PriceBook
 from olproute.reward import (
+    Column,
     Columns,
     capacities,
+    column_at,
     first_token_slot,
     free_capacity,
     reward_terms,
+    shifted_usage,
+    slots_since,
     usage_columns,
 )
 from olproute.types import (
-    SNAP_OUTPUT,
-    SNAP_PROMPT,
     Decision,
     EngineSnapshot,
     Outcome,
@@ -88,11 +90,6 @@ class _Inbound:
     kv_b: float
     dispatch_s: float
     expires_s: float      # forget it by then even if never seen (a lost request)
-
-
-def _column(cols: Columns, i: int | tuple[int, int]) -> tuple[int, int, float, float, float]:
-    return (int(cols.start[i]), int(cols.end[i]), float(cols.batch_a[i]),
-            float(cols.kv_a[i]), float(cols.kv_b[i]))
 
 
 class PoolBidPrice:
@@ -218,7 +215,7 @@ class PoolBidPrice:
             if not can_start_now(snaps[p], req.prompt_tokens, pspec.block_size,
                                  pspec.max_num_seqs, self._adm.max_waiting):
                 continue
-            if not (self._fits(self._free_pre, i, _column(pre_cols, i), ctx.now_s)
+            if not (self._fits(self._free_pre, i, column_at(pre_cols, i), ctx.now_s)
                     and self._fits(self._free_dec, j, self._padded(dec_cols, (i, j)),
                                    ctx.now_s)):
                 continue
@@ -229,9 +226,7 @@ class PoolBidPrice:
                             f"{self._specs[d].name}", explanation, decode_instance=d)
         why = (f"best pair score {flat[best]:.3f} <= 0" if flat[best] <= 0
                else "no positive pair can start now with its decode KV and TPOT in reach")
-        patience = self._adm.patience_s if self._adm.patience_s is not None \
-            else req.ttft_target_s
-        if waited + 1e-12 < patience:
+        if still_patient(self._adm, req, waited):
             return Decision(req.request_id, "hold", None, f"held: {why}", explanation)
         self._seen.discard(req.request_id)
         if self._adm.mode == "shed":
@@ -266,19 +261,10 @@ class PoolBidPrice:
                        inbound: tuple[FloatArray | None, ...] | None,
                        prompt_tokens: int) -> FloatArray:
         """Per decode instance, the calibrated time of one decode step of its residents,
-        the requests bound for it and the new request (up to max_num_seqs)."""
-        beta = self._beta
-        out = np.empty(len(self._dec))
-        for j, g in enumerate(self._dec):
-            t = snaps[g].table
-            contexts = (t[:, SNAP_PROMPT] + t[:, SNAP_OUTPUT]).astype(np.float64)
-            rows = None if inbound is None else inbound[g]
-            if rows is not None and rows.shape[0]:
-                contexts = np.concatenate([contexts, rows[:, 0]])
-            n = min(contexts.shape[0], self._specs[g].max_num_seqs - 1)
-            b = beta[g]
-            out[j] = b[0] + b[1] * (n + 1) + b[2] * (float(contexts[:n].sum()) + prompt_tokens)
-        return out
+        the requests bound for it and the new request (``decode_step_times_s``)."""
+        return decode_step_times_s(
+            [snaps[g] for g in self._dec], self._dec_specs, self._beta[self._dec],
+            prompt_tokens, None if inbound is None else [inbound[g] for g in self._dec])
 
     def _prefill_columns(self, prompt_tokens: int, ttft_s: FloatArray) -> Columns:
         """The prompt's column on each prefill instance: its share of the prefill token
@@ -307,11 +293,11 @@ class PoolBidPrice:
             kv_b=np.array(dec.kv_b[i_best])))
 
     def _padded(self, cols: Columns, i: tuple[int, int]
-                ) -> tuple[int, int, float, float, float]:
+                ) -> Column:
         """The decode column as admission checks it: its output running ``decode_slack``
         over the prediction (the ramp goes on growing), a slot early and a slot late, so
         that length and speed errors do not overflow a full KV cache into preemptions."""
-        s, e, ba, ka, kb = _column(cols, i)
+        s, e, ba, ka, kb = column_at(cols, i)
         extra = math.ceil(self._slack * (e - s)) + 1
         s0 = max(s - 1, 0)
         # plus its last, partly filled KV block and the headroom kept free
@@ -319,39 +305,26 @@ class PoolBidPrice:
         return s0, min(e + extra, self._horizon), ba, ka + kb * (s0 - s), kb
 
     def _offset(self, now_s: float) -> int:
-        return max(int((now_s - self._free_time_s) // self._slot_s), 0)
-
-    def _usage(self, col: tuple[int, int, float, float, float], k: int
-               ) -> tuple[slice, FloatArray] | None:
-        """The slots (shifted by k; a negative k for a column placed k slots ago) and the
-        usage there of a column, or None when none of it is within the horizon."""
-        s, e, ba, ka, kb = col
-        lo, hi = max(s + k, 0), min(e + k, self._horizon)
-        if lo >= hi:
-            return None
-        usage = np.empty((hi - lo, 2))
-        usage[:, 0] = ba
-        usage[:, 1] = ka + kb * np.arange(lo - (s + k), hi - (s + k), dtype=np.float64)
-        return slice(lo, hi), usage
+        return slots_since(now_s, self._free_time_s, self._slot_s)
 
     def _margin(self, free: FloatArray | None, i: int,
-                col: tuple[int, int, float, float, float], now_s: float) -> float:
+                col: Column, now_s: float) -> float:
         """The least free capacity the column leaves on pool instance i (negative: it
         does not fit); +inf before the first tick or outside the horizon."""
         if free is None:
             return math.inf
-        win = self._usage(col, self._offset(now_s))
+        win = shifted_usage(col, self._offset(now_s), self._horizon)
         return math.inf if win is None else float((free[i, win[0]] - win[1]).min())
 
     def _fits(self, free: FloatArray | None, i: int,
-              col: tuple[int, int, float, float, float], now_s: float) -> bool:
+              col: Column, now_s: float) -> bool:
         return self._margin(free, i, col, now_s) >= 0.0
 
     def _take(self, free: FloatArray | None, i: int,
-              col: tuple[int, int, float, float, float], k: int) -> None:
+              col: Column, k: int) -> None:
         if free is None:
             return
-        win = self._usage(col, k)
+        win = shifted_usage(col, k, self._horizon)
         if win is not None:
             free[i, win[0]] -= win[1]
 
@@ -360,8 +333,8 @@ class PoolBidPrice:
         """Immediate accounting of both columns, and the decode column remembered until
         the KV reaches the decode instance (its snapshots then hold the request)."""
         k = self._offset(now_s)
-        self._take(self._free_pre, i, _column(pre, i), k)
-        col = _column(dec, (i, j))
+        self._take(self._free_pre, i, column_at(pre, i), k)
+        col = column_at(dec, (i, j))
         self._take(self._free_dec, j, col, k)
         self._inbound[request_id] = _Inbound(j, *col, dispatch_s=now_s,
                                              expires_s=now_s + 2.0 * arrival_in_s + 60.0)
