@@ -48,6 +48,17 @@ def error_response(status: int, message: str, param: str | None = None,
                              status=status, headers=headers)
 
 
+
+async def _post(st: ServerState, url: str, body: dict[str, Any]
+                ) -> tuple[aiohttp.ClientResponse | None, str | None]:
+    """POST to a backend: (its response, unless the connection failed; why it failed, if
+    it did: a connect error or a 5xx), the response still unread."""
+    try:
+        upstream = await st.session.post(url, json=body)
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return None, f"connect: {type(exc).__name__}"
+    return upstream, f"status {upstream.status}" if upstream.status >= 500 else None
+
 async def read_json(request: web.Request, limit: int) -> Any:
     """The body as JSON; 413 past ``limit`` bytes (checked while reading)."""
     if request.content_length is not None and request.content_length > limit:
@@ -149,12 +160,7 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         data["model"] = backend.spec.model  # the name the backend serves
         now = st.now()
         st.tracker.dispatched(g, req, now, streamed=stream)
-        upstream: aiohttp.ClientResponse | None = None
-        try:
-            upstream = await st.session.post(backend.url + request.path, json=data)
-            failure = f"status {upstream.status}" if upstream.status >= 500 else None
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            failure = f"connect: {type(exc).__name__}"
+        upstream, failure = await _post(st, backend.url + request.path, data)
         if failure is None:
             break
         if upstream is not None:
@@ -374,12 +380,7 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
         st.tracker.prefilled(p, q, rid, st.now())
         body = decode_body(data, bq.spec.model, decode_kv_params(answer, bp.spec.name))
         st.tracker.decode_sent(q, rid, st.now(), stream)
-        upstream: aiohttp.ClientResponse | None = None
-        try:
-            upstream = await st.session.post(bq.url + request.path, json=body)
-            failure = f"status {upstream.status}" if upstream.status >= 500 else None
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            failure = f"connect: {type(exc).__name__}"
+        upstream, failure = await _post(st, bq.url + request.path, body)
         try:
             if failure is not None:
                 st.tracker.mark_failure(q, st.now())
