@@ -24,7 +24,9 @@ from aiohttp import web
 
 from olproute.config import LoadedConfig
 from olproute.server import init_app
+from olproute.server.state import STATE as ROUTER_STATE
 from olproute.sim.scenario import CalibrationSource
+from olproute.types import Outcome
 
 FAKE = web.AppKey("fake", dict)
 
@@ -171,6 +173,20 @@ class Stack:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
             self.loop.close()
+
+
+def record_outcomes(stack: Stack) -> list[Outcome]:
+    """A list the router's outcomes are appended to (as the policy gets them) from now."""
+    outcomes: list[Outcome] = []
+    router = stack.app[ROUTER_STATE].router
+    observe = router.observe
+
+    def recording(outcome: Outcome) -> None:
+        outcomes.append(outcome)
+        observe(outcome)
+
+    stack.call(lambda: setattr(router, "observe", recording))
+    return outcomes
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0, step: float = 0.05) -> bool:

@@ -22,7 +22,7 @@ from olproute.calibration import InstanceCalibration
 from olproute.config import load_config
 from olproute.sim.scenario import CalibrationSource
 from tests.conftest import PROFILES
-from tests.integration.server_harness import Stack, wait_until
+from tests.integration.server_harness import Stack, record_outcomes, wait_until
 
 CAL = InstanceCalibration(beta=(3e-3, 1e-6, 1e-8, 1e-10), prefill_tokens_per_s=50_000,
                           tpot_s=0.004, mean_batch_seqs=8, service_rate_per_s=20)
@@ -238,18 +238,8 @@ def test_killed_backend_ends_the_stream_with_an_error_and_is_avoided(stack: Stac
 
 def test_a_stream_cut_midway_is_recorded_unfinished_with_its_first_token(
         stack: Stack) -> None:
-    from olproute.server.state import STATE
-    from olproute.types import Outcome
 
-    outcomes: list[Outcome] = []
-    router = stack.app[STATE].router
-    observe = router.observe
-
-    def recording(outcome: Outcome) -> None:
-        outcomes.append(outcome)
-        observe(outcome)
-
-    stack.call(lambda: setattr(router, "observe", recording))
+    outcomes = record_outcomes(stack)
     for fake in stack.fakes:
         fake.mode, fake.cut_after, fake.delay_s = "cut", 2, 0.02
     status, _, lines = stream(stack.url, "/v1/completions",

@@ -28,7 +28,7 @@ from olproute.server.proxy import PREFILL_KV_PARAMS
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import Outcome
-from tests.integration.server_harness import Stack, wait_until
+from tests.integration.server_harness import Stack, record_outcomes, wait_until
 from tests.integration.test_server import CAL, request, stream
 
 TIME_SCALE = 0.2
@@ -62,19 +62,6 @@ def _stack(loaded: LoadedConfig, num_fakes: int) -> Stack:
     n = len(loaded.specs)
     return Stack(loaded, num_fakes=num_fakes,
                  calibration=CalibrationSource(loaded, known=[CAL] * n))
-
-
-def _record_outcomes(s: Stack) -> list[Outcome]:
-    outcomes: list[Outcome] = []
-    router = s.app[STATE].router
-    observe = router.observe
-
-    def recording(outcome: Outcome) -> None:
-        outcomes.append(outcome)
-        observe(outcome)
-
-    s.call(lambda: setattr(router, "observe", recording))
-    return outcomes
 
 
 def _bookkeeping(s: Stack) -> list[tuple[int, int]]:
@@ -132,7 +119,7 @@ def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy
     loaded = load_config(_pd_config(tmp_path, policy))
     s = _stack(loaded, num_fakes=0)  # no backends: the instances are emulated in-process
     try:
-        outcomes = _record_outcomes(s)
+        outcomes = record_outcomes(s)
         with ThreadPoolExecutor(max_workers=4) as pool:
             answers = list(pool.map(lambda r: _send(s.url, *r), REQUESTS))
         prefill = {s_.name for s_ in loaded.specs if s_.role == "prefill"}
@@ -216,7 +203,7 @@ def fake_pd(tmp_path: Path) -> Iterator[Stack]:
 
 def test_prefill_gets_one_token_and_decode_the_request_with_kv_params(fake_pd: Stack) -> None:
     prefill, decode = fake_pd.fakes
-    outcomes = _record_outcomes(fake_pd)
+    outcomes = record_outcomes(fake_pd)
     status, headers, lines = stream(fake_pd.url, "/v1/completions",
                                     {"prompt": "a b c", "max_tokens": 4, "stream": True,
                                      "stream_options": {"include_usage": True}})
@@ -261,7 +248,7 @@ def test_prefill_gets_one_token_and_decode_the_request_with_kv_params(fake_pd: S
 def test_prefill_failure_is_a_502_naming_it_and_nothing_is_decoded(fake_pd: Stack) -> None:
     prefill, decode = fake_pd.fakes
     prefill.mode = "fail500"
-    outcomes = _record_outcomes(fake_pd)
+    outcomes = record_outcomes(fake_pd)
     status, headers, raw = request(fake_pd.url, "POST", "/v1/completions",
                                    {"prompt": "a b", "max_tokens": 3})
     assert status == 502
@@ -298,7 +285,7 @@ def test_decode_failure_is_a_502_naming_it_and_an_unfinished_request(
         fake_pd: Stack, streamed: bool) -> None:
     prefill, decode = fake_pd.fakes
     decode.mode = "fail500"
-    outcomes = _record_outcomes(fake_pd)
+    outcomes = record_outcomes(fake_pd)
     status, _, raw = request(fake_pd.url, "POST", "/v1/completions",
                              {"prompt": "a b", "max_tokens": 3, "stream": streamed})
     assert status == 502
@@ -312,7 +299,7 @@ def test_decode_failure_is_a_502_naming_it_and_an_unfinished_request(
 
 def test_unreachable_decode_is_a_502_and_an_unfinished_request(fake_pd: Stack) -> None:
     fake_pd.kill_backend(1)
-    outcomes = _record_outcomes(fake_pd)
+    outcomes = record_outcomes(fake_pd)
     status, _, raw = request(fake_pd.url, "POST", "/v1/completions",
                              {"prompt": "a b", "max_tokens": 3, "stream": True})
     assert status == 502
@@ -324,7 +311,7 @@ def test_unreachable_decode_is_a_502_and_an_unfinished_request(fake_pd: Stack) -
 def test_decode_refusal_is_passed_on_and_an_unfinished_request(fake_pd: Stack) -> None:
     decode = fake_pd.fakes[1]
     decode.mode = "fail400"
-    outcomes = _record_outcomes(fake_pd)
+    outcomes = record_outcomes(fake_pd)
     status, headers, raw = request(fake_pd.url, "POST", "/v1/completions",
                                    {"prompt": "a b", "max_tokens": 3, "stream": True})
     assert status == 400 and json.loads(raw)["error"]["param"] == "prompt"
@@ -338,7 +325,7 @@ def test_decode_cut_midway_is_an_unfinished_request_with_its_first_token(
         fake_pd: Stack) -> None:
     decode = fake_pd.fakes[1]
     decode.mode, decode.cut_after = "cut", 2
-    outcomes = _record_outcomes(fake_pd)
+    outcomes = record_outcomes(fake_pd)
     status, _, lines = stream(fake_pd.url, "/v1/completions",
                               {"prompt": "a b", "max_tokens": 6, "stream": True})
     assert status == 200 and b"backend stream ended early" in lines[-1][1]
@@ -390,7 +377,7 @@ def test_a_client_leaving_the_decode_stream_is_not_a_backend_failure(
         fake_pd: Stack) -> None:
     decode = fake_pd.fakes[1]
     decode.delay_s = 0.05  # 200 tokens: a 10 s stream, cut by the client after its first
-    outcomes = _record_outcomes(fake_pd)
+    outcomes = record_outcomes(fake_pd)
     u = urlparse(fake_pd.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
     conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
