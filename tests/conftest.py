@@ -31,3 +31,9 @@ def make_config(**sections: Any) -> LoadedConfig:
 @pytest.fixture
 def small_config() -> MakeConfig:
     return make_config
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """The event loop of the async tests (the emulator's): asyncio, as in production."""
+    return "asyncio"

@@ -38,11 +38,6 @@ LOADED = load_config()
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def emu() -> AsyncIterator[RunningEmulator]:
     running = await start_emulators([SPEC], loaded=LOADED, seed=1, time_scale=TIME_SCALE)
     try:

@@ -31,11 +31,6 @@ LOADED = load_config()
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def pair() -> AsyncIterator[tuple[RunningEmulator, RunningEmulator]]:
     specs = [replace(BASE, name="pre", role="prefill"), replace(BASE, name="dec", role="decode")]
     running = await start_emulators(specs, loaded=LOADED, seed=3, time_scale=TIME_SCALE)

@@ -24,11 +24,6 @@ SPEC = InstanceSpec(name="u", model="llama-2-7b", gpu="a100-80gb", tensor_parall
                     num_kv_blocks=8)  # 128 KV tokens
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 OK = [  # (kind, body, prompt_tokens, max_tokens, stream, include_usage)
     ("completion", {"prompt": "a b  c\nd"}, 4, 16, False, False),
     ("completion", {"prompt": [5, 6, 7]}, 3, 16, False, False),
