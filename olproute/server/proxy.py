@@ -182,10 +182,7 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
                "x-olproute-reason": _ascii(decision.reason)}
     completed = False
     try:
-        relay = (_relay_stream(request, st, g, req, upstream, headers)
-                 if stream and upstream.status == 200
-                 else _relay_whole(st, g, req, upstream, headers))
-        resp, completed = await relay
+        resp, completed = await _relay(request, st, g, req, upstream, headers, stream)
         return resp
     finally:
         upstream.release()
@@ -209,6 +206,16 @@ def _record(st: ServerState, req: Request, g: int, decode_instance: int | None,
         st.metrics.ttft_seconds.labels(name).observe(first - req.arrival_s)
         if end is not None:
             st.metrics.eel_seconds.labels(name).observe(end - req.arrival_s)
+
+
+async def _relay(request: web.Request, st: ServerState, g: int, req: Request,
+                 upstream: aiohttp.ClientResponse, headers: dict[str, str],
+                 stream: bool) -> tuple[web.StreamResponse, bool]:
+    """Relay a backend's answer: chunk by chunk when it streams a 200, else whole;
+    (the client's response, whether the answer completed)."""
+    if stream and upstream.status == 200:
+        return await _relay_stream(request, st, g, req, upstream, headers)
+    return await _relay_whole(st, g, req, upstream, headers)
 
 
 async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Request,
@@ -389,10 +396,7 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
                                       f"prefill on {bp.spec.name}: {failure}",
                                       kind="backend_error", headers=headers)
             assert upstream is not None
-            relay = (_relay_stream(request, st, q, req, upstream, headers)
-                     if stream and upstream.status == 200
-                     else _relay_whole(st, q, req, upstream, headers))
-            resp, completed = await relay
+            resp, completed = await _relay(request, st, q, req, upstream, headers, stream)
             return resp
         finally:
             if upstream is not None:
