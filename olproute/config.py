@@ -145,12 +145,20 @@ class SloConfig(_Frozen):
 
 
 class PredictionConfig(_Frozen):
-    """Predicted decode lengths: the truth, or uniform noise of +/- ``noise`` around it,
-    or a trained predictor (``olproute train-predictors``) saved in ``model_dir``, a path
-    relative to the config file, predicting from the prompt text (``synthetic`` workloads)."""
+    """What the router is told of each request's output length and quality, per model of
+    the pool (made once per workload, so every policy sees the same predictions):
+    ``oracle``, the truth; ``noisy``, the truth times an independent uniform factor in
+    [1 - ``noise``, 1 + ``noise``] per model, and quality plus an independent uniform
+    error in [-``quality_noise``, +``quality_noise``] per model, clipped to [0, 1]
+    (workloads with per-model quality: ``synthetic``); ``predictor``, a trained predictor
+    (``olproute train-predictors``) saved in ``model_dir``, a path relative to the config
+    file, predicting from the prompt text (``synthetic`` workloads). The default
+    ``quality_noise`` is the size of the shipped predictor's held-out quality error (MAE
+    0.16, which a uniform error of +/-0.3 has)."""
 
     mode: Literal["oracle", "noisy", "predictor"] = "noisy"
     noise: float = Field(default=0.2, ge=0, lt=1)
+    quality_noise: float = Field(default=0.3, ge=0, le=1)
     model_dir: str | None = None
 
 

@@ -1,16 +1,17 @@
 """What the router expects of one request on every instance: predicted output tokens,
 response quality, and serving cost.
 
-Three sources, chosen by ``prediction.mode``:
-- ``predictor``: the trained LightGBM predictor (``olproute.predict``), one batched call
-  for all instances of a request;
-- ``oracle``: the request's per-model truth where the simulator has it
-  (``decode_tokens_by_model``), else its single predicted length;
-- ``noisy``: the request's predicted length, scaled per model by that model's truth
-  relative to the first model's when the simulator has per-model truth.
-Without a predictor, quality is the task table mean for the request's task and the
-instance's model (BEAR paper Table 2, ``olproute.sim.prompts.MODELS``), or 0 when the
-task is unknown. Cost is in micro-USD: prompt x input price + output x output price, with
+Only predictions are read, never the truth (``Request``'s docstring says which fields are
+which). In order:
+- the request's own per-model predictions (``predicted_decode_by_model``,
+  ``predicted_quality_by_model``), which the simulator's workload sets for every model of
+  the pool (noisy truth with independent noise per model, the truth itself in ``oracle``
+  mode, or a trained predictor's output);
+- otherwise, with ``prediction.mode: predictor``, the trained LightGBM predictor
+  (``olproute.predict``), one batched call for all instances of a request (the server);
+- otherwise the request's single ``predicted_decode_tokens`` on every model, and quality
+  0 where nothing predicts it (every model equal: utility is then minus the cost).
+Cost is in micro-USD: prompt x input price + predicted output x output price, with
 prices per million tokens from the model profiles (BEAR paper Table 1 for Qwen3).
 """
 
@@ -45,15 +46,6 @@ class Outlook:
         return result
 
 
-def task_quality(task: str | None, model: str) -> float:
-    """Mean quality of ``model`` on ``task`` from the task table (0 if either is unknown)."""
-    from olproute.sim.prompts import MODELS, TASKS
-
-    if task is None or task not in TASKS or model not in MODELS:
-        return 0.0
-    return float(MODELS[model].quality[TASKS.index(task)])
-
-
 class OutlookSource:
     """Builds the Outlook of a request for a fixed list of instances; remembers the last
     ``cache_size`` requests so a held request re-scored every slot costs nothing more."""
@@ -83,19 +75,26 @@ class OutlookSource:
         return out
 
     def _build(self, r: Request) -> Outlook:
-        if self._mode == "predictor":
-            pred = self._predictor.predict(r, self._models)  # type: ignore[union-attr]
+        models = self._models
+        if self._predictor is not None and not _predicts_all(r, models):
+            pred = self._predictor.predict(r, models)
             decode = np.maximum(np.asarray(pred.decode_tokens, dtype=np.float64), 1.0)
             quality = np.asarray(pred.quality, dtype=np.float64)
         else:
-            decode = np.array([self._decode(r, m) for m in self._models], dtype=np.float64)
-            quality = np.array([task_quality(r.task, m) for m in self._models])
+            decode = np.array([r.predicted_decode_tokens_for(m) for m in models],
+                              dtype=np.float64)
+            quality = np.array([_or_zero(r.predicted_quality_for(m)) for m in models],
+                               dtype=np.float64)
         cost = r.prompt_tokens * self._price_in + decode * self._price_out
         return Outlook(decode_tokens=decode, quality=quality, cost_musd=cost)
 
-    def _decode(self, r: Request, model: str) -> float:
-        by_model = r.decode_tokens_by_model
-        if self._mode == "oracle" and by_model is not None and model in by_model:
-            return float(by_model[model])
-        # noisy: the request's prediction error applied to this model's length
-        return float(r.predicted_decode_tokens_for(model))
+
+def _predicts_all(r: Request, models: Sequence[str]) -> bool:
+    """The request carries its own decode and quality predictions for every model."""
+    dec, qual = r.predicted_decode_by_model, r.predicted_quality_by_model
+    return (dec is not None and qual is not None
+            and all(m in dec and m in qual for m in models))
+
+
+def _or_zero(x: float | None) -> float:
+    return 0.0 if x is None else x

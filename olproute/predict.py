@@ -544,16 +544,30 @@ class Predictor:
 
 
 def apply_predictor(requests: Sequence[Request], predictor: Predictor,
-                    model: str) -> list[Request]:
-    """Copies of ``requests`` whose ``predicted_decode_tokens`` come from ``predictor``
-    for ``model`` (rounded, >= 1). Every request needs its prompt text."""
+                    models: Sequence[str]) -> list[Request]:
+    """Copies of ``requests`` carrying ``predictor``'s output for every model in
+    ``models`` (the pool's models, first model first): ``predicted_decode_by_model``
+    (rounded, >= 1), ``predicted_quality_by_model`` (in [0, 1]) and, for the first model,
+    ``predicted_decode_tokens``. Nothing else changes. Every request needs its prompt
+    text."""
     missing = [r.request_id for r in requests if r.text is None]
     if missing:
         raise PredictorError(f"{len(missing)} request(s) have no prompt text to predict from "
                              f"(first: request {missing[0]})")
-    decode, _ = predictor.predict_prompts([str(r.text) for r in requests], model)
-    return [replace(r, predicted_decode_tokens=max(1, round(float(o))))
-            for r, o in zip(requests, decode, strict=True)]
+    names = list(dict.fromkeys(models))
+    if not names:
+        raise PredictorError("apply_predictor needs at least one model")
+    texts = [str(r.text) for r in requests]
+    decode: dict[str, list[int]] = {}
+    quality: dict[str, list[float]] = {}
+    for m in names:
+        dec, qual = predictor.predict_prompts(texts, m)
+        decode[m] = [max(1, round(float(o))) for o in dec]
+        quality[m] = [min(max(float(q), 0.0), 1.0) for q in qual]
+    return [replace(r, predicted_decode_tokens=decode[names[0]][i],
+                    predicted_decode_by_model={m: decode[m][i] for m in names},
+                    predicted_quality_by_model={m: quality[m][i] for m in names})
+            for i, r in enumerate(requests)]
 
 
 # -- training data ---------------------------------------------------------------------------

@@ -23,13 +23,21 @@ ROLES: tuple[Role, ...] = ("mixed", "prefill", "decode")
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One inference request as the router sees it.
+    """One inference request, with what the router may read and what only the simulator
+    may read.
 
-    ``decode_tokens`` is the true output length: the simulator uses it to finish the
-    request, and a policy must not read it (it reads ``predicted_decode_tokens``).
-    In a heterogeneous pool the truth may depend on the model: ``decode_tokens_by_model``
-    and ``quality_by_model`` (simulator ground truth, keyed by model name) then override
-    ``decode_tokens`` for the models they name. ``task`` is the task family when known.
+    The router's side: arrival, prompt (tokens and text), targets, class, and the
+    predictions: ``predicted_decode_tokens`` (for a model without an entry in
+    ``predicted_decode_by_model``) and, per model name, ``predicted_decode_by_model`` and
+    ``predicted_quality_by_model``. They are made when the workload is built (noisy
+    truth with independent noise per model, or a trained predictor), so every policy
+    compared on a workload sees the same ones.
+
+    Ground truth, for the simulator and the metrics only (no policy reads it; the test
+    ``tests/sim/test_no_ground_truth.py`` perturbs it and checks that no decision
+    changes): ``decode_tokens`` (the true output length), ``decode_tokens_by_model`` and
+    ``quality_by_model`` (per-model truth on a heterogeneous pool, overriding
+    ``decode_tokens`` for the models they name), and ``task`` (the task family).
     """
 
     request_id: int
@@ -44,6 +52,8 @@ class Request:
     task: str | None = None
     decode_tokens_by_model: Mapping[str, int] | None = None
     quality_by_model: Mapping[str, float] | None = None
+    predicted_decode_by_model: Mapping[str, int] | None = None
+    predicted_quality_by_model: Mapping[str, float] | None = None
 
     def true_decode_tokens(self, model: str) -> int:
         """Output length if served by ``model`` (simulator ground truth)."""
@@ -52,14 +62,20 @@ class Request:
         return self.decode_tokens
 
     def predicted_decode_tokens_for(self, model: str) -> int:
-        """The predicted output length on ``model``: ``predicted_decode_tokens`` is the
-        prediction for the first model, so where the simulator has per-model truth the
-        same prediction error is applied to that model's length."""
-        by_model = self.decode_tokens_by_model
+        """The predicted output length on ``model`` (never the truth): its own entry in
+        ``predicted_decode_by_model``, else ``predicted_decode_tokens``."""
+        by_model = self.predicted_decode_by_model
+        if by_model is not None and model in by_model:
+            return max(int(by_model[model]), 1)
+        return max(self.predicted_decode_tokens, 1)
+
+    def predicted_quality_for(self, model: str) -> float | None:
+        """The predicted response quality on ``model`` in [0, 1], or None when the
+        request carries no prediction for it."""
+        by_model = self.predicted_quality_by_model
         if by_model is None or model not in by_model:
-            return max(self.predicted_decode_tokens, 1)
-        ratio = self.predicted_decode_tokens / max(self.decode_tokens, 1)
-        return max(round(by_model[model] * ratio), 1)
+            return None
+        return float(by_model[model])
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,29 +23,39 @@ from olproute.sim.engine import BatchTimer
 from olproute.sim.timing import LinearTiming, RooflineTiming
 from olproute.types import Request
 
-# Child seed streams of the run seed, by purpose.
-_WORKLOAD, _TARGETS, _PREDICT, _POLICY, _ENGINES = range(5)
+# Child seed streams of the run seed, by purpose. Later purposes are appended, so the
+# earlier streams (and the runs made with them) stay as they were.
+_WORKLOAD, _TARGETS, _PREDICT, _POLICY, _ENGINES, _PREDICT_MODELS, _PREDICT_QUALITY = range(7)
 
 
 @dataclass(frozen=True, slots=True)
 class Streams:
     workload: np.random.Generator
     targets: np.random.Generator
-    predict: np.random.Generator
+    predict: np.random.Generator          # the first model's predicted lengths
     policy: np.random.Generator
     engine_seeds: tuple[np.random.SeedSequence, ...]
+    predict_models: np.random.Generator   # the other models' predicted lengths
+    predict_quality: np.random.Generator  # predicted quality, every model
 
 
 def streams(seed: int, num_instances: int) -> Streams:
     root = np.random.SeedSequence(seed)
-    kids = root.spawn(5)
+    kids = root.spawn(7)
     return Streams(
         workload=np.random.default_rng(kids[_WORKLOAD]),
         targets=np.random.default_rng(kids[_TARGETS]),
         predict=np.random.default_rng(kids[_PREDICT]),
         policy=np.random.default_rng(kids[_POLICY]),
         engine_seeds=tuple(kids[_ENGINES].spawn(num_instances)),
+        predict_models=np.random.default_rng(kids[_PREDICT_MODELS]),
+        predict_quality=np.random.default_rng(kids[_PREDICT_QUALITY]),
     )
+
+
+def pool_models(loaded: LoadedConfig) -> list[str]:
+    """The pool's distinct models, in the order of their first instance."""
+    return list(dict.fromkeys(s.model for s in loaded.specs))
 
 
 def _lengths(loaded: LoadedConfig, n: int, rng: np.random.Generator) -> tuple[
@@ -112,13 +122,22 @@ def build_requests(loaded: LoadedConfig, seed: int | None = None) -> list[Reques
         classes = [slo[i].name for i in idx]
     noise = cfg.prediction.noise if cfg.prediction.mode == "noisy" else 0.0
     predicted = wl.predicted_decode_tokens(trace.decode_tokens, noise, st.predict)
-    return wl.build_requests(trace, ttft_target, predicted, tpot_target, classes)
+    reqs = wl.build_requests(trace, ttft_target, predicted, tpot_target, classes)
+    models = pool_models(loaded)
+    if len(models) == 1:
+        return reqs
+    # one true length on every model: each other model's prediction has its own noise
+    by_model = {models[0]: predicted.tolist()} | {
+        m: wl.predicted_decode_tokens(trace.decode_tokens, noise, st.predict_models).tolist()
+        for m in models[1:]}
+    return [replace(r, predicted_decode_by_model={m: by_model[m][i] for m in models})
+            for i, r in enumerate(reqs)]
 
 
 def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
     """Generated prompts with Poisson (or MMPP-2, ``workload.arrivals``) arrivals and
-    per-model truth; predicted lengths for the first instance's model (the truth, noisy
-    truth, or the trained predictor)."""
+    per-model truth, and the router's predictions for every model of the pool
+    (``_predict_per_model``)."""
     from olproute.sim.prompts import synthetic_requests
 
     cfg, w = loaded.config, loaded.config.workload
@@ -139,17 +158,36 @@ def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
         idx = wl.assign_slo_classes(len(reqs), slo, st.targets).tolist()
         reqs = [replace(r, ttft_target_s=slo[i].ttft_s, tpot_target_s=slo[i].tpot_s,
                         slo_class=slo[i].name) for r, i in zip(reqs, idx, strict=True)]
-    if cfg.prediction.mode == "noisy":
-        truth = np.array([r.decode_tokens for r in reqs], dtype=np.int64)
-        noisy = wl.predicted_decode_tokens(truth, cfg.prediction.noise, st.predict).tolist()
-        reqs = [replace(r, predicted_decode_tokens=o) for r, o in zip(reqs, noisy, strict=True)]
-    elif cfg.prediction.mode == "predictor":
+    return _predict_per_model(loaded, reqs, st)
+
+
+def _predict_per_model(loaded: LoadedConfig, reqs: list[Request],
+                       st: Streams) -> list[Request]:
+    """Per-model predictions of length and quality, by ``prediction.mode``: the truth
+    (oracle); the truth with independent uniform noise per model (noisy; the first
+    model's lengths from the ``predict`` stream, the others' from ``predict_models``,
+    quality from ``predict_quality``); or the trained predictor on the prompt text."""
+    pred = loaded.config.prediction
+    models = pool_models(loaded)
+    if pred.mode == "predictor":
         from olproute.predict import Predictor, apply_predictor
 
-        assert cfg.prediction.model_dir is not None
-        predictor = Predictor.load(loaded.resolve(cfg.prediction.model_dir))
-        reqs = apply_predictor(reqs, predictor, loaded.specs[0].model)
-    return reqs
+        assert pred.model_dir is not None
+        return apply_predictor(reqs, Predictor.load(loaded.resolve(pred.model_dir)), models)
+    noise, q_noise = (pred.noise, pred.quality_noise) if pred.mode == "noisy" else (0.0, 0.0)
+    decode: dict[str, list[int]] = {}
+    quality: dict[str, list[float]] = {}
+    for k, m in enumerate(models):
+        truth = np.array([r.true_decode_tokens(m) for r in reqs], dtype=np.int64)
+        rng = st.predict if k == 0 else st.predict_models
+        decode[m] = wl.predicted_decode_tokens(truth, noise, rng).tolist()
+    for m in models:
+        q = np.array([(r.quality_by_model or {}).get(m, 0.0) for r in reqs])
+        quality[m] = wl.predicted_quality(q, q_noise, st.predict_quality).tolist()
+    return [replace(r, predicted_decode_tokens=decode[models[0]][i],
+                    predicted_decode_by_model={m: decode[m][i] for m in models},
+                    predicted_quality_by_model={m: quality[m][i] for m in models})
+            for i, r in enumerate(reqs)]
 
 
 def build_timers(loaded: LoadedConfig, seed: int | None = None) -> list[BatchTimer]:

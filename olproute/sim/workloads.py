@@ -522,6 +522,19 @@ def predicted_decode_tokens(
     return np.maximum(np.rint(drawn), 1.0).astype(np.int64)
 
 
+def predicted_quality(quality: FloatArray, noise: float, rng: np.random.Generator) -> FloatArray:
+    """Noisy predictions of response quality in [0, 1]: ``quality`` plus an independent
+    uniform error in [-``noise``, +``noise``] per entry, clipped to [0, 1]; ``noise == 0``
+    returns a copy. ``noise`` must be in [0, 1] (ValueError)."""
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"noise must be in [0, 1], got {noise!r}")
+    q = np.array(quality, dtype=np.float64, copy=True)
+    if noise == 0.0:
+        return q
+    result: FloatArray = np.clip(q + rng.uniform(-noise, noise, size=q.shape), 0.0, 1.0)
+    return result
+
+
 def build_requests(
     trace: Trace,
     ttft_target_s: FloatArray,

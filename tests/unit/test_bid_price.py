@@ -3,6 +3,8 @@ dynamics, and the bid-price policy's decisions and central buffer."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -314,13 +316,20 @@ def test_time_held_counts_against_the_on_time_bonus() -> None:
     assert late.action == "hold"  # nothing left to gain: the score is not positive
 
 
-def test_request_predicts_per_model_lengths() -> None:
+def test_request_predicts_per_model_lengths_from_predictions_only() -> None:
     r = Request(request_id=0, arrival_s=0.0, prompt_tokens=10, decode_tokens=100,
                 predicted_decode_tokens=120, ttft_target_s=1.0,
-                decode_tokens_by_model={"a": 100, "b": 50})
+                decode_tokens_by_model={"a": 100, "b": 50},
+                predicted_decode_by_model={"a": 120, "b": 41},
+                quality_by_model={"a": 0.9, "b": 0.5},
+                predicted_quality_by_model={"a": 0.7})
     assert r.predicted_decode_tokens_for("a") == 120
-    assert r.predicted_decode_tokens_for("b") == 60   # the same +20% error
-    assert r.predicted_decode_tokens_for("c") == 120  # no truth for c: the prediction
+    assert r.predicted_decode_tokens_for("b") == 41   # its own prediction, not truth x ratio
+    assert r.predicted_decode_tokens_for("c") == 120  # none for c: the single prediction
+    assert r.predicted_quality_for("a") == 0.7
+    assert r.predicted_quality_for("b") is None       # never the true 0.5
+    bare = replace(r, predicted_decode_by_model=None)
+    assert bare.predicted_decode_tokens_for("b") == 120  # the truth by model is not read
 
 
 def test_a_free_instance_beats_waiting_for_a_busy_better_one() -> None:

@@ -201,15 +201,22 @@ def test_predict_takes_a_request(trained: tuple[Predictor, Evaluation]) -> None:
         predictor.predict(req, ("qwen3-8b", "gpt-9"))
 
 
-def test_apply_predictor_sets_only_predicted_lengths(
+def test_apply_predictor_sets_only_the_predictions_of_every_model(
         trained: tuple[Predictor, Evaluation]) -> None:
     predictor = trained[0]
     reqs = synthetic_requests(15, np.arange(15.0), QWEN, np.random.default_rng(4))
-    out = apply_predictor(reqs, predictor, "qwen3-8b")
+    models = ["qwen3-8b", "qwen3-0.6b"]
+    out = apply_predictor(reqs, predictor, models)
     for before, after in zip(reqs, out, strict=True):
-        expected = predictor.predict(before, ["qwen3-8b"]).decode_tokens[0]
-        assert after.predicted_decode_tokens == max(1, round(expected))
-        assert replace(after, predicted_decode_tokens=before.predicted_decode_tokens) == before
+        expected = predictor.predict(before, models)
+        assert after.predicted_decode_tokens == max(1, round(expected.decode_tokens[0]))
+        assert after.predicted_decode_by_model == {
+            m: max(1, round(o)) for m, o in zip(models, expected.decode_tokens, strict=True)}
+        assert after.predicted_quality_by_model == pytest.approx(
+            dict(zip(models, expected.quality, strict=True)))
+        assert replace(after, predicted_decode_tokens=before.predicted_decode_tokens,
+                       predicted_decode_by_model=None,
+                       predicted_quality_by_model=None) == before
 
 
 @pytest.mark.parametrize(("change", "match"), [
@@ -301,8 +308,11 @@ def test_synthetic_simulation_with_the_predictor_runs(trained: tuple[Predictor, 
     assert not res.shed.any() and np.all(np.isfinite(res.finish_s))
     for r, g in zip(res.requests, res.instance.tolist(), strict=True):
         assert r.text is not None and r.decode_tokens_by_model is not None
-        expected = trained[0].predict(r, ["qwen3-0.6b"]).decode_tokens[0]
-        assert r.predicted_decode_tokens == max(1, round(expected))
+        expected = trained[0].predict(r, ["qwen3-0.6b", "qwen3-8b", "qwen3-32b"])
+        assert r.predicted_decode_tokens == max(1, round(expected.decode_tokens[0]))
+        assert r.predicted_decode_by_model is not None
+        assert r.predicted_decode_by_model["qwen3-32b"] == max(
+            1, round(expected.decode_tokens[2]))
         # each instance generates its own model's true length
         assert res.decode_tokens[r.request_id] == r.decode_tokens_by_model[POOL[g]["model"]]
     oracle = build_requests(make_config(
