@@ -162,17 +162,33 @@ class PrefillTpsEstimator(_FromCalibration):
 class ScoreEstimator(_FromCalibration):
     """SCORE-style: queue delay plus predicted output x per-token time. The queue delay
     is the waiting requests' pending prefill over prefill throughput (our reading of
-    "queueing delay"); the second term is SCORE's, so as a TTFT estimate it carries the
-    new request's own decode time, as SCORE's latency does."""
+    "queueing delay"); the per-token time is the instance's decode step now, from the
+    calibrated beta and the snapshot (``decode_step_times_s``: its residents, the
+    router's own dispatches the snapshot does not hold yet, and this request), so it
+    grows with the instance's load as a measured TPOT does. A profiled mean TPOT
+    instead is a constant per instance that differs between identical replicas by
+    calibration noise alone and would send every request to the one that happened to
+    profile fastest. As SCORE's latency does, the estimate carries the new request's
+    own decode time."""
 
     name = "score"
+
+    def __init__(self, calibrations: Sequence[InstanceCalibration],
+                 specs: Sequence[InstanceSpec]) -> None:
+        super().__init__(calibrations)
+        self._specs = tuple(specs)
+        self._beta = np.array([c.beta for c in calibrations], dtype=np.float64)
 
     def estimate(self, ctx: RoutingContext,
                  predicted_decode: IntArray | None = None) -> TtftEstimate:
         snaps = _require_snapshots(ctx, self.name)
         wait = np.array([remaining_prefill_tokens(s)[s.num_running:].sum() for s in snaps],
-                        dtype=np.float64) / self._theta
-        tpot = np.array([c.tpot_s for c in self._cal])
+                        dtype=np.float64)
+        if ctx.pending is not None:
+            wait += [0.0 if rows is None else float(rows[:, 0].sum()) for rows in ctx.pending]
+        wait /= self._theta
+        tpot = decode_step_times_s(snaps, self._specs, self._beta, ctx.request.prompt_tokens,
+                                   ctx.pending)
         pre = _new_decode(ctx, predicted_decode) * tpot
         return TtftEstimate(ttft_s=wait + pre, wait_s=wait, prefill_s=pre)
 
@@ -316,7 +332,7 @@ def make_estimator(name: str, specs: Sequence[InstanceSpec],
     if name in ("lps", "lps_var"):
         return LpsEstimator(calibrations, variability=name == "lps_var")
     if name == "score":
-        return ScoreEstimator(calibrations)
+        return ScoreEstimator(calibrations, specs)
     if name == "route_balance":
         return RouteBalanceEstimator(calibrations)
     if name == "lmdeploy":

@@ -9,8 +9,14 @@ least estimated completion cost. Per instance g:
   router's own dispatches the snapshot does not hold yet) over g's calibrated prefill
   throughput.
 - ``o_g x tpot_g`` (s): the request's predicted output length on g's model times g's
-  time per output token, both calibrated from batch logs (``InstanceCalibration``), not
-  taken from simulator constants: the paper's point is that calibration matters.
+  time per output token now: one decode step of g's residents, the router's requests on
+  their way to g (dispatches its snapshot does not hold yet, and on a decode instance
+  those still in prefill or transfer) and this one, timed by g's batch-time
+  coefficients calibrated from batch logs (``decode_step_times_s``). Calibrated, not
+  taken from simulator constants (the paper's point is that calibration matters), and
+  live: a profiled mean TPOT is a constant that differs between identical replicas by
+  calibration noise alone, and a least-cost rule over it piles traffic onto the replica
+  that happened to profile fastest.
 - ``press_g``: KV pressure after admission, ``(blocks in use + blocks of the pending
   dispatches + blocks of this request at its predicted peak, prompt + o_g) / total
   blocks - kv_threshold``, positive part.
@@ -45,7 +51,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from olproute.bea import remaining_prefill_tokens
+from olproute.bea import decode_step_times_s, remaining_prefill_tokens
 from olproute.disagg import Pools
 from olproute.policies._common import (
     FloatArray,
@@ -94,6 +100,18 @@ def instance_state(snaps: Sequence[EngineSnapshot], specs: Sequence[InstanceSpec
     return prefill, waiting, used
 
 
+def _on_their_way(num_instances: int, *sources: Sequence[FloatArray | None] | None
+                  ) -> list[FloatArray | None]:
+    """Per instance, the rows (prompt first) of requests the router sent there that its
+    snapshot does not show yet: ``ctx.pending`` and ``ctx.inbound`` rows together."""
+    out: list[FloatArray | None] = []
+    for g in range(num_instances):
+        parts = [rows for src in sources if src is not None
+                 for rows in (src[g],) if rows is not None and rows.shape[0] > 0]
+        out.append(np.concatenate(parts) if parts else None)
+    return out
+
+
 class CalibratedCost(NoFeedback):
     name = "calibrated_cost"
     needs_snapshots = True
@@ -117,7 +135,7 @@ class CalibratedCost(NoFeedback):
                                   "be > 0")
         cal = env.calibration()
         self._prefill_tps = np.array([c.prefill_tokens_per_s for c in cal], dtype=np.float64)
-        self._tpot = np.array([c.tpot_s for c in cal], dtype=np.float64)
+        self._beta = np.array([c.beta for c in cal], dtype=np.float64)
         self._total_blocks = np.array([s.num_kv_blocks for s in env.specs], dtype=np.float64)
         self._block_size = np.array([s.block_size for s in env.specs], dtype=np.float64)
         self._outlook = env.outlook()
@@ -145,9 +163,11 @@ class CalibratedCost(NoFeedback):
         press = np.maximum((used + own) / self._total_blocks - self.kv_threshold, 0.0)
         size = self._size(req.prompt_tokens)
         backlog = prefill / self._prefill_tps
-        service = decode * self._tpot * (1.0 + self.rho * press)
-        explain = dict(backlog_s=backlog, service_s=service, kv_pressure=press, queue=queue,
-                       size=np.full(len(backlog), size))
+        tpot = decode_step_times_s(ctx.snapshots, ctx.specs, self._beta, req.prompt_tokens,
+                                   _on_their_way(len(ctx.specs), ctx.pending, ctx.inbound))
+        service = decode * tpot * (1.0 + self.rho * press)
+        explain = dict(backlog_s=backlog, service_s=service, tpot_s=tpot, kv_pressure=press,
+                       queue=queue, size=np.full(len(backlog), size))
         if self._pools.disaggregated:
             pre = self.w_backlog * backlog * size + self.w_queue * queue
             dec = self.w_service * service * size + self.w_queue * queue

@@ -8,9 +8,14 @@ per-token time. Per instance g:
                 + o_g x tpot_g                         (``olproute.bea.ScoreEstimator``)
     score_g   = w_quality x acc_g - w_cost x cost_g - w_latency x latency_g
 
-with ``o_g`` the request's predicted output length on g's model, ``tpot_g`` and the
-prefill throughput from calibration, accuracy and cost (micro-USD) from the request's
-outlook. The highest score wins; ties go to the smaller latency, then a coin flip.
+with ``o_g`` the request's predicted output length on g's model, the prefill throughput
+from calibration, accuracy and cost (micro-USD) from the request's outlook, and
+``tpot_g`` g's decode step now: the calibrated beta at g's current decode load (its
+residents, the router's dispatches its snapshot does not hold yet, and this request), as
+SCORE measures per-token time on the running instance. A frozen profiled TPOT per
+instance differs between identical replicas by calibration noise alone and herds every
+request onto the replica that happened to profile fastest. The highest score wins; ties
+go to the smaller latency, then a coin flip.
 
 Parameters (all >= 0): ``w_quality`` (default 1), ``w_cost`` (default
 ``reward.cost_lambda``, so the first two terms are the BEAR utility), ``w_latency``
@@ -45,7 +50,7 @@ class Score(NoFeedback):
         self.w_quality = float_param(self.name, p, "w_quality", 1.0)
         self.w_cost = float_param(self.name, p, "w_cost", env.reward.cost_lambda)
         self.w_latency = float_param(self.name, p, "w_latency", env.reward.delta)
-        self._estimator = ScoreEstimator(env.calibration())
+        self._estimator = ScoreEstimator(env.calibration(), env.specs)
         self._outlook = env.outlook()
         self._rng = env.rng
 

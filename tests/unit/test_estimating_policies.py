@@ -97,6 +97,14 @@ def _decoders(n: int, context: int = 300, remaining: int = 400) -> list[tuple[in
     return [(context, 1, 1 + remaining)] * n
 
 
+def _step_s(contexts: Sequence[int], prompt: int = PROMPT,
+            beta: Sequence[float] = BETA) -> float:
+    """One decode step of residents with these contexts plus the new request, by the
+    4-term model (max_num_seqs 8: at most 7 residents join it)."""
+    n = min(len(contexts), 7)
+    return beta[0] + beta[1] * (n + 1) + beta[2] * (sum(contexts[:n]) + prompt)
+
+
 THREE = (_spec("a"), _spec("b"), _spec("c"))
 
 
@@ -269,8 +277,24 @@ def test_score_latency_grows_with_the_queue_and_steers_away() -> None:
         latencies.append(d.explanation["latency_s"][0])
         assert d.instance == 1 if n else d.instance in (0, 1)
     assert latencies[0] < latencies[1] < latencies[2]
-    # queue delay: waiting prefill over throughput, plus predicted output x TPOT
-    assert latencies[2] == pytest.approx(6 * 2000 / 20_000 + DECODE * 0.01)
+    # queue delay: waiting prefill over throughput, plus predicted output x the decode
+    # step now (beta at this instance's load), not the profiled tpot_s
+    assert latencies[2] == pytest.approx(6 * 2000 / 20_000 + DECODE * _step_s([2000] * 6))
+
+
+@pytest.mark.parametrize("name", ["score", "calibrated_cost"])
+def test_profiled_tpot_noise_does_not_herd_identical_replicas(name: str) -> None:
+    """Two identical replicas whose profiled mean TPOT differs by noise alone: the
+    per-token time comes from beta at each one's load, so on equal states they tie (coin
+    flip) instead of the faster-profiled one taking everything, and the one with more
+    decoders is avoided whatever its profile says."""
+    specs = THREE[:2]
+    cals = [_cal(tpot=0.0096), _cal(tpot=0.0104)]
+    chosen = {_policy(name, specs, cals=cals, seed=seed).decide(
+        _ctx(specs, [_snap(specs[0]), _snap(specs[1])])).instance for seed in range(16)}
+    assert chosen == {0, 1}
+    loaded = [_snap(specs[0], _decoders(5)), _snap(specs[1], _decoders(1))]
+    assert _policy(name, specs, cals=cals).decide(_ctx(specs, loaded)).instance == 1
 
 
 def test_score_weighs_quality_against_latency_with_w_latency() -> None:
@@ -360,8 +384,10 @@ def test_calibrated_cost_grows_with_kv_pressure() -> None:
     assert press[:2] == [0.0, 0.0]
     assert press[2:] == pytest.approx([(850 + own) / 1000 - 0.8, (950 + own) / 1000 - 0.8])
     assert costs[0] == costs[1] < costs[2] < costs[3]
-    # the decode term is o x tpot x (1 + rho x press) x size, size = 1 here
-    assert costs[3] == pytest.approx(DECODE * 0.01 * (1 + press[3]))
+    # the decode term is o x tpot x (1 + rho x press) x size, size = 1 here, with tpot
+    # the decode step of this (empty) instance with the request
+    assert costs[3] == pytest.approx(DECODE * _step_s([]) * (1 + press[3]))
+    assert d.explanation["tpot_s"] == pytest.approx((_step_s([]),))
 
 
 def test_calibrated_cost_avoids_the_pressured_instance() -> None:
@@ -384,14 +410,18 @@ def test_calibrated_cost_counts_dispatches_a_stale_snapshot_misses() -> None:
 
 def test_calibrated_cost_formula_and_size_factor() -> None:
     specs = THREE[:2]
-    cals = [_cal(prefill_tps=10_000.0, tpot=0.02), _cal(prefill_tps=30_000.0, tpot=0.01)]
+    slow = (4e-3, 8e-5, 4e-8, 3e-9)
+    cals = [InstanceCalibration(beta=slow, prefill_tokens_per_s=10_000.0, tpot_s=0.02,
+                                mean_batch_seqs=8.0),
+            _cal(prefill_tps=30_000.0)]
     snaps = [_snap(specs[0], waiting=[1000]), _snap(specs[1], waiting=[3000, 3000, 3000])]
     params = {"w_backlog": 2.0, "w_service": 0.5, "w_queue": 0.1, "size_ref_tokens": 100.0}
     d = _policy("calibrated_cost", specs, params=params, cals=cals, decode=[40, 80]).decide(
         _ctx(specs, snaps, prompt=300))
     size = 300 / 100
-    expected = (2.0 * (1000 / 10_000) * size + 0.5 * 40 * 0.02 * size + 0.1 * 1,
-                2.0 * (9000 / 30_000) * size + 0.5 * 80 * 0.01 * size + 0.1 * 3)
+    tpot = (_step_s([1000], 300, slow), _step_s([3000] * 3, 300))
+    expected = (2.0 * (1000 / 10_000) * size + 0.5 * 40 * tpot[0] * size + 0.1 * 1,
+                2.0 * (9000 / 30_000) * size + 0.5 * 80 * tpot[1] * size + 0.1 * 3)
     assert d.explanation["cost"] == pytest.approx(expected)
     assert d.instance == int(np.argmin(expected))
 
