@@ -128,7 +128,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"wrote {out}/compare.csv, {out}/cdf.png and per-policy records")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {r.policy: r.summary.as_dict() for r in runs}, indent=2, allow_nan=True))
+            {r.policy: r.summary.as_json() for r in runs}, indent=2))
     return 0
 
 

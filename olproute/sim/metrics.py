@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,12 +28,28 @@ RECORD_COLUMNS = (
 
 @dataclass(frozen=True, slots=True)
 class Summary:
-    """Summary of one run. Latencies in seconds; NaN where no request qualifies."""
+    """Summary of one run. Latencies in seconds; NaN where no request qualifies.
+
+    ``ttft_*`` / ``eel_*`` / ``tpot_*`` are over the requests served (finished); when a
+    policy refuses requests they are over another set than a policy that serves all, so
+    they stand beside ``served_fraction`` and the ``*_all_s`` tails, which are over every
+    request with a refused (or unfinished) one counted as infinitely late: inf when the
+    quantile falls on one.
+
+    ``throughput_*`` are over the arrival window, from the first arrival to the last
+    (``window_s``): tokens delivered in it (a request's prompt at its first token, its
+    output tokens spread evenly from the first token to the last) over its length.
+    That is the rate a fleet sustains while the load is on; ``makespan_tokens_per_s``
+    (every served token over first arrival to last finish) mostly measures how long the
+    last requests take to drain, and is given only under that name.
+    """
 
     num_requests: int
     num_served: int
     num_shed: int
-    duration_s: float
+    duration_s: float                 # first arrival to the last event (makespan)
+    window_s: float                   # first arrival to the last arrival
+    served_fraction: float
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p95_s: float
@@ -45,17 +62,27 @@ class Summary:
     tpot_p50_s: float
     tpot_p95_s: float
     tpot_p99_s: float
-    throughput_tokens_per_s: float
-    throughput_requests_per_s: float
+    throughput_tokens_per_s: float    # over the arrival window
+    throughput_requests_per_s: float  # finishes in the arrival window over its length
     slo_attainment: float
     goodput: float
     num_preemptions: int
+    ttft_p90_all_s: float = float("nan")
+    ttft_p99_all_s: float = float("nan")
+    eel_p95_all_s: float = float("nan")
+    eel_p99_all_s: float = float("nan")
+    makespan_tokens_per_s: float = float("nan")
     # BEAR eq. 6: mean over all requests of (quality - lambda * cost) when the TTFT target
     # is met, else 0; NaN when the requests carry no per-model quality
     on_time_utility: float = float("nan")
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+    def as_json(self) -> dict[str, float | int | None]:
+        """``as_dict`` with NaN and inf as None (JSON has neither)."""
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                for k, v in asdict(self).items()}
 
 
 def ttft_s(res: SimResult) -> FloatArray:
@@ -138,6 +165,35 @@ def _default_profiles() -> Profiles:
     return load_profiles(REPO_ROOT / "configs" / "profiles.yaml")
 
 
+def pct_all(x: FloatArray, served: npt.NDArray[np.bool_], q: float) -> float:
+    """The ``q``-th percentile of ``x`` over every request, an unserved one counting as
+    infinitely late: inf when the percentile reaches into them (NaN with no requests).
+    The empirical quantile (the smallest value with at least q% of requests at or below
+    it), so a finite answer is one request's value."""
+    if x.size == 0:
+        return float("nan")
+    full = np.where(served, x, np.inf)
+    return float(np.percentile(full, q, method="inverted_cdf"))
+
+
+def window_tokens(res: SimResult, start_s: float, end_s: float) -> tuple[float, int]:
+    """Tokens delivered in [start_s, end_s] and requests finished in it: each served
+    request's prompt at its first token, its first output token then, and the rest
+    spread evenly up to its finish."""
+    served = ~res.shed & np.isfinite(res.finish_s) & np.isfinite(res.first_token_s)
+    first, finish = res.first_token_s[served], res.finish_s[served]
+    prompt = np.array([r.prompt_tokens for r in res.requests], dtype=np.float64)[served]
+    out = res.decode_tokens[served].astype(np.float64)
+    at_first = (first >= start_s) & (first <= end_s)
+    span = finish - first
+    overlap = np.clip(np.minimum(finish, end_s) - np.maximum(first, start_s), 0.0, None)
+    rest = np.where(span > 0, overlap / np.where(span > 0, span, 1.0),
+                    ((finish >= start_s) & (finish <= end_s)).astype(np.float64))
+    tokens = float(((prompt + 1.0) * at_first).sum() + ((out - 1.0) * rest).sum())
+    done = int(((finish >= start_s) & (finish <= end_s)).sum())
+    return tokens, done
+
+
 def _pct(x: FloatArray, q: float) -> float:
     return float(np.percentile(x, q)) if x.size else float("nan")
 
@@ -156,23 +212,32 @@ def summarize(res: SimResult, profiles: Profiles | None = None,
     n = len(res.requests)
     prompt = np.array([r.prompt_tokens for r in res.requests], dtype=np.int64)
     tokens = int((prompt[served] + res.decode_tokens[served]).sum())
-    start = min((r.arrival_s for r in res.requests), default=0.0)
+    arrivals = _arrivals(res)
+    start = float(arrivals.min()) if n else 0.0
+    last = float(arrivals.max()) if n else 0.0
     duration = max(res.end_s - start, 1e-12)
+    window = max(last - start, 1e-12)
+    window_tok, window_done = window_tokens(res, start, last)
     ttft_met, both = slo_flags(res)
+    ttft_all, eel_all = ttft_s(res), eel_s(res)
     return Summary(
         num_requests=n, num_served=int(served.sum()), num_shed=int(res.shed.sum()),
-        duration_s=duration,
+        duration_s=duration, window_s=window,
+        served_fraction=float(served.mean()) if n else float("nan"),
         ttft_mean_s=_mean(ttft), ttft_p50_s=_pct(ttft, 50), ttft_p95_s=_pct(ttft, 95),
         ttft_p99_s=_pct(ttft, 99),
         eel_mean_s=_mean(eel), eel_p50_s=_pct(eel, 50), eel_p95_s=_pct(eel, 95),
         eel_p99_s=_pct(eel, 99),
         tpot_mean_s=_mean(tpot), tpot_p50_s=_pct(tpot, 50), tpot_p95_s=_pct(tpot, 95),
         tpot_p99_s=_pct(tpot, 99),
-        throughput_tokens_per_s=tokens / duration,
-        throughput_requests_per_s=float(served.sum()) / duration,
+        throughput_tokens_per_s=window_tok / window,
+        throughput_requests_per_s=window_done / window,
         slo_attainment=float(ttft_met.mean()) if n else float("nan"),
         goodput=float(both.mean()) if n else float("nan"),
         num_preemptions=int(res.num_preemptions.sum()),
+        ttft_p90_all_s=pct_all(ttft_all, served, 90), ttft_p99_all_s=pct_all(ttft_all, served, 99),
+        eel_p95_all_s=pct_all(eel_all, served, 95), eel_p99_all_s=pct_all(eel_all, served, 99),
+        makespan_tokens_per_s=tokens / duration,
         on_time_utility=(on_time_utility(res, profiles, cost_lambda)
                          if any(r.quality_by_model is not None for r in res.requests)
                          else float("nan")),

@@ -54,7 +54,7 @@ def run_policy(
         metrics.write_records(result, out_dir / f"records_{name}.csv")
         metrics.write_batch_log(result, out_dir / f"batches_{name}.csv")
         (out_dir / f"summary_{name}.json").write_text(
-            json.dumps(run.summary.as_dict(), indent=2) + "\n")
+            json.dumps(run.summary.as_json(), indent=2) + "\n")
     return run
 
 
@@ -88,12 +88,16 @@ def write_compare_csv(runs: Sequence[PolicyRun], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+# latency columns over served requests stand beside the served fraction and a tail
+# over all requests (refused = inf); tokens/s is over the arrival window
 _TABLE = (
     ("served", "num_served", "{:.0f}"), ("shed", "num_shed", "{:.0f}"),
     ("TTFT mean ms", "ttft_mean_s", "ms"), ("TTFT p50", "ttft_p50_s", "ms"),
-    ("TTFT p99", "ttft_p99_s", "ms"), ("EEL mean s", "eel_mean_s", "{:.2f}"),
+    ("TTFT p99", "ttft_p99_s", "ms"), ("p99 all", "ttft_p99_all_s", "ms"),
+    ("EEL mean s", "eel_mean_s", "{:.2f}"),
     ("EEL p99", "eel_p99_s", "{:.2f}"), ("TPOT p99 ms", "tpot_p99_s", "ms"),
-    ("tok/s", "throughput_tokens_per_s", "{:.0f}"), ("SLO att.", "slo_attainment", "{:.3f}"),
+    ("tok/s window", "throughput_tokens_per_s", "{:.0f}"),
+    ("SLO att.", "slo_attainment", "{:.3f}"),
     ("goodput", "goodput", "{:.3f}"), ("preempt", "num_preemptions", "{:.0f}"),
 )
 
@@ -109,6 +113,8 @@ def summary_table(rows: Sequence[tuple[str, metrics.Summary]]) -> str:
             v = float(d[key])
             if math.isnan(v):
                 cells.append("-")
+            elif math.isinf(v):
+                cells.append("inf")
             elif fmt == "ms":
                 cells.append(f"{v * 1e3:.1f}")
             else:
