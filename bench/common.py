@@ -1,0 +1,43 @@
+"""What every paper-style bench shares: which seeds are reported and which are for
+tuning, and how a figure over seeds is summarised.
+
+Every constant a table's policies run with (a weight profile, a step size, a baseline's
+weight) is chosen on TUNING_SEEDS; tables report REPORT_SEEDS, which no choice was ever
+made on. Seeds 0 and 1 are where every constant chosen before this split was chosen, so
+they belong to tuning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+REPORT_SEEDS: tuple[int, ...] = (10, 11, 12)
+TUNING_SEEDS: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+
+
+def spread(values: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, min, max) of a figure over seeds; inf stays inf, NaN when all are NaN."""
+    xs = [float(v) for v in values if not math.isnan(float(v))]
+    if not xs:
+        return math.nan, math.nan, math.nan
+    mean = math.inf if any(math.isinf(x) for x in xs) else sum(xs) / len(xs)
+    return mean, min(xs), max(xs)
+
+
+def fmt_spread(values: Sequence[float], fmt: str = "{:.3f}", scale: float = 1.0) -> str:
+    """``mean [min-max]`` of a figure over seeds, each value times ``scale``; a single
+    seed prints its value alone."""
+    mean, lo, hi = spread(values)
+
+    def one(x: float) -> str:
+        return "inf" if math.isinf(x) else "-" if math.isnan(x) else fmt.format(x * scale)
+
+    if len(values) == 1:
+        return one(mean)
+    return f"{one(mean)} [{one(lo)}-{one(hi)}]"
+
+
+def finite_or_none(x: float) -> float | None:
+    """JSON has no inf or NaN: None stands for them."""
+    return x if math.isfinite(x) else None
