@@ -130,12 +130,33 @@ def remaining_decode_tokens(snap: EngineSnapshot) -> IntArray:
     return result
 
 
+def pooled_by_kind(values: FloatArray, specs: Sequence[InstanceSpec]) -> FloatArray:
+    """Each instance's value replaced by the mean over the instances of its kind (same
+    model, GPU, tensor parallelism and scheduler limits): what a profile of that kind of
+    instance measures, without the per-instance calibration noise."""
+    kinds = [(s.model, s.gpu, s.tensor_parallel, s.max_num_seqs, s.max_num_batched_tokens)
+             for s in specs]
+    out = np.asarray(values, dtype=np.float64).copy()
+    for kind in set(kinds):
+        members = [g for g, k in enumerate(kinds) if k == kind]
+        out[members] = out[members].mean()
+    return out
+
+
 class _FromCalibration:
+    """Estimators from calibrated constants. With ``specs``, the prefill throughput is
+    one figure per kind of instance (``pooled_by_kind``): a constant profiled per
+    instance differs between identical replicas by calibration noise alone, and an
+    estimate built on it alone (Prefill-TPS on idle queues) would send every request to
+    the replica that happened to profile fastest."""
+
     needs_snapshots = True
 
-    def __init__(self, calibrations: Sequence[InstanceCalibration]) -> None:
+    def __init__(self, calibrations: Sequence[InstanceCalibration],
+                 specs: Sequence[InstanceSpec] | None = None) -> None:
         self._cal = list(calibrations)
-        self._theta = np.array([c.prefill_tokens_per_s for c in calibrations])
+        theta = np.array([c.prefill_tokens_per_s for c in calibrations], dtype=np.float64)
+        self._theta = theta if specs is None else pooled_by_kind(theta, specs)
 
     def observe_dispatch(self, instance: int, now_s: float) -> None:
         """These estimators read only the snapshot."""
@@ -146,7 +167,7 @@ class _FromCalibration:
 
 class PrefillTpsEstimator(_FromCalibration):
     """BEAR eq. 8: pending prefill tokens of residents, then the new prompt, over the
-    instance's profiled prefill throughput."""
+    profiled prefill throughput of the instance (of its kind, when built with specs)."""
 
     name = "prefill_tps"
 
@@ -175,7 +196,7 @@ class ScoreEstimator(_FromCalibration):
 
     def __init__(self, calibrations: Sequence[InstanceCalibration],
                  specs: Sequence[InstanceSpec]) -> None:
-        super().__init__(calibrations)
+        super().__init__(calibrations, specs)
         self._specs = tuple(specs)
         self._beta = np.array([c.beta for c in calibrations], dtype=np.float64)
 
@@ -328,7 +349,7 @@ def make_estimator(name: str, specs: Sequence[InstanceSpec],
     if name == "bea":
         return BeaEstimator(specs, calibrations)
     if name == "prefill_tps":
-        return PrefillTpsEstimator(calibrations)
+        return PrefillTpsEstimator(calibrations, specs)
     if name in ("lps", "lps_var"):
         return LpsEstimator(calibrations, variability=name == "lps_var")
     if name == "score":

@@ -6,8 +6,10 @@ outlook) and a TTFT estimate ``T_g``:
 
 - ``bear``: ``T_g`` from the BEA replay of g's snapshot (``olproute.bea.BeaEstimator``),
   with the request's predicted output length on g's model;
-- ``prefill_tps``: ``T_g`` = pending prefill tokens on g, then the prompt, over g's
-  profiled prefill throughput (eq. 8, ``PrefillTpsEstimator``): the paper's ablation.
+- ``prefill_tps``: ``T_g`` = pending prefill tokens on g, then the prompt, over the
+  profiled prefill throughput of g's kind of instance (eq. 8, ``PrefillTpsEstimator``;
+  identical replicas share one figure, as a profile per model and GPU would give): the
+  paper's ablation.
 
 Parameter ``form``:
 
@@ -53,7 +55,7 @@ class Bear(NoFeedback):
         if estimator == "bea":
             self._estimator = BeaEstimator(env.specs, cal)
         elif estimator == "prefill_tps":
-            self._estimator = PrefillTpsEstimator(cal)
+            self._estimator = PrefillTpsEstimator(cal, env.specs)
         else:
             raise ValueError(f"unknown BEAR estimator {estimator!r}")
         self._outlook = env.outlook()

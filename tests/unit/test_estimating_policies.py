@@ -214,7 +214,7 @@ def test_bear_breaks_utility_ties_by_estimated_ttft() -> None:
 
 def test_prefill_tps_estimates_pending_prefill_over_throughput() -> None:
     cals = [_cal(prefill_tps=10_000.0), _cal(prefill_tps=40_000.0)]
-    specs = THREE[:2]
+    specs = (_spec("a"), _spec("b", model="faster"))  # two kinds: each keeps its profile
     snaps = [_snap(specs[0], waiting=[1000, 3000]), _snap(specs[1], waiting=[6000, 2000])]
     d = _policy("prefill_tps", specs, quality=[0.8, 0.8], cals=cals).decide(
         _ctx(specs, snaps, prompt=1000))
@@ -282,18 +282,19 @@ def test_score_latency_grows_with_the_queue_and_steers_away() -> None:
     assert latencies[2] == pytest.approx(6 * 2000 / 20_000 + DECODE * _step_s([2000] * 6))
 
 
-@pytest.mark.parametrize("name", ["score", "calibrated_cost"])
-def test_profiled_tpot_noise_does_not_herd_identical_replicas(name: str) -> None:
-    """Two identical replicas whose profiled mean TPOT differs by noise alone: the
-    per-token time comes from beta at each one's load, so on equal states they tie (coin
-    flip) instead of the faster-profiled one taking everything, and the one with more
-    decoders is avoided whatever its profile says."""
+@pytest.mark.parametrize("name", ["score", "calibrated_cost", "prefill_tps"])
+def test_profiled_noise_does_not_herd_identical_replicas(name: str) -> None:
+    """Two identical replicas whose profiled mean TPOT and prefill throughput differ by
+    calibration noise alone: on equal states they tie (coin flip) instead of the
+    faster-profiled one taking everything (per-token time from beta at each one's load,
+    prefill throughput one figure per kind of instance), and the loaded one is avoided
+    whatever its profile says."""
     specs = THREE[:2]
-    cals = [_cal(tpot=0.0096), _cal(tpot=0.0104)]
+    cals = [_cal(tpot=0.0096, prefill_tps=20_400.0), _cal(tpot=0.0104, prefill_tps=19_600.0)]
     chosen = {_policy(name, specs, cals=cals, seed=seed).decide(
         _ctx(specs, [_snap(specs[0]), _snap(specs[1])])).instance for seed in range(16)}
     assert chosen == {0, 1}
-    loaded = [_snap(specs[0], _decoders(5)), _snap(specs[1], _decoders(1))]
+    loaded = [_snap(specs[0], _decoders(5), waiting=[1000, 1000]), _snap(specs[1], _decoders(1))]
     assert _policy(name, specs, cals=cals).decide(_ctx(specs, loaded)).instance == 1
 
 
