@@ -1,29 +1,52 @@
-"""The OLP paper's experiment: every policy on one seeded workload, % change vs round robin.
+"""The OLP paper's experiment: every policy on the same seeded workloads, % change vs
+round robin, over three seeds.
 
-    python bench/olp_table.py [--json PATH] [--png PATH] [--requests N] [--quick]
+    python bench/olp_table.py [--json PATH] [--png PATH] [--requests N] [--seeds S,S,..]
+                              [--ablations] [--quick]
 
 Four Llama-2-7B / A100-80GB engines; prompt and output lengths from splitwise_conv
 (shuffled), Poisson arrivals at a stable rate (16 req/s, about 80% of what the four
 engines sustain) and a slightly overloaded one (24 req/s, where round robin's queues
 and preemptions start to grow); predicted output lengths with +/-20% uniform noise.
-For each policy: mean / P95 / P99 end-to-end latency, mean TTFT and token throughput,
-as % change against round_robin measured in the same run (negative is better for
-latency, positive for throughput).
+Every policy on a seed sees the same requests, predictions and calibration (a round-robin
+profiling run on another seed).
+
+For each policy: mean / P95 / P99 end-to-end latency, mean TTFT (over served requests),
+the served fraction, tokens/s over the arrival window, and the requests each instance
+got (max / min over instances; the check: <= 1.5 for every policy on this pool of
+identical engines). Latency is shown as % change against round_robin on the same seed:
+the mean over the seeds, with [min-max] over seeds for mean and P95 EEL. The seeds are
+``bench/common.REPORT_SEEDS``; every constant ``bid_price`` runs with (the default
+reward and prices) was chosen on tuning seeds (0 or 1).
 
 ``bid_price`` runs with the default reward (sigma 1, beta = gamma = 0.01 per slot saved)
 and prices (step 2.0, constant, every 10 slots of 50 ms, K = 5), and with a patience of
 60 s: this experiment judges end-to-end latency, not a TTFT target, so held requests
 wait in the router's buffer until an instance can take them rather than being deferred
-to a queue after the default patience (their TTFT target).
+to a queue after the default patience (their TTFT target). It refuses nothing
+(``admission: defer``), so every policy here is measured over the same served set.
+
+``--ablations`` adds bid_price variants at the overloaded rate: the default patience
+(each request's TTFT target) instead of 60 s, a step of 0.05/sqrt(t) instead of 2.0, and
+prices off (``prices.enabled: false``; the start-and-fit checks still run every tick).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPORT_SEEDS, finite_or_none, fmt_spread, spread
 
 from olproute.config import Config, LoadedConfig, load_profiles
 from olproute.policies import REGISTRY
@@ -33,12 +56,34 @@ from olproute.sim.scenario import CalibrationSource, build_requests, simulate
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"
 RATES = (("stable", 16.0), ("overloaded", 24.0))
-METRICS = (("mean EEL", "eel_mean_s", -1), ("P95 EEL", "eel_p95_s", -1),
-           ("P99 EEL", "eel_p99_s", -1), ("mean TTFT", "ttft_mean_s", -1),
-           ("throughput", "throughput_tokens_per_s", +1))
+# (column, Summary key, JSON key, sign that is better)
+CHANGES = (("mean EEL", "eel_mean_s", "mean_eel", -1), ("P95 EEL", "eel_p95_s", "p95_eel", -1),
+           ("P99 EEL", "eel_p99_s", "p99_eel", -1), ("mean TTFT", "ttft_mean_s", "mean_ttft", -1),
+           ("tokens/s", "throughput_tokens_per_s", "tokens_per_s", +1))
+IMBALANCE_LIMIT = 1.5
+ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
+    "bid_price, patience = TTFT target": {"admission": {"patience_s": None}},
+    "bid_price, step 0.05/sqrt(t)": {"prices": {"step_size": 0.05,
+                                                "schedule": "inverse_sqrt"}},
+    "bid_price, prices off": {"prices": {"enabled": False}},
+}
 
 
-def scenario(rate: float, num_requests: int) -> LoadedConfig:
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One policy on one seed: its summary and requests per instance."""
+
+    summary: Summary
+    per_instance: tuple[int, ...]
+
+    @property
+    def imbalance(self) -> float:
+        lo = min(self.per_instance)
+        return math.inf if lo == 0 else max(self.per_instance) / lo
+
+
+def scenario(rate: float, num_requests: int, seed: int,
+             overrides: dict[str, dict[str, Any]] | None = None) -> LoadedConfig:
     data: dict[str, Any] = {
         "instances": [{"name": "llama7b", "model": "llama-2-7b", "gpu": "a100-80gb",
                        "replicas": 4}],
@@ -46,64 +91,141 @@ def scenario(rate: float, num_requests: int) -> LoadedConfig:
                      "lengths_path": str(TRACE)},
         "prediction": {"mode": "noisy", "noise": 0.2},
         "admission": {"patience_s": 60.0},
-        "sim": {"seed": 0},
+        "sim": {"seed": seed},
     }
+    for section, values in (overrides or {}).items():
+        data[section] = {**data.get(section, {}), **values}
     return LoadedConfig(REPO / "configs" / "default.yaml", Config.model_validate(data),
                         load_profiles(REPO / "configs" / "profiles.yaml"))
 
 
-def run(num_requests: int, policies: list[str]) -> dict[str, dict[str, Summary]]:
-    out: dict[str, dict[str, Summary]] = {}
+Results = dict[str, dict[str, list[Run]]]   # rate label -> policy -> one Run per seed
+
+
+def run(num_requests: int, policies: Sequence[str], seeds: Sequence[int],
+        ablations: bool) -> Results:
+    out: Results = {label: {} for label, _ in RATES}
+    total = len(RATES) * len(seeds) * len(policies) + len(seeds) * len(ABLATIONS) * ablations
+    done = 0
     for label, rate in RATES:
-        loaded = scenario(rate, num_requests)
-        reqs = build_requests(loaded)
-        cal = CalibrationSource(loaded)
-        out[label] = {}
-        for name in policies:
-            t0 = time.perf_counter()
-            out[label][name] = summarize(simulate(loaded, name, reqs, calibration=cal))
-            print(f"  {label:>10} {name:<18} {time.perf_counter() - t0:6.1f} s", flush=True)
+        for seed in seeds:
+            loaded = scenario(rate, num_requests, seed)
+            reqs = build_requests(loaded)
+            cal = CalibrationSource(loaded)
+            variants: list[tuple[str, LoadedConfig, str]] = [(n, loaded, n) for n in policies]
+            if ablations and label == "overloaded":
+                variants += [(name, scenario(rate, num_requests, seed, over), "bid_price")
+                             for name, over in ABLATIONS.items()]
+            for name, cfg, policy in variants:
+                t0 = time.perf_counter()
+                res = simulate(cfg, policy, reqs, calibration=cal)
+                counts = np.bincount(res.instance[res.instance >= 0], minlength=4)
+                out[label].setdefault(name, []).append(
+                    Run(summarize(res), tuple(int(c) for c in counts)))
+                done += 1
+                print(f"  [{done:>3}/{total}] {label:>10} seed {seed:<3} {name:<34} "
+                      f"{time.perf_counter() - t0:6.1f} s", file=sys.stderr, flush=True)
     return out
 
 
-def pct(value: float, base: float) -> float:
-    return (value / base - 1.0) * 100.0
+def change(runs: list[Run], base: list[Run], key: str) -> list[float]:
+    """Per seed: the policy's figure over round robin's on the same seed, minus 1."""
+    return [float(getattr(r.summary, key)) / float(getattr(b.summary, key)) - 1.0
+            for r, b in zip(runs, base, strict=True)]
 
 
-def table(results: dict[str, dict[str, Summary]], rate: str) -> str:
-    rows = results[rate]
-    base = rows["round_robin"].as_dict()
-    head = f"{'policy':<18}" + "".join(f"{m:>12}" for m, _, _ in METRICS)
-    lines = [f"{rate} ({dict(RATES)[rate]:g} req/s): % change vs round_robin "
-             f"(round_robin: mean EEL {base['eel_mean_s']:.2f} s, "
-             f"P95 {base['eel_p95_s']:.2f} s, tokens/s {base['throughput_tokens_per_s']:.0f})",
+def mean_of(runs: list[Run], key: str) -> float:
+    return spread([float(getattr(r.summary, key)) for r in runs])[0]
+
+
+def table(results: Results, label: str, seeds: Sequence[int]) -> str:
+    rows = results[label]
+    base = rows["round_robin"]
+    head = (f"{'policy':<34}{'mean EEL':>22}{'P95 EEL':>22}{'P99 EEL':>9}{'mean TTFT':>10}"
+            f"{'tok/s':>8}{'served':>8}{'max/min':>8}")
+    lines = [f"{label} ({dict(RATES)[label]:g} req/s), seeds {', '.join(map(str, seeds))}: "
+             f"% change vs round_robin on the same seed, mean [min-max] over seeds "
+             f"(round_robin: mean EEL {mean_of(base, 'eel_mean_s'):.2f} s, "
+             f"P95 {mean_of(base, 'eel_p95_s'):.2f} s, tokens/s "
+             f"{mean_of(base, 'throughput_tokens_per_s'):,.0f})",
              head, "-" * len(head)]
-    for name, s in sorted(rows.items(), key=lambda kv: kv[1].eel_mean_s):
-        d = s.as_dict()
-        lines.append(f"{name:<18}" + "".join(
-            f"{pct(float(d[key]), float(base[key])):>+11.1f}%" for _, key, _ in METRICS))
+    order = sorted(rows, key=lambda n: spread(change(rows[n], base, "eel_mean_s"))[0])
+    for name in order:
+        runs = rows[name]
+        cells = [fmt_spread(change(runs, base, key), "{:+.1f}%", 100.0)
+                 for _, key, _, _ in CHANGES[:2]]
+        cells += [f"{spread(change(runs, base, key))[0] * 100:+.1f}%"
+                  for _, key, _, _ in CHANGES[2:]]
+        served = mean_of(runs, "served_fraction")
+        worst = max(r.imbalance for r in runs)
+        lines.append(f"{name:<34}{cells[0]:>22}{cells[1]:>22}{cells[2]:>9}{cells[3]:>10}"
+                     f"{cells[4]:>8}{served:>8.3f}{worst:>8.2f}")
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, Summary]], path: Path) -> None:
+def balance_lines(results: Results) -> list[str]:
+    out = []
+    for label, rows in results.items():
+        worst = {n: max(r.imbalance for r in runs) for n, runs in rows.items()}
+        over = sorted(n for n, w in worst.items() if w > IMBALANCE_LIMIT)
+        top = max(worst, key=lambda n: worst[n])
+        out.append(f"{label}: requests per instance max/min <= {IMBALANCE_LIMIT} for every "
+                   f"policy: {'met' if not over else 'missed by ' + ', '.join(over)} "
+                   f"(largest {worst[top]:.2f}, {top})")
+    return out
+
+
+def as_json(results: Results, seeds: Sequence[int]) -> dict[str, Any]:
+    cases = []
+    for label, rate in RATES:
+        rows = results[label]
+        base = rows["round_robin"]
+        policies = {}
+        for name, runs in rows.items():
+            per = np.mean([r.per_instance for r in runs], axis=0)
+            policies[name] = {
+                "mean_eel_s": mean_of(runs, "eel_mean_s"),
+                "p95_eel_s": mean_of(runs, "eel_p95_s"),
+                "p99_eel_s": mean_of(runs, "eel_p99_s"),
+                "mean_ttft_s": mean_of(runs, "ttft_mean_s"),
+                "tokens_per_s": mean_of(runs, "throughput_tokens_per_s"),
+                "served_fraction": mean_of(runs, "served_fraction"),
+                "requests_per_instance": [float(x) for x in per],
+                "change_vs_round_robin": {
+                    jkey: spread(change(runs, base, key))[0]
+                    for _, key, jkey, _ in CHANGES},
+                "change_vs_round_robin_min_max": {
+                    jkey: list(spread(change(runs, base, key))[1:])
+                    for _, key, jkey, _ in CHANGES[:2]},
+                "max_over_min_requests_per_instance": max(r.imbalance for r in runs),
+                "per_seed": [r.summary.as_json() for r in runs],
+            }
+        cases.append({"rate": rate, "label": label, "seeds": list(seeds),
+                      "policies": policies})
+    return {"cases": cases}
+
+
+def plot(results: Results, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    fig, axes = plt.subplots(1, len(RATES), figsize=(13, 4.6), constrained_layout=True)
+    fig, axes = plt.subplots(1, len(RATES), figsize=(14, 4.8), constrained_layout=True)
     for ax, (label, rate) in zip(axes, RATES, strict=True):
-        rows = results[label]
-        base = rows["round_robin"].as_dict()
-        names = sorted(rows, key=lambda n: rows[n].eel_mean_s)
+        rows = {n: r for n, r in results[label].items() if n in REGISTRY.names()}
+        base = rows["round_robin"]
+        names = sorted(rows, key=lambda n: spread(change(rows[n], base, "eel_mean_s"))[0])
         x = np.arange(len(names))
-        for j, (metric, key, _) in enumerate(METRICS[:3]):
-            vals = [pct(float(rows[n].as_dict()[key]), float(base[key])) for n in names]
-            ax.bar(x + (j - 1) * 0.27, vals, width=0.27, label=metric)
+        for j, (metric, key, _, _) in enumerate(CHANGES[:3]):
+            stats = [spread(change(rows[n], base, key)) for n in names]
+            mean = np.array([s[0] for s in stats]) * 100
+            err = np.array([[s[0] - s[1], s[2] - s[0]] for s in stats]).T * 100
+            ax.bar(x + (j - 1) * 0.27, mean, width=0.27, label=metric, yerr=err,
+                   capsize=2, error_kw={"lw": 0.8})
         ax.axhline(0, color="black", lw=0.7)
         ax.set_xticks(x, names, rotation=45, ha="right")
-        ax.set_ylabel("% change vs round_robin")
+        ax.set_ylabel("% change vs round_robin (bars: seed mean, whiskers: min-max)")
         ax.set_title(f"{label}: Poisson {rate:g} req/s, 4 x Llama-2-7B / A100")
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend()
@@ -112,26 +234,52 @@ def plot(results: dict[str, dict[str, Summary]], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=4000, help="requests per rate")
-    ap.add_argument("--quick", action="store_true", help="600 requests, four policies")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=4000, help="requests per rate and seed")
+    ap.add_argument("--seeds", default=",".join(map(str, REPORT_SEEDS)),
+                    help="comma-separated seeds (default: the report seeds)")
+    ap.add_argument("--ablations", action="store_true",
+                    help="also bid_price variants at the overloaded rate")
+    ap.add_argument("--quick", action="store_true", help="600 requests, four policies, 1 seed")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ap.add_argument("--png", metavar="PATH", default="olp_table.png", help="bar chart")
     args = ap.parse_args()
     policies = REGISTRY.names()
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.quick:
-        args.requests = 600
+        args.requests, seeds = 600, seeds[:1]
         policies = ["round_robin", "least_outstanding", "power_of_two", "bid_price"]
-    results = run(args.requests, policies)
+    t0 = time.perf_counter()
+    results = run(args.requests, policies, seeds, args.ablations)
     for label, _ in RATES:
         print()
-        print(table(results, label))
+        print(table(results, label, seeds))
+    print()
+    for line in balance_lines(results):
+        print(line)
+    over = results["overloaded"]
+    bid = spread(change(over["bid_price"], over["round_robin"], "eel_mean_s"))
+    p95 = spread(change(over["bid_price"], over["round_robin"], "eel_p95_s"))
+    print(f"bid_price overloaded: mean EEL {bid[0] * 100:+.1f}% [{bid[1] * 100:+.1f}% to "
+          f"{bid[2] * 100:+.1f}%] (goal <= -50%), P95 EEL {p95[0] * 100:+.1f}% "
+          f"[{p95[1] * 100:+.1f}% to {p95[2] * 100:+.1f}%] (goal <= -45%)")
     plot(results, Path(args.png))
-    print(f"\nwrote {args.png}")
+    print(f"\nwrote {args.png}; {time.perf_counter() - t0:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {label: {n: s.as_dict() for n, s in rows.items()}
-             for label, rows in results.items()}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(_clean(as_json(results, seeds)), indent=2,
+                                              allow_nan=False) + "\n")
+        print(f"wrote {args.json}")
+
+
+def _clean(x: Any) -> Any:
+    """inf and NaN as None, everywhere in a JSON document."""
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    if isinstance(x, float):
+        return finite_or_none(x)
+    return x
 
 
 if __name__ == "__main__":
