@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_SEEDS, finite_or_none, fmt_spread, spread
+from common import REPORT_SEEDS, finite_or_none, spread
 
 from olproute.config import Config, LoadedConfig, load_profiles
 from olproute.policies import REGISTRY
@@ -152,8 +152,7 @@ def table(results: Results, label: str, seeds: Sequence[int]) -> str:
     order = sorted(rows, key=lambda n: spread(change(rows[n], base, "eel_mean_s"))[0])
     for name in order:
         runs = rows[name]
-        cells = [fmt_spread(change(runs, base, key), "{:+.1f}%", 100.0)
-                 for _, key, _, _ in CHANGES[:2]]
+        cells = [_pct_spread(change(runs, base, key)) for _, key, _, _ in CHANGES[:2]]
         cells += [f"{spread(change(runs, base, key))[0] * 100:+.1f}%"
                   for _, key, _, _ in CHANGES[2:]]
         served = mean_of(runs, "served_fraction")
@@ -161,6 +160,12 @@ def table(results: Results, label: str, seeds: Sequence[int]) -> str:
         lines.append(f"{name:<34}{cells[0]:>22}{cells[1]:>22}{cells[2]:>9}{cells[3]:>10}"
                      f"{cells[4]:>8}{served:>8.3f}{worst:>8.2f}")
     return "\n".join(lines)
+
+
+def _pct_spread(values: list[float]) -> str:
+    """``mean% [min, max]`` of fractions over seeds."""
+    mean, lo, hi = spread(values)
+    return f"{mean * 100:+.1f}% [{lo * 100:+.1f}, {hi * 100:+.1f}]"
 
 
 def balance_lines(results: Results) -> list[str]:
