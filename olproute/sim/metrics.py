@@ -168,12 +168,17 @@ def _default_profiles() -> Profiles:
 def pct_all(x: FloatArray, served: npt.NDArray[np.bool_], q: float) -> float:
     """The ``q``-th percentile of ``x`` over every request, an unserved one counting as
     infinitely late: inf when the percentile reaches into them (NaN with no requests).
-    The empirical quantile (the smallest value with at least q% of requests at or below
-    it), so a finite answer is one request's value."""
+    Interpolated as numpy's default (linear), so when every request is served it equals
+    the percentile over the served."""
     if x.size == 0:
         return float("nan")
-    full = np.where(served, x, np.inf)
-    return float(np.percentile(full, q, method="inverted_cdf"))
+    ordered = np.sort(np.where(served, x, np.inf))
+    pos = (ordered.size - 1) * q / 100.0
+    lo, hi = int(np.floor(pos)), int(np.ceil(pos))
+    frac = pos - lo
+    if np.isinf(ordered[lo]) or (frac > 0 and np.isinf(ordered[hi])):
+        return float("inf")
+    return float(ordered[lo] + frac * (ordered[hi] - ordered[lo]))
 
 
 def window_tokens(res: SimResult, start_s: float, end_s: float) -> tuple[float, int]:

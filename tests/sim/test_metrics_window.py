@@ -29,9 +29,16 @@ def test_served_fraction_and_tails_over_all_requests() -> None:
                          instance=np.array([0, 1, 1, 0]))
     s = metrics.summarize(all_served, PROFILES)
     assert s.served_fraction == 1.0
-    # the empirical quantile: one request's value (TTFTs 0.1, 0.2, 0.5, 0.5)
-    assert s.ttft_p99_all_s == pytest.approx(0.5) and s.ttft_p90_all_s == pytest.approx(0.5)
+    # every request served: the same figure as over the served (TTFTs 0.1, 0.2, 0.5, 0.5)
+    assert s.ttft_p99_all_s == s.ttft_p99_s == pytest.approx(0.5)
+    assert s.eel_p95_all_s == pytest.approx(s.eel_p95_s)
     assert metrics.pct_all(np.array([0.3, 0.1, 0.2]), np.ones(3, bool), 50) == 0.2
+    # one of 200 refused: the P99 over all requests is finite, the P99.9 is not
+    x = np.linspace(0.1, 2.0, 200)
+    served = np.ones(200, bool)
+    served[17] = False
+    assert math.isfinite(metrics.pct_all(x, served, 99))
+    assert math.isinf(metrics.pct_all(x, served, 99.9))
 
 
 def test_throughput_is_over_the_arrival_window() -> None:
