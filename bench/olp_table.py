@@ -62,7 +62,8 @@ CHANGES = (("mean EEL", "eel_mean_s", "mean_eel", -1), ("P95 EEL", "eel_p95_s", 
            ("tokens/s", "throughput_tokens_per_s", "tokens_per_s", +1))
 IMBALANCE_LIMIT = 1.5
 ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
-    "bid_price, patience = TTFT target": {"admission": {"patience_s": None}},
+    "bid_price, patience = TTFT target": {"admission": {"patience_s": None,
+                                                         "max_patience_s": 30.0}},
     "bid_price, step 0.05/sqrt(t)": {"prices": {"step_size": 0.05,
                                                 "schedule": "inverse_sqrt"}},
     "bid_price, prices off": {"prices": {"enabled": False}},
@@ -90,7 +91,11 @@ def scenario(rate: float, num_requests: int, seed: int,
         "workload": {"kind": "poisson", "rate_per_s": rate, "num_requests": num_requests,
                      "lengths_path": str(TRACE)},
         "prediction": {"mode": "noisy", "noise": 0.2},
-        "admission": {"patience_s": 60.0},
+        # hold up to 60 s, then send to the best instance; no cap on the buffer (the OLP
+        # paper's central buffer): the router's own defaults (shed, 256 held, 30 s) are
+        # for serving, not for this latency experiment
+        "admission": {"mode": "defer", "patience_s": 60.0, "max_patience_s": 60.0,
+                      "max_held": 1_000_000},
         "sim": {"seed": seed},
     }
     for section, values in (overrides or {}).items():

@@ -108,7 +108,11 @@ class BeaEstimator:
         out = replay_ttft(list(snaps), self._limits, self._beta, ctx.request.prompt_tokens,
                           _new_decode(ctx, predicted_decode), ctx.now_s, pending,
                           self._max_batches)
-        return TtftEstimate(ttft_s=out[:, 0], wait_s=out[:, 1], prefill_s=out[:, 0] - out[:, 1])
+        ttft, wait = out[:, 0], out[:, 1]
+        # a request that never starts there has inf for both: its prefill time is inf too
+        prefill = np.where(np.isfinite(wait), ttft - np.where(np.isfinite(wait), wait, 0.0),
+                           np.inf)
+        return TtftEstimate(ttft_s=ttft, wait_s=wait, prefill_s=prefill)
 
     def observe_dispatch(self, instance: int, now_s: float) -> None:
         """Dispatches reach the replay through the snapshot and ctx.pending."""

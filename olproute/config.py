@@ -230,10 +230,18 @@ class PriceConfig(_Frozen):
 
 
 class AdmissionConfig(_Frozen):
-    """The central buffer: when a request is held, for how long, and what happens then."""
+    """The central buffer: when a request is held, for how long, and what happens then.
 
-    mode: Literal["defer", "shed"] = "defer"
+    ``shed`` (the default) refuses a request whose patience runs out (HTTP 429 with
+    Retry-After): a router that never refuses queues without bound under overload.
+    ``defer`` sends it to the best instance anyway. At most ``max_held`` requests are held
+    at once (a request the policy would hold past that is refused at once), and none is
+    held longer than ``max_patience_s``, whatever its patience or TTFT target says."""
+
+    mode: Literal["defer", "shed"] = "shed"
     patience_s: float | None = Field(default=None, ge=0)  # None: the request's TTFT target
+    max_patience_s: float = Field(default=30.0, gt=0)     # caps patience_s and TTFT targets
+    max_held: int = Field(default=256, ge=0)               # requests held at once
     candidates: int | None = Field(default=None, ge=1)   # sample d instances (None: all)
     # "can start now": the instance has a free batch slot, KV blocks for the prompt, and
     # at most this many requests already waiting
@@ -263,7 +271,15 @@ class ServerConfig(_Frozen):
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     default_ttft_ms: float = Field(default=2000.0, gt=0)  # when x-slo-ttft-ms is absent
     default_max_tokens: int = Field(default=16, ge=1)
-    request_timeout_s: float = Field(default=600.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)  # a whole backend request
+    connect_timeout_s: float = Field(default=2.0, gt=0)    # to open a backend connection
+    # from sending a request to the first byte of its answer's body (a whole answer: the
+    # answer; a stream: its first chunk), then between two chunks of a stream
+    first_byte_timeout_s: float = Field(default=60.0, gt=0)
+    read_timeout_s: float = Field(default=30.0, gt=0)
+    # event-loop time per slot for re-scoring held requests: past it, the rest wait for
+    # the next slot (round robin over the buffer), so the loop never starves
+    hold_budget_ms: float = Field(default=10.0, gt=0)
     health_period_s: float = Field(default=2.0, gt=0)
     scrape_period_s: float = Field(default=1.0, gt=0)   # backends' /metrics
     recalibrate_period_s: float = Field(default=5.0, gt=0)

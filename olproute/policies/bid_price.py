@@ -51,11 +51,16 @@ def can_start_now(snap: EngineSnapshot, prompt_tokens: int, block_size: int,
             and snap.num_free_blocks >= need)
 
 
-def still_patient(adm: AdmissionConfig, request: Request, waited_s: float) -> bool:
-    """Has a held request waited less than its patience (``admission.patience_s``, or
-    its TTFT target)?"""
+def patience_s(adm: AdmissionConfig, request: Request) -> float:
+    """How long a request may be held: ``admission.patience_s``, or its TTFT target,
+    at most ``admission.max_patience_s``."""
     patience = adm.patience_s if adm.patience_s is not None else request.ttft_target_s
-    return waited_s + 1e-12 < patience
+    return min(patience, adm.max_patience_s)
+
+
+def still_patient(adm: AdmissionConfig, request: Request, waited_s: float) -> bool:
+    """Has a held request waited less than its patience (``patience_s``)?"""
+    return waited_s + 1e-12 < patience_s(adm, request)
 
 
 class BidPrice:

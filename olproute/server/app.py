@@ -24,6 +24,7 @@ from olproute.calibration import OnlineCalibrator
 from olproute.config import ConfigError, LoadedConfig, load_config
 from olproute.router import Router
 from olproute.server import dashboard, proxy
+from olproute.server.holding import HoldQueue
 from olproute.server.metrics import ServerMetrics
 from olproute.server.schema import (
     BadRequest,
@@ -80,7 +81,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 stack.push_async_callback(_stop_all, running)
                 urls = [r.url for r in running]
             session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-                total=server.request_timeout_s, sock_connect=2.0))
+                total=server.request_timeout_s, sock_connect=server.connect_timeout_s))
             stack.push_async_callback(session.close)
             loop = asyncio.get_running_loop()
             router = await loop.run_in_executor(None, _build_router, loaded, calibration)
@@ -89,17 +90,22 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                              session=session, t0=loop.time(), emulators=running)
             st.calibrators = [OnlineCalibrator(c.beta) for c in router.calibration()]
             st.batches_supported = [True] * len(urls)
+            st.holding = HoldQueue(loaded.config.admission.max_held,
+                                   loaded.config.router.slot_ms / 1e3,
+                                   server.hold_budget_ms / 1e3, st.now)
             app[STATE] = st
             tasks = [asyncio.create_task(_every(period, job, st)) for period, job in (
                 (router.tick_s, _tick), (server.health_period_s, _health),
                 (server.scrape_period_s, _scrape),
                 (server.recalibrate_period_s, _recalibrate)) if period > 0]
+            tasks.append(asyncio.create_task(st.lag.run(st.metrics.loop_lag_seconds.observe)))
             try:
                 yield
             finally:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                await st.holding.close()
     return ctx
 
 
@@ -136,15 +142,30 @@ async def _tick(st: ServerState) -> None:
     st.metrics.price_updates.inc()
 
 
+PROBE_TIMEOUT_S = 1.0
+
+
 async def _health(st: ServerState) -> None:
+    loop = asyncio.get_running_loop()
+
     async def probe(g: int) -> None:
         b = st.tracker.backends[g]
+        sent = loop.time()
+        timed_out = False
         try:
             async with st.session.get(b.url + "/health",
-                                      timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                                      timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as r:
                 ok = r.status == 200
-        except (TimeoutError, aiohttp.ClientError):
+        except TimeoutError:
+            ok, timed_out = False, True
+        except aiohttp.ClientError:
             ok = False
+        name = b.spec.name
+        if timed_out and _router_lagged(st, sent, loop.time()):
+            # the router's own loop ran late: the answer may have been waiting unread
+            st.metrics.probes.labels(name, "inconclusive").inc()
+            return
+        st.metrics.probes.labels(name, "ok" if ok else "failed").inc()
         if ok:
             st.tracker.mark_success(g)
         elif b.healthy or st.now() >= b.next_probe_s:
@@ -153,6 +174,14 @@ async def _health(st: ServerState) -> None:
     await asyncio.gather(*(probe(g) for g in st.tracker.due_for_probe(st.now())))
     st.metrics.set_backends([b.spec.name for b in st.tracker.backends], st.tracker.healthy(),
                             [len(b.flights) + len(b.inbound) for b in st.tracker.backends])
+
+
+def _router_lagged(st: ServerState, sent: float, now: float) -> bool:
+    """Did the router's event loop lag while a probe sent at ``sent`` timed out? Its
+    timeout fired late (the loop was busy when it was due), or the loop ran a timer a
+    quarter of the probe's timeout late meanwhile."""
+    late = (now - sent) - PROBE_TIMEOUT_S
+    return late > 0.25 * PROBE_TIMEOUT_S or st.lag.max_since(sent) > 0.25 * PROBE_TIMEOUT_S
 
 
 async def _scrape(st: ServerState) -> None:
@@ -324,6 +353,8 @@ async def reload(request: web.Request) -> web.Response:
     router.continue_ids(st.router)  # requests in flight keep their ids unique
     st.router = router
     st.loaded = new
+    if st.holding is not None:
+        st.holding.max_held = new.config.admission.max_held
     return web.json_response({"status": "reloaded", "config": str(path),
                               "policy": router.policy_name,
                               "weights": [str(w) for w in new.weights]})
@@ -353,5 +384,8 @@ def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None =
 
     server = loaded.config.server
     uvloop.install()
+    # a client that leaves cancels its handler: a held request leaves the buffer, a
+    # backend request in flight is closed (the backend stops generating for it)
     web.run_app(init_app(loaded), host=host or server.host,
-                port=server.port if port is None else port, print=print)
+                port=server.port if port is None else port, print=print,
+                handler_cancellation=True)

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0)
 HANDOFF_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+LOOP_LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3,
                       12.8e-3, 25.6e-3)
 
@@ -46,6 +47,18 @@ class ServerMetrics:
                                      registry=r)
         self.errors = Counter("olproute_backend_errors", "Backend failures by kind",
                               ["instance", "kind"], registry=r)
+        self.held = Gauge("olproute_held_requests", "Requests waiting in the router's "
+                          "central buffer", registry=r)
+        self.held_dropped = Counter("olproute_held_dropped", "Held requests dropped because "
+                                    "their client left", registry=r)
+        self.held_full = Counter("olproute_held_full", "Requests refused because the central "
+                                 "buffer was full (admission.max_held)", registry=r)
+        self.loop_lag_seconds = Histogram(
+            "olproute_loop_lag_seconds", "How late the event loop ran a timer (sampled every "
+            "50 ms)", buckets=LOOP_LAG_BUCKETS_S, registry=r)
+        self.probes = Counter("olproute_health_probes", "Health probes by result (ok, "
+                              "failed, inconclusive: timed out while the router's own "
+                              "event loop lagged)", ["instance", "result"], registry=r)
 
     def set_prices(self, prices: dict[str, Any] | None) -> None:
         if prices is None:

@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from olproute.policies.bid_price import patience_s
 from olproute.server.schema import (
     BadRequest,
     ChatBody,
@@ -52,10 +53,15 @@ def error_response(status: int, message: str, param: str | None = None,
 async def _post(st: ServerState, url: str, body: dict[str, Any]
                 ) -> tuple[aiohttp.ClientResponse | None, str | None]:
     """POST to a backend: (its response, unless the connection failed; why it failed, if
-    it did: a connect error or a 5xx), the response still unread."""
+    it did: a connect error, no answer within ``server.first_byte_timeout_s``, or a 5xx),
+    the response still unread."""
+    limit = st.loaded.config.server.first_byte_timeout_s
     try:
-        upstream = await st.session.post(url, json=body)
-    except (TimeoutError, aiohttp.ClientError) as exc:
+        async with asyncio.timeout(limit):
+            upstream = await st.session.post(url, json=body)
+    except TimeoutError:
+        return None, f"no answer within {limit:g} s (first_byte_timeout_s)"
+    except aiohttp.ClientError as exc:
         return None, f"connect: {type(exc).__name__}"
     return upstream, f"status {upstream.status}" if upstream.status >= 500 else None
 
@@ -89,15 +95,41 @@ def _ascii(text: str, limit: int = 200) -> str:
     return text.encode("ascii", "replace").decode("ascii")[:limit]
 
 
-async def decide_until_dispatch(st: ServerState, req: Request,
-                                exclude: frozenset[int] = frozenset()) -> Decision:
-    """Ask the policy every slot while it holds the request (the central buffer)."""
-    slot_s = st.loaded.config.router.slot_ms / 1e3
-    while True:
-        d = st.decide(req, exclude)
-        if d.action != "hold":
-            return d
-        await asyncio.sleep(slot_s)
+def client_gone(request: web.Request) -> bool:
+    """Has the client closed its connection?"""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def decide_until_dispatch(st: ServerState, req: Request, client: web.Request,
+                                exclude: frozenset[int] = frozenset()) -> Decision | None:
+    """The policy's decision; while it holds the request, the request waits in the
+    central buffer (``olproute.server.holding``), re-scored every slot. A request the
+    policy would hold when the buffer is full is refused; None when the client left
+    while it was held (the policy then forgets it)."""
+    d = st.decide(req, exclude)
+    if d.action != "hold":
+        return d
+    holding = st.holding
+    assert holding is not None
+    if holding.full():
+        holding.stats.full += 1
+        st.metrics.held_full.inc()
+        return Decision(req.request_id, "shed", None,
+                        f"the central buffer is full ({holding.max_held} requests held)")
+    st.metrics.held.inc()
+    try:
+        held = await holding.wait(req, exclude, patience_s(st.loaded.config.admission, req),
+                                  st.decide, lambda: client_gone(client))
+    except asyncio.CancelledError:   # the client left and aiohttp cancelled the handler
+        st.router.forget(req.request_id)
+        raise
+    finally:
+        st.metrics.held.dec()
+    if held is None:
+        st.metrics.held_dropped.inc()
+        st.router.forget(req.request_id)
+    return held
 
 
 def _tokens_in(line: bytes) -> int:
@@ -138,7 +170,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     models = [s.model for s in st.loaded.specs]
     exclude = (frozenset(g for g, m in enumerate(models) if m != body.model)
                if body.model in models else frozenset())
-    decision = await decide_until_dispatch(st, req, exclude)
+    decision = await decide_until_dispatch(st, req, request, exclude)
+    if decision is None:   # the client left while its request was held: nobody reads this
+        return web.Response(status=499)
     if decision.action == "shed":
         st.router.observe(_outcome(req, None, None, None, None, 0))
         return error_response(429, f"request refused: {decision.reason}", kind="rate_limited",
@@ -160,8 +194,14 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         data["model"] = backend.spec.model  # the name the backend serves
         now = st.now()
         st.tracker.dispatched(g, req, now, streamed=stream)
-        upstream, failure = await _post(st, backend.url + request.path, data)
+        try:
+            upstream, failure = await _post(st, backend.url + request.path, data)
+        except asyncio.CancelledError:   # the client left before the backend answered
+            st.tracker.finished(g, req.request_id)
+            st.router.observe(_outcome(req, g, now, None, None, 0))
+            raise
         if failure is None:
+            st.tracker.mark_answered(g)
             break
         if upstream is not None:
             upstream.release()
@@ -172,7 +212,10 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         if len(tried) > 1:
             st.router.observe(_outcome(req, g, now, None, None, 0))
             return error_response(502, f"backends failed: {failure}", kind="backend_error")
-        decision = await decide_until_dispatch(st, req, exclude | frozenset(tried))
+        retry = await decide_until_dispatch(st, req, request, exclude | frozenset(tried))
+        if retry is None:
+            return web.Response(status=499)
+        decision = retry
         if decision.action != "dispatch":
             st.router.observe(_outcome(req, None, None, None, None, 0))
             return error_response(503, f"no backend after a failure: {decision.reason}",
@@ -228,8 +271,18 @@ async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Requ
         **headers, "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
         "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    server = st.loaded.config.server
+    limit = server.first_byte_timeout_s   # for the first chunk, then read_timeout_s
     try:
-        async for line in upstream.content:
+        while True:
+            try:
+                async with asyncio.timeout(limit):
+                    line = await upstream.content.readline()
+            except TimeoutError:
+                raise _Stalled(limit) from None
+            if not line:
+                break
+            limit = server.read_timeout_s
             n = _tokens_in(line)
             if n:
                 st.tracker.token(g, req.request_id, st.now(), n)
@@ -239,10 +292,12 @@ async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Requ
                 # the client went away: not the backend's fault; stop its generation
                 upstream.close()
                 return resp, False
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except (TimeoutError, aiohttp.ClientError, _Stalled) as exc:
         st.tracker.mark_failure(g, st.now())
-        st.metrics.errors.labels(st.loaded.specs[g].name, "mid_stream").inc()
-        event = {"error": {"message": f"backend stream ended early: {type(exc).__name__}",
+        kind = "stalled" if isinstance(exc, _Stalled) else "mid_stream"
+        st.metrics.errors.labels(st.loaded.specs[g].name, kind).inc()
+        why = str(exc) if isinstance(exc, _Stalled) else type(exc).__name__
+        event = {"error": {"message": f"backend stream ended early: {why}",
                            "type": "backend_error"}}
         try:
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
@@ -261,9 +316,11 @@ async def _relay_whole(st: ServerState, g: int, req: Request,
                        upstream: aiohttp.ClientResponse,
                        headers: dict[str, str]) -> tuple[web.Response, bool]:
     """Relay the backend's whole answer; (the response, True if it is a 200 answer read
-    whole). A body that fails to arrive is a 502 and marks the backend."""
+    whole). A body that fails to arrive (within ``server.read_timeout_s``) is a 502 and
+    marks the backend."""
     try:
-        raw = await upstream.read()
+        async with asyncio.timeout(st.loaded.config.server.read_timeout_s):
+            raw = await upstream.read()
     except (TimeoutError, aiohttp.ClientError) as exc:
         st.tracker.mark_failure(g, st.now())
         name = st.loaded.specs[g].name
@@ -282,6 +339,13 @@ async def _relay_whole(st: ServerState, g: int, req: Request,
     return web.Response(body=raw, status=upstream.status, headers={
         **headers, "Content-Type": upstream.headers.get("Content-Type", "application/json")}
     ), upstream.status == 200
+
+
+class _Stalled(Exception):
+    """A backend stream sent no chunk within the limit."""
+
+    def __init__(self, limit_s: float) -> None:
+        super().__init__(f"no chunk within {limit_s:g} s")
 
 
 def _outcome(req: Request, g: int | None, dispatch: float | None, first: float | None,
@@ -341,12 +405,16 @@ async def _prefill(st: ServerState, p: int, path: str, body: dict[str, Any],
     client's response (the backend's own 4xx, else a 502 naming it)."""
     backend = st.tracker.backends[p]
     name = backend.spec.name
+    limit = st.loaded.config.server.first_byte_timeout_s
     try:
-        async with st.session.post(backend.url + path, json=body) as upstream:
+        async with asyncio.timeout(limit), st.session.post(backend.url + path,
+                                                           json=body) as upstream:
             raw = await upstream.read()
             status = upstream.status
             ctype = upstream.headers.get("Content-Type", "application/json")
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except TimeoutError:
+        status, raw, ctype = 0, f"no answer within {limit:g} s".encode(), ""
+    except aiohttp.ClientError as exc:
         status, raw, ctype = 0, f"connect: {type(exc).__name__}".encode(), ""
     if 400 <= status < 500:
         raise _Failed(web.Response(body=raw, status=status,

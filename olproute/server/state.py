@@ -13,6 +13,8 @@ from aiohttp import web
 from olproute.calibration import OnlineCalibrator
 from olproute.config import LoadedConfig
 from olproute.router import Router
+from olproute.server.holding import HoldQueue
+from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics
 from olproute.server.tracker import Tracker
 from olproute.types import Decision, EngineSnapshot, Request
@@ -33,6 +35,8 @@ class ServerState:
     batches_supported: list[bool] = field(default_factory=list)
     # the embedded emulated instances (olproute.emulator.RunningEmulator), if any
     emulators: list[Any] = field(default_factory=list)
+    holding: HoldQueue | None = None
+    lag: LoopLag = field(default_factory=lambda: LoopLag())
 
     def now(self) -> float:
         """Seconds since the server started (the policies' clock)."""

@@ -260,9 +260,15 @@ class Tracker:
         b.next_probe_s = now_s + backoff
 
     def mark_success(self, g: int) -> None:
-        b = self.backends[g]
-        b.failures = 0
-        b.healthy = True
+        """A health probe passed: the backend takes traffic again. Its failure streak
+        stays until a request of its own is answered (``mark_answered``), so a backend
+        whose ``/health`` answers but whose requests fail (hang, stall) is tried again
+        after ever longer backoffs instead of every probe period."""
+        self.backends[g].healthy = True
+
+    def mark_answered(self, g: int) -> None:
+        """A request got its answer's first byte from the backend: its streak is over."""
+        self.backends[g].failures = 0
 
     def due_for_probe(self, now_s: float) -> list[int]:
         """Backends to probe now: healthy ones every round, unhealthy ones after backoff."""

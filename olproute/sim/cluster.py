@@ -8,7 +8,9 @@ updates, off the request path).
 
 Requests reach an engine the instant they are dispatched; an idle engine starts a batch
 at once, a busy one takes the request into its next batch. A held request is decided
-again every slot (``slot_s``); a shed one is recorded and never served.
+again every slot (``slot_s``); a shed one is recorded and never served. At most
+``max_held`` requests are held at once, as in the server: a request the policy would hold
+past that is shed.
 
 With disaggregated pools (``olproute.disagg``) a dispatch names a prefill and a decode
 instance. The prefill engine runs the prompt and one token (not the client's); the KV
@@ -33,7 +35,7 @@ from olproute.disagg import Pools, decode_admission
 from olproute.policies.base import Policy
 from olproute.sim.engine import BATCH_LOG_COLUMNS, FINISHED, FIRST_TOKEN, BatchTimer, SimEngine
 from olproute.sim.snapshots import SnapshotFeed
-from olproute.types import InstanceSpec, Outcome, Request, RoutingContext
+from olproute.types import Decision, InstanceSpec, Outcome, Request, RoutingContext
 
 _BATCH_DONE, _ARRIVAL, _RETRY, _TICK, _TRANSFER = 0, 1, 2, 3, 4
 FloatArray = npt.NDArray[np.float64]
@@ -79,6 +81,7 @@ class Cluster:
         reference_core: bool = False,
         snapshot_age_s: float = 0.0,
         transfer: Callable[[int], float] | None = None,
+        max_held: int | None = None,
     ) -> None:
         if len(specs) != len(timers):
             raise ValueError("one timer per instance")
@@ -87,6 +90,7 @@ class Cluster:
         if self.pools.disaggregated and transfer is None:
             raise ValueError("disaggregated pools need a KV transfer time")
         self._transfer = transfer
+        self.max_held = max_held
         self._role = [s.role for s in specs]
         self._log: array[float] | None = array("d") if record_batches else None
         self.engines = [SimEngine(i, s, t, self._log, reference_core)
@@ -131,6 +135,7 @@ class Cluster:
         # per instance: request_id -> (dispatch time, prompt, predicted decode) of requests
         # bound for it as their decode instance whose KV has not arrived yet
         inbound: list[dict[int, tuple[float, int, int]]] = [{} for _ in engines]
+        held: set[int] = set()
         in_system = 0
         done = 0
         num_events = 0
@@ -216,6 +221,14 @@ class Cluster:
                 snapshots=snaps, pending=pending,
                 inbound=_rows(inbound) if disagg else None)
             decision = policy.decide(ctx)
+            if decision.action == "hold" and arg not in held:
+                if self.max_held is not None and len(held) >= self.max_held:
+                    decision = Decision(arg, "shed", None, f"buffer full ({self.max_held} "
+                                        "requests held)")
+                else:
+                    held.add(arg)
+            if decision.action != "hold":
+                held.discard(arg)
             if decision.action == "dispatch":
                 g = decision.instance
                 assert g is not None

@@ -307,7 +307,8 @@ def make_cluster(loaded: LoadedConfig, policy: Policy, seed: int | None = None,
                    reference_core=reference_core,
                    snapshot_age_s=(cfg.sim.snapshot_age_ms / 1e3 if snapshot_age_s is None
                                    else snapshot_age_s),
-                   transfer=kv_transfer(loaded).seconds)
+                   transfer=kv_transfer(loaded).seconds,
+                   max_held=cfg.admission.max_held)
 
 
 def kv_transfer(loaded: LoadedConfig) -> KvTransfer:

@@ -5,8 +5,11 @@ The fake backend speaks just enough OpenAI: completions and chat completions, st
 one chunk per token after ``delay_s`` each, or whole; ``/health``; ``/metrics`` with the
 vLLM gauge names. Its ``mode`` scripts failures: ``ok``, ``fail500`` (5xx before the
 first byte), ``fail400`` (the backend refuses the request), ``cut`` (drops the
-connection after ``cut_after`` chunks). ``extra`` is merged into its whole (non-streamed)
-answers (e.g. a prefill's ``kv_transfer_params``).
+connection after ``cut_after`` chunks), ``hang`` (never answers, though ``/health``
+does), ``stall`` (streams ``cut_after`` chunks, then nothing while keeping the connection
+open). ``cancelled`` counts the requests whose handler was cancelled (the router closed
+the connection) before the fake answered or finished. ``extra`` is merged into its whole
+(non-streamed) answers (e.g. a prefill's ``kv_transfer_params``).
 ``client_gone`` counts the streams its client (the router) closed before their end.
 """
 
@@ -40,6 +43,7 @@ class FakeState:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     client_gone: int = 0
+    cancelled: int = 0
 
 
 STATE = web.AppKey("fake_state", FakeState)
@@ -54,6 +58,12 @@ async def _complete(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": "boom"}, status=500)
     if st.mode == "fail400":
         return web.json_response({"error": {"message": "no", "param": "prompt"}}, status=400)
+    if st.mode == "hang":
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            st.cancelled += 1
+            raise
     n = int(body.get("max_tokens", 4))
     chat = request.path.endswith("chat/completions")
     if not body.get("stream"):
@@ -82,6 +92,12 @@ async def _stream(request: web.Request, resp: web.StreamResponse, st: FakeState,
             assert request.transport is not None
             request.transport.close()
             return resp
+        if st.mode == "stall" and i == st.cut_after:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                st.cancelled += 1
+                raise
         if chat:
             chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0,
                      "model": "fake", "choices": [{"index": 0, "delta": {"content": "tok "},
@@ -120,7 +136,8 @@ def fake_backend_app(state: FakeState) -> web.Application:
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
+    # as olproute serve runs: a client that leaves cancels its handler
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

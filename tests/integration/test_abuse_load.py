@@ -1,0 +1,221 @@
+"""The router protects itself under abuse that costs the attacker little: a flood of held
+requests whose clients leave, patience asked for in hours, a full buffer, backends that
+answer their health checks but hang or stall on requests. Each test ends by checking the
+router still answers ``/healthz``."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from olproute.config import load_config
+from olproute.server.state import STATE
+from olproute.sim.scenario import CalibrationSource
+from tests.conftest import PROFILES
+from tests.integration.server_harness import Stack, wait_until
+from tests.integration.test_server import CAL, request, stream
+
+# an instance whose KV cache holds 2,048 tokens: a 3,000-word prompt never starts there,
+# so bid_price holds it until its patience runs out
+NEVER_FITS = " ".join(["word"] * 3000)
+
+
+def _config(tmp_path: Path, admission: dict[str, Any] | None = None,
+            server: dict[str, Any] | None = None) -> Path:
+    data: dict[str, Any] = {
+        "profiles": str(PROFILES),
+        "instances": [{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 2,
+                       "kv_capacity_tokens": 2048}],
+        "router": {"policy": "bid_price", "slot_ms": 20},
+        "prices": {"period_slots": 5, "window": 200, "minibatch": 32},
+        "admission": {"mode": "shed", **(admission or {})},
+        "server": {"health_period_s": 0.1, "scrape_period_s": 0.2, **(server or {})},
+        "workload": {"kind": "poisson", "rate_per_s": 1, "num_requests": 10,
+                     "prompt_tokens": 10, "decode_tokens": 10},
+    }
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _stack(tmp_path: Path, **sections: dict[str, Any]) -> Stack:
+    loaded = load_config(_config(tmp_path, **sections))
+    return Stack(loaded, num_fakes=2, calibration=CalibrationSource(loaded, known=[CAL] * 2))
+
+
+@pytest.fixture
+def flood(tmp_path: Path) -> Iterator[Stack]:
+    s = _stack(tmp_path, admission={"max_patience_s": 600.0, "max_held": 64})
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _healthy(stack: Stack) -> None:
+    status, _, raw = request(stack.url, "GET", "/healthz")
+    assert status == 200 and json.loads(raw)["status"] == "ok"
+
+
+def _held(stack: Stack) -> int:
+    holding = stack.app[STATE].holding
+    assert holding is not None
+    return int(stack.call(lambda: len(holding)))
+
+
+def _open_held(url: str, n: int, ttft_ms: str = "3600000") -> list[socket.socket]:
+    """``n`` raw connections, each sending a request that is held, then left open."""
+    u = urlparse(url)
+    body = json.dumps({"prompt": NEVER_FITS, "max_tokens": 4, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\n"
+            f"Content-Type: application/json\r\nx-slo-ttft-ms: {ttft_ms}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection((u.hostname, u.port), timeout=30)
+        s.sendall(head + body)
+        socks.append(s)
+    return socks
+
+
+def test_held_requests_whose_clients_left_are_dropped_at_once(flood: Stack) -> None:
+    """40 requests that can never start, asking for an hour of patience: held. Their
+    clients leave; the buffer empties, no re-scoring goes on for them, and no backend
+    ever saw one."""
+    socks = _open_held(flood.url, 40)
+    assert wait_until(lambda: _held(flood) == 40, timeout=60)
+    for s in socks:
+        s.close()
+    assert wait_until(lambda: _held(flood) == 0, timeout=60)
+    holding = flood.app[STATE].holding
+    assert holding is not None
+    before = flood.call(lambda: holding.stats.rescored)
+    assert not wait_until(lambda: flood.call(lambda: holding.stats.rescored) > before,
+                          timeout=0.5)   # nothing left to re-score
+    assert sum(f.requests for f in flood.fakes) == 0
+    _healthy(flood)
+
+
+def test_a_full_buffer_refuses_at_once_with_retry_after(tmp_path: Path) -> None:
+    s = _stack(tmp_path, admission={"max_patience_s": 600.0, "max_held": 3})
+    try:
+        socks = _open_held(s.url, 3)
+        assert wait_until(lambda: _held(s) == 3, timeout=60)
+        status, headers, raw = request(s.url, "POST", "/v1/completions",
+                                       {"prompt": NEVER_FITS, "max_tokens": 4},
+                                       headers={"x-slo-ttft-ms": "3600000"})
+        assert status == 429 and headers["retry-after"] == "1"
+        error = json.loads(raw)["error"]
+        assert "buffer is full (3 requests held)" in error["message"]
+        assert error["type"] == "rate_limited"
+        assert _held(s) == 3    # the three held ones are still there
+        for sock in socks:
+            sock.close()
+        assert wait_until(lambda: _held(s) == 0, timeout=60)
+        _healthy(s)
+    finally:
+        s.close()
+
+
+def test_patience_is_capped_whatever_the_header_asks(tmp_path: Path) -> None:
+    """x-slo-ttft-ms asks for an hour; admission.max_patience_s (0.2 s) wins: the request
+    that can never start is refused instead of being held for an hour."""
+    s = _stack(tmp_path, admission={"max_patience_s": 0.2})
+    try:
+        status, headers, raw = request(s.url, "POST", "/v1/completions",
+                                       {"prompt": NEVER_FITS, "max_tokens": 4},
+                                       headers={"x-slo-ttft-ms": "3600000"})
+        assert status == 429 and "retry-after" in headers
+        assert "shed after" in json.loads(raw)["error"]["message"]
+        _healthy(s)
+    finally:
+        s.close()
+
+
+def test_a_hung_backend_times_out_is_retried_elsewhere_and_backs_off(tmp_path: Path) -> None:
+    """Backend 0 answers /health but never a completion. A request sent there gets no
+    first byte within first_byte_timeout_s: its connection is closed, it is retried on
+    backend 1 (the client gets its answer), and backend 0 is marked down, coming back
+    only after a backoff that grows while its requests keep failing."""
+    s = _stack(tmp_path, server={"first_byte_timeout_s": 0.3})
+    try:
+        s.fakes[0].mode = "hang"
+        for _ in range(8):
+            status, headers, _ = request(s.url, "POST", "/v1/completions",
+                                         {"prompt": "a b", "max_tokens": 2})
+            assert status == 200 and headers["x-olproute-instance"] == "q-1"
+        hung = s.fakes[0].requests
+        assert hung >= 1
+        assert wait_until(lambda: s.fakes[0].cancelled == hung, timeout=30)
+        inst = json.loads(request(s.url, "GET", "/instances")[2])["instances"]
+        assert inst[0]["failures"] >= 1 and inst[1]["failures"] == 0
+        _healthy(s)
+    finally:
+        s.close()
+
+
+def test_a_stalled_stream_ends_with_an_error_event_and_marks_the_backend(
+        tmp_path: Path) -> None:
+    """Both backends stream two tokens, then nothing (the connection stays open): after
+    read_timeout_s the client gets an error event naming the stall and the stream ends."""
+    s = _stack(tmp_path, server={"read_timeout_s": 0.3})
+    try:
+        for fake in s.fakes:
+            fake.mode, fake.cut_after, fake.delay_s = "stall", 2, 0.01
+        status, headers, lines = stream(s.url, "/v1/completions",
+                                        {"prompt": "a", "max_tokens": 8, "stream": True})
+        assert status == 200
+        victim = int(headers["x-olproute-instance"].split("-")[1])
+        event = json.loads(lines[-1][1].removeprefix(b"data: "))
+        assert "no chunk within 0.3 s" in event["error"]["message"]
+        assert len([line for _, line in lines if b'"text"' in line]) == 2
+        assert wait_until(lambda: s.fakes[victim].cancelled == 1, timeout=30)
+        inst = json.loads(request(s.url, "GET", "/instances")[2])["instances"]
+        assert inst[victim]["failures"] >= 1
+        _healthy(s)
+    finally:
+        s.close()
+
+
+def test_a_client_leaving_before_the_first_byte_cancels_the_backend_request(
+        tmp_path: Path) -> None:
+    """The backend has not answered yet when the client leaves: the router's handler is
+    cancelled and closes the backend connection (the backend stops working for nobody),
+    and the request leaves the tracker without blaming the backend."""
+    s = _stack(tmp_path)
+    try:
+        for fake in s.fakes:
+            fake.mode = "hang"
+        u = urlparse(s.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        done = threading.Event()
+
+        def client() -> None:
+            conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                         body=json.dumps({"prompt": "a", "max_tokens": 2}).encode())
+            done.set()
+
+        threading.Thread(target=client, daemon=True).start()
+        assert done.wait(30)
+        assert wait_until(lambda: sum(f.requests for f in s.fakes) == 1, timeout=30)
+        assert conn.sock is not None
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        assert wait_until(lambda: sum(f.cancelled for f in s.fakes) == 1, timeout=30)
+        tracker = s.app[STATE].tracker
+        assert wait_until(lambda: s.call(
+            lambda: sum(len(b.flights) for b in tracker.backends)) == 0, timeout=30)
+        inst = json.loads(request(s.url, "GET", "/instances")[2])["instances"]
+        assert all(i["failures"] == 0 and i["healthy"] for i in inst)
+        _healthy(s)
+    finally:
+        s.close()
