@@ -80,14 +80,25 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                                                 time_scale=server.emulator_time_scale)
                 stack.push_async_callback(_stop_all, running)
                 urls = [r.url for r in running]
-            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-                total=server.request_timeout_s, sock_connect=server.connect_timeout_s))
+            # no cap on the proxy's connections: the policy bounds what is in flight, and
+            # a capped pool would queue dispatched requests in the client, unseen
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=server.request_timeout_s,
+                                              sock_connect=server.connect_timeout_s))
             stack.push_async_callback(session.close)
+            # health checks, scraping and batch records on connections of their own, so a
+            # busy proxy never makes a backend's probe wait
+            control = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=4 * len(urls) + 4),
+                timeout=aiohttp.ClientTimeout(total=5.0, sock_connect=server.connect_timeout_s))
+            stack.push_async_callback(control.close)
             loop = asyncio.get_running_loop()
             router = await loop.run_in_executor(None, _build_router, loaded, calibration)
             st = ServerState(loaded=loaded, router=router,
                              tracker=Tracker(loaded.specs, urls), metrics=ServerMetrics(),
-                             session=session, t0=loop.time(), emulators=running)
+                             session=session, t0=loop.time(), emulators=running,
+                             control=control)
             st.calibrators = [OnlineCalibrator(c.beta) for c in router.calibration()]
             st.batches_supported = [True] * len(urls)
             st.holding = HoldQueue(loaded.config.admission.max_held,
@@ -153,7 +164,7 @@ async def _health(st: ServerState) -> None:
         sent = loop.time()
         timed_out = False
         try:
-            async with st.session.get(b.url + "/health",
+            async with st.control.get(b.url + "/health",
                                       timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as r:
                 ok = r.status == 200
         except TimeoutError:
@@ -188,7 +199,7 @@ async def _scrape(st: ServerState) -> None:
     async def one(g: int) -> None:
         b = st.tracker.backends[g]
         try:
-            async with st.session.get(b.url + "/metrics",
+            async with st.control.get(b.url + "/metrics",
                                       timeout=aiohttp.ClientTimeout(total=1.0)) as r:
                 if r.status != 200:
                     return
@@ -212,7 +223,7 @@ async def _recalibrate(st: ServerState) -> None:
         if not st.batches_supported[b.index] or not b.healthy:
             continue
         try:
-            async with st.session.get(f"{b.url}/olproute/batches?since={b.batches_seen}",
+            async with st.control.get(f"{b.url}/olproute/batches?since={b.batches_seen}",
                                       timeout=aiohttp.ClientTimeout(total=2.0)) as r:
                 if r.status == 404:
                     st.batches_supported[b.index] = False

@@ -31,6 +31,8 @@ class ServerState:
     metrics: ServerMetrics
     session: aiohttp.ClientSession
     t0: float
+    # health checks, scraping, batch records: a connection pool apart from the proxy's
+    control: aiohttp.ClientSession
     calibrators: list[OnlineCalibrator] = field(default_factory=list)
     batches_supported: list[bool] = field(default_factory=list)
     # the embedded emulated instances (olproute.emulator.RunningEmulator), if any
