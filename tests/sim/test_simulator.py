@@ -152,3 +152,37 @@ def test_noise_has_the_configured_cv() -> None:
     mean = timer.mean_time_s(sums)
     assert draws.mean() == pytest.approx(mean, rel=0.01)
     assert draws.std() / draws.mean() == pytest.approx(0.1, rel=0.05)
+
+
+def test_the_central_buffer_holds_at_most_max_held_requests() -> None:
+    """A reward that never pays: bid_price holds every request until its patience (60 s)
+    runs out, then defers it. With admission.max_held = 3 the first three arrivals are
+    held and deferred; every later one finds the buffer full and is shed at once."""
+    loaded = make_config(
+        workload={"kind": "poisson", "rate_per_s": 50.0, "num_requests": 12,
+                  "prompt_tokens": 100, "decode_tokens": 20},
+        reward={"sigma": 0.0, "alpha": 0.0, "beta": 0.0, "gamma": 0.0},
+        admission={"mode": "defer", "patience_s": 60.0, "max_patience_s": 60.0,
+                   "max_held": 3})
+    res = simulate(loaded, "bid_price")
+    assert res.shed.tolist() == [False] * 3 + [True] * 9
+    assert np.all(res.dispatch_s[:3] - np.array([r.arrival_s for r in res.requests[:3]])
+                  >= 60.0 - 1e-9)
+    # without the cap all twelve are held and deferred
+    unbounded = make_config(**{**{k: v for k, v in loaded.config.model_dump().items()
+                                  if k in ("workload", "reward")},
+                               "admission": {"mode": "defer", "patience_s": 60.0,
+                                             "max_patience_s": 60.0, "max_held": 100}})
+    assert not simulate(unbounded, "bid_price").shed.any()
+
+
+def test_max_patience_caps_a_long_patience() -> None:
+    loaded = make_config(
+        workload={"kind": "poisson", "rate_per_s": 50.0, "num_requests": 4,
+                  "prompt_tokens": 100, "decode_tokens": 20},
+        reward={"sigma": 0.0, "alpha": 0.0, "beta": 0.0, "gamma": 0.0},
+        admission={"mode": "shed", "patience_s": 3600.0, "max_patience_s": 0.5})
+    res = simulate(loaded, "bid_price")
+    assert res.shed.all()
+    # each one refused within a slot (50 ms) of its capped patience, not after an hour
+    assert res.in_system_t.max() <= max(r.arrival_s for r in res.requests) + 0.5 + 0.05
