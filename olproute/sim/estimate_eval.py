@@ -213,9 +213,14 @@ def saturation_profile(loaded: LoadedConfig, num_requests: int = 2000) -> list[S
         res = simulate(one, "round_robin", burst, seed=loaded.config.sim.seed + 7 + g)
         done = np.sort(res.finish_s)
         t0, t1 = done[int(0.2 * len(done))], done[int(0.8 * len(done))]
+        completed = 0.6 * len(done)
         log = res.batch_log
         mid = (log[:, 1] >= t0) & (log[:, 1] < t1)
+        if t1 <= t0 or not mid.any():
+            # too few requests, or all alike (they finish together): the whole run
+            t0, t1, completed = 0.0, float(done[-1]), float(len(done))
+            mid = np.ones(len(log), dtype=bool)
         k = float((log[mid, 3] * log[mid, 2]).sum() / log[mid, 2].sum())
-        out.append(Saturation(requests_per_s=float(0.6 * len(done) / (t1 - t0)),
+        out.append(Saturation(requests_per_s=float(completed / (t1 - t0)),
                               mean_batch_seqs=k))
     return out
