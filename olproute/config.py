@@ -341,11 +341,16 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
         if template is not None:
             msg = template.format(**ctx)
         elif e["type"].endswith(("_type", "_parsing")):
-            msg = f"{e['msg'][0].lower()}{e['msg'][1:]}, got {e['input']!r}"
+            msg = f"{e['msg'][0].lower()}{e['msg'][1:]}, got {_short(repr(e['input']))}"
         else:
             msg = e["msg"]
         problems.append((_key_path(e["loc"]), msg))
     return problems
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters (a value quoted in a message)."""
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 def _read_yaml(path: Path) -> Any:

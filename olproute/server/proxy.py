@@ -160,8 +160,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ttft_s = _ttft_target_s(request, server.default_ttft_ms)
     except BadRequest as exc:
         return web.json_response(exc.as_json(), status=400)
-    max_tokens = (getattr(body, "max_completion_tokens", None) or body.max_tokens
-                  or server.default_max_tokens)
+    max_tokens = body.max_completion_tokens or body.max_tokens or server.default_max_tokens
     data["max_tokens"] = max_tokens  # the backend generates exactly what was accounted for
     prompt_tokens, text = prompt_tokens_of(body)
     req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_s,

@@ -1,6 +1,11 @@
 """Request and response bodies of the router's HTTP API, validated by pydantic, and the
 OpenAPI document built from them. A bad body raises :class:`BadRequest` whose message
-names the field, e.g. ``max_tokens: must be >= 1``."""
+names the field, e.g. ``max_tokens: must be >= 1``.
+
+Bodies are checked strictly: an integer field takes only a JSON integer (not ``true``,
+``"5"`` or ``5.0``), a boolean only ``true``/``false``, a number no NaN or infinity; a
+body nested deeper than :data:`MAX_DEPTH` or holding an integer too long for Python to
+parse is refused before validation (400), never an exception in the handler."""
 
 from __future__ import annotations
 
@@ -9,7 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from olproute.config import _problems
+from olproute.config import _key_path, _problems
+
+# Nesting of a request body, counted in arrays and objects. OpenAI bodies nest a few
+# levels (messages, content parts, tool schemas); far below where json.dumps, forwarding
+# the body to a backend, would hit the interpreter's recursion limit.
+MAX_DEPTH = 64
+MAX_TOKENS = 1_000_000  # max_tokens and max_completion_tokens: larger is refused (400)
 
 
 class BadRequest(ValueError):
@@ -25,41 +36,57 @@ class BadRequest(ValueError):
                           "param": self.field or None}}
 
 
+# strict: no coercion (true is not 1, "5" is not 5); no NaN or infinity
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False, frozen=True)
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(**_STRICT, extra="allow")
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(**_STRICT, extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
 
 
 class CompletionBody(_Body):
-    """The fields of an OpenAI completion request the router reads (others pass through)."""
+    """The fields of an OpenAI completion request the router reads (others pass through
+    to the backend unchecked)."""
 
     model: str | None = None
-    prompt: str | list[int] | list[str] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    prompt: str | list[int] | list[str] = Field(
+        min_length=1, description="text, a list of texts, or a list of token ids")
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    # not OpenAI's for completions, but read if given (it wins over max_tokens)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     stream: bool = False
 
 
 class ChatBody(_Body):
+    """The fields of an OpenAI chat completion request the router reads (others pass
+    through to the backend unchecked)."""
+
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS,
+                                              description="wins over max_tokens")
     stream: bool = False
 
 
 class RouteBody(BaseModel):
-    """``POST /route``: the decision alone (nothing is dispatched or counted)."""
+    """``POST /route``: the decision alone (nothing is dispatched or counted). Give
+    ``prompt`` or ``prompt_tokens`` (the count wins when both are given)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(**_STRICT, extra="forbid", json_schema_extra={"anyOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["prompt_tokens"], "properties": {"prompt_tokens": {"type": "integer"}}},
+    ]})
     prompt: str | None = Field(default=None, description="prompt text (or give prompt_tokens)")
     prompt_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    predicted_tokens: int | None = Field(default=None, ge=1, le=1_000_000,
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    predicted_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS,
                                          description="predicted output tokens, if known")
     ttft_target_ms: float | None = Field(default=None, gt=0, le=3_600_000)
     slo_class: str = "default"
@@ -86,11 +113,45 @@ def count_words(text: str) -> int:
     return len(text.split())
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_json(raw: bytes) -> Any:
+    """The body as JSON; BadRequest if it is not JSON (NaN and Infinity are not), is
+    nested deeper than MAX_DEPTH, or has an integer too long to parse."""
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(raw, parse_constant=_not_json)
+    except json.JSONDecodeError as exc:
         raise BadRequest("", f"body is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError:
+        raise BadRequest("", "body is not valid JSON: not UTF-8 text") from None
+    except RecursionError:
+        raise BadRequest("", f"body is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # NaN/Infinity, or an integer past sys.get_int_max_str_digits()
+        why = str(exc) if "is not JSON" in str(exc) else "an integer has too many digits"
+        raise BadRequest("", f"body is not valid JSON: {why}") from None
+    # each level of nesting opens a bracket: few brackets, no need to walk the value
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nesting(data) > MAX_DEPTH:
+        raise BadRequest("", f"body is nested deeper than {MAX_DEPTH} levels")
+    return data
+
+
+def nesting(value: Any) -> int:
+    """How deeply arrays and objects nest in a decoded JSON value (a scalar: 0),
+    without recursion."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is None:
+            continue
+        deepest = max(deepest, depth + 1)
+        if deepest > MAX_DEPTH:
+            return deepest  # deep enough to refuse; no need to walk the rest
+        stack.extend((x, depth + 1) for x in items)
+    return deepest
 
 
 def validate(model: type[BaseModel], data: Any) -> Any:
@@ -99,8 +160,29 @@ def validate(model: type[BaseModel], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        key, msg = _problems(exc)[0]
-        raise BadRequest(key, msg) from exc
+        raise _bad_request(exc) from None
+
+
+def _bad_request(exc: ValidationError) -> BadRequest:
+    """The first problem of a validation error, naming the field. A union field (e.g. a
+    prompt: text, texts or token ids) fails once per member, the member's type in the
+    error's location; it is reported once, at the field, with the types it takes."""
+    errors = exc.errors()
+    loc = errors[0]["loc"]
+    cut = next((i for i, part in enumerate(loc) if _is_type_tag(part)), None)
+    if cut is None:
+        key, msg = (_problems(exc) or [(_key_path(loc), errors[0]["msg"])])[0]
+        return BadRequest(key, msg)
+    members = [str(e["loc"][cut]) for e in errors
+               if len(e["loc"]) > cut and e["loc"][:cut] == loc[:cut]]
+    return BadRequest(_key_path(loc[:cut]),
+                      f"must be one of: {' | '.join(dict.fromkeys(members))}")
+
+
+def _is_type_tag(part: int | str) -> bool:
+    # pydantic names a union member by its type: 'str', 'none', 'list[int]', ...
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
+                                      or "[" in part)
 
 
 def prompt_tokens_of(body: CompletionBody | ChatBody) -> tuple[int, str | None]:
