@@ -24,6 +24,7 @@ from olproute.calibration import OnlineCalibrator
 from olproute.config import ConfigError, LoadedConfig, load_config
 from olproute.router import Router
 from olproute.server import dashboard, proxy
+from olproute.server.errors import json_errors
 from olproute.server.holding import HoldQueue
 from olproute.server.metrics import ServerMetrics
 from olproute.server.schema import (
@@ -47,7 +48,8 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
              calibration: CalibrationSource | None = None) -> web.Application:
     """The router application. ``backend_urls`` (one per instance, in order) overrides the
     config's backends; with neither, the instances are emulated in-process."""
-    app = web.Application(client_max_size=loaded.config.server.max_body_bytes)
+    app = web.Application(client_max_size=loaded.config.server.max_body_bytes,
+                          middlewares=[json_errors])  # every error in one JSON shape
     app[BACKEND_URLS] = list(backend_urls or [])
     app.cleanup_ctx.append(_lifecycle(loaded, calibration))
     app.router.add_post("/v1/completions", proxy.completions)
