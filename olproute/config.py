@@ -269,6 +269,7 @@ class ServerConfig(_Frozen):
     admin_token_env: str = "OLPROUTE_ADMIN_TOKEN"  # bearer token for /admin, from the env
     admin_token: str | None = None                 # or given here (the env wins)
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    body_timeout_s: float = Field(default=5.0, gt=0)  # the whole body, else 408
     default_ttft_ms: float = Field(default=2000.0, gt=0)  # when x-slo-ttft-ms is absent
     default_max_tokens: int = Field(default=16, ge=1)
     request_timeout_s: float = Field(default=600.0, gt=0)  # a whole backend request

@@ -251,7 +251,8 @@ async def route(request: web.Request) -> web.Response:
     st = request.app[STATE]
     server = st.loaded.config.server
     try:
-        data = await proxy.read_json(request, server.max_body_bytes)
+        data = await proxy.read_json(request, server.max_body_bytes,
+                                     server.body_timeout_s)
         body: RouteBody = validate(RouteBody, data)
         if body.prompt_tokens is not None:
             prompt_tokens = body.prompt_tokens

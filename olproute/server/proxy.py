@@ -65,15 +65,23 @@ async def _post(st: ServerState, url: str, body: dict[str, Any]
         return None, f"connect: {type(exc).__name__}"
     return upstream, f"status {upstream.status}" if upstream.status >= 500 else None
 
-async def read_json(request: web.Request, limit: int) -> Any:
-    """The body as JSON; 413 past ``limit`` bytes (checked while reading)."""
+async def read_json(request: web.Request, limit: int, timeout_s: float) -> Any:
+    """The body as JSON; 413 past ``limit`` bytes (checked while reading), 408 when the
+    whole body has not arrived within ``timeout_s`` (e.g. shorter than its
+    Content-Length); both close the connection (``errors.json_errors``)."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     raw = bytearray()
-    async for chunk in request.content.iter_chunked(65536):
-        raw.extend(chunk)
-        if len(raw) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_chunked(65536):
+                raw.extend(chunk)
+                if len(raw) > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(
+            text=f"the body did not arrive within {timeout_s:g} s "
+                 f"({len(raw)} of {request.content_length or '?'} bytes)") from None
     return parse_json(bytes(raw))
 
 
@@ -155,7 +163,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     server = st.loaded.config.server
     chat = request.path.endswith("/chat/completions")
     try:
-        data = await read_json(request, server.max_body_bytes)
+        data = await read_json(request, server.max_body_bytes, server.body_timeout_s)
         body: CompletionBody | ChatBody = validate(ChatBody if chat else CompletionBody, data)
         ttft_s = _ttft_target_s(request, server.default_ttft_ms)
     except BadRequest as exc:
