@@ -8,6 +8,8 @@ Paths inside a config (the profiles file, traces) are relative to the config fil
 from __future__ import annotations
 
 import os
+import reprlib
+import stat
 from collections.abc import Mapping, Sequence, Sized
 from pathlib import Path
 from typing import Any, Literal
@@ -329,40 +331,78 @@ def _key_path(loc: Sequence[int | str]) -> str:
     return out
 
 
-def _problems(err: ValidationError) -> list[tuple[str, str]]:
+def _problems(err: ValidationError, quote: bool = True) -> list[tuple[str, str]]:
+    """(key path, message) per problem. ``quote=False`` for a file a remote caller named:
+    no value from it and no key it made up appear (an unknown key is reported at its
+    parent, a wrong type without the value)."""
     problems = []
     for e in err.errors():
         template = _MESSAGES.get(e["type"])
         ctx = e.get("ctx") or {}
+        loc = e["loc"]
         if (e["type"] == "too_short" and isinstance(e["input"], Sized)
                 and len(e["input"]) >= ctx.get("min_length", 0)):
             # pydantic counts only the items that validated; each bad item already has
             # its own error, so "must have at least 1 item(s)" would be false here.
             continue
-        if template is not None:
+        if e["type"] == "extra_forbidden" and not quote:
+            loc, msg = loc[:-1], "has an unknown key"
+        elif template is not None:
             msg = template.format(**ctx)
         elif e["type"].endswith(("_type", "_parsing")):
-            msg = f"{e['msg'][0].lower()}{e['msg'][1:]}, got {_short(repr(e['input']))}"
+            msg = f"{e['msg'][0].lower()}{e['msg'][1:]}"
+            msg += f", got {_QUOTE.repr(e['input'])}" if quote else ""
         else:
             msg = e["msg"]
-        problems.append((_key_path(e["loc"]), msg))
-    return problems
+        problems.append((_key_path(loc), msg))
+    return list(dict.fromkeys(problems))
 
 
-def _short(text: str, limit: int = 80) -> str:
-    """``text`` cut to ``limit`` characters (a value quoted in a message)."""
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+def _quoter() -> reprlib.Repr:
+    """Quotes a value in a message: short, and bounded work however large or deeply
+    shared (YAML aliases) it is."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 3, 60, 60, 40
+    return r
 
 
-def _read_yaml(path: Path) -> Any:
+_QUOTE = _quoter()
+
+MAX_YAML_BYTES = 4 * 1024 * 1024  # a config, profiles or weights file
+
+
+def _read_text(path: Path) -> str:
+    """The text of a regular file of at most MAX_YAML_BYTES. Opened without blocking and
+    checked before reading, so a FIFO or a device named as a config is refused, not
+    waited on; errors never quote the content."""
     try:
-        text = path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
-        raise ConfigError(path, [("", f"cannot read: {exc.strerror}")]) from exc
+        raise ConfigError(path, [("", f"cannot read: {exc.strerror}")]) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(path, [("", "not a regular file")])
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MAX_YAML_BYTES + 1)
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(path, [("", f"larger than {MAX_YAML_BYTES} bytes")])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, [("", f"not UTF-8 text (byte {exc.start})")]) from None
+
+
+def _read_yaml(path: Path, quote: bool = True) -> Any:
+    """A YAML file's value. ``quote=False`` for a file a remote caller named: a syntax
+    error gives its line and column only (PyYAML's message quotes the line)."""
+    text = _read_text(path)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
+        if not quote:
+            where = "" if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: "
+            raise ConfigError(path, [("", f"{where}invalid YAML")]) from None
         where = f"line {mark.line + 1}" if mark is not None else "YAML"
         raise ConfigError(path, [("", f"{where}: invalid YAML: {exc}")]) from exc
 
@@ -539,15 +579,18 @@ def role_problems(instances: Sequence[InstanceConfig]) -> list[tuple[str, str]]:
 
 
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG,
-                weights: Sequence[str | os.PathLike[str]] = ()) -> LoadedConfig:
+                weights: Sequence[str | os.PathLike[str]] = (),
+                quote_weights: bool = True) -> LoadedConfig:
     """Read, validate and resolve a run configuration and the profiles it names; merge
-    the ``weights`` profiles (``olproute.weights``) over its sections, in order."""
+    the ``weights`` profiles (``olproute.weights``) over its sections, in order.
+    ``quote_weights=False`` when a remote caller named them: their errors quote nothing
+    of the files (``olproute.weights.read_profile``)."""
     p = Path(path)
     config: Config = _validate(Config, _read_yaml(p), p)
     if weights:
         from olproute.weights import apply_profiles
 
-        config = apply_profiles(config, weights)
+        config = apply_profiles(config, weights, quote_weights)
     profiles_path = Path(config.profiles)
     if not profiles_path.is_absolute():
         profiles_path = p.parent / profiles_path

@@ -74,11 +74,13 @@ KEY_DOCS: dict[str, dict[str, str]] = {
 }
 
 
-def read_profile(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+def read_profile(path: str | os.PathLike[str], quote: bool = True) -> dict[str, dict[str, Any]]:
     """The sections of a profile file, each key checked against its section (unknown
-    keys, wrong types and bounds are errors naming the file and the key)."""
+    keys, wrong types and bounds are errors naming the file and the key). With
+    ``quote=False`` (a file a remote caller named) no error quotes the file: an unknown
+    section or key is not named, a wrong value not shown, a YAML error gives its line."""
     p = Path(path)
-    data = _read_yaml(p)
+    data = _read_yaml(p, quote)
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -89,32 +91,32 @@ def read_profile(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
     for name, body in data.items():
         model = SECTIONS.get(str(name))
         if model is None:
-            problems.append((str(name), "unknown section (a weight profile may set: "
-                                        f"{', '.join(SECTIONS)})"))
+            problems.append((str(name) if quote else "", "unknown section (a weight profile "
+                             f"may set: {', '.join(SECTIONS)})"))
             continue
         if body is None:
             continue
         if not isinstance(body, Mapping):
             problems.append((str(name), "must be a mapping of keys"))
             continue
-        problems += _section_problems(name, model, model().model_dump(), body)
+        problems += _section_problems(name, model, model().model_dump(), body, quote)
         out[str(name)] = dict(body)
     if problems:
-        raise ConfigError(p, problems)
+        raise ConfigError(p, list(dict.fromkeys(problems)))
     return out
 
 
 def _section_problems(name: str, model: type[BaseModel], base: Mapping[str, Any],
-                      body: Mapping[str, Any]) -> list[tuple[str, str]]:
+                      body: Mapping[str, Any], quote: bool = True) -> list[tuple[str, str]]:
     try:
         model.model_validate({**base, **body})
     except ValidationError as exc:
-        return [(f"{name}.{k}" if k else name, m) for k, m in _problems(exc)]
+        return [(f"{name}.{k}" if k else name, m) for k, m in _problems(exc, quote)]
     return []
 
 
 def merge_profile(config: Config, profile: Mapping[str, Mapping[str, Any]],
-                  path: str | os.PathLike[str]) -> Config:
+                  path: str | os.PathLike[str], quote: bool = True) -> Config:
     """``config`` with each section of ``profile`` merged over it key by key; the merged
     sections are validated (errors name ``path`` and the key)."""
     updates: dict[str, Any] = {}
@@ -122,7 +124,7 @@ def merge_profile(config: Config, profile: Mapping[str, Mapping[str, Any]],
     for name, body in profile.items():
         model = SECTIONS[name]
         base = getattr(config, name).model_dump()
-        found = _section_problems(name, model, base, body)
+        found = _section_problems(name, model, base, body, quote)
         if found:
             problems += found
         else:
@@ -132,10 +134,12 @@ def merge_profile(config: Config, profile: Mapping[str, Mapping[str, Any]],
     return config.model_copy(update=updates)
 
 
-def apply_profiles(config: Config, paths: Sequence[str | os.PathLike[str]]) -> Config:
-    """Merge each profile file over ``config``, in order (later files win)."""
+def apply_profiles(config: Config, paths: Sequence[str | os.PathLike[str]],
+                   quote: bool = True) -> Config:
+    """Merge each profile file over ``config``, in order (later files win); ``quote``:
+    as for :func:`read_profile`."""
     for path in paths:
-        config = merge_profile(config, read_profile(path), path)
+        config = merge_profile(config, read_profile(path, quote), path, quote)
     return config
 
 
