@@ -270,6 +270,9 @@ class ServerConfig(_Frozen):
     emulator_time_scale: float = Field(default=1.0, gt=0)  # emulated batch-time multiplier
     admin_token_env: str = "OLPROUTE_ADMIN_TOKEN"  # bearer token for /admin, from the env
     admin_token: str | None = None                 # or given here (the env wins)
+    # folders (relative to this file) besides its own and configs/weights/ whose .yaml
+    # profiles POST /admin/reload may name in its body
+    reload_weights_dirs: tuple[str, ...] = ()
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     body_timeout_s: float = Field(default=5.0, gt=0)  # the whole body, else 408
     default_ttft_ms: float = Field(default=2000.0, gt=0)  # when x-slo-ttft-ms is absent

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import math
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,9 +20,9 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from olproute.calibration import OnlineCalibrator
-from olproute.config import ConfigError, LoadedConfig, load_config
+from olproute.config import LoadedConfig
 from olproute.router import Router
-from olproute.server import dashboard, proxy
+from olproute.server import admin, dashboard, proxy
 from olproute.server.errors import json_errors
 from olproute.server.holding import HoldQueue
 from olproute.server.metrics import ServerMetrics
@@ -60,7 +59,7 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/openapi.json", openapi_doc)
-    app.router.add_post("/admin/reload", reload)
+    app.router.add_post("/admin/reload", admin.reload)
     dashboard.add_routes(app)  # /dashboard, /dashboard/data
     return app
 
@@ -337,59 +336,6 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def openapi_doc(request: web.Request) -> web.Response:
     return web.json_response(openapi())
-
-
-async def reload(request: web.Request) -> web.Response:
-    """Re-read the YAML. An invalid file, or one that changes the instances, keeps the
-    running configuration and answers 400 naming the key."""
-    st = request.app[STATE]
-    token = st.admin_token
-    given = request.headers.get("Authorization", "")
-    if token is None or not hmac.compare_digest(given, f"Bearer {token}"):
-        return proxy.error_response(401, "admin endpoints need 'Authorization: Bearer <token>'"
-                                    f" (set {st.loaded.config.server.admin_token_env})",
-                                    kind="unauthorized")
-    path = st.loaded.path
-    loop = asyncio.get_running_loop()
-    try:
-        # the weight profiles the router runs with, or {"weights": [paths]} in the body
-        weights = await _reload_weights(request, st.loaded.weights)
-        new = await loop.run_in_executor(None, load_config, path, weights)
-    except ConfigError as exc:
-        key = exc.problems[0][0] if exc.problems else None
-        return proxy.error_response(400, str(exc), param=key, kind="invalid_config")
-    if new.specs != st.loaded.specs:
-        return proxy.error_response(400, f"{path}: instances: cannot change while serving "
-                                    "(restart the router)", param="instances",
-                                    kind="invalid_config")
-    calibration = CalibrationSource(new, known=st.router.calibration())
-    router = await loop.run_in_executor(None, Router, new, calibration)
-    router.continue_ids(st.router)  # requests in flight keep their ids unique
-    st.router = router
-    st.loaded = new
-    if st.holding is not None:
-        st.holding.max_held = new.config.admission.max_held
-    return web.json_response({"status": "reloaded", "config": str(path),
-                              "policy": router.policy_name,
-                              "weights": [str(w) for w in new.weights]})
-
-
-async def _reload_weights(request: web.Request, current: tuple[Any, ...]) -> list[str]:
-    """The weight profiles to reload with: ``{"weights": "a.yaml"}`` or a list of paths
-    (on the router's machine; ``[]`` drops them) in the body, else the current ones."""
-    if not request.can_read_body:
-        return [str(w) for w in current]
-    try:
-        body = await request.json()
-    except ValueError as exc:
-        raise ConfigError("request body", [("", f"not JSON: {exc}")]) from exc
-    if not isinstance(body, dict) or "weights" not in body:
-        return [str(w) for w in current]
-    given = body["weights"]
-    paths = [given] if isinstance(given, str) else given
-    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-        raise ConfigError("request body", [("weights", "must be a path or a list of paths")])
-    return paths
 
 
 def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None) -> None:

@@ -93,6 +93,16 @@ class RouteBody(BaseModel):
     model: str | None = Field(default=None, description="only instances serving this model")
 
 
+class ReloadBody(BaseModel):
+    """``POST /admin/reload`` (optional): the weight profiles to switch to."""
+
+    model_config = ConfigDict(**_STRICT, extra="forbid")
+    weights: str | list[str] | None = Field(
+        default=None, description="a profile file (or a list; [] drops them all) under the "
+        "config's folder, configs/weights/ or server.reload_weights_dirs, or the name of a "
+        "shipped profile; absent: re-read the profiles the router runs with")
+
+
 class RouteAnswer(BaseModel):
     request_id: int
     action: Literal["dispatch", "hold", "shed"]
