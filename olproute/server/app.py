@@ -14,6 +14,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from aiohttp import web
@@ -306,7 +307,8 @@ async def instances(request: web.Request) -> web.Response:
     out = []
     for b, load in zip(st.tracker.backends, loads, strict=True):
         out.append({
-            "name": b.spec.name, "url": b.url, "model": b.spec.model, "gpu": b.spec.gpu,
+            "name": b.spec.name, "url": public_url(b.url), "model": b.spec.model,
+            "gpu": b.spec.gpu,
             "role": b.spec.role, "inbound": len(b.inbound), "handoffs": b.num_handoffs,
             "handoff_seconds": b.handoff_seconds,
             "healthy": b.healthy, "failures": b.failures, "in_flight": load.num_outstanding,
@@ -317,6 +319,19 @@ async def instances(request: web.Request) -> web.Response:
             "beta": ([float(x) for x in st.calibrators[b.index].beta] if has_bea
                      else None)})
     return web.json_response({"policy": st.router.policy_name, "instances": out})
+
+
+def public_url(url: str) -> str:
+    """A backend URL as unauthenticated endpoints show it: scheme, host, port and path;
+    no ``user:password@``, query string or fragment (where credentials may ride)."""
+    u = urlsplit(url)
+    host = u.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    try:
+        port = u.port
+    except ValueError:  # not a number: show no port rather than fail
+        port = None
+    return urlunsplit((u.scheme, host if port is None else f"{host}:{port}", u.path, "", ""))
 
 
 async def metrics(request: web.Request) -> web.Response:
