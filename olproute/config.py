@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 from olproute.types import InstanceSpec
 
@@ -338,27 +339,30 @@ def _problems(err: ValidationError, quote: bool = True) -> list[tuple[str, str]]
     """(key path, message) per problem. ``quote=False`` for a file a remote caller named:
     no value from it and no key it made up appear (an unknown key is reported at its
     parent, a wrong type without the value)."""
-    problems = []
-    for e in err.errors():
-        template = _MESSAGES.get(e["type"])
-        ctx = e.get("ctx") or {}
-        loc = e["loc"]
-        if (e["type"] == "too_short" and isinstance(e["input"], Sized)
-                and len(e["input"]) >= ctx.get("min_length", 0)):
-            # pydantic counts only the items that validated; each bad item already has
-            # its own error, so "must have at least 1 item(s)" would be false here.
-            continue
-        if e["type"] == "extra_forbidden" and not quote:
-            loc, msg = loc[:-1], "has an unknown key"
-        elif template is not None:
-            msg = template.format(**ctx)
-        elif e["type"].endswith(("_type", "_parsing")):
-            msg = f"{e['msg'][0].lower()}{e['msg'][1:]}"
-            msg += f", got {_QUOTE.repr(e['input'])}" if quote else ""
-        else:
-            msg = e["msg"]
-        problems.append((_key_path(loc), msg))
-    return list(dict.fromkeys(problems))
+    found = (problem(e, quote) for e in err.errors())
+    return list(dict.fromkeys(p for p in found if p is not None))
+
+
+def problem(e: ErrorDetails, quote: bool = True) -> tuple[str, str] | None:
+    """(key path, message) of one pydantic error, None when it says nothing of its own."""
+    template = _MESSAGES.get(e["type"])
+    ctx = e.get("ctx") or {}
+    loc = e["loc"]
+    if (e["type"] == "too_short" and isinstance(e["input"], Sized)
+            and len(e["input"]) >= ctx.get("min_length", 0)):
+        # pydantic counts only the items that validated; each bad item already has
+        # its own error, so "must have at least 1 item(s)" would be false here.
+        return None
+    if e["type"] == "extra_forbidden" and not quote:
+        loc, msg = loc[:-1], "has an unknown key"
+    elif template is not None:
+        msg = template.format(**ctx)
+    elif e["type"].endswith(("_type", "_parsing")):
+        msg = f"{e['msg'][0].lower()}{e['msg'][1:]}"
+        msg += f", got {_QUOTE.repr(e['input'])}" if quote else ""
+    else:
+        msg = e["msg"]
+    return _key_path(loc), msg
 
 
 def _quoter() -> reprlib.Repr:

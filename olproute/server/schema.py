@@ -10,11 +10,12 @@ parse is refused before validation (400), never an exception in the handler."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import models_json_schema
 
-from olproute.config import _key_path, _problems
+from olproute.config import _key_path, _problems, problem
 
 # Nesting of a request body, counted in arrays and objects. OpenAI bodies nest a few
 # levels (messages, content parts, tool schemas); far below where json.dumps, forwarding
@@ -55,8 +56,9 @@ class CompletionBody(_Body):
     to the backend unchecked)."""
 
     model: str | None = None
-    prompt: str | list[int] | list[str] = Field(
-        min_length=1, description="text, a list of texts, or a list of token ids")
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[str], Field(min_length=1)]) = Field(
+        description="text, a list of texts, or a list of token ids")
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     # not OpenAI's for completions, but read if given (it wins over max_tokens)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
@@ -174,25 +176,37 @@ def validate(model: type[BaseModel], data: Any) -> Any:
 
 
 def _bad_request(exc: ValidationError) -> BadRequest:
-    """The first problem of a validation error, naming the field. A union field (e.g. a
+    """The first problem of a validation error, naming the field. A union field (a
     prompt: text, texts or token ids) fails once per member, the member's type in the
-    error's location; it is reported once, at the field, with the types it takes."""
+    error's location: reported at the field, by the member whose type matched (``[]``:
+    must have at least 1 item), else with the types the field takes."""
     errors = exc.errors()
     loc = errors[0]["loc"]
     cut = next((i for i, part in enumerate(loc) if _is_type_tag(part)), None)
     if cut is None:
         key, msg = (_problems(exc) or [(_key_path(loc), errors[0]["msg"])])[0]
         return BadRequest(key, msg)
-    members = [str(e["loc"][cut]) for e in errors
-               if len(e["loc"]) > cut and e["loc"][:cut] == loc[:cut]]
-    return BadRequest(_key_path(loc[:cut]),
-                      f"must be one of: {' | '.join(dict.fromkeys(members))}")
+    members = [e for e in errors if len(e["loc"]) > cut and e["loc"][:cut] == loc[:cut]]
+    for e in members:
+        if not e["type"].endswith("_type"):
+            found = problem({**e, "loc": e["loc"][:cut] + e["loc"][cut + 1:]})
+            if found is not None:
+                return BadRequest(*found)
+    kinds = list(dict.fromkeys(_MEMBERS.get(str(e["loc"][cut]), str(e["loc"][cut]))
+                               for e in members))
+    return BadRequest(_key_path(loc[:cut]), "must be " + (
+        f"{', '.join(kinds[:-1])} or {kinds[-1]}" if len(kinds) > 1 else kinds[0]))
+
+
+# pydantic names a union member by its type in an error's location
+_MEMBERS = {"str": "a string", "constrained-str": "a string", "none": "null",
+            "list[int]": "a list of integers", "list[str]": "a list of strings",
+            "list[dict[str,any]]": "a list of objects"}
 
 
 def _is_type_tag(part: int | str) -> bool:
-    # pydantic names a union member by its type: 'str', 'none', 'list[int]', ...
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
-                                      or "[" in part)
+    # field names are identifiers; member tags are 'str', 'list[int]', 'constrained-str'
+    return isinstance(part, str) and (part in _MEMBERS or not part.isidentifier())
 
 
 def prompt_tokens_of(body: CompletionBody | ChatBody) -> tuple[int, str | None]:
@@ -214,55 +228,96 @@ def prompt_tokens_of(body: CompletionBody | ChatBody) -> tuple[int, str | None]:
     return len(body.prompt), None
 
 
+# OpenAI's error shape, which every error of the router uses (server/errors.py)
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"],
+                                 "description": "the field at fault, if one is"}}}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _body(name: str) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{name}"}}}}
+
+
+_BODY_ERRORS = {
+    "400": _error("invalid body (not JSON, nested too deep, wrong type or bound); the "
+                  "message and param name the field"),
+    "408": _error("the body did not arrive within server.body_timeout_s"),
+    "413": _error("body larger than server.max_body_bytes")}
+_SLO_HEADERS = [
+    {"name": "x-slo-ttft-ms", "in": "header", "description": "TTFT target (default: "
+     "server.default_ttft_ms)", "schema": {"type": "number", "exclusiveMinimum": 0,
+                                           "maximum": 3_600_000}},
+    {"name": "x-slo-class", "in": "header", "schema": {"type": "string"}}]
+
+
+def _proxied(summary: str, body: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary, "parameters": _SLO_HEADERS, "requestBody": _body(body),
+        "responses": {
+            "200": {"description": "the backend's answer (server-sent events when stream "
+                                   "is true); headers x-olproute-instance, x-olproute-reason"},
+            **_BODY_ERRORS,
+            "429": _error("shed; see Retry-After"),
+            "502": _error("the backend failed"), "503": _error("no backend after a failure")}}}
+
+
+def _get(summary: str, description: str = "") -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {"200": {"description": description
+                                                                 or summary}}}}
+
+
 def openapi() -> dict[str, Any]:
     """The OpenAPI 3.1 document of the router's own endpoints."""
-    def ref(name: str) -> dict[str, str]:
-        return {"$ref": f"#/components/schemas/{name}"}
-
-    error = {"description": "invalid body; the message names the field",
-             "content": {"application/json": {"schema": {"type": "object"}}}}
+    _, defs = models_json_schema(
+        [(m, "validation") for m in (CompletionBody, ChatBody, RouteBody, ReloadBody)]
+        + [(RouteAnswer, "serialization")], ref_template="#/components/schemas/{model}")
     return {
         "openapi": "3.1.0",
         "info": {"title": "olproute", "version": "0.1.0",
                  "description": "LLM request router: bid-price control over serving "
-                                "instances, OpenAI-compatible proxy."},
+                                "instances, OpenAI-compatible proxy. Every error answers "
+                                "OpenAI's error shape (components/schemas/Error)."},
         "paths": {
             "/route": {"post": {
-                "summary": "Decide for one request without dispatching it",
-                "requestBody": {"required": True,
-                                "content": {"application/json": {"schema": ref("RouteBody")}}},
+                "summary": "Decide for one request without dispatching it (give prompt or "
+                           "prompt_tokens)",
+                "requestBody": _body("RouteBody"),
                 "responses": {"200": {"description": "the decision and its explanation",
-                                      "content": {"application/json": {
-                                          "schema": ref("RouteAnswer")}}},
-                              "400": error}}},
-            "/v1/completions": {"post": {
-                "summary": "OpenAI-compatible completion, proxied to the chosen instance "
-                           "(stream: true passes server-sent events through)",
-                "parameters": [
-                    {"name": "x-slo-ttft-ms", "in": "header", "schema": {"type": "number"}},
-                    {"name": "x-slo-class", "in": "header", "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "the backend's answer; headers "
-                                                     "x-olproute-instance, x-olproute-reason"},
-                              "400": error, "413": {"description": "body too large"},
-                              "429": {"description": "shed; see Retry-After"}}}},
-            "/v1/chat/completions": {"post": {
-                "summary": "OpenAI-compatible chat completion, proxied",
-                "responses": {"200": {"description": "the backend's answer"},
-                              "400": error, "429": {"description": "shed"}}}},
-            "/prices": {"get": {"summary": "shadow prices per instance and slot",
-                                "responses": {"200": {"description": "prices"}}}},
-            "/instances": {"get": {"summary": "tracked state and health of each backend",
-                                   "responses": {"200": {"description": "instances"}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics",
-                                 "responses": {"200": {"description": "text format"}}}},
-            "/healthz": {"get": {"summary": "liveness",
-                                 "responses": {"200": {"description": "ok"}}}},
+                                      "content": {"application/json": {"schema": {
+                                          "$ref": "#/components/schemas/RouteAnswer"}}}},
+                              **_BODY_ERRORS}}},
+            "/v1/completions": _proxied("OpenAI-compatible completion, proxied to the "
+                                        "chosen instance", "CompletionBody"),
+            "/v1/chat/completions": _proxied("OpenAI-compatible chat completion, proxied to "
+                                             "the chosen instance", "ChatBody"),
+            "/prices": _get("shadow prices per instance and slot"),
+            "/instances": _get("tracked state and health of each backend (URLs without "
+                               "credentials)"),
+            "/metrics": _get("Prometheus metrics", "text format"),
+            "/healthz": _get("liveness", "ok (503 when no backend is healthy)"),
             "/admin/reload": {"post": {
-                "summary": "re-read the YAML (bearer token); an invalid file keeps the old "
-                           "configuration",
-                "responses": {"200": {"description": "reloaded"}, "400": error,
-                              "401": {"description": "missing or wrong token"}}}},
+                "summary": "re-read the YAML and the weight profiles (bearer token); a "
+                           "refused reload keeps the running router",
+                "security": [{"bearer": []}],
+                "requestBody": {**_body("ReloadBody"), "required": False},
+                "responses": {"200": {"description": "reloaded"},
+                              **_BODY_ERRORS,
+                              "400": _error("invalid config or profile, a profile the "
+                                            "router may not read, or a change that needs a "
+                                            "restart; param names the key"),
+                              "401": _error("missing or wrong token")}}},
         },
-        "components": {"schemas": {"RouteBody": RouteBody.model_json_schema(),
-                                   "RouteAnswer": RouteAnswer.model_json_schema()}},
+        "components": {
+            "schemas": {**defs["$defs"], "Error": ERROR_SCHEMA},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
