@@ -414,13 +414,13 @@ def _read_yaml(path: Path, quote: bool = True) -> Any:
         raise ConfigError(path, [("", f"{where}: invalid YAML: {exc}")]) from exc
 
 
-def _validate(model: type[BaseModel], data: Any, path: Path) -> Any:
+def _validate(model: type[BaseModel], data: Any, path: Path, quote: bool = True) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(path, [("", "top level must be a mapping of keys")])
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(path, _problems(exc)) from exc
+        raise ConfigError(path, _problems(exc, quote)) from exc
 
 
 def workload_problems(wl: WorkloadConfig, prefix: str = "workload") -> list[tuple[str, str]]:
@@ -480,9 +480,9 @@ def load_workload(path: str | os.PathLike[str]) -> WorkloadConfig:
     return workload.model_copy(update=updates)
 
 
-def load_profiles(path: str | os.PathLike[str]) -> Profiles:
+def load_profiles(path: str | os.PathLike[str], quote: bool = True) -> Profiles:
     p = Path(path)
-    result: Profiles = _validate(Profiles, _read_yaml(p), p)
+    result: Profiles = _validate(Profiles, _read_yaml(p, quote), p, quote)
     return result
 
 
@@ -587,17 +587,18 @@ def role_problems(instances: Sequence[InstanceConfig]) -> list[tuple[str, str]]:
 
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG,
                 weights: Sequence[str | os.PathLike[str]] = (),
-                quote_weights: bool = True) -> LoadedConfig:
+                quote: bool = True) -> LoadedConfig:
     """Read, validate and resolve a run configuration and the profiles it names; merge
     the ``weights`` profiles (``olproute.weights``) over its sections, in order.
-    ``quote_weights=False`` when a remote caller named them: their errors quote nothing
-    of the files (``olproute.weights.read_profile``)."""
+    ``quote=False`` when a remote caller asks (``POST /admin/reload``): no error prints a
+    line of a file (YAML syntax), a value a check refused or a key it made up; key paths
+    and the checks' own messages remain."""
     p = Path(path)
-    config: Config = _validate(Config, _read_yaml(p), p)
+    config: Config = _validate(Config, _read_yaml(p, quote), p, quote)
     if weights:
         from olproute.weights import apply_profiles
 
-        config = apply_profiles(config, weights, quote_weights)
+        config = apply_profiles(config, weights, quote)
     profiles_path = Path(config.profiles)
     if not profiles_path.is_absolute():
         profiles_path = p.parent / profiles_path
@@ -615,7 +616,7 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG,
             problems.append((f"router.policy_params.{name}", "unknown policy"))
     if problems:
         raise ConfigError(p, problems)
-    loaded = LoadedConfig(p, config, load_profiles(profiles_path),
+    loaded = LoadedConfig(p, config, load_profiles(profiles_path, quote),
                           tuple(Path(w).resolve() for w in weights))
     problems = backend_problems(config.server, loaded.specs)
     if problems:

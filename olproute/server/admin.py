@@ -4,7 +4,10 @@ router built from them, or answer why not and keep the running one untouched.
 Who may: a bearer token, compared as bytes in constant time. Which files: the config
 the router started with, and weight profiles (``.yaml``/``.yml``) under the config's
 folder, the shipped ``configs/weights/``, ``server.reload_weights_dirs``, or those the
-router runs with; no answer quotes anything of a profile (``read_profile(quote=False)``).
+router runs with. Errors give key paths and what is wrong (``load_config(quote=False)``):
+never a line of a file (a YAML error gives its line and column), a value a type check
+refused or a key the file made up; a few checks name the name they looked up (an unknown
+model or policy).
 What may change: not what is fixed at start-up (:data:`RESTART_KEYS`, the instances);
 such a change is refused by name instead of silently ignored.
 """
@@ -126,7 +129,7 @@ def unchangeable(old: LoadedConfig, new: LoadedConfig) -> list[tuple[str, str]]:
 
 def _load(path: Path, weights: list[Path]) -> LoadedConfig:
     try:
-        return load_config(path, weights, quote_weights=False)
+        return load_config(path, weights, quote=False)
     except ConfigError:
         raise
     except ValueError as exc:  # a check outside the config's own (workloads, profiles)

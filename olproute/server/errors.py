@@ -20,7 +20,8 @@ from olproute.server.proxy import error_response
 LOG = logging.getLogger("olproute.server")
 
 # an answer to these leaves the request's body unread (partly sent, or too large): the
-# connection cannot carry another request
+# connection cannot carry another request (a 413's is closed once aiohttp has read and
+# dropped the rest of the body, or after 10 s, so the client sees the answer)
 CLOSE_AFTER = (408, 413)
 
 
@@ -31,7 +32,14 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except web.HTTPException as exc:
         if exc.status < 400:
             raise  # a redirect, not an error
-        return _from_http(request, exc)
+        resp = _from_http(request, exc)
+        if exc.status == 408:
+            # the client stopped sending: answer and close now, not after aiohttp's
+            # lingering wait (up to 10 s) for the rest of the body
+            await resp.prepare(request)
+            await resp.write_eof()
+            request.protocol.force_close()
+        return resp
     except Exception:
         if request.writer.output_size > 0:
             raise  # an answer already started: too late to send another
