@@ -146,7 +146,8 @@ def test_a_hung_backend_times_out_is_retried_elsewhere_and_backs_off(tmp_path: P
     first byte within first_byte_timeout_s: its connection is closed, it is retried on
     backend 1 (the client gets its answer), and backend 0 is marked down, coming back
     only after a backoff that grows while its requests keep failing."""
-    s = _stack(tmp_path, server={"first_byte_timeout_s": 0.3})
+    # generous enough that the healthy backend always answers in time on a loaded machine
+    s = _stack(tmp_path, server={"first_byte_timeout_s": 2.0})
     try:
         s.fakes[0].mode = "hang"
         for _ in range(8):
@@ -167,7 +168,7 @@ def test_a_stalled_stream_ends_with_an_error_event_and_marks_the_backend(
         tmp_path: Path) -> None:
     """Both backends stream two tokens, then nothing (the connection stays open): after
     read_timeout_s the client gets an error event naming the stall and the stream ends."""
-    s = _stack(tmp_path, server={"read_timeout_s": 0.3})
+    s = _stack(tmp_path, server={"read_timeout_s": 1.5})
     try:
         for fake in s.fakes:
             fake.mode, fake.cut_after, fake.delay_s = "stall", 2, 0.01
@@ -176,7 +177,7 @@ def test_a_stalled_stream_ends_with_an_error_event_and_marks_the_backend(
         assert status == 200
         victim = int(headers["x-olproute-instance"].split("-")[1])
         event = json.loads(lines[-1][1].removeprefix(b"data: "))
-        assert "no chunk within 0.3 s" in event["error"]["message"]
+        assert "no chunk within 1.5 s" in event["error"]["message"]
         assert len([line for _, line in lines if b'"text"' in line]) == 2
         assert wait_until(lambda: s.fakes[victim].cancelled == 1, timeout=30)
         inst = json.loads(request(s.url, "GET", "/instances")[2])["instances"]
