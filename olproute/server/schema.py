@@ -41,6 +41,11 @@ class BadRequest(ValueError):
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False, frozen=True)
 
 
+# the router accounts for and schedules one completion per request: n = 3 would make the
+# backend generate three times what the policy planned for
+ONE_COMPLETION = "one completion per request (the router schedules one)"
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(**_STRICT, extra="allow")
 
@@ -63,6 +68,8 @@ class CompletionBody(_Body):
     # not OpenAI's for completions, but read if given (it wins over max_tokens)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     stream: bool = False
+    n: int = Field(default=1, ge=1, le=1, description=ONE_COMPLETION)
+    best_of: int | None = Field(default=None, ge=1, le=1, description=ONE_COMPLETION)
 
 
 class ChatBody(_Body):
@@ -75,6 +82,7 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS,
                                               description="wins over max_tokens")
     stream: bool = False
+    n: int = Field(default=1, ge=1, le=1, description=ONE_COMPLETION)
 
 
 class RouteBody(BaseModel):

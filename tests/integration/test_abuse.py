@@ -142,10 +142,11 @@ FIELDS: dict[str, dict[str, list[Any]]] = {  # every field each body's model rea
                "predicted_tokens": INTS, "ttft_target_ms": NUMBERS,
                "slo_class": [*STRINGS, None], "model": STRINGS, "unknown_key": [1]},
     "/v1/completions": {"prompt": PROMPTS, "max_tokens": INTS,
-                        "max_completion_tokens": INTS, "stream": BOOLS, "model": STRINGS},
+                        "max_completion_tokens": INTS, "stream": BOOLS, "model": STRINGS,
+                        "n": [2, 100, *INTS], "best_of": [2, *INTS]},
     "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": INTS,
                              "max_completion_tokens": INTS, "stream": BOOLS,
-                             "model": STRINGS},
+                             "model": STRINGS, "n": [2, 100, *INTS]},
 }
 WRONG = [(path, field, value) for path, fields in FIELDS.items()
          for field, values in fields.items() for value in values]
