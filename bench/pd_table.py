@@ -194,14 +194,15 @@ def bid_price_config(loaded: LoadedConfig, route_only: bool = False,
 
 
 def find_rate(loaded: LoadedConfig, mix: str, duration_s: float, cal: CalibrationSource,
-              seed: int, lo: float = 1.0, hi: float = 40.0) -> float:
+              seeds: Sequence[int], lo: float = 1.0, hi: float = 40.0) -> float:
     """Bisect the rate at which round robin's goodput is MID_COLLAPSE x its goodput at
-    ``lo`` req/s (on ``seed``, a tuning seed): some requests miss their targets even on
-    idle pools (a long prompt cannot be prefilled in 175 ms), so collapse is judged
-    against light load."""
+    ``lo`` req/s, both as means over ``seeds`` (tuning seeds): some requests miss their
+    targets even on idle pools (a long prompt cannot be prefilled in 175 ms), so collapse
+    is judged against light load."""
     def goodput(rate: float) -> float:
-        reqs = mix_requests(loaded, mix, rate, duration_s, seed)
-        return run_one(loaded, "round_robin", reqs, cal, seed)["goodput"]
+        return float(np.mean([run_one(loaded, "round_robin",
+                                      mix_requests(loaded, mix, rate, duration_s, seed),
+                                      cal, seed)["goodput"] for seed in seeds]))
 
     target = MID_COLLAPSE * goodput(lo)
     print(f"  {mix:<10} light load {lo:g} req/s: target goodput {target:.3f}", flush=True)
@@ -247,7 +248,7 @@ def main() -> None:
                     help="comma-separated seeds reported (default: the report seeds "
                          f"{','.join(map(str, REPORT_SEEDS))})")
     ap.add_argument("--find-rates", action="store_true",
-                    help="bisect each mix's rate on the first --tune-seeds seed")
+                    help="bisect each mix's rate on --tune-seeds (mean goodput over them)")
     ap.add_argument("--check-step-size", action="store_true",
                     help=f"bid_price's goodput at step sizes {STEP_SIZES} on --tune-seeds")
     ap.add_argument("--tune-seeds", type=_seeds, default=None,
@@ -263,8 +264,8 @@ def main() -> None:
         if set(tune) - set(TUNING_SEEDS):
             ap.error(f"--tune-seeds must be tuning seeds ({TUNING_SEEDS}), got {tune}")
         if args.find_rates:
-            rates = {m: find_rate(base, m, args.duration, cal, tune[0]) for m in MIXES}
-            print(f"RATES = {rates}  (seed {tune[0]})")
+            rates = {m: find_rate(base, m, args.duration, cal, tune) for m in MIXES}
+            print(f"RATES = {rates}  (seeds {','.join(map(str, tune))})")
         else:
             print(check_step_size(base, cal, tune, args.duration))
         print(f"wall time {time.perf_counter() - t_start:.0f} s")
@@ -340,8 +341,10 @@ def plot(s: dict[str, Any], path: Path) -> None:
         ax.set_xticks(x, labels)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylim(0.5, 1.0)
-    axes[1].set_ylim(0.7, 1.01)
+    for ax, key in zip(axes[:2], ("goodput", "served_fraction"), strict=True):
+        lowest = min(s["cases"][c]["policies"][p][f"{key}_spread"]["min"]
+                     for c in cases for p in POLICIES)
+        ax.set_ylim(np.floor(10 * lowest - 0.5) / 10, 1.01)
     axes[2].set_yscale("log")
     axes[2].axhline(0.175, color="k", lw=0.8, ls=":")
     axes[2].axhline(0.525, color="k", lw=0.8, ls="--")
