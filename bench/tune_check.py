@@ -124,16 +124,18 @@ def main() -> None:
               file=sys.stderr)
     t0 = time.perf_counter()
     per_seed = [run_seed(base, tuned, seed) for seed in seeds]
+    shown = (args.selected.resolve().relative_to(REPO)
+             if args.selected.resolve().is_relative_to(REPO) else args.selected)
     kind = ("report seeds" if set(seeds) <= set(REPORT_SEEDS)
             else "tuning seeds" if set(seeds) <= set(TUNING_SEEDS) else "seeds")
     print(f"{CONFIG.relative_to(REPO)}, {per_seed[0]['bid_price']['num_requests']} requests "
-          f"per seed; bid_price with {args.selected}; {kind} {','.join(map(str, seeds))}: "
-          "mean [min-max]")
+          f"per seed; bid_price with {shown}; {kind} {','.join(map(str, seeds))}"
+          + (": mean [min-max]" if len(seeds) > 1 else ""))
     print(table(per_seed))
     print(f"wall time {time.perf_counter() - t0:.0f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary(per_seed, seeds, args.selected), indent=2)
+        args.json.write_text(json.dumps(summary(per_seed, seeds, shown), indent=2)
                              + "\n")
         print(f"wrote {args.json}")
 
