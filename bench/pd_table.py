@@ -348,11 +348,12 @@ def plot(s: dict[str, Any], path: Path) -> None:
     axes[2].set_yscale("log")
     axes[2].axhline(0.175, color="k", lw=0.8, ls=":")
     axes[2].axhline(0.525, color="k", lw=0.8, ls="--")
-    axes[0].legend(fontsize=8, ncol=3, loc="upper center")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(POLICIES), fontsize=9)
     fig.suptitle("Disaggregated pools (2 prefill + 4 decode Qwen2.5-3B / A40): bid_price "
                  f"against the baselines; seeds {','.join(map(str, s['seeds']))} (bars: mean, "
                  "whiskers: min-max); dotted / dashed: tight / loose TTFT")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.06, 1.0, 1.0))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
