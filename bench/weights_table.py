@@ -38,9 +38,10 @@ horizon, zeta1 / zeta2 per indicator, delta per second of estimated TTFT):
 
 Where the values come from: the profiles were written from what each term does, then
 checked on seeds 0-2 at 24-26 qps while writing this script (the README's weights
-section); the rate of 25 qps was read off round robin on the same seeds. Those seeds are
-tuning seeds now (``TUNING_SEEDS``); no value was chosen on the report seeds, and the
-profiles are not tuned per metric beyond that check.
+section); the rate of 25 qps (just past round robin's saturation) was set while writing
+it too, before the report seeds existed. Seeds 0-2 are tuning seeds now
+(``TUNING_SEEDS``); no value was chosen on the report seeds, and the profiles are not
+tuned per metric beyond that check.
 """
 
 from __future__ import annotations
