@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -403,12 +404,12 @@ def render(results: Results, s: dict[str, Any]) -> str:
     """One block per case, one row per policy, each figure ``mean [min-max]`` over seeds;
     then decision times and the two goals."""
     seeds = s["seeds"]
-    lines = [f"{len(seeds)} seeds ({','.join(map(str, seeds))}), {s['duration_s']:g} s of "
-             "arrivals each; every figure: mean [min-max] over seeds. goodput: both SLOs "
-             "met, of all requests; served: fraction not refused; tokens/s over the arrival "
-             "window; P99 TTFT served: over the served requests only; P90/P99 TTFT all: over "
-             "every request, a refused one infinitely late (inf once the quantile reaches "
-             "one)"]
+    lines = textwrap.wrap(
+        f"{len(seeds)} seeds ({','.join(map(str, seeds))}), {s['duration_s']:g} s of "
+        "arrivals each; every figure: mean [min-max] over seeds. goodput: both SLOs met, of "
+        "all requests; served: fraction not refused; tokens/s over the arrival window; P99 "
+        "TTFT served: over the served requests only; P90/P99 TTFT all: over every request, "
+        "a refused one infinitely late (inf once the quantile reaches one)", 100)
     for label, case in s["cases"].items():
         rows = [[p, *(_cell(_per_seed(results[label][p], key), fmt, scale)
                       for _, key, fmt, scale in COLUMNS)] for p in POLICIES]
