@@ -204,7 +204,7 @@ def pareto_plot(tune: TuneResult, path: Path, title: str = "") -> None:
     second = tune.second_metric
     panels = (
         ("throughput_tokens_per_s", "ttft_p99_s", tune.front_throughput,
-         "throughput (tokens/s)", "P99 TTFT (ms)", 1.0, 1e3),
+         "throughput over the arrival window (tokens/s)", "P99 TTFT, served (ms)", 1.0, 1e3),
         ("ttft_mean_s", second, tune.front_second, "mean TTFT (ms)",
          "OnTimeUtility" if second == "on_time_utility" else "mean EEL (s)", 1e3, 1.0),
     )

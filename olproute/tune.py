@@ -2,14 +2,17 @@
 in worker processes, and pick a weight profile.
 
 Every point runs the same requests on the same seed with the same calibration (profiled
-once, in the parent), so points differ only by their weights. Outputs in the folder:
+once, in the parent), so points differ only by their weights. The selection is made on
+that one seed: a figure reported for the selected profile belongs on other seeds
+(``bench/tune_check.py`` runs it on the report seeds). Outputs in the folder:
 
 - ``tune.csv``: one row per point: the swept and fixed keys (``reward.zeta2``, ...), every
   Summary metric, the wall time, whether the point is on each Pareto front, and whether
   it was selected;
-- ``pareto.png``: P99 TTFT vs token throughput, and mean TTFT vs OnTimeUtility (mean EEL
-  when the requests carry no per-model quality), fronts drawn, front points and the
-  selected one labelled;
+- ``pareto.png``: P99 TTFT vs token throughput (over the arrival window, as
+  ``Summary.throughput_tokens_per_s``), and mean TTFT vs OnTimeUtility (mean EEL when the
+  requests carry no per-model quality), fronts drawn, front points and the selected one
+  labelled;
 - ``selected.yaml``: the selected point as a weight profile (``--weights`` of
   ``simulate``, ``compare``, ``serve``; the body of ``POST /admin/reload``).
 
@@ -60,7 +63,7 @@ class PointResult:
 @dataclass(frozen=True, slots=True)
 class TuneResult:
     results: tuple[PointResult, ...]
-    front_throughput: tuple[bool, ...]   # P99 TTFT (min) vs tokens/s (max)
+    front_throughput: tuple[bool, ...]   # P99 TTFT (min) vs tokens/s over arrivals (max)
     front_second: tuple[bool, ...]       # mean TTFT (min) vs utility (max) or mean EEL (min)
     second_metric: str                   # "on_time_utility" or "eel_mean_s"
     selected: int                        # position in results
@@ -210,8 +213,10 @@ def selected_profile(loaded: LoadedConfig, tune: TuneResult, grid: Grid,
                                                  "this is the closest one"),
         f"its metrics: TTFT attainment {s.slo_attainment:.4f}, TTFT mean "
         f"{s.ttft_mean_s * 1e3:.1f} ms, P99 {s.ttft_p99_s * 1e3:.1f} ms, EEL mean "
-        f"{s.eel_mean_s:.2f} s, {s.throughput_tokens_per_s:.0f} tokens/s, "
-        f"{s.num_shed} shed",
+        f"{s.eel_mean_s:.2f} s, {s.throughput_tokens_per_s:.0f} tokens/s over the arrival "
+        f"window, {s.num_shed} shed (served {s.served_fraction:.3f}), P99 TTFT over all "
+        f"requests {_ms(s.ttft_p99_all_s)} (a refused one infinitely late); on seed "
+        f"{loaded.config.sim.seed} only",
         "apply with: olproute serve --weights THIS_FILE (or simulate / compare), or",
         "POST /admin/reload with {\"weights\": \"THIS_FILE\"}",
         "",
@@ -219,13 +224,21 @@ def selected_profile(loaded: LoadedConfig, tune: TuneResult, grid: Grid,
     return profile_yaml(sections, header)
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if math.isfinite(seconds) else "inf"
+
+
 def summary_lines(tune: TuneResult) -> list[str]:
-    """A table of the front points and the selected one, for the terminal and README."""
+    """A table of the front points and the selected one, for the terminal and README.
+    TTFT mean / p99 and EEL mean are over the served requests, beside the served
+    fraction and the P99 TTFT over all requests (a refused one infinitely late); tok/s
+    is over the arrival window."""
     keys = varied_keys(tune.results)
     utility = tune.second_metric == "on_time_utility"
     head = (f"{'point':>5}  {'front':<5}  {'TTFT att.':>9}  {'TTFT mean ms':>12}  "
-            f"{'TTFT p99 ms':>11}  {'EEL mean s':>10}  {'tok/s':>7}  {'shed':>5}  "
-            + (f"{'OnTimeU':>7}  " if utility else "") + "weights")
+            f"{'TTFT p99 ms':>11}  {'p99 all ms':>10}  {'EEL mean s':>10}  {'tok/s':>7}  "
+            f"{'shed':>5}  {'served':>6}  " + (f"{'OnTimeU':>7}  " if utility else "")
+            + "weights")
     lines = [head, "-" * len(head)]
     groups = identical_groups(tune.results)
     for i, members in groups.items():
@@ -237,13 +250,18 @@ def summary_lines(tune: TuneResult) -> list[str]:
         s = r.summary
         mark = ("T" if on1 else "-") + ("U" if on2 else "-") + ("*" if chosen else " ")
         same = f" (+{len(members) - 1} identical)" if len(members) > 1 else ""
+        p99_all = (f"{s.ttft_p99_all_s * 1e3:.1f}" if math.isfinite(s.ttft_p99_all_s)
+                   else "inf")
         lines.append(f"{r.index:>5}  {mark:<5}  {s.slo_attainment:>9.4f}  "
                      f"{s.ttft_mean_s * 1e3:>12.1f}  {s.ttft_p99_s * 1e3:>11.1f}  "
-                     f"{s.eel_mean_s:>10.2f}  {s.throughput_tokens_per_s:>7.0f}  "
-                     f"{s.num_shed:>5}  "
+                     f"{p99_all:>10}  {s.eel_mean_s:>10.2f}  "
+                     f"{s.throughput_tokens_per_s:>7.0f}  {s.num_shed:>5}  "
+                     f"{s.served_fraction:>6.3f}  "
                      + (f"{s.on_time_utility:>7.3f}  " if utility else "")
                      + f"{point_label(r.point, keys)}{same}")
     lines.append(f"front: T = P99 TTFT vs tokens/s, U = mean TTFT vs "
                  f"{tune.second_metric}; * = selected ({tune.selection.describe()}); "
-                 "identical: other points with the same metrics (all in tune.csv)")
+                 "identical: other points with the same metrics (all in tune.csv); TTFT and "
+                 "EEL over the served requests, p99 all: over every request (refused = "
+                 "infinitely late); tok/s over the arrival window")
     return lines

@@ -5,7 +5,8 @@ per-model quality."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,28 @@ def test_selected_profile_is_a_complete_reward_section(sweep: Sweep, tmp_path: P
     assert profile["reward"]["omega"] == 10.0  # from the config, kept
     assert profile["reward"]["ttft_threshold_s"] == THRESHOLD_S
     assert profile["reward"]["zeta2"] == results[tune.selected].point["reward"]["zeta2"]
+
+
+def test_the_table_puts_served_fraction_and_the_all_requests_tail_beside_latency(
+        sweep: Sweep) -> None:
+    """A point that refused requests shows its served fraction and an infinite P99 TTFT
+    over all requests next to its P99 over the served ones; the selected profile's header
+    says which seed it was selected on and that tokens/s is over the arrival window."""
+    grid, loaded, results = sweep.grid, sweep.loaded, sweep.results
+    k = analyse(results, Selection("slo_attainment")).selected
+    refused = replace(results[k].summary, num_shed=7, served_fraction=0.977,
+                      ttft_p99_all_s=math.inf)
+    rows = [replace(r, summary=refused) if i == k else r for i, r in enumerate(results)]
+    tune = analyse(rows, Selection("slo_attainment"))
+    assert tune.selected == k  # neither figure is the rule's
+    lines = summary_lines(tune)
+    head = lines[0].split()
+    assert "served" in head and "all" in head and "tok/s" in head
+    row = next(line for line in lines[2:] if line.split()[0] == str(rows[k].index))
+    cells = row.split()
+    assert "inf" in cells and "0.977" in cells
+    assert f"{refused.ttft_p99_s * 1e3:.1f}" in cells   # the served P99 stays beside it
+    assert "arrival window" in lines[-1]
+    text = selected_profile(loaded, tune, grid, "grid")
+    assert "tokens/s over the arrival window" in text
+    assert f"on seed {loaded.config.sim.seed} only" in text
