@@ -81,7 +81,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             if inst.kv_transfer is None:
                 raise ApiError(400, "kv_transfer_params.do_remote_prefill: this instance has "
                                     "no KV transfer model", "kv_transfer_params")
-            arrival = time.monotonic()
+            arrival = inst.clock()
             await inst.receive_kv(gen.prompt_tokens, gen.remote_engine_id)
             req = inst.submit_decode(gen.prompt_tokens, gen.max_tokens, arrival)
         else:

@@ -34,7 +34,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from olproute.core_ref import FINISHED
@@ -113,12 +113,17 @@ class EmulatedInstance:
     ``kv_transfer`` times the KV caches it receives from prefill instances (needed to
     take remote prefills); ``kv_transfers`` records the last ``batch_log_size`` of them
     and ``num_remote_decode_prefills`` counts the prefills it ran for a remote decode.
+    ``clock`` gives the time in seconds that every timestamp of the engine is on (arrivals,
+    first tokens, batch starts); the loop waits with ``asyncio.sleep``, so an event loop
+    whose ``time()`` is virtual runs the engine in virtual time when ``clock`` is that
+    loop's ``time`` (the tests do). Default: ``time.monotonic``.
     """
 
     def __init__(self, spec: InstanceSpec, timer: BatchTimer, *, index: int = 0,
                  time_scale: float = 1.0, model_name: str | None = None,
                  max_model_len: int | None = None, batch_log_size: int = 65_536,
-                 kv_transfer: KvTransfer | None = None) -> None:
+                 kv_transfer: KvTransfer | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.spec = spec
@@ -143,7 +148,8 @@ class EmulatedInstance:
         self._in_batch = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.t0 = time.monotonic()  # the clock of batch records starts here
+        self.clock = clock
+        self.t0 = clock()  # the clock of batch records starts here
         self.started_unix_s = time.time()
 
     def _timed(self, sums: Sequence[float]) -> float:
@@ -178,7 +184,7 @@ class EmulatedInstance:
     # -- requests ------------------------------------------------------------------------
     def submit(self, prompt_tokens: int, max_tokens: int) -> EmulatedRequest:
         """Queue a request; raises ValueError if it could never fit in the KV cache."""
-        return self._admit(prompt_tokens, max_tokens, 0, time.monotonic())
+        return self._admit(prompt_tokens, max_tokens, 0, self.clock())
 
     def _admit(self, prompt_tokens: int, max_tokens: int, computed_tokens: int,
                arrival_s: float) -> EmulatedRequest:
@@ -207,12 +213,12 @@ class EmulatedInstance:
                       arrival_s: float | None = None) -> EmulatedRequest:
         """Queue a request whose prompt's KV cache arrived from a prefill instance,
         admitted as ``decode_admission`` says (all but the last prompt token computed, all
-        ``max_tokens`` outputs to generate). ``arrival_s`` (``time.monotonic()``, default
+        ``max_tokens`` outputs to generate). ``arrival_s`` (on ``clock``, default
         now) is when it reached this instance, before its KV transfer: the start of its
         time to first token. Raises ValueError if it could never fit in the KV cache."""
         prompt, output, computed = decode_admission(prompt_tokens, max_tokens)
         return self._admit(prompt, output, computed,
-                           time.monotonic() if arrival_s is None else arrival_s)
+                           self.clock() if arrival_s is None else arrival_s)
 
     def abort(self, req: EmulatedRequest) -> None:
         """Drop an unfinished request (its client went away): frees its slot and KV
@@ -248,13 +254,13 @@ class EmulatedInstance:
         self._requests.clear()
 
     async def _run(self) -> None:
-        clock = time.monotonic()  # virtual end of the last batch
+        clock = self.clock()  # virtual end of the last batch
         while True:
             idled = self._engine.num_resident == 0
             if idled:
                 self._wake.clear()
                 await self._wake.wait()
-            now = time.monotonic()
+            now = self.clock()
             # a busy engine starts the next batch where the last one ended; one that
             # idled starts now (never before the request that woke it arrived)
             start = clock if not idled and now - clock <= _MAX_LAG_S else now
@@ -270,9 +276,9 @@ class EmulatedInstance:
                               *self._sums))
             self._num_batches += 1
             clock = start + duration
-            while (left := clock - time.monotonic()) > 0:
+            while (left := clock - self.clock()) > 0:
                 await asyncio.sleep(left)
-            self._commit(slots, time.monotonic())
+            self._commit(slots, self.clock())
             self._in_batch = False
             for req in self._pending_aborts:
                 self._drop(req)

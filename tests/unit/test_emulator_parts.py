@@ -1,23 +1,28 @@
 """The emulator below HTTP: request validation, the engine's abort, timers built as the
-simulator builds them, and real-time batch pacing."""
+simulator builds them, and batch pacing (on a virtual clock, so exact under any load)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import numpy as np
 import pytest
 
 from olproute.config import ConfigError, load_config
-from olproute.emulator import EmulatedInstance, emulation_config, ground_truth_timers
+from olproute.emulator import (
+    EmulatedInstance,
+    EmulatedRequest,
+    emulation_config,
+    ground_truth_timers,
+)
 from olproute.emulator.protocol import ApiError, ChunkWriter, parse_request
 from olproute.sim.engine import SimEngine
 from olproute.sim.scenario import build_timers
 from olproute.sim.timing import LinearTiming
 from olproute.types import InstanceSpec
+from tests.virtual_time import run_virtual
 
 SPEC = InstanceSpec(name="u", model="llama-2-7b", gpu="a100-80gb", tensor_parallel=1,
                     max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
@@ -98,39 +103,79 @@ def test_emulation_config_overrides() -> None:
         emulation_config(load_config(), None, ("llama-2-7b", "tpu"))
 
 
-@pytest.mark.anyio
-async def test_batches_keep_real_time_and_aborts_wait_for_the_batch() -> None:
-    # every batch takes 20 ms: a 10-token request alone takes 10 batches = 0.2 s
+def _twenty_ms_engine() -> EmulatedInstance:
+    """SPEC's engine where every batch takes 20 ms, on the running loop's clock."""
     timer = LinearTiming((0.02, 0.0, 0.0, 0.0), 0.0, np.random.default_rng(0))
-    inst = EmulatedInstance(SPEC, timer)
-    await inst.start()
-    try:
-        t0 = time.monotonic()
-        req = inst.submit(20, 10)
-        while not req.done:
-            await req.wait_beyond(req.num_tokens)
-        elapsed = time.monotonic() - t0
-        assert req.num_tokens == 10 and not (req.aborted or req.failed)
-        assert 0.2 <= elapsed < 0.2 + 0.04, elapsed  # wake-up jitter does not accumulate
-        assert req.first_token_s is not None
-        assert 0.02 <= req.first_token_s - t0 < 0.035
+    return EmulatedInstance(SPEC, timer, clock=asyncio.get_running_loop().time)
 
-        a, b = inst.submit(20, 50), inst.submit(20, 50)
-        await a.wait_beyond(0)  # a batch is now in flight
-        inst.abort(a)
-        assert a.done and a.aborted
-        assert inst.num_running == 2  # dropped only once the batch commits
-        await asyncio.sleep(0.03)
-        assert inst.num_running == 1 and a.num_tokens == 1
-        inst.abort(b)  # between batches or not, the engine ends up empty
-        await asyncio.sleep(0.03)
-        assert inst.num_running == inst.num_waiting == 0 and inst.kv_cache_usage == 0
-        c = inst.submit(20, 50)
-    finally:
-        await inst.close()
+
+def test_batches_keep_their_time_and_late_wake_ups_do_not_add_up() -> None:
+    """A 10-token request alone takes 10 batches of 20 ms. Every wake-up of the loop
+    comes 3 ms late: the busy engine lays its batches back to back on its own clock,
+    so the request ends 0.2 s + one lateness after it arrived, not 0.2 s + ten."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        inst = _twenty_ms_engine()
+        await inst.start()
+        try:
+            t0 = loop.time()
+            req = inst.submit(20, 10)
+            await req.wait_done()
+            assert req.num_tokens == 10 and not (req.aborted or req.failed)
+            assert loop.time() - t0 == pytest.approx(0.2 + 0.003)
+            assert req.first_token_s is not None
+            assert req.first_token_s - t0 == pytest.approx(0.02 + 0.003)
+            _, records = inst.batch_records()
+            starts = [r[1] for r in records]
+            assert starts == pytest.approx([0.02 * i for i in range(10)])
+        finally:
+            await inst.close()
+
+    run_virtual(main, lateness_s=0.003)
+
+
+def test_an_engine_far_behind_its_clock_restarts_it_instead_of_bursting() -> None:
+    """Wake-ups 60 ms late (more than the engine's 50 ms of tolerated lag, a stalled
+    loop): each batch starts when the loop woke up, so batches are never run back to
+    back in a burst to catch up."""
+    async def main() -> None:
+        inst = _twenty_ms_engine()
+        await inst.start()
+        try:
+            req = inst.submit(20, 5)
+            await req.wait_done()
+            _, records = inst.batch_records()
+            assert [r[1] for r in records] == pytest.approx([0.08 * i for i in range(5)])
+        finally:
+            await inst.close()
+
+    run_virtual(main, lateness_s=0.06)
+
+
+def test_aborts_wait_for_the_batch_in_flight() -> None:
+    async def main() -> EmulatedRequest:
+        inst = _twenty_ms_engine()
+        await inst.start()
+        try:
+            a, b = inst.submit(20, 50), inst.submit(20, 50)
+            await a.wait_beyond(0)  # both have their first token; the next batch is in flight
+            inst.abort(a)
+            assert a.done and a.aborted
+            assert inst.num_running == 2  # dropped only once the batch commits
+            await asyncio.sleep(0.03)  # virtual: the batch in flight commits meanwhile
+            assert inst.num_running == 1 and a.num_tokens == 1
+            inst.abort(b)  # between batches or not, the engine ends up empty
+            await asyncio.sleep(0.03)
+            assert inst.num_running == inst.num_waiting == 0 and inst.kv_cache_usage == 0
+            c = inst.submit(20, 50)
+        finally:
+            await inst.close()
+        with pytest.raises(RuntimeError, match="not running"):
+            inst.submit(1, 1)
+        return c
+
+    c = run_virtual(main, lateness_s=0.003)
     assert c.done and c.failed  # resident when the engine stopped
-    with pytest.raises(RuntimeError, match="not running"):
-        inst.submit(1, 1)
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
@@ -152,21 +197,25 @@ def test_stream_chunks_are_the_documented_json(kind: Any, include_usage: bool) -
     assert len(events) == (3 if include_usage else 2)
 
 
-@pytest.mark.anyio
-async def test_a_request_after_a_short_idle_gets_a_full_batch() -> None:
-    # the engine idles 10 ms after a batch: the next batch starts when the request
-    # arrives, not at the end of the previous batch
-    timer = LinearTiming((0.03, 0.0, 0.0, 0.0), 0.0, np.random.default_rng(0))
-    inst = EmulatedInstance(SPEC, timer)
-    await inst.start()
-    try:
-        await inst.submit(4, 1).wait_done()
-        await asyncio.sleep(0.01)
-        t0 = time.monotonic()
-        req = inst.submit(4, 1)
-        await req.wait_done()
-        assert req.first_token_s is not None and req.first_token_s - t0 >= 0.03
-        _, records = inst.batch_records()
-        assert records[1][1] >= records[0][1] + records[0][2] + 0.01  # start_s
-    finally:
-        await inst.close()
+def test_a_request_after_a_short_idle_gets_a_full_batch() -> None:
+    # batches of 30 ms; the engine idles 10 ms after one: the next batch starts when the
+    # request arrives, not at the end of the previous batch
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        timer = LinearTiming((0.03, 0.0, 0.0, 0.0), 0.0, np.random.default_rng(0))
+        inst = EmulatedInstance(SPEC, timer, clock=loop.time)
+        await inst.start()
+        try:
+            await inst.submit(4, 1).wait_done()
+            await asyncio.sleep(0.01)
+            t0 = loop.time()
+            req = inst.submit(4, 1)
+            await req.wait_done()
+            assert req.first_token_s is not None
+            assert req.first_token_s - t0 == pytest.approx(0.03)
+            _, records = inst.batch_records()
+            assert records[1][1] == pytest.approx(records[0][1] + records[0][2] + 0.01)
+        finally:
+            await inst.close()
+
+    run_virtual(main)
