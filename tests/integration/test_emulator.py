@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -26,6 +26,7 @@ from olproute.emulator import RunningEmulator, ground_truth_timers, start_emulat
 from olproute.emulator import stop_emulators as stop_all
 from olproute.sim.engine import BATCH_LOG_COLUMNS
 from olproute.types import InstanceSpec
+from tests.virtual_time import HANG_S
 
 pytestmark = pytest.mark.anyio
 
@@ -93,6 +94,13 @@ def _prefill_estimate_s(prompt_tokens: int) -> float:
     return total * TIME_SCALE
 
 
+async def _batches(http: aiohttp.ClientSession, url: str, since: int = 0
+                   ) -> list[dict[str, float]]:
+    async with http.get(url + f"/olproute/batches?since={since}") as r:
+        assert r.status == 200
+        return (await r.json())["batches"]  # type: ignore[no-any-return]
+
+
 async def test_streaming_completion_arrives_chunk_by_chunk(
         emu: RunningEmulator, http: aiohttp.ClientSession) -> None:
     body = {"model": "llama-2-7b", "prompt": "ignored words", "prompt_tokens": 3000,
@@ -106,11 +114,16 @@ async def test_streaming_completion_arrives_chunk_by_chunk(
     *chunks, (_, done) = events
     assert done == "[DONE]"
     assert len(chunks) == 6
-    times = [t for t, _ in chunks]
-    assert all(b > a for a, b in itertools.pairwise(times)), "one token at a time"
-    # 3000 prompt tokens = two prefill chunks (2048 + 952) of the roofline timer
+    # 3000 prompt tokens = two prefill chunks (2048 + 952) of the roofline timer, then one
+    # decode step per further token; the first two batches are timed as the model says
+    rows = await _batches(http, emu.url)
+    assert [b["num_prefill_tokens"] for b in rows] == [2048, 952] + [0] * 5
+    prefill_s = rows[0]["duration_s"] + rows[1]["duration_s"]
     expected = _prefill_estimate_s(3000)
-    assert 0.5 * expected < times[0] < 1.5 * expected + 0.05, (times[0], expected)
+    assert 0.5 * expected < prefill_s < 1.5 * expected, (prefill_s, expected)
+    # and the engine kept that time: the first chunk came no earlier than those batches
+    # (a lower bound, which load cannot break)
+    assert chunks[0][0] >= prefill_s
     texts = [c["choices"][0]["text"] for _, c in chunks]
     assert "".join(texts) == " lorem ipsum dolor sit amet consectetur"
     assert [c["choices"][0]["finish_reason"] for _, c in chunks] == [None] * 5 + ["length"]
@@ -118,6 +131,19 @@ async def test_streaming_completion_arrives_chunk_by_chunk(
     assert first["object"] == "text_completion" and first["model"] == "llama-2-7b"
     assert first["id"].startswith("cmpl-") and isinstance(first["created"], int)
     assert "usage" not in first  # only with stream_options.include_usage
+
+
+async def test_a_stream_sends_each_token_before_the_request_ends(
+        emu: RunningEmulator, http: aiohttp.ClientSession) -> None:
+    """Not buffered to the end: with the first token in the client's hands, the request
+    (2,000 tokens, ~11 s) is still running in the engine."""
+    body = {"prompt": "a b", "max_tokens": 2000, "stream": True}
+    async with http.post(emu.url + "/v1/completions", json=body) as r:
+        line = await r.content.readline()
+        assert line.startswith(b"data: {")
+        assert json.loads(line[6:])["choices"][0]["text"] == " lorem"
+        assert emu.instance.num_running == 1
+        r.close()
 
 
 async def test_non_streaming_completion_and_usage(emu: RunningEmulator,
@@ -159,53 +185,92 @@ async def test_chat_completions_stream_and_not(emu: RunningEmulator,
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
 
 
+async def _wait_metrics(http: aiohttp.ClientSession, url: str,
+                        cond: Callable[[dict[str, float]], bool],
+                        timeout_s: float = HANG_S) -> dict[str, float]:
+    """Scrape /metrics until ``cond`` holds; the timeout only catches a hang."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = await _metrics(http, url)
+        if cond(m):
+            return m
+        assert time.monotonic() < deadline, m
+        await asyncio.sleep(0.01)
+
+
+def _load(m: dict[str, float]) -> tuple[float, float]:
+    return m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]
+
+
 async def test_metrics_parse_and_gauges_move(emu: RunningEmulator,
                                              http: aiohttp.ClientSession) -> None:
     before = await _metrics(http, emu.url)
-    assert before["vllm:num_requests_running"] == before["vllm:num_requests_waiting"] == 0
+    assert _load(before) == (0, 0)
+    # three streams of 4,000 tokens (~22 s each if left to run): each state below lasts
+    # until the test ends it, so no scrape can miss it
+    body = {"prompt": "a b c", "max_tokens": 4000, "stream": True}
+    streams = [await http.post(emu.url + "/v1/completions", json=body) for _ in range(3)]
+    try:
+        # two batch slots: two run, the third waits its turn
+        m = await _wait_metrics(http, emu.url, lambda m: _load(m) == (2, 1))
+        assert 0 < m["vllm:kv_cache_usage_perc"] <= 1
+        for r in streams[:2]:
+            assert (await r.content.readline()).startswith(b"data: {")
+            r.close()
+        # their clients left: the third one runs alone
+        m = await _wait_metrics(http, emu.url, lambda m: _load(m) == (1, 0))
+        assert 0 < m["vllm:kv_cache_usage_perc"] <= 1
+        assert (await streams[2].content.readline()).startswith(b"data: {")
+    finally:
+        for r in streams:
+            r.close()
+    m = await _wait_metrics(http, emu.url, lambda m: _load(m) == (0, 0))
+    assert m["vllm:kv_cache_usage_perc"] == 0
+    assert m["vllm:request_success_total{finished_reason=abort}"] == 3
+    assert m["vllm:time_to_first_token_seconds_count"] == 3
 
+    # counters of three requests run to their end, side by side
     async def one() -> None:
-        body = {"prompt": "a b c", "max_tokens": 40, "stream": True}  # ~0.2 s each
+        body = {"prompt": "a b c", "max_tokens": 40, "stream": True}
         async with http.post(emu.url + "/v1/completions", json=body) as r:
             await r.read()
 
-    tasks = [asyncio.create_task(one()) for _ in range(3)]
-    seen = []  # (running, waiting) scraped while the requests are in flight
-    while not all(t.done() for t in tasks):
-        m = await _metrics(http, emu.url)
-        seen.append((m["vllm:num_requests_running"], m["vllm:num_requests_waiting"],
-                     m["vllm:kv_cache_usage_perc"]))
-        await asyncio.sleep(0.01)
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*(one() for _ in range(3)))
     after = await _metrics(http, emu.url)
-    # two batch slots: two run, the third waits its turn
-    assert (2, 1) in [(r, w) for r, w, _kv in seen], seen
-    assert (1, 0) in [(r, w) for r, w, _kv in seen], seen  # the third one, alone
-    assert all(0 < kv <= 1 for r, _w, kv in seen if r > 0)
-    assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
-    assert after["vllm:kv_cache_usage_perc"] == 0
-    assert after["vllm:generation_tokens_total"] == 120
-    assert after["vllm:prompt_tokens_total"] == 9
-    assert after["vllm:time_to_first_token_seconds_count"] == 3
-    assert after["vllm:e2e_request_latency_seconds_count"] == 3
+    assert _load(after) == (0, 0) and after["vllm:kv_cache_usage_perc"] == 0
+
+    def delta(name: str) -> float:
+        return after[name] - m.get(name, 0.0)
+
+    assert delta("vllm:generation_tokens_total") == 120
+    assert delta("vllm:prompt_tokens_total") == 9
+    assert delta("vllm:time_to_first_token_seconds_count") == 3
+    assert after["vllm:e2e_request_latency_seconds_count"] == 3  # the aborted ones: none
     assert after["vllm:request_success_total{finished_reason=length}"] == 3
 
 
 async def test_concurrent_requests_share_batches(emu: RunningEmulator,
                                                  http: aiohttp.ClientSession) -> None:
+    """Counted in the engine's batch records, not timed: a request alone takes one
+    batch per token; beside a running request it takes as many batches, each shared."""
     async def one() -> None:
         async with http.post(emu.url + "/v1/completions",
                              json={"prompt": "x y", "max_tokens": 30}) as r:
             assert r.status == 200
             await r.read()
 
-    t0 = time.monotonic()
     await one()
-    alone = time.monotonic() - t0
-    t0 = time.monotonic()
-    await asyncio.gather(one(), one())
-    together = time.monotonic() - t0
-    assert together < 1.4 * alone, (alone, together)
+    alone = await _batches(http, emu.url)
+    assert len(alone) == 30 and all(b["num_seqs"] == 1 for b in alone)
+    # a long stream (~11 s if left to run) is running while the second request comes
+    body = {"prompt": "a b", "max_tokens": 2000, "stream": True}
+    async with http.post(emu.url + "/v1/completions", json=body) as r:
+        assert (await r.content.readline()).startswith(b"data: {")
+        await one()
+        r.close()
+    beside = await _batches(http, emu.url, since=len(alone))
+    assert sum(b["num_seqs"] == 2 for b in beside) == len(alone)
+    assert max(b["num_seqs"] for b in beside) == 2
 
 
 BAD = [  # (path, body, status, param)
@@ -252,21 +317,13 @@ async def test_bad_inputs_name_the_field(emu: RunningEmulator,
     assert m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
 
 
-async def _wait_idle(http: aiohttp.ClientSession, url: str, timeout_s: float = 2.0
-                     ) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = await _metrics(http, url)
-        if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0:
-            return m
-        assert time.monotonic() < deadline, m
-        await asyncio.sleep(0.01)
+async def _wait_idle(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    return await _wait_metrics(http, url, lambda m: _load(m) == (0, 0))
 
 
 async def test_client_disconnect_aborts_the_request(emu: RunningEmulator,
                                                     http: aiohttp.ClientSession) -> None:
     body = {"prompt": "a b", "max_tokens": 2000, "stream": True}  # ~11 s if it ran on
-    t0 = time.monotonic()
     async with http.post(emu.url + "/v1/completions", json=body) as r:
         for _ in range(4):  # two events' worth of lines
             await r.content.readline()
@@ -282,7 +339,7 @@ async def test_client_disconnect_aborts_the_request(emu: RunningEmulator,
             await r.read()
     m = await _wait_idle(http, emu.url)
     assert m["vllm:request_success_total{finished_reason=abort}"] == 2
-    assert time.monotonic() - t0 < 3.0
+    assert m["vllm:generation_tokens_total"] < 2000  # neither ran on to its end
     async with http.post(emu.url + "/v1/completions",
                          json={"prompt": "a", "max_tokens": 2}) as r:
         assert r.status == 200  # the engine goes on serving
@@ -294,9 +351,9 @@ async def test_stopping_an_emulator_cuts_its_streams(http: aiohttp.ClientSession
         body = {"prompt": "a", "max_tokens": 2000, "stream": True}
         async with http.post(running[0].url + "/v1/completions", json=body) as r:
             await r.content.readline()
-            t0 = time.monotonic()
             await running[0].stop()
-            assert time.monotonic() - t0 < 1.0
+            # cut, not run on to its end (2,000 tokens, ~11 s) and then closed
+            assert running[0].instance.num_batches < 2000
             with pytest.raises(aiohttp.ClientPayloadError):
                 await r.read()
     finally:
