@@ -9,7 +9,8 @@ connection after ``cut_after`` chunks), ``hang`` (never answers, though ``/healt
 does), ``stall`` (streams ``cut_after`` chunks, then nothing while keeping the connection
 open). ``cancelled`` counts the requests whose handler was cancelled (the router closed
 the connection) before the fake answered or finished. ``extra`` is merged into its whole
-(non-streamed) answers (e.g. a prefill's ``kv_transfer_params``).
+(non-streamed) answers (e.g. a prefill's ``kv_transfer_params``). A stream with ``hold``
+set stops after ``hold_after`` chunks until the test sets it (``Stack.release``).
 ``client_gone`` counts the streams its client (the router) closed before their end.
 """
 
@@ -44,6 +45,8 @@ class FakeState:
     extra: dict[str, Any] = field(default_factory=dict)
     client_gone: int = 0
     cancelled: int = 0
+    hold: asyncio.Event | None = None
+    hold_after: int = 1
 
 
 STATE = web.AppKey("fake_state", FakeState)
@@ -87,6 +90,8 @@ async def _complete(request: web.Request) -> web.StreamResponse:
 async def _stream(request: web.Request, resp: web.StreamResponse, st: FakeState, n: int,
                   chat: bool) -> web.StreamResponse:
     for i in range(n):
+        if st.hold is not None and i == st.hold_after:
+            await st.hold.wait()
         await asyncio.sleep(st.delay_s)
         if st.mode == "cut" and i == st.cut_after:
             assert request.transport is not None
@@ -167,13 +172,23 @@ class Stack:
         self.app = init_app(loaded, backend_urls=urls or None, calibration=calibration)
         self._runner, self.url = self.run(_serve(self.app), timeout=120)
 
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         async def wrap() -> Any:
             return fn()
         return self.run(wrap())
+
+    def release(self, event: asyncio.Event) -> None:
+        """Set an event that the stack's loop waits on (a fake's ``hold``)."""
+        self.loop.call_soon_threadsafe(event.set)
+
+    def num_connections(self) -> int:
+        """Connections open on the router's side."""
+        server = self._runner.server
+        assert server is not None
+        return int(self.call(lambda: len(server.connections)))
 
     def kill_backend(self, i: int) -> None:
         runner = self._fake_runners[i]
@@ -183,7 +198,7 @@ class Stack:
 
     def close(self) -> None:
         try:
-            self.run(self._runner.cleanup(), timeout=30)
+            self.run(self._runner.cleanup())
             for i in range(len(self._fake_runners)):
                 self.kill_backend(i)
         finally:
@@ -206,7 +221,9 @@ def record_outcomes(stack: Stack) -> list[Outcome]:
     return outcomes
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0, step: float = 0.05) -> bool:
+def wait_until(cond: Callable[[], bool], timeout: float = 60.0, step: float = 0.05) -> bool:
+    """Poll ``cond`` until it holds; ``timeout`` (real seconds) only catches a hang, so it
+    is generous: a loaded machine may take many times the usual time."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if cond():

@@ -30,6 +30,7 @@ from olproute.sim.scenario import CalibrationSource
 from olproute.types import Outcome
 from tests.integration.server_harness import Stack, record_outcomes, wait_until
 from tests.integration.test_server import CAL, request, stream
+from tests.virtual_time import HANG_S
 
 TIME_SCALE = 0.2
 TRANSFER = {"link_gbytes_per_s": 0.5, "latency_ms": 20.0}
@@ -107,7 +108,7 @@ def _send(url: str, words: int, max_tokens: int, streamed: bool, chat: bool
         return status, headers, (choice["message"]["content"] if chat else
                                  choice.get("text", ""))
     status, headers, lines = stream(url, path, body)
-    chunks = [json.loads(line[6:]) for _, line in lines if line.startswith(b"data: {")]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
     text = "".join(c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"]
                    for c in chunks)
     return status, headers, text
@@ -210,7 +211,7 @@ def test_prefill_gets_one_token_and_decode_the_request_with_kv_params(fake_pd: S
     assert status == 200
     assert headers["x-olproute-instance"] == "p"
     assert headers["x-olproute-decode-instance"] == "d"
-    assert len([line for _, line in lines if line.startswith(b"data: {")]) == 4
+    assert len([line for line in lines if line.startswith(b"data: {")]) == 4
     [pbody], [dbody] = prefill.bodies, decode.bodies
     assert pbody["max_tokens"] == 1 and pbody["stream"] is False
     assert "stream_options" not in pbody
@@ -328,7 +329,7 @@ def test_decode_cut_midway_is_an_unfinished_request_with_its_first_token(
     outcomes = record_outcomes(fake_pd)
     status, _, lines = stream(fake_pd.url, "/v1/completions",
                               {"prompt": "a b", "max_tokens": 6, "stream": True})
-    assert status == 200 and b"backend stream ended early" in lines[-1][1]
+    assert status == 200 and b"backend stream ended early" in lines[-1]
     o = _unfinished(fake_pd, outcomes, 2)  # the client got two tokens, then the error
     assert o.first_token_s is not None
     assert _router_samples(fake_pd, instance="d")["olproute_ttft_seconds_count"] == 1
@@ -379,7 +380,7 @@ def test_a_client_leaving_the_decode_stream_is_not_a_backend_failure(
     decode.delay_s = 0.05  # 200 tokens: a 10 s stream, cut by the client after its first
     outcomes = record_outcomes(fake_pd)
     u = urlparse(fake_pd.url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=HANG_S)
     conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
                  body=json.dumps({"prompt": "a b", "max_tokens": 200,
                                   "stream": True}).encode())
