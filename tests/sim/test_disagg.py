@@ -158,17 +158,23 @@ def test_a_decode_pool_at_kv_capacity_holds_admission_back(learn_prices: bool) -
     """Decode engines with room for a handful of requests: round robin overflows them
     (preemptions, recomputed prompts); bid_price holds requests in its buffer until a
     decode engine has the KV for them, and none is preempted. The free-capacity check
-    works with the prices switched off too."""
+    works with the prices switched off too.
+
+    Size: 10 s of arrivals (80 requests) and 8 s of patience. Round robin preempts 39
+    times; held requests stay up to the patience, so bid_price serves ~75% (more with more
+    patience, but every held request is decided again each slot and the run's cost grows
+    with it: 30 s of arrivals and 30 s of patience took 30 s a case for the same facts).
+    Shorter runs leave too few preemptions for the noisy check's 10% ratio to mean much."""
     common: dict[str, Any] = dict(num_prefill=1, num_decode=2, decode_kv=6000, rate=8.0,
-                                  duration_s=30.0,
-                                  admission={"mode": "shed", "patience_s": 30.0},
+                                  duration_s=10.0,
+                                  admission={"mode": "shed", "patience_s": 8.0},
                                   prices={"enabled": learn_prices})
     loaded = pd_config(**common, prediction={"mode": "oracle"})
     reqs = build_requests(loaded)
     cal = CalibrationSource(loaded)
     rr = simulate(loaded, "round_robin", reqs, calibration=cal)
     bp = simulate(loaded, "bid_price", reqs, calibration=cal)
-    assert rr.num_preemptions.sum() > 100
+    assert rr.num_preemptions.sum() > 30
     assert bp.num_preemptions.sum() == 0
     waited = bp.dispatch_s - np.array([r.arrival_s for r in reqs])
     assert np.nanmax(waited) > 1.0          # held in the router, not queued on the engine
