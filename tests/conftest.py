@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,29 @@ CONV_TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"
 PROFILES = REPO / "configs" / "profiles.yaml"
 
 MakeConfig = Callable[..., LoadedConfig]
+_JAX_CACHE = pytest.StashKey[str]()
+_JAX_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One JAX compilation cache for the whole run (this process and the CLIs it starts):
+    every price book jits its own step function, so each bid_price run would compile the
+    same program again (about 1 s of CPU a book). A fresh directory per run, so a run
+    never reads what another one compiled; a cache directory set by the caller wins."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or "jax" in sys.modules:
+        return
+    cache = tempfile.mkdtemp(prefix="olproute-tests-jax-")
+    config.stash[_JAX_CACHE] = cache
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=cache, **_JAX_CACHE_ENV)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    cache = config.stash.get(_JAX_CACHE, None)
+    if cache is not None:
+        for name in ("JAX_COMPILATION_CACHE_DIR", *_JAX_CACHE_ENV):
+            os.environ.pop(name, None)
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def make_config(**sections: Any) -> LoadedConfig:
