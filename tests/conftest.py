@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import os
-import shutil
-import sys
-import tempfile
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-import pytest
+# One BLAS / OpenMP thread, set before numpy loads (the caller's setting wins). The tests'
+# matrices are small, and OpenBLAS's threads spin against each other on a busy 2-core
+# machine: an SVD of 160 x 512 took 4.5 s with its default threads at a load of 6 and
+# 13 ms with one.
+for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
 
-from olproute.config import DEFAULT_CONFIG, Config, LoadedConfig, load_profiles
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+from olproute.config import DEFAULT_CONFIG, Config, LoadedConfig, load_profiles  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONV_TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"
