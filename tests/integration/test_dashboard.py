@@ -1,5 +1,5 @@
 """The live page: ``/dashboard/data`` over HTTP, and ``/dashboard`` rendered by headless
-Chromium (Debian's ``chromium``; ``.ci/run`` installs it) against a real router with fake
+Chromium (Debian's ``chromium``; ``scripts/test`` installs it) against a real router with fake
 backends. No Chromium is a failure, not a skip: the page is only tested in a browser."""
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def chromium() -> str:
         path = shutil.which(name)
         if path:
             return path
-    pytest.fail("Chromium is not installed: `apt-get install -y chromium` (.ci/run does "
+    pytest.fail("Chromium is not installed: `apt-get install -y chromium` (scripts/test does "
                 "this); the dashboard is only tested in a real browser")
 
 
