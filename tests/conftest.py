@@ -11,6 +11,7 @@ import os
 for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
 
+import atexit  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -27,7 +28,6 @@ CONV_TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"
 PROFILES = REPO / "configs" / "profiles.yaml"
 
 MakeConfig = Callable[..., LoadedConfig]
-_JAX_CACHE = pytest.StashKey[str]()
 _JAX_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
@@ -40,16 +40,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if "JAX_COMPILATION_CACHE_DIR" in os.environ or "jax" in sys.modules:
         return
     cache = tempfile.mkdtemp(prefix="olproute-tests-jax-")
-    config.stash[_JAX_CACHE] = cache
     os.environ.update(JAX_COMPILATION_CACHE_DIR=cache, **_JAX_CACHE_ENV)
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    cache = config.stash.get(_JAX_CACHE, None)
-    if cache is not None:
-        for name in ("JAX_COMPILATION_CACHE_DIR", *_JAX_CACHE_ENV):
-            os.environ.pop(name, None)
-        shutil.rmtree(cache, ignore_errors=True)
+    # removed at exit, after the interpreter joined the executor threads: a router's tick
+    # can still be compiling in one when its test has ended
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
 
 
 def make_config(**sections: Any) -> LoadedConfig:
