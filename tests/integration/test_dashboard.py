@@ -154,6 +154,8 @@ def test_dashboard_page_in_headless_chromium(stack: Stack, tmp_path: Path) -> No
     _traffic(stack, 4)
     t0 = time.monotonic()
     assert wait_until(lambda: _get(stack, "/dashboard/data")["ttft"]["all"]["count"] == 4)
+    # all up before the page is drawn (a probe can miss its 1 s timeout under load)
+    assert wait_until(lambda: all(i["healthy"] for i in _get(stack, "/instances")["instances"]))
     dom = dump_dom(stack.url + "/dashboard", tmp_path)
     recent = time.monotonic() - t0 < 4.0  # the rate window is 5 s
     page = _Cells()

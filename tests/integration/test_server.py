@@ -187,7 +187,12 @@ def test_prices_and_instances(stack: Stack) -> None:
     assert all(len(i["batch"]) == doc["horizon_slots"] for i in doc["instances"])
     assert {i["bottleneck"] for i in doc["instances"]} <= {"none", "batch", "kv"}
     inst = json.loads(request(stack.url, "GET", "/instances")[2])["instances"]
-    assert all(i["healthy"] for i in inst) and len(inst[0]["beta"]) == 4
+    assert len(inst[0]["beta"]) == 4
+    # every backend is up (waited for: a probe that missed its 1 s timeout while the first
+    # tick compiled on a loaded machine marks one down until the next probe)
+    assert wait_until(lambda: all(
+        i["healthy"] for i in json.loads(request(stack.url, "GET", "/instances")[2])
+        ["instances"]))
 
 
 def test_bad_input_is_400_naming_the_field_and_oversize_is_413(stack: Stack) -> None:
@@ -225,14 +230,27 @@ def test_shedding_gives_429_with_retry_after(tmp_path: Path) -> None:
         s.close()
 
 
+def backend_errors(url: str) -> dict[tuple[str, str], float]:
+    """The router's ``olproute_backend_errors_total`` by (instance, kind)."""
+    out = {}
+    for family in text_string_to_metric_families(request(url, "GET", "/metrics")[2].decode()):
+        for s in family.samples:
+            if s.name == "olproute_backend_errors_total":
+                out[(s.labels["instance"], s.labels["kind"])] = s.value
+    return out
+
+
 def test_failed_backend_is_retried_once_then_avoided(stack: Stack) -> None:
     stack.fakes[0].mode = "fail500"
     for _ in range(6):
         status, headers, _ = request(stack.url, "POST", "/v1/completions",
                                      {"prompt": "a b", "max_tokens": 2})
         assert status == 200 and headers["x-olproute-instance"] != "q-0"
-    inst = json.loads(request(stack.url, "GET", "/instances")[2])["instances"]
-    assert inst[0]["failures"] >= 1
+    # every request q-0 got failed and was counted against it (its /health still answers,
+    # so a probe after the 0.5 s backoff may bring it back: /instances' failure count
+    # is reset then, so it is no record on a slow machine)
+    assert stack.fakes[0].requests >= 1
+    assert backend_errors(stack.url) == {("q-0", "before_first_byte"): stack.fakes[0].requests}
 
 
 def test_killed_backend_ends_the_stream_with_an_error_and_is_avoided(stack: Stack) -> None:
@@ -406,6 +424,6 @@ def test_a_client_leaving_mid_stream_is_not_a_backend_failure(stack: Stack) -> N
     assert wait_until(lambda: stack.call(
         lambda: sum(len(b.flights) for b in st[STATE].tracker.backends)) == 0)
     assert [f.client_gone for f in stack.fakes] == [int(i == victim) for i in range(3)]
-    # and the backend is not blamed for it
-    inst = json.loads(request(stack.url, "GET", "/instances")[2])["instances"]
-    assert inst[victim]["healthy"] and inst[victim]["failures"] == 0
+    # and the backend is not blamed for it: no failure counted (/instances' health flags
+    # come from the probes too, whose 1 s timeout a loaded machine can miss)
+    assert backend_errors(stack.url) == {}

@@ -29,7 +29,7 @@ from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import Outcome
 from tests.integration.server_harness import Stack, record_outcomes, wait_until
-from tests.integration.test_server import CAL, request, stream
+from tests.integration.test_server import CAL, backend_errors, request, stream
 from tests.virtual_time import HANG_S
 
 TIME_SCALE = 0.2
@@ -261,8 +261,10 @@ def test_prefill_failure_is_a_502_naming_it_and_nothing_is_decoded(fake_pd: Stac
     assert _bookkeeping(fake_pd) == [(0, 0), (0, 0)]
     [o] = outcomes
     assert o.first_token_s is None and o.finish_s is None and o.decode_tokens == 0
+    # counted against the prefill backend only (not /instances' failure count, which a
+    # health probe resets after the backoff on a slow machine)
+    assert backend_errors(fake_pd.url) == {("p", "prefill"): 1}
     inst = json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
-    assert inst[0]["failures"] >= 1 and inst[1]["failures"] == 0
     assert inst[1]["in_flight"] == 0
 
 
@@ -294,8 +296,7 @@ def test_decode_failure_is_a_502_naming_it_and_an_unfinished_request(
         "decode backend d failed after the prefill on p: status 500")
     assert prefill.requests == 1 and decode.requests == 1
     _unfinished(fake_pd, outcomes, 0)
-    inst = json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
-    assert inst[0]["failures"] == 0 and inst[1]["failures"] >= 1
+    assert backend_errors(fake_pd.url) == {("d", "before_first_byte"): 1}
 
 
 def test_unreachable_decode_is_a_502_and_an_unfinished_request(fake_pd: Stack) -> None:
@@ -318,8 +319,7 @@ def test_decode_refusal_is_passed_on_and_an_unfinished_request(fake_pd: Stack) -
     assert status == 400 and json.loads(raw)["error"]["param"] == "prompt"
     assert headers["x-olproute-decode-instance"] == "d"
     _unfinished(fake_pd, outcomes, 0)
-    inst = json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
-    assert [i["failures"] for i in inst] == [0, 0]  # the backend's own answer, not a failure
+    assert backend_errors(fake_pd.url) == {}  # the backend's own answer, not a failure
 
 
 def test_decode_cut_midway_is_an_unfinished_request_with_its_first_token(
@@ -333,8 +333,7 @@ def test_decode_cut_midway_is_an_unfinished_request_with_its_first_token(
     o = _unfinished(fake_pd, outcomes, 2)  # the client got two tokens, then the error
     assert o.first_token_s is not None
     assert _router_samples(fake_pd, instance="d")["olproute_ttft_seconds_count"] == 1
-    inst = json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
-    assert inst[0]["failures"] == 0 and inst[1]["failures"] >= 1
+    assert backend_errors(fake_pd.url) == {("d", "mid_stream"): 1}
 
 
 def test_route_on_pools_leaves_no_reservation_in_the_policy() -> None:
@@ -395,5 +394,6 @@ def test_a_client_leaving_the_decode_stream_is_not_a_backend_failure(
     [o] = outcomes
     assert o.finish_s is None and o.first_token_s is not None and o.decode_tokens < 200
     assert wait_until(lambda: _bookkeeping(fake_pd) == [(0, 0), (0, 0)])
-    inst = json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
-    assert [i["failures"] for i in inst] == [0, 0] and all(i["healthy"] for i in inst)
+    # not blamed: no failure counted (/instances' health flags come from the probes too,
+    # whose 1 s timeout a loaded machine can miss)
+    assert backend_errors(fake_pd.url) == {}
