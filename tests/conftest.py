@@ -20,6 +20,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 from olproute.config import DEFAULT_CONFIG, Config, LoadedConfig, load_profiles  # noqa: E402
 
@@ -28,8 +29,18 @@ CONV_TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"
 PROFILES = REPO / "configs" / "profiles.yaml"
 
 MakeConfig = Callable[..., LoadedConfig]
+# Real seconds after which a wait in a test is a hang. Timeouts in the tests only catch
+# hangs: none bounds how long a correct run takes, which a loaded machine stretches.
+HANG_S = 60.0
 _JAX_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+# Hypothesis: no per-example deadline and no health check that times example generation
+# (both wall-clock bounds); each test sets its examples and derandomize=True itself.
+settings.register_profile("olproute", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("olproute")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -15,8 +15,7 @@ import selectors
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-# Nothing scheduled and nothing to read for this long (real seconds): the test hangs.
-HANG_S = 60.0
+from tests.conftest import HANG_S
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
@@ -30,7 +29,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             events = real_select(0)
             if events or timeout == 0:
                 return events
-            if timeout is None:  # no timer at all: only I/O (or nothing) can wake us
+            if timeout is None:  # no timer at all: only I/O can wake us, or it hangs
                 events = real_select(HANG_S)
                 if not events:
                     raise RuntimeError(f"virtual-time loop: nothing to do for {HANG_S} s")

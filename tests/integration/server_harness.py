@@ -31,6 +31,7 @@ from olproute.server import init_app
 from olproute.server.state import STATE as ROUTER_STATE
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import Outcome
+from tests.conftest import HANG_S
 
 FAKE = web.AppKey("fake", dict)
 
@@ -172,7 +173,7 @@ class Stack:
         self.app = init_app(loaded, backend_urls=urls or None, calibration=calibration)
         self._runner, self.url = self.run(_serve(self.app), timeout=120)
 
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = HANG_S) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def call(self, fn: Callable[[], Any]) -> Any:
@@ -221,7 +222,7 @@ def record_outcomes(stack: Stack) -> list[Outcome]:
     return outcomes
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 60.0, step: float = 0.05) -> bool:
+def wait_until(cond: Callable[[], bool], timeout: float = HANG_S, step: float = 0.05) -> bool:
     """Poll ``cond`` until it holds; ``timeout`` (real seconds) only catches a hang, so it
     is generous: a loaded machine may take many times the usual time."""
     end = time.monotonic() + timeout

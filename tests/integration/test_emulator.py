@@ -26,7 +26,7 @@ from olproute.emulator import RunningEmulator, ground_truth_timers, start_emulat
 from olproute.emulator import stop_emulators as stop_all
 from olproute.sim.engine import BATCH_LOG_COLUMNS
 from olproute.types import InstanceSpec
-from tests.virtual_time import HANG_S
+from tests.conftest import HANG_S
 
 pytestmark = pytest.mark.anyio
 
@@ -414,8 +414,8 @@ async def test_emulate_command_serves_until_interrupted(http: aiohttp.ClientSess
     try:
         assert proc.stdout is not None
         urls = []
-        for _ in range(3):
-            line = await asyncio.to_thread(proc.stdout.readline)
+        for _ in range(3):  # a hang is caught: the process is killed, the read ends
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), HANG_S)
             urls += [w for w in line.split() if w.startswith("http://")]
         assert len(urls) == 2, urls
         for url in urls:
@@ -423,7 +423,7 @@ async def test_emulate_command_serves_until_interrupted(http: aiohttp.ClientSess
                                  json={"prompt": "hi", "max_tokens": 2}) as r:
                 assert r.status == 200
         proc.send_signal(signal.SIGINT)
-        assert await asyncio.to_thread(proc.wait, 10) == 0
+        assert await asyncio.to_thread(proc.wait, HANG_S) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

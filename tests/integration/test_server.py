@@ -21,9 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from olproute.calibration import InstanceCalibration
 from olproute.config import load_config
 from olproute.sim.scenario import CalibrationSource
-from tests.conftest import PROFILES
+from tests.conftest import HANG_S, PROFILES
 from tests.integration.server_harness import Stack, record_outcomes, wait_until
-from tests.virtual_time import HANG_S
 
 CAL = InstanceCalibration(beta=(3e-3, 1e-6, 1e-8, 1e-10), prefill_tokens_per_s=50_000,
                           tpot_s=0.004, mean_batch_seqs=8, service_rate_per_s=20)

@@ -28,9 +28,9 @@ from olproute.server.proxy import PREFILL_KV_PARAMS
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import Outcome
+from tests.conftest import HANG_S
 from tests.integration.server_harness import Stack, record_outcomes, wait_until
 from tests.integration.test_server import CAL, backend_errors, request, stream
-from tests.virtual_time import HANG_S
 
 TIME_SCALE = 0.2
 TRANSFER = {"link_gbytes_per_s": 0.5, "latency_ms": 20.0}
