@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config import PriceConfig
+from olproute.config_schema import PriceConfig
 from olproute.reward import Columns, capacities, column_price, price_prefix
 from olproute.types import InstanceSpec
 

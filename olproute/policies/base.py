@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from olproute.calibration import InstanceCalibration
-from olproute.config import AdmissionConfig, PriceConfig, RewardConfig
+from olproute.config_schema import AdmissionConfig, PriceConfig, RewardConfig
 from olproute.outlook import OutlookSource
 from olproute.types import Decision, InstanceSpec, Outcome, RoutingContext
 

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.bea import BeaEstimator, decode_step_times_s
-from olproute.config import AdmissionConfig
+from olproute.config_schema import AdmissionConfig
 from olproute.policies.base import REGISTRY, Policy, PolicyEnv, check_params
 from olproute.prices import PriceBook
 from olproute.reward import (
