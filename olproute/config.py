@@ -1,15 +1,16 @@
 """Loading a run configuration: the YAML file read and validated
 (``olproute.config_read``, models in ``olproute.config_schema``), the weight profiles
-merged over it (``olproute.weights``), the policy names checked against the registry,
-and the instances
+merged over it (``olproute.weights``), the policy's name and every policy's parameters
+checked against the registry (each policy's typed parameter model), and the instances
 resolved against the model and GPU profiles.
 
 A bad file raises :class:`ConfigError` whose message names the file and the key path of
 every problem, one per line, e.g. ``configs/x.yaml: instances[2].max_num_seqs: must be >=
-1``. Paths inside a config (the profiles file, traces) are relative to the
+1`` or ``configs/x.yaml: router.policy_params.bear.form: must be one of 'constrained',
+'lagrangian'``. Paths inside a config (the profiles file, traces) are relative to the
 config file.
 
-This module sits above the policies (it checks their names); the policies
+This module sits above the policies (it checks their names and parameters); the policies
 and everything below them import the schema and the readers, never this. For the layers
 above, it is the configuration's one name: it re-exports the schema and the readers.
 """
@@ -199,15 +200,19 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG,
 
 
 def policy_problems(router: RouterConfig, quote: bool = True) -> list[tuple[str, str]]:
-    """The policy is a registered one, and every ``policy_params`` entry names one."""
+    """The policy is a registered one, and every ``policy_params`` entry names one and
+    passes its parameter model (errors keyed ``router.policy_params.<name>.<key>``)."""
     problems = []
     if router.policy not in REGISTRY.names():
         problems.append(("router.policy", f"unknown policy {router.policy!r} "
                          f"(known: {', '.join(REGISTRY.names())})"))
-    for name in router.policy_params:
+    for name, params in router.policy_params.items():
         key = f"router.policy_params.{name}"
         if name not in REGISTRY.names():
             problems.append((key, "unknown policy"))
+            continue
+        problems += [(f"{key}.{k}" if k else key, m)
+                     for k, m in REGISTRY.param_problems(name, params, quote)]
     return problems
 
 

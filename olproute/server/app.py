@@ -303,7 +303,7 @@ async def instances(request: web.Request) -> web.Response:
     loads = st.tracker.loads(now)
     # the beta each backend's replay runs with: its online calibrator's, which the router
     # hands the policy (whose estimator may cover one pool only); None without BEA
-    has_bea = getattr(st.router.policy, "_bea", None) is not None and bool(st.calibrators)
+    has_bea = st.router.policy.takes_beta and bool(st.calibrators)
     out = []
     for b, load in zip(st.tracker.backends, loads, strict=True):
         out.append({

@@ -99,9 +99,9 @@ class Cluster:
         self.slot_s = slot_s
         self.outstanding = [0] * len(specs)
         self.feed = SnapshotFeed(self.engines, snapshot_age_s)
-        self._needs_snapshots = bool(getattr(policy, "needs_snapshots", False))
+        self._needs_snapshots = policy.needs_snapshots
         # a policy with tick_s > 0 learns off the request path every tick_s seconds
-        self._tick_s = float(getattr(policy, "tick_s", 0.0) or 0.0)
+        self._tick_s = policy.tick_s
 
     def run(self, requests: Sequence[Request], progress: ProgressFn | None = None) -> SimResult:
         n = len(requests)
@@ -203,7 +203,7 @@ class Cluster:
                     start(d, now)
                 continue
             if kind == _TICK:
-                policy.tick(now, feed.view(now)[0])  # type: ignore[attr-defined]
+                policy.tick(now, feed.view(now)[0])
                 if arrived < n or in_system > 0:
                     heapq.heappush(heap, (now + self._tick_s, _TICK, seq, _TICK, 0))
                     seq += 1

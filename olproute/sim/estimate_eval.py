@@ -37,9 +37,11 @@ from olproute.types import Decision, Outcome, RoutingContext
 FloatArray = npt.NDArray[np.float64]
 
 
-class EstimatorProbe:
-    """Wraps a policy: decides as it does, and records every estimator's TTFT for the
-    instance each request is dispatched to."""
+class EstimatorProbe(Policy):
+    """Wraps a policy: decides and observes as it does, and records every estimator's
+    TTFT for the instance each request is dispatched to. It needs snapshots (the
+    estimators read them) and forwards no other hook: the wrapped policy is never
+    ticked."""
 
     needs_snapshots = True
 
