@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from olproute.assembly import CalibrationSource
 from olproute.config import LoadedConfig
 from olproute.policies import Policy
 from olproute.prices import RESOURCES
 from olproute.sim.cluster import SimResult
-from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, make_policy
+from olproute.sim.scenario import build_requests, make_cluster, make_policy
 from olproute.types import Decision, EngineSnapshot, Outcome, Request, RoutingContext
 
 if TYPE_CHECKING:

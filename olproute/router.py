@@ -1,5 +1,6 @@
-"""The router: one policy object (the same the simulator runs) with what it needs around
-it — request ids, the objective, predictions, calibration — and no I/O.
+"""The router: one policy object (the same the simulator runs, built by
+``olproute.assembly``) with what it needs around it — request ids, the objective,
+predictions, calibration — and no I/O.
 
 The server builds the routing context from its tracker (loads, snapshots) and health
 checks, calls ``decide``, and reports back with ``observe``; prices are learned in
@@ -17,10 +18,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from olproute.assembly import CalibrationSource, build_policy
 from olproute.config import LoadedConfig
 from olproute.disagg import Pools
-from olproute.policies import REGISTRY, Policy
-from olproute.sim.scenario import CalibrationSource, policy_env
+from olproute.policies import Policy
 from olproute.types import (
     Decision,
     EngineSnapshot,
@@ -32,6 +33,10 @@ from olproute.types import (
 
 
 class Router:
+    """``calibration``: what estimating policies read; without one, the config's file
+    (``calibration: auto`` needs a profiler: the server passes the simulator's,
+    ``olproute.sim.scenario.CalibrationSource``)."""
+
     def __init__(self, loaded: LoadedConfig, calibration: CalibrationSource | None = None,
                  seed: int | None = None) -> None:
         self.loaded = loaded
@@ -39,8 +44,7 @@ class Router:
         self.policy_name = loaded.config.router.policy
         rng = np.random.default_rng(loaded.config.sim.seed if seed is None else seed)
         self.calibration = calibration or CalibrationSource(loaded)
-        self.policy: Policy = REGISTRY.create(
-            self.policy_name, policy_env(loaded, self.policy_name, rng, self.calibration))
+        self.policy: Policy = build_policy(loaded, self.policy_name, rng, self.calibration)
         self.pools = Pools.of(self.specs)
         self.needs_snapshots = self.policy.needs_snapshots
         self.tick_s = self.policy.tick_s

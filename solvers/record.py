@@ -18,17 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from olproute.assembly import policy_env
 from olproute.config import LoadedConfig
 from olproute.policies import REGISTRY, Policy
 from olproute.policies.bid_price import BidPrice
 from olproute.sim.cluster import ProgressFn, SimResult
-from olproute.sim.scenario import (
-    CalibrationSource,
-    build_requests,
-    make_cluster,
-    policy_env,
-    streams,
-)
+from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, streams
 from olproute.types import Decision, EngineSnapshot, Outcome, RoutingContext
 from solvers.certificate import PriceUpdate
 from solvers.problem import LpProblem

@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from olproute.assembly import CalibrationSource
 from olproute.calibration import OnlineCalibrator
 from olproute.config import LoadedConfig
 from olproute.router import Router
@@ -37,7 +38,7 @@ from olproute.server.schema import (
 )
 from olproute.server.state import STATE, ServerState
 from olproute.server.tracker import Tracker
-from olproute.sim.scenario import CalibrationSource
+from olproute.sim import scenario
 
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                "vllm:kv_cache_usage_perc")
@@ -128,8 +129,13 @@ async def _stop_all(running: list[Any]) -> None:
 
 
 def _build_router(loaded: LoadedConfig, calibration: CalibrationSource | None) -> Router:
+    """The router, calibrated now (at start-up, not on the first request): by
+    ``calibration`` when given, else as the config says (``calibration: auto``: a
+    profiling run in the simulator)."""
+    if calibration is None:
+        calibration = scenario.CalibrationSource(loaded)
     router = Router(loaded, calibration)
-    router.calibration()  # profile now, at start-up, not on the first request
+    router.calibration()
     return router
 
 
