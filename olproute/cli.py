@@ -237,6 +237,7 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from olproute.server import run_server
+    from olproute.sim.scenario import CalibrationSource
 
     loaded = load_config(args.config, _weights(args))
     if args.policy:
@@ -245,7 +246,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.policy not in REGISTRY.names():
             raise PolicyError(f"unknown policy {args.policy!r} "
                               f"(known: {', '.join(REGISTRY.names())})")
-    run_server(loaded, host=args.host, port=args.port)
+    # calibration: auto profiles the scenario in the simulator, at start-up
+    run_server(loaded, host=args.host, port=args.port, calibration=CalibrationSource(loaded))
     return 0
 
 

@@ -38,7 +38,6 @@ from olproute.server.schema import (
 )
 from olproute.server.state import STATE, ServerState
 from olproute.server.tracker import Tracker
-from olproute.sim import scenario
 
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                "vllm:kv_cache_usage_perc")
@@ -48,7 +47,10 @@ BACKEND_URLS = web.AppKey("olproute_backend_urls", list)
 def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
              calibration: CalibrationSource | None = None) -> web.Application:
     """The router application. ``backend_urls`` (one per instance, in order) overrides the
-    config's backends; with neither, the instances are emulated in-process."""
+    config's backends; with neither, the instances are emulated in-process.
+    ``calibration``: what estimating policies read (``olproute.assembly``); without one,
+    the config's calibration file (``calibration: auto`` needs the simulator's profiler:
+    ``olproute serve`` passes ``olproute.sim.scenario.CalibrationSource``)."""
     app = web.Application(client_max_size=loaded.config.server.max_body_bytes,
                           middlewares=[json_errors])  # every error in one JSON shape
     app[BACKEND_URLS] = list(backend_urls or [])
@@ -129,11 +131,7 @@ async def _stop_all(running: list[Any]) -> None:
 
 
 def _build_router(loaded: LoadedConfig, calibration: CalibrationSource | None) -> Router:
-    """The router, calibrated now (at start-up, not on the first request): by
-    ``calibration`` when given, else as the config says (``calibration: auto``: a
-    profiling run in the simulator)."""
-    if calibration is None:
-        calibration = scenario.CalibrationSource(loaded)
+    """The router, calibrated now (at start-up, not on the first request)."""
     router = Router(loaded, calibration)
     router.calibration()
     return router
@@ -359,14 +357,15 @@ async def openapi_doc(request: web.Request) -> web.Response:
     return web.json_response(openapi())
 
 
-def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None) -> None:
-    """Serve on uvloop until interrupted."""
+def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None,
+               calibration: CalibrationSource | None = None) -> None:
+    """Serve on uvloop until interrupted; ``calibration`` as for ``init_app``."""
     import uvloop
 
     server = loaded.config.server
     uvloop.install()
     # a client that leaves cancels its handler: a held request leaves the buffer, a
     # backend request in flight is closed (the backend stops generating for it)
-    web.run_app(init_app(loaded), host=host or server.host,
+    web.run_app(init_app(loaded, calibration=calibration), host=host or server.host,
                 port=server.port if port is None else port, print=print,
                 handler_cancellation=True)
