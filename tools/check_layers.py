@@ -16,8 +16,12 @@ there is any:
    of its own layer (``sim`` and ``router`` know nothing of each other), is reported.
 3. **No function longer than** ``--max-lines`` (80) lines, ``def`` line to last line.
 
-The layer order, bottom to top (each entry: a layer's columns, each column a list of
-module prefixes; a module belongs to the column with its longest matching prefix):
+The layer order is ``LAYERS`` below, bottom to top, as DESIGN.md section 3 states it
+(types -> core, calibration -> bea, predict, config schema -> reward -> prices -> policies
+-> assembly -> sim / router -> server, solvers -> cli). Each layer is a tuple of
+columns, each column a tuple of module names: a name stands for the module and its
+submodules (``=name`` for the module alone), and a module belongs to the column with its
+longest matching name. A module in no layer is a problem too.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
-    # messages: frozen dataclasses every layer speaks
-    (("olproute", "olproute.types"),),
+    # the package's own __init__ (exactly), and the messages every layer speaks
+    (("=olproute", "olproute.types"),),
     # the batch-formation kernel and its Python twin
     (("olproute._core", "olproute.core_ref"),),
     # batch-time calibration (NNLS beta, online refit)
@@ -216,13 +220,15 @@ def _cycle_in(graph: dict[str, dict[str, Import]], component: set[str]) -> list[
 
 def layer_of(module: str, layers: Sequence[Sequence[Sequence[str]]] = LAYERS
              ) -> tuple[int, int] | None:
-    """(layer, column) of a module: the column with its longest matching prefix."""
+    """(layer, column) of a module: the column with its longest matching name."""
     best: tuple[int, int, int] | None = None
     for i, columns in enumerate(layers):
-        for j, prefixes in enumerate(columns):
-            for p in prefixes:
-                if (module == p or module.startswith(p + ".")) and (
-                        best is None or len(p) > best[2]):
+        for j, names in enumerate(columns):
+            for name in names:
+                exact = name.startswith("=")
+                p = name.lstrip("=")
+                hit = module == p or (not exact and module.startswith(p + "."))
+                if hit and (best is None or len(p) > best[2]):
                     best = (i, j, len(p))
     return None if best is None else best[:2]
 
