@@ -121,9 +121,9 @@ class Cluster:
         self.pools = Pools.of(specs)
         if self.pools.disaggregated and transfer is None:
             raise ValueError("disaggregated pools need a KV transfer time")
-        self._transfer = transfer
+        self.transfer = transfer
         self.max_held = max_held
-        self._role = [s.role for s in specs]
+        self.roles = [s.role for s in specs]
         self._log: array[float] | None = array("d") if record_batches else None
         self.engines = [SimEngine(i, s, t, self._log, reference_core)
                         for i, (s, t) in enumerate(zip(specs, timers, strict=True))]
@@ -131,9 +131,9 @@ class Cluster:
         self.slot_s = slot_s
         self.outstanding = [0] * len(specs)
         self.feed = SnapshotFeed(self.engines, snapshot_age_s)
-        self._needs_snapshots = policy.needs_snapshots
+        self.needs_snapshots = policy.needs_snapshots
         # a policy with tick_s > 0 learns off the request path every tick_s seconds
-        self._tick_s = policy.tick_s
+        self.tick_s = policy.tick_s
 
     def run(self, requests: Sequence[Request], progress: ProgressFn | None = None) -> SimResult:
         """Every event in time order, each handled by the method of its kind."""
@@ -153,12 +153,12 @@ class Cluster:
         return (np.frombuffer(self._log, dtype=np.float64).reshape(-1, width).copy()
                 if self._log is not None else np.zeros((0, width)))
 
-    def _check_pair(self, g: int, d: int | None) -> int:
+    def check_pair(self, g: int, d: int | None) -> int:
         """A disaggregated dispatch names a prefill and a decode instance."""
-        if self._role[g] != "prefill":
+        if self.roles[g] != "prefill":
             raise ValueError(f"policy sent a request to {self.specs[g].name!r} "
-                             f"(role {self._role[g]}) for its prefill")
-        if d is None or not 0 <= d < len(self.specs) or self._role[d] != "decode":
+                             f"(role {self.roles[g]}) for its prefill")
+        if d is None or not 0 <= d < len(self.specs) or self.roles[d] != "decode":
             raise ValueError(f"policy named decode instance {d!r}, not one of the decode "
                              f"pool {self.pools.decode.tolist()}")
         return d
@@ -182,7 +182,7 @@ class _Run:
         self.progress = progress
         self.rec = _Records.empty(len(requests))
         self.engines, self.feed, self.policy = cluster.engines, cluster.feed, cluster.policy
-        self.outstanding, self.role = cluster.outstanding, cluster._role
+        self.outstanding, self.role = cluster.outstanding, cluster.roles
         # per instance: request_id -> (dispatch time, prompt, predicted decode) of requests
         # bound for it as their decode instance whose KV has not arrived yet
         self.inbound: list[dict[int, tuple[float, int, int]]] = [{} for _ in cluster.engines]
@@ -192,7 +192,7 @@ class _Run:
             (r.arrival_s, _ARRIVAL, seq, _ARRIVAL, r.request_id)
             for seq, r in enumerate(requests)]
         self.seq = len(requests)
-        if cluster._tick_s > 0 and requests:
+        if cluster.tick_s > 0 and requests:
             self.heap.append((requests[0].arrival_s, _TICK, self.seq, _TICK, 0))
             self.seq += 1
         heapq.heapify(self.heap)
@@ -239,7 +239,7 @@ class _Run:
         rec.num_preemptions[rid] += npre
         self.feed.finished(g, rid)
         self.outstanding[g] -= 1
-        transfer = self.cluster._transfer
+        transfer = self.cluster.transfer
         assert transfer is not None
         self.push(now + transfer(self.requests[rid].prompt_tokens), _BATCH_DONE, _TRANSFER, rid)
 
@@ -260,7 +260,7 @@ class _Run:
         """The policy learns off the request path; the next tick while work remains."""
         self.policy.tick(now, self.feed.view(now)[0])
         if self.arrived < len(self.requests) or self.in_system > 0:
-            self.push(now + self.cluster._tick_s, _TICK, _TICK, 0)
+            self.push(now + self.cluster.tick_s, _TICK, _TICK, 0)
 
     def arrival(self, now: float, rid: int) -> None:
         self.arrived += 1
@@ -292,7 +292,7 @@ class _Run:
     # -- what the events do ---------------------------------------------------------------
     def _context(self, now: float, req: Request) -> RoutingContext:
         c = self.cluster
-        snaps, pending = self.feed.view(now) if c._needs_snapshots else (None, None)
+        snaps, pending = self.feed.view(now) if c.needs_snapshots else (None, None)
         return RoutingContext(
             request=req, now_s=now, specs=c.specs,
             instances=tuple(e.load(self.outstanding[e.index]) for e in self.engines),
@@ -312,7 +312,7 @@ class _Run:
         predicted = req.predicted_decode_tokens_for(model)
         rec.decode_tokens[rid] = req.true_decode_tokens(model)
         if c.pools.disaggregated:
-            d = c._check_pair(g, decision.decode_instance)
+            d = c.check_pair(g, decision.decode_instance)
             rec.decode_instance[rid] = d
             self.outstanding[d] += 1
             self.inbound[d][rid] = (now, req.prompt_tokens, predicted)
