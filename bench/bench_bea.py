@@ -28,12 +28,8 @@ from olproute.bea import BeaEstimator
 from olproute.calibration import InstanceCalibration
 from olproute.config import Config, LoadedConfig, load_profiles
 from olproute.sim.engine import FINISHED, SimEngine
-from olproute.sim.estimate_eval import (
-    error_rows,
-    profile_calibration,
-    run_estimate_eval,
-    saturation_profile,
-)
+from olproute.sim.estimate_eval import error_rows, run_estimate_eval
+from olproute.sim.scenario import profile_calibration, saturation_profile
 from olproute.sim.workloads import read_trace_csv
 from olproute.types import InstanceSpec, Request, RoutingContext
 

@@ -4,7 +4,7 @@ online recalibrator over a rolling window of streamed batch records.
 
 A batch record is the row the simulator's batch log writes (and the server will stream):
 duration and the batch sums ``num_tokens``, ``sum_decode_context``,
-``sum_prefill_attention`` (plus counts), see ``olproute.sim.engine.BATCH_LOG_COLUMNS``.
+``sum_prefill_attention`` (plus counts), see ``olproute.types.BATCH_LOG_COLUMNS``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import yaml
 
-from olproute.sim.engine import BATCH_LOG_COLUMNS
+from olproute.types import BATCH_LOG_COLUMNS
 
 FloatArray = npt.NDArray[np.float64]
 Beta = tuple[float, float, float, float]

@@ -4,43 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from olproute.calibration import CalibrationError
+from olproute.cli_args import int_at_least, positive_float
 from olproute.config import DEFAULT_CONFIG, ConfigError, LoadedConfig, load_config, load_workload
 from olproute.policies import REGISTRY, PolicyError
 from olproute.predict import PredictorError
 from olproute.sim.workloads import WorkloadError
 
 Handler = Callable[[argparse.Namespace], int]
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (the workload fields it overrides need one)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """argparse type: an integer >= ``minimum``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
-        return value
-    return parse
 
 
 _seed = int_at_least(0)  # numpy's SeedSequence rejects negative seeds
@@ -54,9 +30,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="YAML file whose 'workload' mapping replaces the config's workload")
     _add_weights_option(p)
     p.add_argument("--seed", type=_seed, help="run seed (default: sim.seed of the config)")
-    p.add_argument("--time-scale", type=_positive_float, metavar="X",
+    p.add_argument("--time-scale", type=positive_float, metavar="X",
                    help="stretch trace arrivals by X (<1 raises the load)")
-    p.add_argument("--duration-s", type=_positive_float, metavar="S",
+    p.add_argument("--duration-s", type=positive_float, metavar="S",
                    help="simulate only arrivals in the first S seconds")
     p.add_argument("--out", metavar="DIR", help="folder for records, logs and plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -261,6 +237,7 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from olproute.server import run_server
+    from olproute.sim.scenario import CalibrationSource
 
     loaded = load_config(args.config, _weights(args))
     if args.policy:
@@ -269,7 +246,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.policy not in REGISTRY.names():
             raise PolicyError(f"unknown policy {args.policy!r} "
                               f"(known: {', '.join(REGISTRY.names())})")
-    run_server(loaded, host=args.host, port=args.port)
+    # calibration: auto profiles the scenario in the simulator, at start-up
+    run_server(loaded, host=args.host, port=args.port, calibration=CalibrationSource(loaded))
     return 0
 
 
@@ -284,7 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="olproute",
         description="Request router for LLM serving: online LP with bid-price control.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_serve, _add_simulate, _add_compare, _add_calibrate, _add_estimate_eval,
+                _add_train_predictors, _add_emulate, _add_lp_check):
+        add(sub)
+    from olproute.cli_operator import add_operator_commands
 
+    add_operator_commands(sub, _add_run_options, _loaded)  # tune, plots
+    return parser
+
+
+def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the routing server (OpenAI-compatible proxy)",
                        description="Serve the router on uvloop: /v1/completions, "
                                    "/v1/chat/completions, /route, /prices, /instances, "
@@ -300,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_weights_option(p)
     p.set_defaults(handler=_cmd_serve)
 
+
+def _add_simulate(sub: Any) -> None:
     p = sub.add_parser("simulate", help="run one policy in the cluster simulator",
                        description="Simulate the configured cluster and workload under one "
                                    "routing policy and print its summary.")
@@ -308,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "default: router.policy of the config)")
     p.set_defaults(handler=_cmd_simulate)
 
+
+def _add_compare(sub: Any) -> None:
     p = sub.add_parser("compare", help="run several policies on the same workload and seed",
                        description="Run each policy on the same requests and seed; print a "
                                    "table, write compare.csv and a PNG of TTFT/EEL CDFs.")
@@ -318,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the summaries as JSON")
     p.set_defaults(handler=_cmd_compare)
 
+
+def _add_calibrate(sub: Any) -> None:
     p = sub.add_parser("calibrate", help="fit per-instance batch-time coefficients (NNLS)",
                        description="Fit beta >= 0 of the 4-term batch-time model, prefill "
                                    "throughput and TPOT per instance from a batch log "
@@ -326,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="YAML", help="calibration file to write")
     p.set_defaults(handler=_cmd_calibrate)
 
+
+def _add_estimate_eval(sub: Any) -> None:
     from olproute.bea import ESTIMATORS
 
     p = sub.add_parser("estimate-eval", help="accuracy of every TTFT estimator in simulation",
@@ -344,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.set_defaults(handler=_cmd_estimate_eval)
 
+
+def _add_train_predictors(sub: Any) -> None:
     p = sub.add_parser("train-predictors", help="train the decode-length and quality predictors",
                        description="Train LightGBM predictors of decode length and quality "
                                    "from prompts, evaluate them on held-out prompts, and save "
@@ -366,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=_cmd_train_predictors)
 
+
+def _add_emulate(sub: Any) -> None:
     p = sub.add_parser("emulate", help="serve emulated vLLM-like instances over HTTP",
                        description="Run each configured instance as an emulated vLLM-like "
                                    "server (OpenAI-compatible completions with streaming, "
@@ -381,11 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--base-port", type=int, default=0, metavar="P",
                    help="instance i listens on P+i (default: 0, free ports)")
-    p.add_argument("--time-scale", type=_positive_float, default=1.0, metavar="X",
+    p.add_argument("--time-scale", type=positive_float, default=1.0, metavar="X",
                    help="multiply every batch duration by X (<1 runs faster; default: 1)")
     p.add_argument("--seed", type=_seed, help="batch-time noise seed (default: sim.seed)")
     p.set_defaults(handler=_cmd_emulate)
 
+
+def _add_lp_check(sub: Any) -> None:
     p = sub.add_parser("lp-check", help="exact LP (HiGHS) of a bid_price run vs its prices",
                        description="Simulate with bid_price, recording its window and price "
                                    "history; solve the window's exact LP; print LP*, the "
@@ -396,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     p.add_argument("--window-start-s", type=float, metavar="S",
                    help="window start (default: the first price tick)")
-    p.add_argument("--window-s", type=_positive_float, metavar="S",
+    p.add_argument("--window-s", type=positive_float, metavar="S",
                    help="window length (default: to the last arrival)")
     p.add_argument("--max-delay-slots", type=int, metavar="N",
                    help="latest LP start after the earliest, in slots (default: the "
@@ -407,11 +408,6 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "or lp_check.png)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.set_defaults(handler=_cmd_lp_check)
-
-    from olproute.cli_operator import add_operator_commands
-
-    add_operator_commands(sub, _add_run_options, _loaded)  # tune, plots
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

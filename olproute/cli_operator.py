@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from olproute.cli import int_at_least
+from olproute.cli_args import int_at_least
 from olproute.config import ConfigError, LoadedConfig
 
 AddOptions = Callable[[argparse.ArgumentParser], None]

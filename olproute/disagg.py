@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config import ModelProfile, TransferConfig
+from olproute.config_schema import ModelProfile, TransferConfig
 from olproute.types import InstanceSpec
 
 IntArray = npt.NDArray[np.int64]

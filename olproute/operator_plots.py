@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from olproute.assembly import CalibrationSource
 from olproute.config import LoadedConfig
 from olproute.policies import Policy
 from olproute.prices import RESOURCES
 from olproute.sim.cluster import SimResult
-from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, make_policy
+from olproute.sim.scenario import build_requests, make_cluster, make_policy
 from olproute.types import Decision, EngineSnapshot, Outcome, Request, RoutingContext
 
 if TYPE_CHECKING:
@@ -67,19 +68,17 @@ class PriceTrace:
         return out
 
 
-class PriceRecorder:
+class PriceRecorder(Policy):
     """Wraps a policy with prices: decides, observes and ticks as it does, and keeps a copy
-    of its price book after every tick (float32, to halve the memory)."""
-
-    needs_snapshots = True
+    of its prices (``price_view``) after every tick (float32, to halve the memory)."""
 
     def __init__(self, inner: Policy) -> None:
-        if getattr(inner, "book", None) is None:
+        if inner.price_view() is None:
             raise ValueError(f"policy {inner.name!r} has no shadow prices to record")
         self.name = inner.name
         self._inner = inner
-        self.tick_s = float(getattr(inner, "tick_s", 0.0) or 0.0)
-        self.needs_snapshots = bool(getattr(inner, "needs_snapshots", False))
+        self.tick_s = inner.tick_s
+        self.needs_snapshots = inner.needs_snapshots
         self.times: list[float] = []
         self.samples: list[npt.NDArray[np.float32]] = []
 
@@ -90,10 +89,11 @@ class PriceRecorder:
         self._inner.observe(outcome)
 
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
-        self._inner.tick(now_s, snapshots)  # type: ignore[attr-defined]
-        book = self._inner.book  # type: ignore[attr-defined]
+        self._inner.tick(now_s, snapshots)
+        view = self._inner.price_view()
+        assert view is not None
         self.times.append(now_s)
-        self.samples.append(np.asarray(book.p, dtype=np.float32).copy())
+        self.samples.append(np.asarray(view.prices, dtype=np.float32))
 
 
 def record_prices(loaded: LoadedConfig, policy: str = "bid_price",

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config import Profiles
+from olproute.config_schema import Profiles
 from olproute.types import InstanceSpec, Request
 
 FloatArray = npt.NDArray[np.float64]

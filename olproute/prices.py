@@ -23,12 +23,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config import PriceConfig
+from olproute.config_schema import PriceConfig
 from olproute.reward import Columns, capacities, column_price, price_prefix
 from olproute.types import InstanceSpec
 
@@ -38,6 +39,35 @@ Backend = Literal["jax", "numpy"]
 
 BATCH, KV = 0, 1
 RESOURCES = ("batch", "kv")
+
+
+@dataclass(frozen=True, slots=True)
+class PriceView:
+    """Shadow prices as an operator reads them, one row per instance in instance order:
+    prices ``p[g, k, r]`` and free capacity ``c[g, k, r]`` (copies; resources
+    ``RESOURCES``), each instance's bottleneck, and the learning's state: slot length,
+    horizon, updates so far, N_H and the time of price slot 0 (None before the first
+    update). A policy with one book per pool reports the state of one of them."""
+
+    slot_s: float
+    horizon_slots: int
+    num_updates: int
+    arrivals_in_horizon: float
+    origin_s: float | None
+    prices: FloatArray
+    free: FloatArray
+    bottleneck: tuple[str, ...]
+
+
+def price_view(rows: Sequence[tuple[PriceBook, int]], state: PriceBook) -> PriceView:
+    """The view of instances priced by several books: instance g is row ``rows[g][1]``
+    of book ``rows[g][0]``; ``state`` gives the learning's state."""
+    tops = {id(b): b.bottleneck() for b, _ in rows}
+    return PriceView(
+        slot_s=state.slot_s, horizon_slots=state.horizon, num_updates=state.num_updates,
+        arrivals_in_horizon=state.arrivals_in_horizon, origin_s=state.origin_s,
+        prices=np.stack([b.p[i] for b, i in rows]), free=np.stack([b.c[i] for b, i in rows]),
+        bottleneck=tuple(tops[id(b)][i] for b, i in rows))
 
 
 def step_sizes(eta0: float, schedule: str, t0: int, k: int) -> FloatArray:
@@ -230,6 +260,15 @@ class PriceBook:
     def arrivals_in_horizon(self) -> float:
         """N_H: expected arrivals within the horizon, rate x H x Delta."""
         return self.arrival_rate_per_s * self.horizon * self.slot_s
+
+    @property
+    def origin_s(self) -> float | None:
+        """The time of price slot 0 (None before the first update)."""
+        return self._origin_s
+
+    def view(self) -> PriceView:
+        """This book's prices, one row per instance."""
+        return price_view([(self, g) for g in range(self.num_instances)], self)
 
     def bottleneck(self) -> list[str]:
         """Per instance, the resource with the higher total price ('none' when free)."""

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.bea import remaining_decode_tokens
-from olproute.config import RewardConfig
+from olproute.config_schema import RewardConfig
 from olproute.outlook import Outlook
 from olproute.types import SNAP_OUTPUT, SNAP_PROMPT, EngineSnapshot, InstanceSpec
 

@@ -1,5 +1,6 @@
-"""The router: one policy object (the same the simulator runs) with what it needs around
-it — request ids, the objective, predictions, calibration — and no I/O.
+"""The router: one policy object (the same the simulator runs, built by
+``olproute.assembly``) with what it needs around it — request ids, the objective,
+predictions, calibration — and no I/O.
 
 The server builds the routing context from its tracker (loads, snapshots) and health
 checks, calls ``decide``, and reports back with ``observe``; prices are learned in
@@ -17,10 +18,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from olproute.assembly import CalibrationSource, build_policy
 from olproute.config import LoadedConfig
 from olproute.disagg import Pools
-from olproute.policies import REGISTRY, Policy
-from olproute.sim.scenario import CalibrationSource, policy_env
+from olproute.policies import Policy
 from olproute.types import (
     Decision,
     EngineSnapshot,
@@ -32,6 +33,10 @@ from olproute.types import (
 
 
 class Router:
+    """``calibration``: what estimating policies read; without one, the config's file
+    (``calibration: auto`` needs a profiler: the server passes the simulator's,
+    ``olproute.sim.scenario.CalibrationSource``)."""
+
     def __init__(self, loaded: LoadedConfig, calibration: CalibrationSource | None = None,
                  seed: int | None = None) -> None:
         self.loaded = loaded
@@ -39,11 +44,10 @@ class Router:
         self.policy_name = loaded.config.router.policy
         rng = np.random.default_rng(loaded.config.sim.seed if seed is None else seed)
         self.calibration = calibration or CalibrationSource(loaded)
-        self.policy: Policy = REGISTRY.create(
-            self.policy_name, policy_env(loaded, self.policy_name, rng, self.calibration))
+        self.policy: Policy = build_policy(loaded, self.policy_name, rng, self.calibration)
         self.pools = Pools.of(self.specs)
-        self.needs_snapshots = bool(getattr(self.policy, "needs_snapshots", False))
-        self.tick_s = float(getattr(self.policy, "tick_s", 0.0) or 0.0)
+        self.needs_snapshots = self.policy.needs_snapshots
+        self.tick_s = self.policy.tick_s
         self._ids = itertools.count()
 
     def new_request(self, now_s: float, prompt_tokens: int, max_tokens: int,
@@ -93,9 +97,7 @@ class Router:
                  for a, b in ((d.instance, p), (d.decode_instance, q)) if a != b]
         if not moved:
             return d
-        rerouted = getattr(self.policy, "rerouted", None)
-        if rerouted is not None:  # the policy moves what it holds for the request too
-            rerouted(request.request_id, p, q)
+        self.policy.rerouted(request.request_id, p, q)  # what it holds for it moves too
         return replace(d, instance=p, decode_instance=q,
                        reason=f"{'; '.join(moved)} ({d.reason})")
 
@@ -133,9 +135,7 @@ class Router:
 
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
         """Learn off the request path (the server runs this in a worker thread)."""
-        tick = getattr(self.policy, "tick", None)
-        if tick is not None:
-            tick(now_s, snapshots)
+        self.policy.tick(now_s, snapshots)
 
     def forget(self, request_id: int) -> None:
         """A decision that will not be carried out (``/route`` answers without
@@ -143,49 +143,29 @@ class Router:
         (a request on its way to a decode instance, its first-sight mark). The capacity
         it took at once comes back at the policy's next tick; the demand sample it added
         to the price books stays (a ``/route`` query counts as demand)."""
-        forget = getattr(self.policy, "forget", None)
-        if forget is not None:
-            forget(request_id)
+        self.policy.forget(request_id)
 
     def set_beta(self, g: int, beta: Sequence[float]) -> bool:
-        """Give the policy's BEA estimator a recalibrated beta; False if it has none. A
-        policy that maps instances itself (pools) takes it through its own ``set_beta``."""
-        own = getattr(self.policy, "set_beta", None)
-        if own is not None:
-            own(g, beta)
-            return True
-        bea = getattr(self.policy, "_bea", None)
-        if bea is None:
-            return False
-        bea.set_beta(g, beta)
-        return True
+        """Give the policy a recalibrated batch-time model for instance g; False if it
+        has none to update (``Policy.takes_beta``)."""
+        return self.policy.set_beta(g, beta)
 
     def prices(self) -> dict[str, Any] | None:
         """Current shadow prices per instance and slot, with each bottleneck; None for a
-        policy without prices."""
-        book = getattr(self.policy, "book", None)
-        if book is not None:
-            rows = [(s, book, g) for g, s in enumerate(self.specs)]
-        else:
-            # disaggregated pools: one book per pool, in pool order; on a prefill instance
-            # the "batch" row prices its prefill token budget
-            pre = getattr(self.policy, "book_prefill", None)
-            dec = getattr(self.policy, "book_decode", None)
-            if pre is None or dec is None:
-                return None
-            book = dec
-            rows, seen = [], {"prefill": 0, "decode": 0}
-            for s in self.specs:
-                rows.append((s, pre if s.role == "prefill" else dec, seen[s.role]))
-                seen[s.role] += 1
+        policy without prices. On disaggregated pools a prefill instance's "batch" row
+        prices its prefill token budget."""
+        view = self.policy.price_view()
+        if view is None:
+            return None
         return {
-            "policy": self.policy_name, "slot_s": book.slot_s, "horizon_slots": book.horizon,
-            "updates": book.num_updates, "arrivals_in_horizon": book.arrivals_in_horizon,
+            "policy": self.policy_name, "slot_s": view.slot_s,
+            "horizon_slots": view.horizon_slots, "updates": view.num_updates,
+            "arrivals_in_horizon": view.arrivals_in_horizon,
             "instances": [
-                {"name": s.name, "role": s.role, "bottleneck": b.bottleneck()[i],
-                 "batch": [_finite(x) for x in b.p[i, :, 0].tolist()],
-                 "kv": [_finite(x) for x in b.p[i, :, 1].tolist()]}
-                for s, b, i in rows],
+                {"name": s.name, "role": s.role, "bottleneck": view.bottleneck[g],
+                 "batch": [_finite(x) for x in view.prices[g, :, 0].tolist()],
+                 "kv": [_finite(x) for x in view.prices[g, :, 1].tolist()]}
+                for g, s in enumerate(self.specs)],
         }
 
 

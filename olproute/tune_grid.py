@@ -1,7 +1,7 @@
 """The search space of ``olproute tune``: a grid file, its points, and the selection rule.
 
 Grid file format (YAML). Top-level sections are those a weight profile may set
-(``reward``, ``admission``, ``prices``; keys as in ``olproute/config.py``) plus an
+(``reward``, ``admission``, ``prices``; keys as in ``olproute/config_schema.py``) plus an
 optional ``select``. Each key's value is one of:
 
 - a scalar: fixed in every point (``ttft_threshold_s: 0.3``);
@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from olproute.config import ConfigError, _read_yaml
+from olproute.config_read import ConfigError, read_yaml
 from olproute.sim.metrics import Summary
 from olproute.weights import SECTIONS, _section_problems
 
@@ -244,7 +244,7 @@ def _param(section: str, key: str, spec: Any, default: Mapping[str, Any],
 def load_grid(path: str | os.PathLike[str]) -> Grid:
     """Read and check a grid file; errors name the file and the key."""
     p = Path(path)
-    data = _read_yaml(p)
+    data = read_yaml(p)
     if not isinstance(data, Mapping):
         raise ConfigError(p, [("", "top level must be a mapping of sections "
                                    f"({', '.join(SECTIONS)}, select)")])

@@ -19,6 +19,13 @@ ACTIONS: tuple[Action, ...] = ("dispatch", "hold", "shed")
 # what an instance serves: both phases (mixed), or one side of disaggregated pools
 Role = Literal["mixed", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("mixed", "prefill", "decode")
+# Columns of a batch-log row (one per batch an engine ran): what the simulator and the
+# emulator write and what batch-time calibration reads
+BATCH_LOG_COLUMNS = (
+    "instance", "start_s", "duration_s", "num_seqs", "num_tokens", "num_decode_tokens",
+    "sum_decode_context", "num_prefill_tokens", "sum_prefill_attention", "num_prefill_seqs",
+    "sum_prefill_context",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 sections, key by key.
 
 A profile is a mapping of at most those three sections, each a mapping of some of the
-section's keys (``olproute/config.py``: RewardConfig, AdmissionConfig, PriceConfig)::
+section's keys (``olproute/config_schema.py``: RewardConfig, AdmissionConfig,
+PriceConfig, where each key is documented)::
 
     reward:
       zeta2: 5.0          # bonus when the predicted TTFT meets its threshold
@@ -25,53 +26,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from olproute.config import (
-    AdmissionConfig,
-    Config,
-    ConfigError,
-    PriceConfig,
-    RewardConfig,
-    _problems,
-    _read_yaml,
-)
+from olproute.config_read import ConfigError, problems_of, read_yaml
+from olproute.config_schema import AdmissionConfig, Config, PriceConfig, RewardConfig, key_docs
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "configs" / "weights"
 SECTIONS: dict[str, type[BaseModel]] = {
     "reward": RewardConfig, "admission": AdmissionConfig, "prices": PriceConfig}
-
-# One line per key, written beside it in profiles and in tune's selected.yaml.
-KEY_DOCS: dict[str, dict[str, str]] = {
-    "reward": {
-        "sigma": "reward per request served (QPS term)",
-        "alpha": "reward per token_norm tokens (prompt + predicted output) in the horizon",
-        "token_norm": "tokens per unit of the throughput term",
-        "beta": "reward per slot of end-to-end latency saved within the horizon",
-        "gamma": "reward per slot of TTFT saved within the horizon",
-        "zeta1": "bonus when the predicted end-to-end latency <= eel_threshold_s",
-        "eel_threshold_s": "end-to-end latency threshold of zeta1, seconds",
-        "zeta2": "bonus when the predicted TTFT <= ttft_threshold_s (tail TTFT)",
-        "ttft_threshold_s": "TTFT threshold of zeta2, seconds; null: each request's target",
-        "omega": "weight of the quality-cost utility (quality - cost_lambda * cost)",
-        "cost_lambda": "lambda: utility lost per micro-USD of serving cost",
-        "delta": "score penalty per second of estimated TTFT (not part of the reward)",
-    },
-    "admission": {
-        "mode": "when patience runs out: defer (send to the best instance) or shed (429)",
-        "patience_s": "how long a request may wait in the router, seconds; null: its target",
-        "candidates": "instances sampled per decision (against herding); null: all",
-        "max_waiting": "an instance can start a request if at most this many already wait",
-    },
-    "prices": {
-        "enabled": "learn shadow prices at all (false: prices stay 0)",
-        "period_slots": "update the prices every this many slots",
-        "steps_per_period": "K: dual steps per update",
-        "step_size": "eta0: price change per unit of (free capacity - demand)",
-        "schedule": "step sizes: constant, or inverse_sqrt (eta0 / sqrt(t + 1))",
-        "window": "recent requests kept for sampling",
-        "minibatch": "samples per dual step",
-        "arrival_rate_halflife_s": "half-life of the arrival-rate estimate behind N_H, s",
-    },
-}
 
 
 def read_profile(path: str | os.PathLike[str], quote: bool = True) -> dict[str, dict[str, Any]]:
@@ -80,7 +40,7 @@ def read_profile(path: str | os.PathLike[str], quote: bool = True) -> dict[str, 
     ``quote=False`` (a file a remote caller named) no error quotes the file: an unknown
     section or key is not named, a wrong value not shown, a YAML error gives its line."""
     p = Path(path)
-    data = _read_yaml(p, quote)
+    data = read_yaml(p, quote)
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -111,7 +71,7 @@ def _section_problems(name: str, model: type[BaseModel], base: Mapping[str, Any]
     try:
         model.model_validate({**base, **body})
     except ValidationError as exc:
-        return [(f"{name}.{k}" if k else name, m) for k, m in _problems(exc, quote)]
+        return [(f"{name}.{k}" if k else name, m) for k, m in problems_of(exc, quote)]
     return []
 
 
@@ -144,11 +104,12 @@ def apply_profiles(config: Config, paths: Sequence[str | os.PathLike[str]],
 
 
 def profile_yaml(sections: Mapping[str, Mapping[str, Any]], header: Sequence[str] = ()) -> str:
-    """A profile as YAML text, every key with its one-line documentation as a comment
-    and the ``header`` lines as comments on top; ``read_profile`` reads it back."""
+    """A profile as YAML text, every key with its documentation (its schema field's
+    description) as a comment and the ``header`` lines as comments on top;
+    ``read_profile`` reads it back."""
     lines = [f"# {h}" if h else "#" for h in header]
     for name, body in sections.items():
-        docs = KEY_DOCS.get(name, {})
+        docs = key_docs(SECTIONS[name]) if name in SECTIONS else {}
         lines.append(f"{name}:")
         for key, value in body.items():
             text = yaml.safe_dump({key: value}, default_flow_style=True, width=10_000)

@@ -445,6 +445,18 @@ def solve(prob: LpProblem, method: Method = "auto", strategy: Strategy = "auto",
         timings={"build_s": m.build_s, "pass_s": t1 - t0, "solve_s": t2 - t1})
 
 
+def _add_columns(h: Any, prob: LpProblem, new: FlatColumns, layout: Layout) -> IntArray:
+    """Add the priced-out columns to the master; their HiGHS column indices."""
+    xm = x_matrix(prob, new, layout)
+    xm.sort_indices()
+    first = h.getNumCol()
+    h.addCols(len(new), -new.reward, np.zeros(len(new)), np.full(len(new), np.inf),
+              xm.nnz, xm.indptr[:-1].astype(np.int32), xm.indices.astype(np.int32),
+              xm.data.astype(np.float64))
+    result: IntArray = first + np.arange(len(new), dtype=np.int64)
+    return result
+
+
 def _colgen(prob: LpProblem, master: str, coarsen: int, gap_tol: float, tol: float,
             per_request: int, max_rounds: int, time_limit_s: float | None, threads: int | None,
             verbose: bool) -> LpSolution:
@@ -508,13 +520,7 @@ def _colgen(prob: LpProblem, master: str, coarsen: int, gap_tol: float, tol: flo
         t0 = time.perf_counter()
         new = priced.new
         in_master[new.request, new.instance, new.delay] = True
-        xm = x_matrix(prob, new, layout)
-        xm.sort_indices()
-        first = h.getNumCol()
-        h.addCols(len(new), -new.reward, np.zeros(len(new)), np.full(len(new), np.inf),
-                  xm.nnz, xm.indptr[:-1].astype(np.int32), xm.indices.astype(np.int32),
-                  xm.data.astype(np.float64))
-        x_pos.append(first + np.arange(len(new), dtype=np.int64))
+        x_pos.append(_add_columns(h, prob, new, layout))
         parts.append(new)
         timings["build_s"] += time.perf_counter() - t0
     allc = FlatColumns.concat(parts)

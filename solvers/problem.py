@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config import RewardConfig
+from olproute.config_schema import RewardConfig
 from olproute.reward import decode_slots, first_token_slot
 
 FloatArray = npt.NDArray[np.float64]

@@ -6,8 +6,8 @@ The policy is not modified: ``Recorder`` wraps the BidPrice object from outside 
 here. It records, per request, what bid_price saw at its first decision (the
 per-instance TTFT estimate and time per output token from the decision's explanation,
 the same inputs its reward and usage columns were built from) and, at every tick, the
-free capacity and the prices after the update with their origin (price slot 0 starts at
-the PriceBook's origin, see ``solvers.certificate.absolute_prices``).
+free capacity and the prices after the update with their origin (``price_view``: price
+slot 0 starts at the PriceBook's origin, see ``solvers.certificate.absolute_prices``).
 """
 
 from __future__ import annotations
@@ -18,17 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from olproute.assembly import policy_env
 from olproute.config import LoadedConfig
-from olproute.policies import REGISTRY
+from olproute.policies import REGISTRY, Policy
 from olproute.policies.bid_price import BidPrice
 from olproute.sim.cluster import ProgressFn, SimResult
-from olproute.sim.scenario import (
-    CalibrationSource,
-    build_requests,
-    make_cluster,
-    policy_env,
-    streams,
-)
+from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, streams
 from olproute.types import Decision, EngineSnapshot, Outcome, RoutingContext
 from solvers.certificate import PriceUpdate
 from solvers.problem import LpProblem
@@ -37,7 +32,7 @@ FloatArray = npt.NDArray[np.float64]
 
 
 @dataclass
-class Recorder:
+class Recorder(Policy):
     """Decides, observes and ticks exactly as the wrapped bid_price, and records."""
 
     inner: BidPrice
@@ -49,9 +44,8 @@ class Recorder:
     needs_snapshots: bool = True
     name: str = "bid_price"
 
-    @property
-    def tick_s(self) -> float:
-        return self.inner.tick_s
+    def __post_init__(self) -> None:
+        self.tick_s = self.inner.tick_s
 
     def decide(self, ctx: RoutingContext) -> Decision:
         decision = self.inner.decide(ctx)
@@ -67,12 +61,11 @@ class Recorder:
 
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
         self.inner.tick(now_s, snapshots)
-        book = self.inner.book
-        # the PriceBook's slot 0 starts at its origin (set by advance(), private to it)
-        origin = getattr(book, "_origin_s", None)
-        if origin is not None and book.num_updates > 0:
-            self.updates.append(PriceUpdate(now_s, float(origin), book.p.copy()))
-        self.free.append((now_s, book.c.copy()))
+        view = self.inner.price_view()
+        # price slot 0 starts at the book's origin (set by its first update)
+        if view.origin_s is not None and view.num_updates > 0:
+            self.updates.append(PriceUpdate(now_s, view.origin_s, view.prices))
+        self.free.append((now_s, view.free))
 
 
 @dataclass(frozen=True, slots=True)

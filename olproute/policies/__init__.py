@@ -1,4 +1,5 @@
-"""Routing policies: one interface (``decide`` / ``observe``), registered by name."""
+"""Routing policies: one interface (``Policy``: ``decide`` / ``observe`` and optional
+hooks), registered by name with a typed parameter model each (``REGISTRY``)."""
 
 from olproute.policies import baselines as _baselines  # noqa: F401  (registers the baselines)
 
@@ -12,11 +13,13 @@ from olproute.policies import route_balance as _route_balance  # noqa: F401
 from olproute.policies import score as _score  # noqa: F401
 from olproute.policies.base import (
     REGISTRY,
+    NoParams,
     Policy,
     PolicyEnv,
     PolicyError,
+    PolicyParams,
     PolicyRegistry,
-    check_params,
 )
 
-__all__ = ["REGISTRY", "Policy", "PolicyEnv", "PolicyError", "PolicyRegistry", "check_params"]
+__all__ = ["REGISTRY", "NoParams", "Policy", "PolicyEnv", "PolicyError", "PolicyParams",
+           "PolicyRegistry"]

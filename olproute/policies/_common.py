@@ -1,18 +1,16 @@
 """Helpers shared by the estimating baselines (bear, prefill_tps, latency_agnostic,
-lmdeploy, score, route_balance, calibrated_cost): parameter parsing, picking the best
-instance with deterministic tie-breaks, and the per-instance figures of a decision."""
+lmdeploy, score, route_balance, calibrated_cost): picking the best instance with
+deterministic tie-breaks, and the per-instance figures of a decision."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from olproute.outlook import Outlook
-from olproute.policies.base import PolicyError
+from olproute.policies.base import Policy
 from olproute.types import Outcome
 
 FloatArray = npt.NDArray[np.float64]
@@ -20,37 +18,12 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 
-class NoFeedback:
+class NoFeedback(Policy):
     """For policies that read the instances' state at every decision: nothing to learn
     from a finished request."""
 
     def observe(self, outcome: Outcome) -> None:
         """No-op: the next decision sees the finish through the instance state."""
-
-
-def float_param(policy: str, params: Mapping[str, Any], key: str, default: float,
-                minimum: float = 0.0) -> float:
-    """``params[key]`` as a finite float >= ``minimum`` (``default`` when absent)."""
-    if key not in params:
-        return default
-    value = params[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise PolicyError(f"policy {policy!r}: parameter {key} must be a finite number, "
-                          f"got {value!r}")
-    if value < minimum:
-        raise PolicyError(f"policy {policy!r}: parameter {key} must be >= {minimum:g}, "
-                          f"got {value!r}")
-    return float(value)
-
-
-def choice_param(policy: str, params: Mapping[str, Any], key: str,
-                 choices: tuple[str, ...]) -> str:
-    """``params[key]`` as one of ``choices`` (the first when absent)."""
-    value = params.get(key, choices[0])
-    if value not in choices:
-        raise PolicyError(f"policy {policy!r}: parameter {key} must be one of "
-                          f"{', '.join(choices)}, got {value!r}")
-    return str(value)
 
 
 def pick_best(score: FloatArray, rng: np.random.Generator | None = None,

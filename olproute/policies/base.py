@@ -1,49 +1,108 @@
-"""The one policy interface, and the registry of policies by name.
+"""The one policy interface, the parameters a policy is built with, and the registry of
+policies by name.
 
-A policy is built once per run from a :class:`PolicyEnv` and then called for every
+A policy is built once per run from a :class:`PolicyEnv` and its own typed parameters
+(a :class:`PolicyParams` model registered with its factory) and then called for every
 request (``decide``) and every finished request (``observe``). The simulator and the
-server call the same objects. A policy owns its state; randomness comes from the
-generator in its environment, never from global state.
+server call the same objects, through :class:`Policy` alone: every hook a caller uses is
+on the base with a harmless default, so no caller asks a policy what it has. A policy
+owns its state; randomness comes from the generator in its environment, never from
+global state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Annotated, Any, Generic, TypeVar
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from olproute.calibration import InstanceCalibration
-from olproute.config import AdmissionConfig, PriceConfig, RewardConfig
+from olproute.config_read import problems_of
+from olproute.config_schema import AdmissionConfig, PriceConfig, RewardConfig
 from olproute.outlook import OutlookSource
-from olproute.types import Decision, InstanceSpec, Outcome, RoutingContext
+from olproute.prices import PriceView
+from olproute.types import Decision, EngineSnapshot, InstanceSpec, Outcome, RoutingContext
 
 
-class Policy(Protocol):
-    name: str
+class Policy(ABC):
+    """Decides where each request goes and learns from how it went.
 
+    The core is ``decide`` and ``observe``. The rest are optional hooks whose defaults
+    suit a policy that does not need them (as vLLM's scheduler interface does it):
+
+    - ``needs_snapshots``: the context carries instance snapshots (else ``None``);
+    - ``tick_s`` > 0: ``tick(now_s, snapshots)`` runs every ``tick_s`` seconds off the
+      request path (price updates);
+    - ``forget``: a decision will not be carried out; drop what is kept for it;
+    - ``rerouted``: the router moved a dispatch off an unhealthy instance;
+    - ``takes_beta`` / ``set_beta``: a recalibrated batch-time model for one instance;
+    - ``price_view``: the shadow prices, for a policy that learns them.
+    """
+
+    name: str = ""
+    needs_snapshots: bool = False
+    tick_s: float = 0.0
+    takes_beta: bool = False
+
+    @abstractmethod
     def decide(self, ctx: RoutingContext) -> Decision:
         """Choose an instance for ctx.request, or hold or shed it."""
-        ...
 
+    @abstractmethod
     def observe(self, outcome: Outcome) -> None:
         """Learn from a request that finished (or was shed)."""
-        ...
+
+    def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:  # noqa: B027 (optional hook)
+        """Learn off the request path, every ``tick_s`` seconds (when > 0)."""
+
+    def forget(self, request_id: int) -> None:  # noqa: B027 (optional hook)
+        """A decision that will not be carried out: drop what is kept for the request
+        until its outcome. Nothing by default."""
+
+    def rerouted(self, request_id: int, prefill: int, decode: int) -> None:  # noqa: B027 (optional hook)
+        """The router moved a disaggregated dispatch to other instances (global indices;
+        the first ones were unhealthy). Nothing by default."""
+
+    def set_beta(self, g: int, beta: Sequence[float]) -> bool:
+        """A recalibrated batch-time model (4 coefficients) for instance g; False when
+        the policy has none to update (the default, and whenever ``takes_beta`` is
+        False)."""
+        return False
+
+    def price_view(self) -> PriceView | None:
+        """The current shadow prices per instance, or None for a policy without them."""
+        return None
+
+
+class PolicyParams(BaseModel):
+    """A policy's own parameters (``router.policy_params.<name>`` in the config), one
+    model per policy, registered with its factory: unknown keys, wrong types and bounds
+    are errors naming the key."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class NoParams(PolicyParams):
+    """For a policy that takes no parameters."""
+
+
+# a finite number >= 0; strict: a bool or a numeric string is refused, not converted
+Weight = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyEnv:
-    """What a policy is built from: the instances, its parameters, its RNG, the slot
-    length and horizon, the objective (reward, prices, admission sections of the config),
-    and two lazily built sources a policy may need: per-instance batch-time calibration
-    (``calibration()``, for TTFT estimators) and per-request expectations
+    """What a policy is built from: the instances, its raw parameters (validated into its
+    registered :class:`PolicyParams` model by ``PolicyRegistry.create``), its RNG, the
+    slot length and horizon, the objective (reward, prices, admission sections of the
+    config), and two lazily built sources a policy may need: per-instance batch-time
+    calibration (``calibration()``, for TTFT estimators) and per-request expectations
     (``outlook(request)``: predicted tokens, quality, cost per instance). On
-    disaggregated pools ``transfer_s(prompt_tokens)`` is the KV transfer time.
-
-    A policy may also declare ``needs_snapshots = True`` (the context then carries
-    instance snapshots) and ``tick_s`` > 0 with a ``tick(now_s, snapshots)`` method,
-    called every ``tick_s`` seconds off the request path (price updates)."""
+    disaggregated pools ``transfer_s(prompt_tokens)`` is the KV transfer time."""
 
     specs: tuple[InstanceSpec, ...]
     rng: np.random.Generator
@@ -72,60 +131,81 @@ class PolicyEnv:
         return self.outlook_source
 
 
-PolicyFactory = Callable[[PolicyEnv], Policy]
-
-
 class PolicyError(ValueError):
     """Unknown policy name, duplicate registration, or bad policy parameters."""
+
+
+P = TypeVar("P", bound=PolicyParams)
+PolicyFactory = Callable[[PolicyEnv, P], Policy]
+
+
+@dataclass(frozen=True, slots=True)
+class Registration(Generic[P]):
+    """A registered policy: its factory, its parameter model, whether it routes
+    disaggregated prefill/decode pools."""
+
+    name: str
+    factory: PolicyFactory[P]
+    params: type[P]
+    disaggregated: bool
 
 
 class PolicyRegistry:
     """Policies by name; registering a name twice is an error, never a silent replace."""
 
     def __init__(self) -> None:
-        self._factories: dict[str, PolicyFactory] = {}
-        self._pools: set[str] = set()
+        self._entries: dict[str, Registration[Any]] = {}
 
-    def register(self, name: str, disaggregated: bool = False
-                 ) -> Callable[[PolicyFactory], PolicyFactory]:
-        """Register a factory; ``disaggregated`` when the policy can route prefill/decode
-        pools (its decisions then name a decode instance too)."""
-        def wrap(factory: PolicyFactory) -> PolicyFactory:
-            if name in self._factories:
+    def register(self, name: str, params: type[P], disaggregated: bool = False
+                 ) -> Callable[[PolicyFactory[P]], PolicyFactory[P]]:
+        """Register a factory with the model of its parameters; ``disaggregated`` when
+        the policy can route prefill/decode pools (its decisions then name a decode
+        instance too)."""
+        def wrap(factory: PolicyFactory[P]) -> PolicyFactory[P]:
+            if name in self._entries:
                 raise PolicyError(f"policy {name!r} is already registered")
-            self._factories[name] = factory
-            if disaggregated:
-                self._pools.add(name)
+            self._entries[name] = Registration(name, factory, params, disaggregated)
             return factory
         return wrap
 
     def names(self) -> list[str]:
-        return sorted(self._factories)
+        return sorted(self._entries)
 
     def pool_names(self) -> list[str]:
         """The policies that route disaggregated prefill/decode pools."""
-        return sorted(self._pools)
+        return sorted(n for n, e in self._entries.items() if e.disaggregated)
 
-    def create(self, name: str, env: PolicyEnv) -> Policy:
+    def entry(self, name: str) -> Registration[Any]:
         try:
-            factory = self._factories[name]
+            return self._entries[name]
         except KeyError:
             raise PolicyError(
                 f"unknown policy {name!r} (known: {', '.join(self.names())})") from None
-        if name not in self._pools and any(s.role != "mixed" for s in env.specs):
+
+    def param_problems(self, name: str, params: Mapping[str, Any], quote: bool = True
+                       ) -> list[tuple[str, str]]:
+        """(key, message) per problem of ``params`` against the policy's model."""
+        try:
+            self.entry(name).params.model_validate(params)
+        except ValidationError as exc:
+            return problems_of(exc, quote)
+        return []
+
+    def create(self, name: str, env: PolicyEnv) -> Policy:
+        """Build the named policy: ``env.params`` validated into its parameter model
+        (a PolicyError naming each bad key), then its factory."""
+        entry = self.entry(name)
+        if not entry.disaggregated and any(s.role != "mixed" for s in env.specs):
             raise PolicyError(f"policy {name!r} cannot route disaggregated prefill/decode "
                               f"pools (those that can: {', '.join(self.pool_names())})")
-        return factory(env)
+        problems = self.param_problems(name, env.params)
+        if problems:
+            raise PolicyError(f"policy {name!r}: " + "; ".join(
+                f"parameter {k}: {m}" if k else m for k, m in problems))
+        return entry.factory(env, entry.params.model_validate(env.params))
 
 
 REGISTRY = PolicyRegistry()
-
-
-def check_params(policy: str, params: Mapping[str, Any], allowed: Iterable[str]) -> None:
-    """Reject parameters a policy does not take, naming them."""
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise PolicyError(f"policy {policy!r} takes no parameter(s) {', '.join(unknown)}")
 
 
 def dispatch(ctx: RoutingContext, index: int, reason: str,

@@ -13,13 +13,11 @@ import numpy as np
 
 from olproute.bea import remaining_decode_tokens, remaining_prefill_tokens
 from olproute.disagg import Pools
-from olproute.policies.base import REGISTRY, Policy, PolicyEnv, check_params, dispatch
+from olproute.policies.base import REGISTRY, NoParams, Policy, PolicyEnv, dispatch
 from olproute.types import Decision, Outcome, RoutingContext
 
 
-class _Stateless:
-    name = ""
-
+class _Stateless(Policy):
     def observe(self, outcome: Outcome) -> None:
         """Load balancers read the live load in the context; nothing to learn."""
 
@@ -51,8 +49,7 @@ def _least_outstanding(ctx: RoutingContext, candidates: list[int],
 class RoundRobin(_Stateless):
     name = "round_robin"
 
-    def __init__(self, env: PolicyEnv) -> None:
-        check_params(self.name, env.params, ())
+    def __init__(self, env: PolicyEnv, params: NoParams) -> None:
         self._groups = _groups(env)
         self._next = [0] * len(self._groups)
 
@@ -67,8 +64,7 @@ class RoundRobin(_Stateless):
 class Random(_Stateless):
     name = "random"
 
-    def __init__(self, env: PolicyEnv) -> None:
-        check_params(self.name, env.params, ())
+    def __init__(self, env: PolicyEnv, params: NoParams) -> None:
         self._groups = _groups(env)
         self._rng = env.rng
 
@@ -82,8 +78,7 @@ class LeastOutstanding(_Stateless):
 
     name = "least_outstanding"
 
-    def __init__(self, env: PolicyEnv) -> None:
-        check_params(self.name, env.params, ())
+    def __init__(self, env: PolicyEnv, params: NoParams) -> None:
         self._groups = _groups(env)
         self._rng = env.rng
 
@@ -98,8 +93,7 @@ class PowerOfTwo(_Stateless):
 
     name = "power_of_two"
 
-    def __init__(self, env: PolicyEnv) -> None:
-        check_params(self.name, env.params, ())
+    def __init__(self, env: PolicyEnv, params: NoParams) -> None:
         self._groups = _groups(env)
         self._rng = env.rng
 
@@ -132,8 +126,7 @@ class LeastTokens(_Stateless):
     name = "least_tokens"
     needs_snapshots = True
 
-    def __init__(self, env: PolicyEnv) -> None:
-        check_params(self.name, env.params, ())
+    def __init__(self, env: PolicyEnv, params: NoParams) -> None:
         self._pools = Pools.of(env.specs)
         self._all = list(range(len(env.specs)))
         self._rng = env.rng
@@ -170,12 +163,5 @@ class LeastTokens(_Stateless):
         return tied[0] if len(tied) == 1 else tied[int(self._rng.integers(len(tied)))]
 
 
-def _register(cls: type[RoundRobin | Random | LeastOutstanding | PowerOfTwo | LeastTokens]
-              ) -> None:
-    def factory(env: PolicyEnv) -> Policy:
-        return cls(env)
-    REGISTRY.register(cls.name, disaggregated=True)(factory)
-
-
 for _cls in (RoundRobin, Random, LeastOutstanding, PowerOfTwo, LeastTokens):
-    _register(_cls)
+    REGISTRY.register(_cls.name, NoParams, disaggregated=True)(_cls)

@@ -24,20 +24,26 @@ shedding are the bid-price policy's business.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
+from pydantic import Field
 
 from olproute.bea import BeaEstimator, PrefillTpsEstimator, TtftEstimator
-from olproute.policies._common import (
-    NoFeedback,
-    choice_param,
-    decode_per_instance,
-    figures,
-    pick_best,
-)
-from olproute.policies.base import REGISTRY, Policy, PolicyEnv, check_params, dispatch
+from olproute.policies._common import NoFeedback, decode_per_instance, figures, pick_best
+from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyParams, dispatch
 from olproute.types import Decision, RoutingContext
 
 FORMS = ("constrained", "lagrangian")
+
+
+class BearParams(PolicyParams):
+    """``router.policy_params.bear`` (and ``prefill_tps``)."""
+
+    form: Literal["constrained", "lagrangian"] = Field(
+        default="constrained", description="constrained (eq. 5): the highest utility among "
+        "the instances estimated to meet the TTFT target; lagrangian (eq. 7): the highest "
+        "utility - reward.delta x estimated TTFT")
 
 
 class Bear(NoFeedback):
@@ -46,10 +52,9 @@ class Bear(NoFeedback):
 
     needs_snapshots = True
 
-    def __init__(self, env: PolicyEnv, estimator: str = "bea") -> None:
+    def __init__(self, env: PolicyEnv, params: BearParams, estimator: str = "bea") -> None:
         self.name = "bear" if estimator == "bea" else estimator
-        check_params(self.name, env.params, ("form",))
-        self.form = choice_param(self.name, env.params, "form", FORMS)
+        self.form = params.form
         cal = env.calibration()
         self._estimator: TtftEstimator
         if estimator == "bea":
@@ -88,13 +93,11 @@ class Bear(NoFeedback):
         return dispatch(ctx, g, reason, figures(**why))
 
 
-def _bear(env: PolicyEnv) -> Policy:
-    return Bear(env, "bea")
+@REGISTRY.register("bear", BearParams)
+def _bear(env: PolicyEnv, params: BearParams) -> Policy:
+    return Bear(env, params, "bea")
 
 
-def _prefill_tps(env: PolicyEnv) -> Policy:
-    return Bear(env, "prefill_tps")
-
-
-REGISTRY.register("bear")(_bear)
-REGISTRY.register("prefill_tps")(_prefill_tps)
+@REGISTRY.register("prefill_tps", BearParams)
+def _prefill_tps(env: PolicyEnv, params: BearParams) -> Policy:
+    return Bear(env, params, "prefill_tps")

@@ -18,15 +18,19 @@ G instances per decision. Prices are learned off the request path in ``tick``.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import Field
 
 from olproute.bea import BeaEstimator, decode_step_times_s
-from olproute.config import AdmissionConfig
-from olproute.policies.base import REGISTRY, Policy, PolicyEnv, check_params
-from olproute.prices import PriceBook
+from olproute.disagg import Pools
+from olproute.policies.admission import can_start_now, hold_shed_or_defer
+from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, PolicyParams
+from olproute.policies.bid_price_pools import PoolBidPrice
+from olproute.prices import PriceBook, PriceView
 from olproute.reward import (
     Columns,
     capacities,
@@ -37,41 +41,35 @@ from olproute.reward import (
     slots_since,
     usage_columns,
 )
-from olproute.types import Decision, EngineSnapshot, Outcome, Request, RoutingContext
+from olproute.types import Decision, EngineSnapshot, Outcome, RoutingContext
 
 FloatArray = npt.NDArray[np.float64]
 
 
-def can_start_now(snap: EngineSnapshot, prompt_tokens: int, block_size: int,
-                  max_num_seqs: int, max_waiting: int) -> bool:
-    """A free batch slot, free KV blocks for the prompt, and a short enough queue."""
-    waiting = snap.num_resident - snap.num_running
-    need = math.ceil(prompt_tokens / block_size)
-    return (snap.num_running < max_num_seqs and waiting <= max_waiting
-            and snap.num_free_blocks >= need)
+class BidPriceParams(PolicyParams):
+    """``router.policy_params.bid_price``."""
+
+    backend: Literal["jax", "numpy"] = Field(
+        default="jax", description="the dual step's implementation (numpy: the reference)")
+    decode_slack: float = Field(
+        default=0.25, ge=0, strict=True, allow_inf_nan=False,
+        description="disaggregated pools only: the decode admission check plans for the "
+        "output running this fraction over its prediction")
+    kv_headroom: float = Field(
+        default=0.03, ge=0, strict=True, allow_inf_nan=False,
+        description="disaggregated pools only: fraction of each decode engine's KV kept "
+        "free by admission (as vLLM keeps a watermark of free blocks)")
 
 
-def patience_s(adm: AdmissionConfig, request: Request) -> float:
-    """How long a request may be held: ``admission.patience_s``, or its TTFT target,
-    at most ``admission.max_patience_s``."""
-    patience = adm.patience_s if adm.patience_s is not None else request.ttft_target_s
-    return min(patience, adm.max_patience_s)
+POOL_ONLY = ("decode_slack", "kv_headroom")
 
 
-def still_patient(adm: AdmissionConfig, request: Request, waited_s: float) -> bool:
-    """Has a held request waited less than its patience (``patience_s``)?"""
-    return waited_s + 1e-12 < patience_s(adm, request)
-
-
-class BidPrice:
+class BidPrice(Policy):
     name = "bid_price"
     needs_snapshots = True
+    takes_beta = True
 
-    def __init__(self, env: PolicyEnv) -> None:
-        check_params(self.name, env.params, ("backend",))
-        backend = env.params.get("backend", "jax")
-        if backend not in ("jax", "numpy"):
-            raise ValueError(f"bid_price backend must be 'jax' or 'numpy', got {backend!r}")
+    def __init__(self, env: PolicyEnv, params: BidPriceParams) -> None:
         self._specs = env.specs
         self._cal = env.calibration()
         self._bea = BeaEstimator(env.specs, self._cal)
@@ -84,7 +82,7 @@ class BidPrice:
         self._batch_cap, self._kv_cap = capacities(env.specs)
         self._rng = env.rng
         self.book = PriceBook(env.specs, env.slot_s, env.horizon_slots, env.prices, env.rng,
-                              backend=backend)
+                              backend=params.backend)
         # the tick refreshes the free capacity the admission checks read even when the
         # prices are not learned (prices.enabled: false keeps them at zero)
         self.tick_s = env.prices.period_slots * env.slot_s
@@ -125,8 +123,33 @@ class BidPrice:
                        "score": tuple(score.tolist()),
                        "candidates": tuple(float(c) for c in candidates.tolist()),
                        **terms.as_dict()}
-        # the best-scoring instance that can start the request now and hold it as
-        # predicted; a lower-scoring free instance beats waiting for a busy better one
+        c = self._first_startable(ctx, snaps, candidates, score, cols)
+        if c is not None:
+            self._account(c, cols, ctx.now_s)
+            rank = "best score" if c == g else f"best startable score (best: {score[g]:.3f})"
+            return Decision(req.request_id, "dispatch", c, f"{rank} {score[c]:.3f} on "
+                            f"{self._specs[c].name}, which can start it now", explanation)
+        spec = self._specs[g]
+        startable = can_start_now(snaps[g], req.prompt_tokens, spec.block_size,
+                                  spec.max_num_seqs, self._adm.max_waiting)
+        why = (f"best score {score[g]:.3f} <= 0" if score[g] <= 0
+               else "no instance with a positive score can start it now" if not startable
+               else "its predicted usage fits no instance with a positive score")
+
+        def defer(waited_s: float) -> Decision:
+            self._account(g, cols, ctx.now_s)
+            return Decision(req.request_id, "dispatch", g, f"deferred to {spec.name} after "
+                            f"{waited_s * 1e3:.0f} ms: {why}", explanation)
+
+        return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
+
+    def _first_startable(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
+                         candidates: npt.NDArray[np.int64], score: FloatArray,
+                         cols: Columns) -> int | None:
+        """The best-scoring candidate with a positive score that can start the request
+        now and hold it as predicted: a lower-scoring free instance beats waiting for a
+        busy better one."""
+        req = ctx.request
         for c in candidates[np.argsort(-score[candidates], kind="stable")]:
             c = int(c)
             if score[c] <= 0:
@@ -135,25 +158,8 @@ class BidPrice:
             if (can_start_now(snaps[c], req.prompt_tokens, cspec.block_size,
                               cspec.max_num_seqs, self._adm.max_waiting)
                     and self._fits(c, cols, ctx.now_s)):
-                self._account(c, cols, ctx.now_s)
-                rank = "best score" if c == g else f"best startable score (best: {score[g]:.3f})"
-                return self._decision(ctx, "dispatch", c, f"{rank} {score[c]:.3f} on "
-                                      f"{cspec.name}, which can start it now", explanation)
-        spec = self._specs[g]
-        startable = can_start_now(snaps[g], req.prompt_tokens, spec.block_size,
-                                  spec.max_num_seqs, self._adm.max_waiting)
-        why = (f"best score {score[g]:.3f} <= 0" if score[g] <= 0
-               else "no instance with a positive score can start it now" if not startable
-               else "its predicted usage fits no instance with a positive score")
-        if still_patient(self._adm, req, waited):
-            return self._decision(ctx, "hold", None, f"held: {why}", explanation)
-        self._seen.discard(req.request_id)
-        if self._adm.mode == "shed":
-            return self._decision(ctx, "shed", None, f"shed after {waited * 1e3:.0f} ms: {why}",
-                                  explanation)
-        self._account(g, cols, ctx.now_s)
-        return self._decision(ctx, "dispatch", g, f"deferred to {spec.name} after "
-                              f"{waited * 1e3:.0f} ms: {why}", explanation)
+                return c
+        return None
 
     def _window(self, g: int, cols: Columns, now_s: float) -> tuple[slice, FloatArray] | None:
         """The slots of g's free-capacity curve the request's column covers (the curve is
@@ -188,15 +194,6 @@ class BidPrice:
             return np.arange(g)
         return np.sort(self._rng.choice(g, size=d, replace=False)).astype(np.int64)
 
-    @staticmethod
-    def _decision(ctx: RoutingContext, action: str, g: int | None, reason: str,
-                  explanation: dict[str, tuple[float, ...]]) -> Decision:
-        if action == "dispatch":
-            assert g is not None
-            return Decision(ctx.request.request_id, "dispatch", g, reason, explanation)
-        return Decision(ctx.request.request_id, "hold" if action == "hold" else "shed", None,
-                        reason, explanation)
-
     def observe(self, outcome: Outcome) -> None:
         self.forget(outcome.request_id)
 
@@ -216,16 +213,26 @@ class BidPrice:
             self.book.update(now_s)
 
 
+    def set_beta(self, g: int, beta: Sequence[float]) -> bool:
+        """A recalibrated batch-time model for instance g: the BEA replay reads it."""
+        self._bea.set_beta(g, beta)
+        return True
 
-def _factory(env: PolicyEnv) -> Policy:
-    """Mixed instances: this module; disaggregated pools: ``bid_price_pools``."""
-    from olproute.disagg import Pools
+    def price_view(self) -> PriceView:
+        return self.book.view()
 
+
+@REGISTRY.register("bid_price", BidPriceParams, disaggregated=True)
+def bid_price(env: PolicyEnv, params: BidPriceParams) -> Policy:
+    """The one ``bid_price`` of the registry, for both kinds of pool: on mixed instances
+    :class:`BidPrice` (this module), on disaggregated prefill/decode pools
+    :class:`~olproute.policies.bid_price_pools.PoolBidPrice`, which prices pairs of a
+    prefill and a decode instance and takes the two pool-only parameters."""
     if Pools.of(env.specs).disaggregated:
-        from olproute.policies.bid_price_pools import PoolBidPrice
-
-        return PoolBidPrice(env)
-    return BidPrice(env)
-
-
-REGISTRY.register(BidPrice.name, disaggregated=True)(_factory)
+        return PoolBidPrice(env, backend=params.backend, decode_slack=params.decode_slack,
+                            kv_headroom=params.kv_headroom)
+    given = sorted(set(params.model_fields_set) & set(POOL_ONLY))
+    if given:
+        raise PolicyError(f"policy 'bid_price' takes {', '.join(given)} on disaggregated "
+                          "prefill/decode pools only")
+    return BidPrice(env, params)

@@ -49,22 +49,18 @@ import numpy.typing as npt
 
 from olproute.bea import BeaEstimator, decode_step_times_s, remaining_prefill_tokens
 from olproute.disagg import Pools
-from olproute.outlook import Outlook
-from olproute.policies._common import float_param
-from olproute.policies.base import PolicyEnv, PolicyError, check_params
-from olproute.policies.bid_price import can_start_now, still_patient
-from olproute.prices import PriceBook
+from olproute.policies.admission import can_start_now, hold_shed_or_defer
+from olproute.policies.base import Policy, PolicyEnv, PolicyError
+from olproute.policies.bid_price_pairs import PairScores, PoolFigures, score_pairs
+from olproute.prices import Backend, PriceBook, PriceView, price_view
 from olproute.reward import (
     Column,
     Columns,
     capacities,
     column_at,
-    first_token_slot,
     free_capacity,
-    reward_terms,
     shifted_usage,
     slots_since,
-    usage_columns,
 )
 from olproute.types import (
     Decision,
@@ -75,6 +71,7 @@ from olproute.types import (
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,17 +89,18 @@ class _Inbound:
     expires_s: float      # forget it by then even if never seen (a lost request)
 
 
-class PoolBidPrice:
+class PoolBidPrice(Policy):
     name = "bid_price"
     needs_snapshots = True
+    takes_beta = True
 
-    def __init__(self, env: PolicyEnv) -> None:
-        check_params(self.name, env.params, ("backend", "decode_slack", "kv_headroom"))
-        self._slack = float_param(self.name, env.params, "decode_slack", 0.25)
-        self._headroom = float_param(self.name, env.params, "kv_headroom", 0.03)
-        backend = env.params.get("backend", "jax")
-        if backend not in ("jax", "numpy"):
-            raise ValueError(f"bid_price backend must be 'jax' or 'numpy', got {backend!r}")
+    def __init__(self, env: PolicyEnv, *, backend: Backend, decode_slack: float,
+                 kv_headroom: float) -> None:
+        """Built by the registry's ``bid_price`` (``olproute.policies.bid_price``) from
+        its parameters: the dual step's ``backend``, and the decode admission's slack and
+        KV headroom (fractions)."""
+        self._slack = decode_slack
+        self._headroom = kv_headroom
         if env.transfer_s is None:
             raise PolicyError("bid_price on disaggregated pools needs the KV transfer time")
         self._transfer: Callable[[int], float] = env.transfer_s
@@ -119,8 +117,10 @@ class PoolBidPrice:
         _, self._pre_kv = capacities(self._pre_specs)
         self._dec_batch, self._dec_kv = capacities(self._dec_specs)
         self._dec_block = np.array([s.block_size for s in self._dec_specs]) / self._dec_kv
+        self._pools = PoolFigures(self._pre, self._dec, self._theta, self._pre_kv,
+                                  self._dec_batch, self._dec_kv, env.slot_s,
+                                  env.horizon_slots, env.reward)
         self._outlook = env.outlook()
-        self._w = env.reward
         self._adm = env.admission
         self._slot_s = env.slot_s
         self._horizon = env.horizon_slots
@@ -141,106 +141,94 @@ class PoolBidPrice:
 
     # -- request path ----------------------------------------------------------------
     def decide(self, ctx: RoutingContext) -> Decision:
+        """Score every pair (``score_pairs``), dispatch the best admissible one
+        (``_first_admissible``), else hold, shed or defer (``_defer``)."""
         req = ctx.request
         snaps = ctx.snapshots
         if snaps is None:
             raise ValueError("bid_price needs instance snapshots in the context")
-        n_pre, n_dec = len(self._pre), len(self._dec)
+        pairs = self._score(ctx, snaps)
+        if req.request_id not in self._seen:  # first sight: a sample of demand per pool
+            self._seen.add(req.request_id)
+            self._sample(pairs, ctx.now_s)
+        flat = pairs.score.ravel()
+        best = int(np.argmax(flat))
+        explanation = pairs.explanation(self._pools)
+        k = self._first_admissible(ctx, snaps, pairs)
+        if k is not None:
+            i, j = divmod(k, len(self._dec))
+            p, d = int(self._pre[i]), int(self._dec[j])
+            self._admit(req.request_id, i, j, pairs, ctx.now_s)
+            rank = "best pair" if k == best else f"best admissible pair (best: {flat[best]:.3f})"
+            return Decision(req.request_id, "dispatch", p,
+                            f"{rank} {flat[k]:.3f}: prefill on {self._specs[p].name}, decode "
+                            f"on {self._specs[d].name}", explanation, decode_instance=d)
+        why = (f"best pair score {flat[best]:.3f} <= 0" if flat[best] <= 0
+               else "no positive pair can start now with its decode KV and TPOT in reach")
+
+        def defer(waited_s: float) -> Decision:
+            return self._defer(ctx, snaps, pairs, waited_s, why, explanation)
+
+        return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
+
+    def _score(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...]) -> PairScores:
+        """Every pair's score from the prefill pool's replay, the transfer time, the
+        decode pool's step time and both books' prices (nothing is changed)."""
+        req = ctx.request
         out = self._outlook(req)
-        o_hat = np.maximum(out.decode_tokens[self._dec], 1.0)          # per decode instance
         pre_ctx = replace(ctx, specs=self._pre_specs,
                           snapshots=tuple(snaps[g] for g in self._pre),
                           pending=None if ctx.pending is None else tuple(
                               ctx.pending[g] for g in self._pre))
-        ones = np.ones(n_pre, dtype=np.int64)                            # prefill: 1 token
+        ones = np.ones(len(self._pre), dtype=np.int64)                   # prefill: 1 token
         ttft_pre = self._bea.estimate(pre_ctx, predicted_decode=ones).ttft_s
-        ttft_p = np.where(np.isfinite(ttft_pre), ttft_pre, 1e9)
         xfer = self._transfer(req.prompt_tokens)
         tpot_d = self._decode_step_s(snaps, ctx.inbound, req.prompt_tokens)
-        kv_at = ttft_p + xfer                                            # per prefill
-        # pairs, prefill-major: index = i * n_dec + j
-        pi = np.repeat(np.arange(n_pre), n_dec)
-        dj = np.tile(np.arange(n_dec), n_pre)
-        dg = self._dec[dj]
-        pair_out = Outlook(decode_tokens=out.decode_tokens[dg], quality=out.quality[dg],
-                           cost_musd=out.cost_musd[dg])
-        waited = ctx.now_s - req.arrival_s
-        ttft = kv_at[:, None] + tpot_d[None, :]                          # (n_pre, n_dec)
-        terms = reward_terms(req.prompt_tokens, req.ttft_target_s, pair_out, ttft.ravel(),
-                             tpot_d[dj], self._w, self._slot_s, self._horizon,
-                             waited_s=waited)
-        reward = terms.total.reshape(n_pre, n_dec)
-        pre_cols = self._prefill_columns(req.prompt_tokens, ttft_p)
-        dec_cols = usage_columns(
-            req.prompt_tokens, o_hat[None, :], kv_at[:, None],
-            tpot_d[None, :], self._dec_batch[None, :], self._dec_kv[None, :],
-            self._slot_s, self._horizon)                                  # (n_pre, n_dec)
-        shape = (n_pre, n_dec)
-        dec_cols = Columns(
-            start=np.broadcast_to(dec_cols.start, shape),
-            end=np.broadcast_to(dec_cols.end, shape),
-            batch_a=np.broadcast_to(dec_cols.batch_a, shape),
-            kv_a=np.broadcast_to(dec_cols.kv_a, shape),
-            kv_b=np.broadcast_to(dec_cols.kv_b, shape))
-        price_pre = self.book_prefill.price(pre_cols)                    # (n_pre,)
-        price_dec = self.book_decode.price(dec_cols)                     # (n_pre, n_dec)
-        score = reward - self._w.delta * ttft - price_pre[:, None] - price_dec
-        tpot_ok = np.ones(n_dec, dtype=bool) if req.tpot_target_s is None else (
-            tpot_d <= req.tpot_target_s)
-        if req.request_id not in self._seen:  # first sight: a sample of demand per pool
-            self._seen.add(req.request_id)
-            self._sample(reward, pre_cols, dec_cols, price_pre, price_dec, score, ctx.now_s)
-        flat = score.ravel()
-        best = int(np.argmax(flat))
-        explanation = {
-            "prefill_s": tuple(ttft_pre.tolist()),
-            "pair_ttft_s": tuple(ttft.ravel().tolist()),
-            "pair_prefill": tuple(float(x) for x in self._pre[pi]),
-            "pair_decode": tuple(float(x) for x in dg),
-            "pair_tpot_s": tuple(tpot_d[dj].tolist()),
-            "pair_reward": tuple(reward.ravel().tolist()),
-            "pair_prefill_price": tuple(price_pre[pi].tolist()),
-            "pair_decode_price": tuple(price_dec.ravel().tolist()),
-            "pair_score": tuple(flat.tolist()),
-        }
+        return score_pairs(self._pools, req, ctx.now_s - req.arrival_s, out, ttft_pre, xfer,
+                           tpot_d, self.book_prefill.price, self.book_decode.price)
+
+    def _first_admissible(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
+                          pairs: PairScores) -> int | None:
+        """The best-scoring pair (flat index) with a positive score whose decode TPOT is
+        in reach, whose prefill engine can start the prompt now, and whose two columns
+        fit under the free capacity; None when there is none."""
+        req = ctx.request
+        flat = pairs.score.ravel()
         for k in np.argsort(-flat, kind="stable"):
             k = int(k)
             if flat[k] <= 0:
                 break
-            i, j = divmod(k, n_dec)
-            p, d = int(self._pre[i]), int(self._dec[j])
+            i, j = divmod(k, len(self._dec))
+            p = int(self._pre[i])
             pspec = self._specs[p]
-            if not tpot_ok[j]:
+            if not pairs.tpot_ok[j]:
                 continue
             if not can_start_now(snaps[p], req.prompt_tokens, pspec.block_size,
                                  pspec.max_num_seqs, self._adm.max_waiting):
                 continue
-            if not (self._fits(self._free_pre, i, column_at(pre_cols, i), ctx.now_s)
-                    and self._fits(self._free_dec, j, self._padded(dec_cols, (i, j)),
+            if not (self._fits(self._free_pre, i, column_at(pairs.pre_cols, i), ctx.now_s)
+                    and self._fits(self._free_dec, j, self._padded(pairs.dec_cols, (i, j)),
                                    ctx.now_s)):
                 continue
-            self._admit(req.request_id, i, j, pre_cols, dec_cols, ctx.now_s, kv_at[i])
-            rank = "best pair" if k == best else f"best admissible pair (best: {flat[best]:.3f})"
-            return Decision(req.request_id, "dispatch", p,
-                            f"{rank} {flat[k]:.3f}: prefill on {pspec.name}, decode on "
-                            f"{self._specs[d].name}", explanation, decode_instance=d)
-        why = (f"best pair score {flat[best]:.3f} <= 0" if flat[best] <= 0
-               else "no positive pair can start now with its decode KV and TPOT in reach")
-        if still_patient(self._adm, req, waited):
-            return Decision(req.request_id, "hold", None, f"held: {why}", explanation)
-        self._seen.discard(req.request_id)
-        if self._adm.mode == "shed":
-            return Decision(req.request_id, "shed", None,
-                            f"shed after {waited * 1e3:.0f} ms: {why}", explanation)
-        # deferred: the decode instance whose KV fits (else the one it overflows least),
-        # TPOT in reach, best score; then the prefill instance that can start it now,
-        # best score
+            return k
+        return None
+
+    def _defer(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
+               pairs: PairScores, waited_s: float, why: str,
+               explanation: dict[str, tuple[float, ...]]) -> Decision:
+        """Patience ran out (``admission: defer``): the decode instance whose KV fits
+        (else the one it overflows least), TPOT in reach, best score; then the prefill
+        instance that can start it now, best score."""
+        req = ctx.request
+        score = pairs.score
         i0 = int(np.argmax(score.max(axis=1)))
 
         def decode_key(j: int) -> tuple[float, bool, float]:
-            margin = self._margin(self._free_dec, j, self._padded(dec_cols, (i0, j)),
+            margin = self._margin(self._free_dec, j, self._padded(pairs.dec_cols, (i0, j)),
                                   ctx.now_s)
-            return min(margin, 0.0), bool(tpot_ok[j]), float(score[:, j].max())
+            return min(margin, 0.0), bool(pairs.tpot_ok[j]), float(score[:, j].max())
+
+        j = max(range(len(self._dec)), key=decode_key)
 
         def prefill_key(i: int) -> tuple[bool, float]:
             g = int(self._pre[i])
@@ -248,12 +236,11 @@ class PoolBidPrice:
             return (can_start_now(snaps[g], req.prompt_tokens, spec.block_size,
                                   spec.max_num_seqs, self._adm.max_waiting), float(score[i, j]))
 
-        j = max(range(n_dec), key=decode_key)
-        i = max(range(n_pre), key=prefill_key)
+        i = max(range(len(self._pre)), key=prefill_key)
         p, d = int(self._pre[i]), int(self._dec[j])
-        self._admit(req.request_id, i, j, pre_cols, dec_cols, ctx.now_s, kv_at[i])
+        self._admit(req.request_id, i, j, pairs, ctx.now_s)
         return Decision(req.request_id, "dispatch", p,
-                        f"deferred after {waited * 1e3:.0f} ms to prefill on "
+                        f"deferred after {waited_s * 1e3:.0f} ms to prefill on "
                         f"{self._specs[p].name}, decode on {self._specs[d].name}: {why}",
                         explanation, decode_instance=d)
 
@@ -266,23 +253,11 @@ class PoolBidPrice:
             [snaps[g] for g in self._dec], self._dec_specs, self._beta[self._dec],
             prompt_tokens, None if inbound is None else [inbound[g] for g in self._dec])
 
-    def _prefill_columns(self, prompt_tokens: int, ttft_s: FloatArray) -> Columns:
-        """The prompt's column on each prefill instance: its share of the prefill token
-        budget (theta_p x Delta tokens a slot) over the slots before its first token, and
-        its KV there, in capacity fractions."""
-        k0 = first_token_slot(ttft_s, self._slot_s, self._horizon)
-        length = np.maximum(np.ceil(prompt_tokens / (self._theta * self._slot_s) - 1e-9), 1)
-        start = np.maximum(k0 - length.astype(np.int64), 0)
-        span = np.maximum(k0 - start, 1)
-        end = np.maximum(k0, np.minimum(start + 1, self._horizon))
-        share = np.minimum(prompt_tokens / (self._theta * self._slot_s * span), 1.0)
-        return Columns(start=start, end=end, batch_a=share,
-                       kv_a=prompt_tokens / self._pre_kv, kv_b=np.zeros(len(self._pre)))
-
-    def _sample(self, reward: FloatArray, pre: Columns, dec: Columns, price_pre: FloatArray,
-                price_dec: FloatArray, score: FloatArray, now_s: float) -> None:
+    def _sample(self, pairs: PairScores, now_s: float) -> None:
         """One sample of demand per pool: each pool's reward net of the other pool's
         price at the best completion."""
+        reward, pre, dec = pairs.reward, pairs.pre_cols, pairs.dec_cols
+        price_pre, price_dec, score = pairs.price_pre, pairs.price_dec, pairs.score
         i_best = int(np.unravel_index(int(np.argmax(score)), score.shape)[0])
         self.book_prefill.observe_arrival(now_s)
         self.book_prefill.add_sample((reward - price_dec).max(axis=1), pre)
@@ -328,13 +303,15 @@ class PoolBidPrice:
         if win is not None:
             free[i, win[0]] -= win[1]
 
-    def _admit(self, request_id: int, i: int, j: int, pre: Columns, dec: Columns,
-               now_s: float, arrival_in_s: float) -> None:
-        """Immediate accounting of both columns, and the decode column remembered until
-        the KV reaches the decode instance (its snapshots then hold the request)."""
+    def _admit(self, request_id: int, i: int, j: int, pairs: PairScores,
+               now_s: float) -> None:
+        """Immediate accounting of both columns of pair (i, j) (pool indices), and the
+        decode column remembered until the KV reaches the decode instance (its snapshots
+        then hold the request)."""
+        arrival_in_s = pairs.kv_at[i]
         k = self._offset(now_s)
-        self._take(self._free_pre, i, column_at(pre, i), k)
-        col = column_at(dec, (i, j))
+        self._take(self._free_pre, i, column_at(pairs.pre_cols, i), k)
+        col = column_at(pairs.dec_cols, (i, j))
         self._take(self._free_dec, j, col, k)
         self._inbound[request_id] = _Inbound(j, *col, dispatch_s=now_s,
                                              expires_s=now_s + 2.0 * arrival_in_s + 60.0)
@@ -403,7 +380,7 @@ class PoolBidPrice:
             c[i, :min(math.ceil(busy), h), 1] = 1.0 - used
         return c
 
-    def set_beta(self, g: int, beta: Sequence[float]) -> None:
+    def set_beta(self, g: int, beta: Sequence[float]) -> bool:
         """A recalibrated batch-time model for instance g (global index): the decode-step
         estimate reads it, and the prefill replay when g is a prefill engine."""
         if len(beta) != 4 or min(beta) < 0:
@@ -412,10 +389,18 @@ class PoolBidPrice:
         local = np.flatnonzero(self._pre == g)
         if local.size:
             self._bea.set_beta(int(local[0]), beta)
+        return True
 
-    def prices(self) -> dict[str, FloatArray]:
-        """The two books' current prices, for the admin endpoint and plots."""
-        return {"prefill": self.book_prefill.p.copy(), "decode": self.book_decode.p.copy()}
+    def price_view(self) -> PriceView:
+        """Both books' prices in instance order: on a prefill instance the batch row
+        prices its prefill token budget. The learning's state is the decode book's."""
+        seen = {"prefill": 0, "decode": 0}
+        rows = []
+        for s in self._specs:
+            rows.append((self.book_prefill if s.role == "prefill" else self.book_decode,
+                         seen[s.role]))
+            seen[s.role] += 1
+        return price_view(rows, self.book_decode)
 
 
 __all__ = ["PoolBidPrice"]

@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from pydantic import Field
 
 from olproute.bea import decode_step_times_s, remaining_prefill_tokens
 from olproute.disagg import Pools
@@ -58,13 +59,27 @@ from olproute.policies._common import (
     NoFeedback,
     decode_per_instance,
     figures,
-    float_param,
     pick_best,
 )
-from olproute.policies.base import REGISTRY, PolicyEnv, PolicyError, check_params, dispatch
+from olproute.policies.base import REGISTRY, PolicyEnv, PolicyParams, Weight, dispatch
 from olproute.types import Decision, EngineSnapshot, InstanceSpec, RoutingContext
 
-PARAMS = ("w_backlog", "w_service", "w_queue", "rho", "kv_threshold", "size_ref_tokens")
+
+class CalibratedCostParams(PolicyParams):
+    """``router.policy_params.calibrated_cost``."""
+
+    w_backlog: Weight = Field(default=1.0, description="weight of the prefill backlog "
+                              "term, per second")
+    w_service: Weight = Field(default=1.0, description="weight of the KV-pressured decode "
+                              "time term, per second")
+    w_queue: Weight = Field(default=1.0, description="weight per request waiting")
+    rho: Weight = Field(default=1.0, description="how much KV pressure stretches the "
+                        "decode time")
+    kv_threshold: Weight = Field(default=0.8, le=1, description="KV use (fraction of the "
+                                 "blocks) past which pressure counts")
+    size_ref_tokens: Weight | None = Field(
+        default=None, gt=0, description="the reference prompt length of the size factor; "
+        "null: the running mean prompt length")
 
 
 def _blocks(tokens: FloatArray, block_size: int) -> FloatArray:
@@ -116,23 +131,13 @@ class CalibratedCost(NoFeedback):
     name = "calibrated_cost"
     needs_snapshots = True
 
-    def __init__(self, env: PolicyEnv) -> None:
-        p = env.params
-        check_params(self.name, p, PARAMS)
-        self.w_backlog = float_param(self.name, p, "w_backlog", 1.0)
-        self.w_service = float_param(self.name, p, "w_service", 1.0)
-        self.w_queue = float_param(self.name, p, "w_queue", 1.0)
-        self.rho = float_param(self.name, p, "rho", 1.0)
-        self.kv_threshold = float_param(self.name, p, "kv_threshold", 0.8)
-        if self.kv_threshold > 1.0:
-            raise PolicyError(f"policy {self.name!r}: parameter kv_threshold must be <= 1, "
-                              f"got {self.kv_threshold!r}")
-        self.size_ref_tokens: float | None = None
-        if "size_ref_tokens" in p:
-            self.size_ref_tokens = float_param(self.name, p, "size_ref_tokens", 1.0)
-            if self.size_ref_tokens <= 0:
-                raise PolicyError(f"policy {self.name!r}: parameter size_ref_tokens must "
-                                  "be > 0")
+    def __init__(self, env: PolicyEnv, params: CalibratedCostParams) -> None:
+        self.w_backlog = params.w_backlog
+        self.w_service = params.w_service
+        self.w_queue = params.w_queue
+        self.rho = params.rho
+        self.kv_threshold = params.kv_threshold
+        self.size_ref_tokens = params.size_ref_tokens
         cal = env.calibration()
         self._prefill_tps = np.array([c.prefill_tokens_per_s for c in cal], dtype=np.float64)
         self._beta = np.array([c.beta for c in cal], dtype=np.float64)
@@ -185,4 +190,4 @@ class CalibratedCost(NoFeedback):
             "+ queue)", figures(cost=cost, **explain))
 
 
-REGISTRY.register(CalibratedCost.name, disaggregated=True)(CalibratedCost)
+REGISTRY.register(CalibratedCost.name, CalibratedCostParams, disaggregated=True)(CalibratedCost)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from olproute.policies._common import NoFeedback, figures, pick_best
-from olproute.policies.base import REGISTRY, PolicyEnv, check_params, dispatch
+from olproute.policies.base import REGISTRY, NoParams, PolicyEnv, dispatch
 from olproute.types import Decision, RoutingContext
 
 
@@ -24,8 +24,7 @@ class LatencyAgnostic(NoFeedback):
     name = "latency_agnostic"
     needs_snapshots = False
 
-    def __init__(self, env: PolicyEnv) -> None:
-        check_params(self.name, env.params, ())
+    def __init__(self, env: PolicyEnv, params: NoParams) -> None:
         self._outlook = env.outlook()
         self._lambda = env.reward.cost_lambda
         self._rng = env.rng
@@ -41,4 +40,4 @@ class LatencyAgnostic(NoFeedback):
                                 cost_musd=outlook.cost_musd, outstanding=outstanding))
 
 
-REGISTRY.register(LatencyAgnostic.name)(LatencyAgnostic)
+REGISTRY.register(LatencyAgnostic.name, NoParams)(LatencyAgnostic)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from olproute.policies._common import NoFeedback, figures, pick_best
-from olproute.policies.base import REGISTRY, PolicyEnv, check_params, dispatch
+from olproute.policies.base import REGISTRY, NoParams, PolicyEnv, dispatch
 from olproute.types import Decision, RoutingContext
 
 
@@ -30,8 +30,7 @@ class Lmdeploy(NoFeedback):
     name = "lmdeploy"
     needs_snapshots = False
 
-    def __init__(self, env: PolicyEnv) -> None:
-        check_params(self.name, env.params, ())
+    def __init__(self, env: PolicyEnv, params: NoParams) -> None:
         known = [c.service_rate_per_s for c in env.calibration()]
         rates = [mu for mu in known if mu is not None and mu > 0]
         fill = float(np.mean(rates)) if rates else 1.0
@@ -49,4 +48,4 @@ class Lmdeploy(NoFeedback):
                                 expected_latency_s=latency))
 
 
-REGISTRY.register(Lmdeploy.name)(Lmdeploy)
+REGISTRY.register(Lmdeploy.name, NoParams)(Lmdeploy)

@@ -24,6 +24,7 @@ choice: equal weights on the three normalised figures).
 from __future__ import annotations
 
 import numpy as np
+from pydantic import Field
 
 from olproute.bea import RouteBalanceEstimator
 from olproute.policies._common import (
@@ -31,13 +32,18 @@ from olproute.policies._common import (
     NoFeedback,
     decode_per_instance,
     figures,
-    float_param,
     pick_best,
 )
-from olproute.policies.base import REGISTRY, PolicyEnv, check_params, dispatch
+from olproute.policies.base import REGISTRY, PolicyEnv, PolicyParams, Weight, dispatch
 from olproute.types import Decision, RoutingContext
 
-PARAMS = ("w_quality", "w_cost", "w_latency")
+
+class RouteBalanceParams(PolicyParams):
+    """``router.policy_params.route_balance``."""
+
+    w_quality: Weight = Field(default=1.0, description="weight of the normalised quality")
+    w_cost: Weight = Field(default=1.0, description="weight of the normalised cost")
+    w_latency: Weight = Field(default=1.0, description="weight of the normalised latency")
 
 
 def min_max(x: FloatArray) -> FloatArray:
@@ -56,12 +62,10 @@ class RouteBalance(NoFeedback):
     name = "route_balance"
     needs_snapshots = True
 
-    def __init__(self, env: PolicyEnv) -> None:
-        p = env.params
-        check_params(self.name, p, PARAMS)
-        self.w_quality = float_param(self.name, p, "w_quality", 1.0)
-        self.w_cost = float_param(self.name, p, "w_cost", 1.0)
-        self.w_latency = float_param(self.name, p, "w_latency", 1.0)
+    def __init__(self, env: PolicyEnv, params: RouteBalanceParams) -> None:
+        self.w_quality = params.w_quality
+        self.w_cost = params.w_cost
+        self.w_latency = params.w_latency
         self._estimator = RouteBalanceEstimator(env.calibration())
         self._outlook = env.outlook()
         self._rng = env.rng
@@ -79,4 +83,4 @@ class RouteBalance(NoFeedback):
                     quality_norm=q, cost_norm=c, latency_norm=lat, score=score))
 
 
-REGISTRY.register(RouteBalance.name)(RouteBalance)
+REGISTRY.register(RouteBalance.name, RouteBalanceParams)(RouteBalance)

@@ -26,30 +26,32 @@ then leans to the fastest model, which is the baseline's nature, not a bug.
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from olproute.bea import ScoreEstimator
-from olproute.policies._common import (
-    NoFeedback,
-    decode_per_instance,
-    figures,
-    float_param,
-    pick_best,
-)
-from olproute.policies.base import REGISTRY, PolicyEnv, check_params, dispatch
+from olproute.policies._common import NoFeedback, decode_per_instance, figures, pick_best
+from olproute.policies.base import REGISTRY, PolicyEnv, PolicyParams, Weight, dispatch
 from olproute.types import Decision, RoutingContext
 
-PARAMS = ("w_quality", "w_cost", "w_latency")
+
+class ScoreParams(PolicyParams):
+    """``router.policy_params.score``."""
+
+    w_quality: Weight = Field(default=1.0, description="weight of the predicted quality")
+    w_cost: Weight | None = Field(default=None, description="weight of the cost, per "
+                                  "micro-USD; null: reward.cost_lambda")
+    w_latency: Weight | None = Field(default=None, description="weight of the latency "
+                                     "estimate, per second; null: reward.delta")
 
 
 class Score(NoFeedback):
     name = "score"
     needs_snapshots = True
 
-    def __init__(self, env: PolicyEnv) -> None:
-        p = env.params
-        check_params(self.name, p, PARAMS)
-        self.w_quality = float_param(self.name, p, "w_quality", 1.0)
-        self.w_cost = float_param(self.name, p, "w_cost", env.reward.cost_lambda)
-        self.w_latency = float_param(self.name, p, "w_latency", env.reward.delta)
+    def __init__(self, env: PolicyEnv, params: ScoreParams) -> None:
+        self.w_quality = params.w_quality
+        self.w_cost = env.reward.cost_lambda if params.w_cost is None else params.w_cost
+        self.w_latency = env.reward.delta if params.w_latency is None else params.w_latency
         self._estimator = ScoreEstimator(env.calibration(), env.specs)
         self._outlook = env.outlook()
         self._rng = env.rng
@@ -67,4 +69,4 @@ class Score(NoFeedback):
                     score=score))
 
 
-REGISTRY.register(Score.name)(Score)
+REGISTRY.register(Score.name, ScoreParams)(Score)

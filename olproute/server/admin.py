@@ -21,12 +21,12 @@ from pathlib import Path
 
 from aiohttp import web
 
+from olproute.assembly import CalibrationSource
 from olproute.config import ConfigError, LoadedConfig, load_config
 from olproute.router import Router
 from olproute.server import proxy
 from olproute.server.schema import BadRequest, ReloadBody, validate
 from olproute.server.state import STATE, ServerState
-from olproute.sim.scenario import CalibrationSource
 from olproute.weights import WEIGHTS_DIR, resolve_profile
 
 LOG = logging.getLogger("olproute.server")

@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from olproute.assembly import CalibrationSource
 from olproute.calibration import OnlineCalibrator
 from olproute.config import LoadedConfig
 from olproute.router import Router
@@ -37,7 +38,6 @@ from olproute.server.schema import (
 )
 from olproute.server.state import STATE, ServerState
 from olproute.server.tracker import Tracker
-from olproute.sim.scenario import CalibrationSource
 
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                "vllm:kv_cache_usage_perc")
@@ -47,7 +47,10 @@ BACKEND_URLS = web.AppKey("olproute_backend_urls", list)
 def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
              calibration: CalibrationSource | None = None) -> web.Application:
     """The router application. ``backend_urls`` (one per instance, in order) overrides the
-    config's backends; with neither, the instances are emulated in-process."""
+    config's backends; with neither, the instances are emulated in-process.
+    ``calibration``: what estimating policies read (``olproute.assembly``); without one,
+    the config's calibration file (``calibration: auto`` needs the simulator's profiler:
+    ``olproute serve`` passes ``olproute.sim.scenario.CalibrationSource``)."""
     app = web.Application(client_max_size=loaded.config.server.max_body_bytes,
                           middlewares=[json_errors])  # every error in one JSON shape
     app[BACKEND_URLS] = list(backend_urls or [])
@@ -128,8 +131,9 @@ async def _stop_all(running: list[Any]) -> None:
 
 
 def _build_router(loaded: LoadedConfig, calibration: CalibrationSource | None) -> Router:
+    """The router, calibrated now (at start-up, not on the first request)."""
     router = Router(loaded, calibration)
-    router.calibration()  # profile now, at start-up, not on the first request
+    router.calibration()
     return router
 
 
@@ -303,7 +307,7 @@ async def instances(request: web.Request) -> web.Response:
     loads = st.tracker.loads(now)
     # the beta each backend's replay runs with: its online calibrator's, which the router
     # hands the policy (whose estimator may cover one pool only); None without BEA
-    has_bea = getattr(st.router.policy, "_bea", None) is not None and bool(st.calibrators)
+    has_bea = st.router.policy.takes_beta and bool(st.calibrators)
     out = []
     for b, load in zip(st.tracker.backends, loads, strict=True):
         out.append({
@@ -353,14 +357,15 @@ async def openapi_doc(request: web.Request) -> web.Response:
     return web.json_response(openapi())
 
 
-def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None) -> None:
-    """Serve on uvloop until interrupted."""
+def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None,
+               calibration: CalibrationSource | None = None) -> None:
+    """Serve on uvloop until interrupted; ``calibration`` as for ``init_app``."""
     import uvloop
 
     server = loaded.config.server
     uvloop.install()
     # a client that leaves cancels its handler: a held request leaves the buffer, a
     # backend request in flight is closed (the backend stops generating for it)
-    web.run_app(init_app(loaded), host=host or server.host,
+    web.run_app(init_app(loaded, calibration=calibration), host=host or server.host,
                 port=server.port if port is None else port, print=print,
                 handler_cancellation=True)

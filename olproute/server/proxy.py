@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from olproute.policies.bid_price import patience_s
+from olproute.policies.admission import patience_s
 from olproute.server.schema import (
     BadRequest,
     ChatBody,

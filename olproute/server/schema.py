@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from olproute.config import _key_path, _problems, problem
+from olproute.config_read import key_path, problem, problems_of
 
 # Nesting of a request body, counted in arrays and objects. OpenAI bodies nest a few
 # levels (messages, content parts, tool schemas); far below where json.dumps, forwarding
@@ -192,7 +192,7 @@ def _bad_request(exc: ValidationError) -> BadRequest:
     loc = errors[0]["loc"]
     cut = next((i for i, part in enumerate(loc) if _is_type_tag(part)), None)
     if cut is None:
-        key, msg = (_problems(exc) or [(_key_path(loc), errors[0]["msg"])])[0]
+        key, msg = (problems_of(exc) or [(key_path(loc), errors[0]["msg"])])[0]
         return BadRequest(key, msg)
     members = [e for e in errors if len(e["loc"]) > cut and e["loc"][:cut] == loc[:cut]]
     for e in members:
@@ -202,7 +202,7 @@ def _bad_request(exc: ValidationError) -> BadRequest:
                 return BadRequest(*found)
     kinds = list(dict.fromkeys(_MEMBERS.get(str(e["loc"][cut]), str(e["loc"][cut]))
                                for e in members))
-    return BadRequest(_key_path(loc[:cut]), "must be " + (
+    return BadRequest(key_path(loc[:cut]), "must be " + (
         f"{', '.join(kinds[:-1])} or {kinds[-1]}" if len(kinds) > 1 else kinds[0]))
 
 

@@ -38,6 +38,7 @@ from olproute.sim.snapshots import SnapshotFeed
 from olproute.types import Decision, InstanceSpec, Outcome, Request, RoutingContext
 
 _BATCH_DONE, _ARRIVAL, _RETRY, _TICK, _TRANSFER = 0, 1, 2, 3, 4
+_heappush = heapq.heappush
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
@@ -68,6 +69,37 @@ class SimResult:
     num_events: int
 
 
+@dataclass(slots=True)
+class _Records:
+    """What one run records, per request (arrays indexed by request_id: NaN a time that
+    never happened, -1 an instance never chosen) and over time (the number of requests in
+    the system from each change on)."""
+
+    instance: IntArray
+    decode_instance: IntArray
+    dispatch_s: FloatArray
+    first_token_s: FloatArray
+    prefill_end_s: FloatArray
+    kv_arrival_s: FloatArray
+    finish_s: FloatArray
+    num_preemptions: IntArray
+    decode_tokens: IntArray
+    shed: npt.NDArray[np.bool_]
+    in_system_t: array[float]
+    in_system_n: array[int]
+
+    @staticmethod
+    def empty(n: int) -> _Records:
+        return _Records(
+            instance=np.full(n, -1, dtype=np.int64),
+            decode_instance=np.full(n, -1, dtype=np.int64),
+            dispatch_s=np.full(n, np.nan), first_token_s=np.full(n, np.nan),
+            prefill_end_s=np.full(n, np.nan), kv_arrival_s=np.full(n, np.nan),
+            finish_s=np.full(n, np.nan), num_preemptions=np.zeros(n, dtype=np.int64),
+            decode_tokens=np.zeros(n, dtype=np.int64), shed=np.zeros(n, dtype=bool),
+            in_system_t=array("d", [0.0]), in_system_n=array("q", [0]))
+
+
 class Cluster:
     """Runs one policy over a list of requests on engines built from specs."""
 
@@ -89,9 +121,9 @@ class Cluster:
         self.pools = Pools.of(specs)
         if self.pools.disaggregated and transfer is None:
             raise ValueError("disaggregated pools need a KV transfer time")
-        self._transfer = transfer
+        self.transfer = transfer
         self.max_held = max_held
-        self._role = [s.role for s in specs]
+        self.roles = [s.role for s in specs]
         self._log: array[float] | None = array("d") if record_batches else None
         self.engines = [SimEngine(i, s, t, self._log, reference_core)
                         for i, (s, t) in enumerate(zip(specs, timers, strict=True))]
@@ -99,207 +131,261 @@ class Cluster:
         self.slot_s = slot_s
         self.outstanding = [0] * len(specs)
         self.feed = SnapshotFeed(self.engines, snapshot_age_s)
-        self._needs_snapshots = bool(getattr(policy, "needs_snapshots", False))
+        self.needs_snapshots = policy.needs_snapshots
         # a policy with tick_s > 0 learns off the request path every tick_s seconds
-        self._tick_s = float(getattr(policy, "tick_s", 0.0) or 0.0)
+        self.tick_s = policy.tick_s
 
     def run(self, requests: Sequence[Request], progress: ProgressFn | None = None) -> SimResult:
-        n = len(requests)
-        if any(r.request_id != i for i, r in enumerate(requests)):
-            raise ValueError("request_id must equal the request's position in the list")
-        instance = np.full(n, -1, dtype=np.int64)
-        decode_instance = np.full(n, -1, dtype=np.int64)
-        dispatch_s = np.full(n, np.nan)
-        first_s = np.full(n, np.nan)
-        prefill_end_s = np.full(n, np.nan)
-        kv_arrival_s = np.full(n, np.nan)
-        finish_s = np.full(n, np.nan)
-        preempt = np.zeros(n, dtype=np.int64)
-        decode = np.zeros(n, dtype=np.int64)
-        shed = np.zeros(n, dtype=bool)
-        in_t: array[float] = array("d", [0.0])
-        in_n: array[int] = array("q", [0])
-
-        heap: list[tuple[float, int, int, int, int]] = []
-        seq = 0
-        for r in requests:
-            heap.append((r.arrival_s, _ARRIVAL, seq, _ARRIVAL, r.request_id))
-            seq += 1
-        if self._tick_s > 0 and requests:
-            heap.append((requests[0].arrival_s, _TICK, seq, _TICK, 0))
-            seq += 1
-        heapq.heapify(heap)
-        arrived = 0
-        engines, outstanding, policy, feed = self.engines, self.outstanding, self.policy, self.feed
-        disagg, role, transfer = self.pools.disaggregated, self._role, self._transfer
-        # per instance: request_id -> (dispatch time, prompt, predicted decode) of requests
-        # bound for it as their decode instance whose KV has not arrived yet
-        inbound: list[dict[int, tuple[float, int, int]]] = [{} for _ in engines]
-        held: set[int] = set()
-        in_system = 0
-        done = 0
-        num_events = 0
-        now = 0.0
-
-        def start(g: int, t: float) -> None:
-            nonlocal seq
-            duration = engines[g].start_batch(t)
-            feed.publish(g, t)
-            if duration is not None:
-                heapq.heappush(heap, (t + duration, _BATCH_DONE, seq, _BATCH_DONE, g))
-                seq += 1
-
-        def complete(rid: int, g: int, t: float) -> None:
-            nonlocal in_system, done
-            finish_s[rid] = t
-            outstanding[g] -= 1
-            in_system -= 1
-            in_t.append(t)
-            in_n.append(in_system)
-            done += 1
-            d = int(decode_instance[rid])
-            policy.observe(self._outcome(requests[rid], int(instance[rid]), dispatch_s[rid],
-                                         first_s[rid], t, int(preempt[rid]), int(decode[rid]),
-                                         None if d < 0 else d))
-            if progress is not None:
-                progress(done)
-
+        """Every event in time order, each handled by the method of its kind."""
+        run = _Run(self, requests, progress)
+        handlers = (run.batch_done, run.arrival, run.retry, run.tick, run.transfer)
+        heap, pop = run.heap, heapq.heappop
+        num_events, now = 0, 0.0
         while heap:
-            now, _prio, _seq, kind, arg = heapq.heappop(heap)
+            now, _prio, _seq, kind, arg = pop(heap)
             num_events += 1
-            if kind == _BATCH_DONE:
-                eng = engines[arg]
-                prefill_role = role[arg] == "prefill"
-                for rid, flags, npre in eng.finish_batch():
-                    if prefill_role:
-                        # its prompt is done (the one token is not the client's): the KV
-                        # cache moves on
-                        prefill_end_s[rid] = now
-                        preempt[rid] += npre
-                        feed.finished(arg, rid)
-                        outstanding[arg] -= 1
-                        assert transfer is not None
-                        heapq.heappush(heap, (now + transfer(requests[rid].prompt_tokens),
-                                              _BATCH_DONE, seq, _TRANSFER, rid))
-                        seq += 1
-                        continue
-                    if flags & FIRST_TOKEN:
-                        first_s[rid] = now
-                    if flags & FINISHED:
-                        preempt[rid] += npre
-                        feed.finished(arg, rid)
-                        complete(rid, arg, now)
-                start(arg, now)
-                continue
-            if kind == _TRANSFER:
-                d = int(decode_instance[arg])
-                req = requests[arg]
-                kv_arrival_s[arg] = now
-                _, _, predicted = inbound[d].pop(arg)
-                prompt, out, computed = decode_admission(req.prompt_tokens, int(decode[arg]))
-                feed.dispatched(d, now, arg, prompt, predicted)
-                engines[d].admit(arg, prompt, out, predicted, computed)
-                if not engines[d].busy:
-                    start(d, now)
-                continue
-            if kind == _TICK:
-                policy.tick(now, feed.view(now)[0])  # type: ignore[attr-defined]
-                if arrived < n or in_system > 0:
-                    heapq.heappush(heap, (now + self._tick_s, _TICK, seq, _TICK, 0))
-                    seq += 1
-                continue
-            req = requests[arg]
-            if kind == _ARRIVAL:
-                arrived += 1
-                in_system += 1
-                in_t.append(now)
-                in_n.append(in_system)
-            snaps, pending = feed.view(now) if self._needs_snapshots else (None, None)
-            ctx = RoutingContext(
-                request=req, now_s=now, specs=self.specs,
-                instances=tuple(e.load(outstanding[e.index]) for e in engines),
-                snapshots=snaps, pending=pending,
-                inbound=_rows(inbound) if disagg else None)
-            decision = policy.decide(ctx)
-            if decision.action == "hold" and arg not in held:
-                if self.max_held is not None and len(held) >= self.max_held:
-                    decision = Decision(arg, "shed", None, f"buffer full ({self.max_held} "
-                                        "requests held)")
-                else:
-                    held.add(arg)
-            if decision.action != "hold":
-                held.discard(arg)
-            if decision.action == "dispatch":
-                g = decision.instance
-                assert g is not None
-                if not 0 <= g < len(engines):
-                    raise ValueError(f"policy chose instance {g}, out of range")
-                instance[arg] = g
-                dispatch_s[arg] = now
-                outstanding[g] += 1
-                model = self.specs[g].model
-                predicted = req.predicted_decode_tokens_for(model)
-                decode[arg] = req.true_decode_tokens(model)
-                if disagg:
-                    d = self._check_pair(g, decision.decode_instance)
-                    decode_instance[arg] = d
-                    outstanding[d] += 1
-                    inbound[d][arg] = (now, req.prompt_tokens, predicted)
-                    feed.dispatched(g, now, arg, req.prompt_tokens, 1)
-                    engines[g].admit(arg, req.prompt_tokens, 1, 1)
-                else:
-                    feed.dispatched(g, now, arg, req.prompt_tokens, predicted)
-                    engines[g].admit(arg, req.prompt_tokens, int(decode[arg]), predicted)
-                if not engines[g].busy:
-                    start(g, now)
-            elif decision.action == "hold":
-                heapq.heappush(heap, (now + self.slot_s, _RETRY, seq, _RETRY, arg))
-                seq += 1
-            else:
-                shed[arg] = True
-                in_system -= 1
-                in_t.append(now)
-                in_n.append(in_system)
-                done += 1
-                policy.observe(self._outcome(req, None, float("nan"), float("nan"),
-                                             float("nan"), 0, 0))
-                if progress is not None:
-                    progress(done)
+            handlers[kind](now, arg)
+        return run.result(now, num_events)
 
+    def batch_log(self) -> FloatArray:
+        """Every batch the engines ran, one row each (``BATCH_LOG_COLUMNS``)."""
         width = len(BATCH_LOG_COLUMNS)
-        log = (np.frombuffer(self._log, dtype=np.float64).reshape(-1, width).copy()
-               if self._log is not None else np.zeros((0, width)))
-        return SimResult(
-            specs=self.specs, requests=tuple(requests), instance=instance,
-            dispatch_s=dispatch_s, first_token_s=first_s, finish_s=finish_s,
-            num_preemptions=preempt, decode_tokens=decode, decode_instance=decode_instance,
-            prefill_end_s=prefill_end_s, kv_arrival_s=kv_arrival_s, shed=shed, batch_log=log,
-            in_system_t=np.frombuffer(in_t, dtype=np.float64).copy(),
-            in_system_n=np.frombuffer(in_n, dtype=np.int64).copy(),
-            end_s=now, num_events=num_events)
+        return (np.frombuffer(self._log, dtype=np.float64).reshape(-1, width).copy()
+                if self._log is not None else np.zeros((0, width)))
 
-    def _check_pair(self, g: int, d: int | None) -> int:
+    def check_pair(self, g: int, d: int | None) -> int:
         """A disaggregated dispatch names a prefill and a decode instance."""
-        if self._role[g] != "prefill":
+        if self.roles[g] != "prefill":
             raise ValueError(f"policy sent a request to {self.specs[g].name!r} "
-                             f"(role {self._role[g]}) for its prefill")
-        if d is None or not 0 <= d < len(self.specs) or self._role[d] != "decode":
+                             f"(role {self.roles[g]}) for its prefill")
+        if d is None or not 0 <= d < len(self.specs) or self.roles[d] != "decode":
             raise ValueError(f"policy named decode instance {d!r}, not one of the decode "
                              f"pool {self.pools.decode.tolist()}")
         return d
 
-    @staticmethod
-    def _outcome(req: Request, g: int | None, dispatch: float, first: float, finish: float,
-                 preemptions: int, decode_tokens: int,
-                 decode_instance: int | None = None) -> Outcome:
-        def opt(x: float) -> float | None:
-            return None if x != x else float(x)  # NaN -> None
-        return Outcome(
-            request_id=req.request_id, instance=g, arrival_s=req.arrival_s,
-            dispatch_s=opt(dispatch), first_token_s=opt(first), finish_s=opt(finish),
-            prompt_tokens=req.prompt_tokens, decode_tokens=decode_tokens,
-            predicted_decode_tokens=req.predicted_decode_tokens, num_preemptions=preemptions,
-            decode_instance=decode_instance)
+
+class _Run:
+    """One run of a cluster over its requests: the event heap (tuples of time, priority,
+    seq, kind, arg, with ``seq`` counted here so ties break deterministically), the
+    records, the buffer of held requests, and one method per event kind."""
+
+    __slots__ = ("arrived", "cluster", "done", "engines", "feed", "heap", "held", "in_system",
+                 "inbound", "outstanding", "policy", "progress", "rec", "requests", "role",
+                 "seq")
+
+    def __init__(self, cluster: Cluster, requests: Sequence[Request],
+                 progress: ProgressFn | None) -> None:
+        if any(r.request_id != i for i, r in enumerate(requests)):
+            raise ValueError("request_id must equal the request's position in the list")
+        self.cluster = cluster
+        self.requests = requests
+        self.progress = progress
+        self.rec = _Records.empty(len(requests))
+        self.engines, self.feed, self.policy = cluster.engines, cluster.feed, cluster.policy
+        self.outstanding, self.role = cluster.outstanding, cluster.roles
+        # per instance: request_id -> (dispatch time, prompt, predicted decode) of requests
+        # bound for it as their decode instance whose KV has not arrived yet
+        self.inbound: list[dict[int, tuple[float, int, int]]] = [{} for _ in cluster.engines]
+        self.held: set[int] = set()
+        self.arrived = self.in_system = self.done = 0
+        self.heap: list[tuple[float, int, int, int, int]] = [
+            (r.arrival_s, _ARRIVAL, seq, _ARRIVAL, r.request_id)
+            for seq, r in enumerate(requests)]
+        self.seq = len(requests)
+        if cluster.tick_s > 0 and requests:
+            self.heap.append((requests[0].arrival_s, _TICK, self.seq, _TICK, 0))
+            self.seq += 1
+        heapq.heapify(self.heap)
+
+    def push(self, t: float, prio: int, kind: int, arg: int) -> None:
+        _heappush(self.heap, (t, prio, self.seq, kind, arg))
+        self.seq += 1
+
+    # -- events ---------------------------------------------------------------------------
+    def batch_done(self, now: float, g: int) -> None:
+        """Engine g finished a batch: its requests' first tokens and finishes
+        (``_finished``), then its next batch. The most frequent event: ``_start`` is
+        written out here."""
+        eng = self.engines[g]
+        events = eng.finish_batch()
+        if events:
+            self._finished(now, g, events)
+        duration = eng.start_batch(now)
+        self.feed.publish(g, now)
+        if duration is not None:
+            _heappush(self.heap, (now + duration, _BATCH_DONE, self.seq, _BATCH_DONE, g))
+            self.seq += 1
+
+    def _finished(self, now: float, g: int, events: list[tuple[int, int, int]]) -> None:
+        """Record first tokens and finishes; a prefill engine's finished prompts move on
+        as KV transfers (``_prefilled``)."""
+        rec = self.rec
+        prefill_role = self.role[g] == "prefill"
+        for rid, flags, npre in events:
+            if prefill_role:
+                self._prefilled(now, g, rid, npre)
+                continue
+            if flags & FIRST_TOKEN:
+                rec.first_token_s[rid] = now
+            if flags & FINISHED:
+                rec.num_preemptions[rid] += npre
+                self.feed.finished(g, rid)
+                self._complete(rid, g, now)
+
+    def _prefilled(self, now: float, g: int, rid: int, npre: int) -> None:
+        """Its prompt is done (the one token is not the client's): the KV cache moves."""
+        rec = self.rec
+        rec.prefill_end_s[rid] = now
+        rec.num_preemptions[rid] += npre
+        self.feed.finished(g, rid)
+        self.outstanding[g] -= 1
+        transfer = self.cluster.transfer
+        assert transfer is not None
+        self.push(now + transfer(self.requests[rid].prompt_tokens), _BATCH_DONE, _TRANSFER, rid)
+
+    def transfer(self, now: float, rid: int) -> None:
+        """A request's KV cache reached its decode instance, which admits it."""
+        rec = self.rec
+        d = int(rec.decode_instance[rid])
+        req = self.requests[rid]
+        rec.kv_arrival_s[rid] = now
+        _, _, predicted = self.inbound[d].pop(rid)
+        prompt, out, computed = decode_admission(req.prompt_tokens, int(rec.decode_tokens[rid]))
+        self.feed.dispatched(d, now, rid, prompt, predicted)
+        self.engines[d].admit(rid, prompt, out, predicted, computed)
+        if not self.engines[d].busy:
+            self._start(d, now)
+
+    def tick(self, now: float, _arg: int) -> None:
+        """The policy learns off the request path; the next tick while work remains."""
+        self.policy.tick(now, self.feed.view(now)[0])
+        if self.arrived < len(self.requests) or self.in_system > 0:
+            self.push(now + self.cluster.tick_s, _TICK, _TICK, 0)
+
+    def arrival(self, now: float, rid: int) -> None:
+        self.arrived += 1
+        self.in_system += 1
+        self.rec.in_system_t.append(now)
+        self.rec.in_system_n.append(self.in_system)
+        self.retry(now, rid)
+
+    def retry(self, now: float, rid: int) -> None:
+        """The policy decides (a new request, or a held one again): dispatch, hold or
+        shed, with at most ``max_held`` requests held at once."""
+        decision = self.policy.decide(self._context(now, self.requests[rid]))
+        held, max_held = self.held, self.cluster.max_held
+        if decision.action == "hold" and rid not in held:
+            if max_held is not None and len(held) >= max_held:
+                decision = Decision(rid, "shed", None, f"buffer full ({max_held} "
+                                    "requests held)")
+            else:
+                held.add(rid)
+        if decision.action != "hold":
+            held.discard(rid)
+        if decision.action == "dispatch":
+            self._dispatch(now, rid, decision)
+        elif decision.action == "hold":
+            self.push(now + self.cluster.slot_s, _RETRY, _RETRY, rid)
+        else:
+            self._shed(now, rid)
+
+    # -- what the events do ---------------------------------------------------------------
+    def _context(self, now: float, req: Request) -> RoutingContext:
+        c = self.cluster
+        snaps, pending = self.feed.view(now) if c.needs_snapshots else (None, None)
+        return RoutingContext(
+            request=req, now_s=now, specs=c.specs,
+            instances=tuple(e.load(self.outstanding[e.index]) for e in self.engines),
+            snapshots=snaps, pending=pending,
+            inbound=_rows(self.inbound) if c.pools.disaggregated else None)
+
+    def _dispatch(self, now: float, rid: int, decision: Decision) -> None:
+        c, rec, req = self.cluster, self.rec, self.requests[rid]
+        g = decision.instance
+        assert g is not None
+        if not 0 <= g < len(self.engines):
+            raise ValueError(f"policy chose instance {g}, out of range")
+        rec.instance[rid] = g
+        rec.dispatch_s[rid] = now
+        self.outstanding[g] += 1
+        model = c.specs[g].model
+        predicted = req.predicted_decode_tokens_for(model)
+        rec.decode_tokens[rid] = req.true_decode_tokens(model)
+        if c.pools.disaggregated:
+            d = c.check_pair(g, decision.decode_instance)
+            rec.decode_instance[rid] = d
+            self.outstanding[d] += 1
+            self.inbound[d][rid] = (now, req.prompt_tokens, predicted)
+            self.feed.dispatched(g, now, rid, req.prompt_tokens, 1)
+            self.engines[g].admit(rid, req.prompt_tokens, 1, 1)
+        else:
+            self.feed.dispatched(g, now, rid, req.prompt_tokens, predicted)
+            self.engines[g].admit(rid, req.prompt_tokens, int(rec.decode_tokens[rid]),
+                                  predicted)
+        if not self.engines[g].busy:
+            self._start(g, now)
+
+    def _shed(self, now: float, rid: int) -> None:
+        self.rec.shed[rid] = True
+        self._left(now)
+        self.policy.observe(_outcome(self.requests[rid], None, float("nan"), float("nan"),
+                                     float("nan"), 0, 0))
+        self._progress()
+
+    def _start(self, g: int, t: float) -> None:
+        duration = self.engines[g].start_batch(t)
+        self.feed.publish(g, t)
+        if duration is not None:
+            _heappush(self.heap, (t + duration, _BATCH_DONE, self.seq, _BATCH_DONE, g))
+            self.seq += 1
+
+    def _complete(self, rid: int, g: int, t: float) -> None:
+        rec = self.rec
+        rec.finish_s[rid] = t
+        self.outstanding[g] -= 1
+        self._left(t)
+        d = int(rec.decode_instance[rid])
+        self.policy.observe(_outcome(
+            self.requests[rid], int(rec.instance[rid]), rec.dispatch_s[rid],
+            rec.first_token_s[rid], t, int(rec.num_preemptions[rid]),
+            int(rec.decode_tokens[rid]), None if d < 0 else d))
+        self._progress()
+
+    def _left(self, t: float) -> None:
+        """A request left the system (finished or shed)."""
+        self.in_system -= 1
+        self.rec.in_system_t.append(t)
+        self.rec.in_system_n.append(self.in_system)
+        self.done += 1
+
+    def _progress(self) -> None:
+        if self.progress is not None:
+            self.progress(self.done)
+
+    def result(self, end_s: float, num_events: int) -> SimResult:
+        rec = self.rec
+        return SimResult(
+            specs=self.cluster.specs, requests=tuple(self.requests), instance=rec.instance,
+            dispatch_s=rec.dispatch_s, first_token_s=rec.first_token_s, finish_s=rec.finish_s,
+            num_preemptions=rec.num_preemptions, decode_tokens=rec.decode_tokens,
+            decode_instance=rec.decode_instance, prefill_end_s=rec.prefill_end_s,
+            kv_arrival_s=rec.kv_arrival_s, shed=rec.shed, batch_log=self.cluster.batch_log(),
+            in_system_t=np.frombuffer(rec.in_system_t, dtype=np.float64).copy(),
+            in_system_n=np.frombuffer(rec.in_system_n, dtype=np.int64).copy(),
+            end_s=end_s, num_events=num_events)
+
+
+def _outcome(req: Request, g: int | None, dispatch: float, first: float, finish: float,
+             preemptions: int, decode_tokens: int,
+             decode_instance: int | None = None) -> Outcome:
+    def opt(x: float) -> float | None:
+        return None if x != x else float(x)  # NaN -> None
+    return Outcome(
+        request_id=req.request_id, instance=g, arrival_s=req.arrival_s,
+        dispatch_s=opt(dispatch), first_token_s=opt(first), finish_s=opt(finish),
+        prompt_tokens=req.prompt_tokens, decode_tokens=decode_tokens,
+        predicted_decode_tokens=req.predicted_decode_tokens, num_preemptions=preemptions,
+        decode_instance=decode_instance)
 
 
 def _rows(inbound: Sequence[dict[int, tuple[float, int, int]]]

@@ -10,16 +10,9 @@ import numpy as np
 
 from olproute._core import BatchCore
 from olproute.core_ref import FINISHED, FIRST_TOKEN, IntArray, ReferenceCore, Sums
-from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec
+from olproute.types import BATCH_LOG_COLUMNS, EngineSnapshot, InstanceLoad, InstanceSpec
 
 BatchTimer = Callable[[Sequence[float]], float]
-
-# Columns of the batch log, after the instance index and the start time.
-BATCH_LOG_COLUMNS = (
-    "instance", "start_s", "duration_s", "num_seqs", "num_tokens", "num_decode_tokens",
-    "sum_decode_context", "num_prefill_tokens", "sum_prefill_attention", "num_prefill_seqs",
-    "sum_prefill_context",
-)
 
 
 class Core(Protocol):

@@ -2,25 +2,22 @@
 estimator for the chosen instance's TTFT; compare with the realised TTFT.
 
 Calibration comes from a file or from a profiling run of the same scenario on another
-seed (other batch-time noise and length predictions), as production would calibrate on
-yesterday's logs rather than on the requests it is about to route.
+seed (other batch-time noise and length predictions; ``olproute.sim.scenario.
+profile_calibration``), as production would calibrate on yesterday's logs rather than on
+the requests it is about to route.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from olproute.bea import TtftEstimator, make_estimator
-from olproute.calibration import (
-    InstanceCalibration,
-    calibrate_log,
-    predict_batch_time,
-)
+from olproute.calibration import InstanceCalibration, predict_batch_time
 from olproute.config import LoadedConfig
 from olproute.policies import Policy
 from olproute.sim import metrics
@@ -30,16 +27,18 @@ from olproute.sim.scenario import (
     build_requests,
     make_cluster,
     make_policy,
-    simulate,
+    profile_calibration,
 )
 from olproute.types import Decision, Outcome, RoutingContext
 
 FloatArray = npt.NDArray[np.float64]
 
 
-class EstimatorProbe:
-    """Wraps a policy: decides as it does, and records every estimator's TTFT for the
-    instance each request is dispatched to."""
+class EstimatorProbe(Policy):
+    """Wraps a policy: decides and observes as it does, and records every estimator's
+    TTFT for the instance each request is dispatched to. It needs snapshots (the
+    estimators read them) and forwards no other hook: the wrapped policy is never
+    ticked."""
 
     needs_snapshots = True
 
@@ -61,26 +60,6 @@ class EstimatorProbe:
 
     def observe(self, outcome: Outcome) -> None:
         self._inner.observe(outcome)
-
-
-def calibrate_result(res: SimResult) -> list[InstanceCalibration]:
-    """Calibration of every instance from one run's batch log and records."""
-    finished = np.isfinite(res.finish_s)
-    completions = [int(np.sum(finished & (res.instance == g))) for g in range(len(res.specs))]
-    decode = [res.decode_tokens[finished & (res.instance == g)].astype(np.float64)
-              for g in range(len(res.specs))]
-    cal = calibrate_log(res.batch_log, [s.name for s in res.specs], completions, decode)
-    return [cal[s.name] for s in res.specs]
-
-
-def profile_calibration(loaded: LoadedConfig, policy: str,
-                        seed_offset: int = 1) -> list[InstanceCalibration]:
-    """Calibrate on a profiling run of the same scenario with another seed; the LPS
-    service rate and concurrency come from a saturation run of each instance."""
-    res = simulate(loaded, policy, seed=loaded.config.sim.seed + seed_offset)
-    sat = saturation_profile(loaded)
-    return [replace(c, service_rate_per_s=s.requests_per_s, mean_batch_seqs=s.mean_batch_seqs)
-            for c, s in zip(calibrate_result(res), sat, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,43 +163,3 @@ def scatter_png(ev: EstimateEval, path: Path, title: str = "") -> None:
         fig.suptitle(title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-@dataclass(frozen=True, slots=True)
-class Saturation:
-    """An instance's behaviour when it always has work: completions per second and the
-    mean number of requests per batch (LPS mu and k, BEAR sec. 4.2)."""
-
-    requests_per_s: float
-    mean_batch_seqs: float
-
-
-def saturation_profile(loaded: LoadedConfig, num_requests: int = 2000) -> list[Saturation]:
-    """Every instance, on its own, given ``num_requests`` of the workload's requests at
-    time 0; measured between the 20th and 80th percentile completions, away from the
-    start-up and drain transients."""
-    reqs = build_requests(loaded)[:num_requests]
-    out = []
-    for g, spec in enumerate(loaded.specs):
-        burst = [replace(r, arrival_s=0.0, request_id=i) for i, r in enumerate(reqs)]
-        one = loaded.with_updates(instances=(loaded.config.instances[0].model_copy(
-            update={"name": spec.name, "model": spec.model, "gpu": spec.gpu,
-                    "tensor_parallel": spec.tensor_parallel, "replicas": 1,
-                    "max_num_seqs": spec.max_num_seqs,
-                    "max_num_batched_tokens": spec.max_num_batched_tokens,
-                    "block_size": spec.block_size,
-                    "kv_capacity_tokens": spec.kv_capacity_tokens, "role": "mixed"}),))
-        res = simulate(one, "round_robin", burst, seed=loaded.config.sim.seed + 7 + g)
-        done = np.sort(res.finish_s)
-        t0, t1 = done[int(0.2 * len(done))], done[int(0.8 * len(done))]
-        completed = 0.6 * len(done)
-        log = res.batch_log
-        mid = (log[:, 1] >= t0) & (log[:, 1] < t1)
-        if t1 <= t0 or not mid.any():
-            # too few requests, or all alike (they finish together): the whole run
-            t0, t1, completed = 0.0, float(done[-1]), float(len(done))
-            mid = np.ones(len(log), dtype=bool)
-        k = float((log[mid, 3] * log[mid, 2]).sum() / log[mid, 2].sum())
-        out.append(Saturation(requests_per_s=float(completed / (t1 - t0)),
-                              mean_batch_seqs=k))
-    return out

@@ -381,7 +381,7 @@ def _rewrite(path: Path, change: dict[str, Any]) -> None:
 BACKENDS = [{"name": f"q-{i}", "url": f"http://127.0.0.1:{9 + i}"} for i in range(3)]
 BAD_CONFIGS = [  # (id, keys changed in the config, the params the 400 names)
     ("bogus-policy-params", {"router.policy_params": {"bid_price": {"backend": "bogus"}}},
-     ["router.policy_params.bid_price"]),
+     ["router.policy_params.bid_price.backend"]),
     ("unknown-policy-param", {"router.policy_params": {"bid_price": {"nope": 1}}},
      ["router.policy_params.bid_price"]),
     ("port", {"server.port": 9999}, ["server.port"]),

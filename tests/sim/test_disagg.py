@@ -221,13 +221,14 @@ def test_policies_that_cannot_route_pools_say_so() -> None:
 
 
 def test_a_policy_naming_a_wrong_decode_instance_is_an_error() -> None:
+    from olproute.policies import Policy
     from olproute.sim.cluster import Cluster
     from olproute.sim.scenario import build_timers
     from olproute.types import Decision
 
     loaded = pd_config(duration_s=5.0)
 
-    class Bad:
+    class Bad(Policy):
         name = "bad"
 
         def decide(self, ctx: Any) -> Decision:

@@ -35,15 +35,15 @@ from tests.conftest import CONV_TRACE, REPO, make_config
 SEED = 3
 
 
-class Recorder:
+class Recorder(Policy):
     """Stands in for a policy in the simulator and records every call it gets."""
 
     def __init__(self, policy: Policy) -> None:
         self.inner = policy
         self.calls: list[tuple[str, Any]] = []
-
-    def __getattr__(self, name: str) -> Any:   # needs_snapshots, tick_s, name
-        return getattr(self.inner, name)
+        self.name = policy.name
+        self.needs_snapshots = policy.needs_snapshots
+        self.tick_s = policy.tick_s
 
     def decide(self, ctx: RoutingContext) -> Decision:
         decision = self.inner.decide(ctx)
@@ -54,8 +54,8 @@ class Recorder:
         self.inner.observe(outcome)
         self.calls.append(("observe", outcome))
 
-    def tick(self, now_s: float, snapshots: Sequence[EngineSnapshot]) -> None:
-        self.inner.tick(now_s, snapshots)  # type: ignore[attr-defined]
+    def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
+        self.inner.tick(now_s, snapshots)
         self.calls.append(("tick", (now_s, snapshots)))
 
 
@@ -198,7 +198,7 @@ def test_the_perturbation_changes_every_kind_of_truth() -> None:
     assert sum(other[r.request_id].decode_tokens != r.decode_tokens for r in requests) > 150
 
 
-class _PeeksAtTheTruth:
+class _PeeksAtTheTruth(Policy):
     """A policy that breaks the rule: the shortest true output wins."""
 
     name = "peeks"

@@ -31,8 +31,8 @@ from olproute.calibration import (
 from olproute.core_ref import replay_ttft_reference
 from olproute.sim import metrics
 from olproute.sim.cluster import Cluster
-from olproute.sim.estimate_eval import EstimatorProbe, calibrate_result
-from olproute.sim.scenario import build_requests, build_timers, simulate
+from olproute.sim.estimate_eval import EstimatorProbe
+from olproute.sim.scenario import build_requests, build_timers, calibrate_result, simulate
 from olproute.types import EngineSnapshot, InstanceSpec, Request, RoutingContext
 from tests.conftest import CONV_TRACE, make_config
 

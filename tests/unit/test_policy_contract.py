@@ -12,8 +12,7 @@ import pytest
 from olproute.calibration import InstanceCalibration
 from olproute.config import LoadedConfig
 from olproute.policies import REGISTRY, Policy, PolicyEnv
-from olproute.sim.estimate_eval import profile_calibration
-from olproute.sim.scenario import CalibrationSource, simulate
+from olproute.sim.scenario import CalibrationSource, profile_calibration, simulate
 from olproute.types import ACTIONS, Decision, RoutingContext
 from tests.conftest import make_config
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from olproute.config import DEFAULT_CONFIG, ConfigError, RewardConfig, load_config
+from olproute.config_schema import key_docs
 from olproute.weights import (
-    KEY_DOCS,
     SECTIONS,
     WEIGHTS_DIR,
     apply_profiles,
@@ -117,8 +117,9 @@ def test_profile_yaml_round_trips_with_comments(tmp_path: Path) -> None:
                 "admission": {"mode": "shed", "patience_s": 0.25}}
     text = profile_yaml(sections, ["made by a test", ""])
     assert text.startswith("# made by a test\n#\n")
+    docs = key_docs(RewardConfig)  # every reward key is documented in the schema
     for key in sections["reward"]:
-        assert any(line.strip().startswith(f"{key}:") and f"# {KEY_DOCS['reward'][key]}"
+        assert any(line.strip().startswith(f"{key}:") and f"# {docs[key]}"
                    in line for line in text.splitlines()), key
     path = _write(tmp_path / "p.yaml", text)
     assert read_profile(path) == sections

@@ -1,0 +1,338 @@
+"""The configuration's schema: frozen pydantic models, one per section, with bounds on
+every key and its documentation in ``Field(description=...)``, the one place a key is
+documented (weight profiles and ``olproute tune`` write these descriptions beside their
+keys, ``key_docs``).
+
+Reading and validating files is ``olproute.config_read``; ``olproute.config`` loads a
+whole run configuration (weight profiles merged, policy names and parameters checked).
+Everything here is plain data, so that the policies may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def key_docs(model: type[BaseModel]) -> dict[str, str]:
+    """Key -> its description, for the keys of a section that have one."""
+    return {k: f.description for k, f in model.model_fields.items() if f.description}
+
+
+# -- profiles -------------------------------------------------------------------------
+class ModelProfile(_Frozen):
+    """Architecture of one model, as in its config.json."""
+
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    num_params: float = Field(gt=0)
+    bytes_per_param: float = Field(default=2.0, gt=0)
+    kv_bytes_per_element: float = Field(default=2.0, gt=0)
+    max_context_tokens: int = Field(ge=1)
+    price_input_per_mtok: float = Field(
+        default=0.0, ge=0, description="serving price of prompt tokens, USD per million "
+        "tokens (0 when unknown: no cost term)")
+    price_output_per_mtok: float = Field(
+        default=0.0, ge=0, description="serving price of output tokens, USD per million "
+        "tokens (0 when unknown: no cost term)")
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV cache bytes one token occupies across all layers (K and V), whole model."""
+        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+
+
+class GpuProfile(_Frozen):
+    """One GPU: datasheet peaks plus the achievable fractions used by the roofline."""
+
+    peak_bf16_flops: float = Field(gt=0)
+    hbm_bandwidth_bytes_per_s: float = Field(gt=0)
+    memory_gib: float = Field(gt=0)
+    interconnect_bytes_per_s: float = Field(gt=0)
+    interconnect_latency_s: float = Field(ge=0)
+    compute_efficiency: float = Field(gt=0, le=1)
+    memory_efficiency: float = Field(gt=0, le=1)
+
+
+class Profiles(_Frozen):
+    models: dict[str, ModelProfile]
+    gpus: dict[str, GpuProfile]
+
+
+# -- the run configuration ---------------------------------------------------------------
+class InstanceConfig(_Frozen):
+    """One serving instance (or ``replicas`` identical ones), with vLLM's engine limits."""
+
+    name: str = Field(min_length=1)
+    model: str
+    gpu: str
+    tensor_parallel: int = Field(default=1, ge=1, le=16)
+    replicas: int = Field(default=1, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    activation_reserve_gib: float = Field(default=1.0, ge=0)
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        default="mixed", description="mixed serves both phases; prefill / decode instances "
+        "form disaggregated pools")
+
+
+class WorkloadConfig(_Frozen):
+    """Arrivals and lengths.
+
+    ``poisson`` / ``mmpp2`` generate arrivals at ``rate_per_s`` (MMPP-2 with rate ratio
+    ``ratio``) and take lengths from ``lengths_path`` (a trace or lengths-only CSV,
+    shuffled) or the fixed ``prompt_tokens`` / ``decode_tokens``. ``trace`` replays
+    ``path`` with its own arrivals, stretched by ``time_scale`` or rescaled to
+    ``rate_per_s`` when given. ``start_s`` / ``duration_s`` cut a window of a trace.
+    ``synthetic`` generates prompts with text and per-model truth (``olproute.sim.prompts``)
+    arriving at mean rate ``rate_per_s``, as a Poisson process or, with ``arrivals:
+    mmpp2``, an MMPP-2 with rate ratio ``ratio`` (BEAR paper App. B).
+    """
+
+    kind: Literal["poisson", "mmpp2", "trace", "synthetic"] = "trace"
+    arrivals: Literal["poisson", "mmpp2"] = Field(
+        default="poisson", description="arrival process of kind synthetic")
+    rate_per_s: float | None = Field(default=None, gt=0)
+    ratio: float = Field(default=3.0, ge=1)
+    num_requests: int | None = Field(default=None, ge=1)
+    path: str | None = None
+    lengths_path: str | None = None
+    prompt_tokens: int | None = Field(default=None, ge=1)
+    decode_tokens: int | None = Field(default=None, ge=1)
+    time_scale: float = Field(default=1.0, gt=0)
+    start_s: float = Field(default=0.0, ge=0)
+    duration_s: float | None = Field(default=None, gt=0)
+
+
+class SloClassConfig(_Frozen):
+    name: str
+    ttft_ms: float = Field(gt=0)
+    tpot_ms: float = Field(gt=0)
+    weight: float = Field(default=1.0, gt=0)
+
+
+class SloConfig(_Frozen):
+    """TTFT targets: the BEAR paper's per-prompt formula, or a mix of SLO classes."""
+
+    mode: Literal["bear", "classes"] = "bear"
+    classes: tuple[SloClassConfig, ...] = (
+        SloClassConfig(name="tight", ttft_ms=175.0, tpot_ms=39.7),
+        SloClassConfig(name="loose", ttft_ms=525.0, tpot_ms=119.1),
+    )
+
+
+class PredictionConfig(_Frozen):
+    """What the router is told of each request's output length and quality, per model of
+    the pool (made once per workload, so every policy sees the same predictions):
+    ``oracle``, the truth; ``noisy``, the truth times an independent uniform factor in
+    [1 - ``noise``, 1 + ``noise``] per model, and quality plus an independent uniform
+    error in [-``quality_noise``, +``quality_noise``] per model, clipped to [0, 1]
+    (workloads with per-model quality: ``synthetic``); ``predictor``, a trained predictor
+    (``olproute train-predictors``) saved in ``model_dir``, a path relative to the config
+    file, predicting from the prompt text (``synthetic`` workloads). The default
+    ``quality_noise`` is the size of a trained predictor's quality error: held out on the
+    Qwen3 pool its MAE is 0.13, and +/-0.3 uniform, clipped to [0, 1], gives 0.12 (but
+    independent per model, where the predictor's errors are correlated across models)."""
+
+    mode: Literal["oracle", "noisy", "predictor"] = "noisy"
+    noise: float = Field(default=0.2, ge=0, lt=1)
+    quality_noise: float = Field(default=0.3, ge=0, le=1)
+    model_dir: str | None = None
+
+
+class SimConfig(_Frozen):
+    """Simulator settings. ``timing: roofline`` is the ground truth; ``linear`` times
+    batches with the 4-term model ``linear_beta`` (tests of the estimator only)."""
+
+    seed: int = Field(default=0, ge=0, description="the run seed (numpy's SeedSequence "
+                      "rejects negative seeds)")
+    timing: Literal["roofline", "linear"] = "roofline"
+    noise_cv: float = Field(default=0.03, ge=0, lt=1)
+    batch_overhead_ms: float = Field(default=3.0, ge=0)
+    linear_beta: tuple[float, float, float, float] = (3e-3, 5e-5, 1e-8, 1e-9)
+    record_batches: bool = True
+    snapshot_age_ms: float = Field(
+        default=0.0, ge=0, description="how old the instance snapshots are that "
+        "snapshot-reading policies see (BEAR: 0-1000)")
+
+
+class TransferConfig(_Frozen):
+    """Moving a request's KV cache from a prefill to a decode instance (disaggregated
+    pools) takes ``latency_ms + KV bytes / (link_gbytes_per_s x 1e9)``, KV bytes from
+    the model profile (prompt tokens x kv_bytes_per_token). The default link is
+    100 Gb/s RDMA (12.5 GB/s) with 1 ms setup (NIXL-style transfer)."""
+
+    link_gbytes_per_s: float = Field(default=12.5, gt=0)
+    latency_ms: float = Field(default=1.0, ge=0)
+
+
+class RouterConfig(_Frozen):
+    policy: str = Field(default="round_robin", description="the routing policy, by its "
+                        "registered name")
+    slot_ms: float = Field(default=50.0, gt=0)
+    horizon_slots: int = Field(default=600, ge=1)
+    policy_params: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per policy name, that policy's parameters "
+        "(each policy's typed parameter model, checked when the config is loaded)")
+
+
+class RewardConfig(_Frozen):
+    """Weights of the multi-objective reward r_jg (DESIGN.md section 1) and of the TTFT
+    penalty delta in the bid-price score. Latency terms count slots saved within the
+    horizon, so not serving a request is never rewarded."""
+
+    sigma: float = Field(default=1.0, ge=0,
+                         description="reward per request served (QPS term)")
+    alpha: float = Field(default=0.0, ge=0, description="reward per token_norm tokens "
+                         "(prompt + predicted output) in the horizon")
+    token_norm: float = Field(default=1000.0, gt=0,
+                              description="tokens per unit of the throughput term")
+    beta: float = Field(default=0.01, ge=0, description="reward per slot of end-to-end "
+                        "latency saved within the horizon")
+    gamma: float = Field(default=0.01, ge=0,
+                         description="reward per slot of TTFT saved within the horizon")
+    zeta1: float = Field(default=0.0, ge=0, description="bonus when the predicted "
+                         "end-to-end latency <= eel_threshold_s")
+    eel_threshold_s: float = Field(default=10.0, gt=0, description="end-to-end latency "
+                                   "threshold of zeta1, seconds")
+    zeta2: float = Field(default=0.0, ge=0, description="bonus when the predicted TTFT <= "
+                         "ttft_threshold_s (tail TTFT)")
+    ttft_threshold_s: float | None = Field(default=None, gt=0, description="TTFT threshold "
+                                           "of zeta2, seconds; null: each request's target")
+    omega: float = Field(default=0.0, ge=0, description="weight of the quality-cost utility "
+                         "(quality - cost_lambda * cost)")
+    cost_lambda: float = Field(default=5e-4, ge=0, description="lambda: utility lost per "
+                               "micro-USD of serving cost")
+    delta: float = Field(default=1.0, ge=0, description="score penalty per second of "
+                         "estimated TTFT (not part of the reward)")
+
+
+class PriceConfig(_Frozen):
+    """Online learning of the shadow prices (projected mini-batch SAA dual steps).
+
+    ``step_size`` is eta0, the price change per unit of (free capacity - demand), both in
+    capacity fractions. Prices must reach the reward scale (a request's reward over its
+    usage, ~10 per slot) within seconds; constant steps track a load that changes
+    (inverse_sqrt settles)."""
+
+    enabled: bool = Field(default=True, description="learn shadow prices at all (false: "
+                          "prices stay 0)")
+    period_slots: int = Field(default=10, ge=1,
+                              description="update the prices every this many slots")
+    steps_per_period: int = Field(default=5, ge=1, description="K: dual steps per update")
+    step_size: float = Field(default=2.0, gt=0, description="eta0: price change per unit "
+                             "of (free capacity - demand)")
+    schedule: Literal["constant", "inverse_sqrt"] = Field(
+        default="constant", description="step sizes: constant, or inverse_sqrt "
+        "(eta0 / sqrt(t + 1))")
+    window: int = Field(default=2000, ge=1, description="recent requests kept for sampling")
+    minibatch: int = Field(default=256, ge=1, description="samples per dual step")
+    arrival_rate_halflife_s: float = Field(default=10.0, gt=0, description="half-life of "
+                                           "the arrival-rate estimate behind N_H, s")
+
+
+class AdmissionConfig(_Frozen):
+    """The central buffer: when a request is held, for how long, and what happens then.
+
+    ``shed`` (the default) refuses a request whose patience runs out (HTTP 429 with
+    Retry-After): a router that never refuses queues without bound under overload.
+    ``defer`` sends it to the best instance anyway. At most ``max_held`` requests are held
+    at once (a request the policy would hold past that is refused at once), and none is
+    held longer than ``max_patience_s``, whatever its patience or TTFT target says."""
+
+    mode: Literal["defer", "shed"] = Field(
+        default="shed", description="when patience runs out: defer (send to the best "
+        "instance) or shed (429)")
+    patience_s: float | None = Field(default=None, ge=0, description="how long a request "
+                                     "may wait in the router, seconds; null: its target")
+    max_patience_s: float = Field(default=30.0, gt=0, description="caps patience_s and "
+                                  "TTFT targets, seconds")
+    max_held: int = Field(default=256, ge=0, description="requests held at once")
+    candidates: int | None = Field(default=None, ge=1, description="instances sampled per "
+                                   "decision (against herding); null: all")
+    max_waiting: int = Field(default=0, ge=0, description="an instance can start a request "
+                             "if at most this many already wait")
+
+
+class BackendConfig(_Frozen):
+    """A real serving backend: ``name`` must be one of the instances (its spec gives the
+    limits the router models), ``url`` its OpenAI-compatible base URL."""
+
+    name: str = Field(min_length=1)
+    url: str = Field(pattern=r"^https?://")
+    role: Literal["mixed", "prefill", "decode"] | None = Field(
+        default=None, description="optional: when given, it must be the role of the "
+        "instance of that name")
+
+
+class ServerConfig(_Frozen):
+    """``olproute serve``. With no ``backends``, every instance is emulated in-process
+    (``olproute.emulator``): the embedded default."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    backends: tuple[BackendConfig, ...] = ()
+    emulator_time_scale: float = Field(default=1.0, gt=0,
+                                       description="emulated batch-time multiplier")
+    admin_token_env: str = Field(default="OLPROUTE_ADMIN_TOKEN",
+                                 description="bearer token for /admin, from the env")
+    admin_token: str | None = Field(default=None, description="or given here (the env wins)")
+    reload_weights_dirs: tuple[str, ...] = Field(
+        default=(), description="folders (relative to this file) besides its own and "
+        "configs/weights/ whose .yaml profiles POST /admin/reload may name in its body")
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    body_timeout_s: float = Field(default=5.0, gt=0, description="the whole body, else 408")
+    default_ttft_ms: float = Field(default=2000.0, gt=0,
+                                   description="when x-slo-ttft-ms is absent")
+    default_max_tokens: int = Field(default=16, ge=1)
+    request_timeout_s: float = Field(default=600.0, gt=0,
+                                     description="a whole backend request")
+    connect_timeout_s: float = Field(default=2.0, gt=0,
+                                     description="to open a backend connection")
+    first_byte_timeout_s: float = Field(
+        default=60.0, gt=0, description="from sending a request to the first byte of its "
+        "answer's body (a whole answer: the answer; a stream: its first chunk)")
+    read_timeout_s: float = Field(default=30.0, gt=0,
+                                  description="between two chunks of a stream")
+    hold_budget_ms: float = Field(
+        default=10.0, gt=0, description="event-loop time per slot for re-scoring held "
+        "requests: past it, the rest wait for the next slot (round robin over the buffer), "
+        "so the loop never starves")
+    health_period_s: float = Field(default=2.0, gt=0)
+    scrape_period_s: float = Field(default=1.0, gt=0, description="backends' /metrics")
+    recalibrate_period_s: float = Field(default=5.0, gt=0)
+    retry_after_s: int = Field(default=1, ge=0, description="on 429")
+
+
+class Config(_Frozen):
+    profiles: str = "profiles.yaml"
+    instances: tuple[InstanceConfig, ...] = Field(min_length=1)
+    workload: WorkloadConfig = WorkloadConfig()
+    slo: SloConfig = SloConfig()
+    prediction: PredictionConfig = PredictionConfig()
+    sim: SimConfig = SimConfig()
+    router: RouterConfig = RouterConfig()
+    reward: RewardConfig = RewardConfig()
+    prices: PriceConfig = PriceConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    transfer: TransferConfig = TransferConfig()
+    calibration: str = Field(
+        default="auto", description="batch-time calibration for estimating policies: "
+        "'auto' profiles the scenario on another seed first; otherwise a YAML file "
+        "written by `olproute calibrate`")
+    server: ServerConfig = ServerConfig()

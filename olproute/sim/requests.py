@@ -1,0 +1,183 @@
+"""A configured workload as the run's requests: arrivals and lengths (or generated
+prompts), TTFT and TPOT targets, and the router's predictions per model of the pool.
+
+Randomness is split by purpose from the run seed (numpy ``SeedSequence.spawn``), so every
+policy compared on a seed sees the same requests, targets and predicted lengths, and a
+policy's own coin flips never shift the workload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from olproute.config import ConfigError, LoadedConfig, prediction_problems
+from olproute.sim import workloads as wl
+from olproute.types import Request
+
+# Child seed streams of the run seed, by purpose. Later purposes are appended, so the
+# earlier streams (and the runs made with them) stay as they were.
+_WORKLOAD, _TARGETS, _PREDICT, _POLICY, _ENGINES, _PREDICT_MODELS, _PREDICT_QUALITY = range(7)
+
+
+@dataclass(frozen=True, slots=True)
+class Streams:
+    workload: np.random.Generator
+    targets: np.random.Generator
+    predict: np.random.Generator          # the first model's predicted lengths
+    policy: np.random.Generator
+    engine_seeds: tuple[np.random.SeedSequence, ...]
+    predict_models: np.random.Generator   # the other models' predicted lengths
+    predict_quality: np.random.Generator  # predicted quality, every model
+
+
+def streams(seed: int, num_instances: int) -> Streams:
+    root = np.random.SeedSequence(seed)
+    kids = root.spawn(7)
+    return Streams(
+        workload=np.random.default_rng(kids[_WORKLOAD]),
+        targets=np.random.default_rng(kids[_TARGETS]),
+        predict=np.random.default_rng(kids[_PREDICT]),
+        policy=np.random.default_rng(kids[_POLICY]),
+        engine_seeds=tuple(kids[_ENGINES].spawn(num_instances)),
+        predict_models=np.random.default_rng(kids[_PREDICT_MODELS]),
+        predict_quality=np.random.default_rng(kids[_PREDICT_QUALITY]),
+    )
+
+
+def pool_models(loaded: LoadedConfig) -> list[str]:
+    """The pool's distinct models, in the order of their first instance."""
+    return list(dict.fromkeys(s.model for s in loaded.specs))
+
+
+def _lengths(loaded: LoadedConfig, n: int, rng: np.random.Generator) -> tuple[
+        np.ndarray, np.ndarray]:
+    w = loaded.config.workload
+    if w.lengths_path is None:
+        assert w.prompt_tokens is not None and w.decode_tokens is not None
+        return (np.full(n, w.prompt_tokens, dtype=np.int64),
+                np.full(n, w.decode_tokens, dtype=np.int64))
+    prompt, decode = wl.read_lengths_csv(loaded.resolve(w.lengths_path))
+    order = rng.permutation(len(prompt))
+    return prompt[order], decode[order]
+
+
+def build_trace(loaded: LoadedConfig, rng: np.random.Generator) -> wl.Trace:
+    """Arrivals and lengths of the configured workload."""
+    w = loaded.config.workload
+    if w.kind == "trace":
+        assert w.path is not None
+        trace = wl.read_trace_csv(loaded.resolve(w.path), time_scale=w.time_scale)
+        if w.rate_per_s is not None:
+            factor = wl.trace_time_scale_for_rate(trace, w.rate_per_s)
+            trace = wl.Trace(trace.arrival_s * factor, trace.prompt_tokens, trace.decode_tokens)
+        if w.start_s > 0 or w.duration_s is not None:
+            end = w.start_s + w.duration_s if w.duration_s is not None else np.inf
+            trace = trace.window(w.start_s, float(end))
+        if w.num_requests is not None:
+            trace = trace.head(min(w.num_requests, len(trace)))
+        return trace
+    assert w.rate_per_s is not None
+    n = w.num_requests if w.num_requests is not None else int(
+        np.ceil(w.rate_per_s * (w.duration_s or 0.0)))
+    if w.kind == "poisson":
+        arrivals = wl.poisson_arrivals(w.rate_per_s, n, rng)
+    else:
+        arrivals = wl.mmpp2_arrivals(w.rate_per_s, w.ratio, n, rng).arrival_s
+    if w.duration_s is not None:
+        arrivals = arrivals[arrivals < w.duration_s]
+    prompt, decode = _lengths(loaded, len(arrivals), rng)
+    return wl.lengths_with_arrivals(prompt, decode, arrivals)
+
+
+def build_requests(loaded: LoadedConfig, seed: int | None = None) -> list[Request]:
+    """The run's requests with TTFT (and TPOT) targets and predicted decode lengths."""
+    cfg = loaded.config
+    st = streams(cfg.sim.seed if seed is None else seed, len(loaded.specs))
+    problems = prediction_problems(cfg.prediction, cfg.workload.kind)
+    if problems:
+        raise ConfigError(loaded.path, problems)
+    if cfg.workload.kind == "synthetic":
+        return _synthetic_requests(loaded, st)
+    trace = build_trace(loaded, st.workload)
+    n = len(trace)
+    tpot_target = None
+    classes = None
+    if cfg.slo.mode == "bear":
+        ttft_target = wl.bear_ttft_targets_s(trace.prompt_tokens, st.targets)
+    else:
+        slo = [wl.SloClass(c.name, c.ttft_ms / 1e3, c.tpot_ms / 1e3, c.weight)
+               for c in cfg.slo.classes]
+        idx = wl.assign_slo_classes(n, slo, st.targets)
+        ttft_target = np.array([slo[i].ttft_s for i in idx])
+        tpot_target = np.array([slo[i].tpot_s for i in idx])
+        classes = [slo[i].name for i in idx]
+    noise = cfg.prediction.noise if cfg.prediction.mode == "noisy" else 0.0
+    predicted = wl.predicted_decode_tokens(trace.decode_tokens, noise, st.predict)
+    reqs = wl.build_requests(trace, ttft_target, predicted, tpot_target, classes)
+    models = pool_models(loaded)
+    if len(models) == 1:
+        return reqs
+    # one true length on every model: each other model's prediction has its own noise
+    by_model = {models[0]: predicted.tolist()} | {
+        m: wl.predicted_decode_tokens(trace.decode_tokens, noise, st.predict_models).tolist()
+        for m in models[1:]}
+    return [replace(r, predicted_decode_by_model={m: by_model[m][i] for m in models})
+            for i, r in enumerate(reqs)]
+
+
+def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
+    """Generated prompts with Poisson (or MMPP-2, ``workload.arrivals``) arrivals and
+    per-model truth, and the router's predictions for every model of the pool
+    (``_predict_per_model``)."""
+    from olproute.sim.prompts import synthetic_requests
+
+    cfg, w = loaded.config, loaded.config.workload
+    assert w.rate_per_s is not None
+    n = w.num_requests if w.num_requests is not None else int(
+        np.ceil(w.rate_per_s * (w.duration_s or 0.0)))
+    if w.arrivals == "mmpp2":
+        arrivals = wl.mmpp2_arrivals(w.rate_per_s, w.ratio, n, st.workload).arrival_s
+    else:
+        arrivals = wl.poisson_arrivals(w.rate_per_s, n, st.workload)
+    if w.duration_s is not None:
+        arrivals = arrivals[arrivals < w.duration_s]
+    reqs = synthetic_requests(len(arrivals), arrivals, [s.model for s in loaded.specs],
+                              st.workload)
+    if cfg.slo.mode == "classes":
+        slo = [wl.SloClass(c.name, c.ttft_ms / 1e3, c.tpot_ms / 1e3, c.weight)
+               for c in cfg.slo.classes]
+        idx = wl.assign_slo_classes(len(reqs), slo, st.targets).tolist()
+        reqs = [replace(r, ttft_target_s=slo[i].ttft_s, tpot_target_s=slo[i].tpot_s,
+                        slo_class=slo[i].name) for r, i in zip(reqs, idx, strict=True)]
+    return _predict_per_model(loaded, reqs, st)
+
+
+def _predict_per_model(loaded: LoadedConfig, reqs: list[Request],
+                       st: Streams) -> list[Request]:
+    """Per-model predictions of length and quality, by ``prediction.mode``: the truth
+    (oracle); the truth with independent uniform noise per model (noisy; the first
+    model's lengths from the ``predict`` stream, the others' from ``predict_models``,
+    quality from ``predict_quality``); or the trained predictor on the prompt text."""
+    pred = loaded.config.prediction
+    models = pool_models(loaded)
+    if pred.mode == "predictor":
+        from olproute.predict import Predictor, apply_predictor
+
+        assert pred.model_dir is not None
+        return apply_predictor(reqs, Predictor.load(loaded.resolve(pred.model_dir)), models)
+    noise, q_noise = (pred.noise, pred.quality_noise) if pred.mode == "noisy" else (0.0, 0.0)
+    decode: dict[str, list[int]] = {}
+    quality: dict[str, list[float]] = {}
+    for k, m in enumerate(models):
+        truth = np.array([r.true_decode_tokens(m) for r in reqs], dtype=np.int64)
+        rng = st.predict if k == 0 else st.predict_models
+        decode[m] = wl.predicted_decode_tokens(truth, noise, rng).tolist()
+    for m in models:
+        q = np.array([(r.quality_by_model or {}).get(m, 0.0) for r in reqs])
+        quality[m] = wl.predicted_quality(q, q_noise, st.predict_quality).tolist()
+    return [replace(r, predicted_decode_tokens=decode[models[0]][i],
+                    predicted_decode_by_model={m: decode[m][i] for m in models},
+                    predicted_quality_by_model={m: quality[m][i] for m in models})
+            for i, r in enumerate(reqs)]

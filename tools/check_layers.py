@@ -1,0 +1,298 @@
+"""Check the import structure of olproute/ and solvers/ (DESIGN.md section 3: layers only
+import downward, no cycles), and the length of their functions.
+
+    python tools/check_layers.py [--root DIR] [--max-lines N]
+
+Three checks, each problem printed on its own line with file and line, exit status 1 if
+there is any:
+
+1. **No import cycle** among the modules, counting every import: at module level, inside
+   functions and under ``if TYPE_CHECKING:``. ``import a.b.c`` and ``from a.b import c``
+   (c a module) are edges to ``a.b.c``; ``from a.b import name`` an edge to ``a.b``. A
+   package's own ``__init__`` is not an edge of its submodules' imports (Python runs it,
+   but a package that re-exports its submodules would otherwise cycle with each of them).
+2. **No import climbs** the layer order below: a module may import modules of a lower
+   layer, or of its own layer and column; importing a higher layer, or a sibling column
+   of its own layer (``sim`` and ``router`` know nothing of each other), is reported.
+3. **No function longer than** ``--max-lines`` (80) lines, ``def`` line to last line.
+
+The layer order is ``LAYERS`` below, bottom to top, as DESIGN.md section 3 states it
+(types -> core, calibration -> bea, predict, config schema -> reward -> prices -> policies
+-> assembly -> sim / router -> server, solvers -> cli). Each layer is a tuple of
+columns, each column a tuple of module names: a name stands for the module and its
+submodules (``=name`` for the module alone), and a module belongs to the column with its
+longest matching name. A module in no layer is a problem too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
+    # the package's own __init__ (exactly), and the messages every layer speaks
+    (("=olproute", "olproute.types"),),
+    # the batch-formation kernel and its Python twin
+    (("olproute._core", "olproute.core_ref"),),
+    # batch-time calibration (NNLS beta, online refit)
+    (("olproute.calibration",),),
+    # TTFT estimators, predictors, the config schema and what needs only it (reading
+    # files, weight profiles, per-request outlook, prefill/decode pools)
+    (("olproute.bea", "olproute.predict", "olproute.config_schema", "olproute.config_read",
+      "olproute.weights", "olproute.outlook", "olproute.disagg"),),
+    # the multi-objective reward and usage columns
+    (("olproute.reward",),),
+    # shadow prices
+    (("olproute.prices",),),
+    # the policy interface, the registry and the policies
+    (("olproute.policies",),),
+    # the config loader (policy names and parameters) and the one assembly place
+    (("olproute.config", "olproute.assembly"),),
+    # the simulator and its CDF plots | the router (no I/O): each builds its policy
+    # through the assembly
+    (("olproute.sim", "olproute.plots"), ("olproute.router",)),
+    # emulated instances (on the simulator's engine) | offline analysis (tune, its grid,
+    # the operator's plots)
+    (("olproute.emulator",), ("olproute.operator_plots", "olproute.tune", "olproute.tune_grid")),
+    # the HTTP server | the exact LP and its checks
+    (("olproute.server",), ("solvers",)),
+    # the command line
+    (("olproute.cli", "olproute.cli_args", "olproute.cli_operator"),),
+)
+PACKAGES = ("olproute", "solvers")
+MAX_FUNCTION_LINES = 80
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    """An import of module ``target`` by module ``source``, at ``path``:``line``."""
+
+    source: str
+    target: str
+    path: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.source} imports {self.target}"
+
+
+def module_files(root: Path, packages: Iterable[str] = PACKAGES) -> dict[str, Path]:
+    """Module name -> file, for every .py file under the packages (a .pyi stub stands for
+    a compiled module without a .py twin)."""
+    out: dict[str, Path] = {}
+    for pkg in packages:
+        files = sorted((root / pkg).rglob("*.py")) + sorted((root / pkg).rglob("*.pyi"))
+        for f in files:
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out.setdefault(".".join(parts), f)
+    return out
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module name an ``ImportFrom`` names (relative ones resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    keep = len(base) - node.level + (1 if is_package else 0)
+    parts = base[:keep] + ([node.module] if node.module else [])
+    return ".".join(parts)
+
+
+def _known(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest prefix of a dotted name that is one of the modules."""
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:k])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path], root: Path) -> list[Import]:
+    """Every import of one of ``modules`` anywhere in ``path`` (functions included)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    rel = str(path.relative_to(root))
+    found: list[Import] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, path.stem == "__init__", node)
+            names = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            target = _known(name, modules)
+            if target is not None and target != module:
+                found.append(Import(module, target, rel, node.lineno))
+    return list(dict.fromkeys(found))  # one per (target, line)
+
+
+def import_graph(root: Path, packages: Iterable[str] = PACKAGES) -> list[Import]:
+    modules = module_files(root, packages)
+    edges: list[Import] = []
+    for module, path in modules.items():
+        edges += imports_of(module, path, modules, root)
+    return edges
+
+
+def find_cycles(edges: Sequence[Import]) -> list[tuple[set[str], list[Import]]]:
+    """Per strongly connected set of modules (each reaches every other by imports): the
+    set, and one shortest cycle in it as the imports that close it."""
+    graph: dict[str, dict[str, Import]] = {}
+    for e in edges:
+        graph.setdefault(e.source, {}).setdefault(e.target, e)
+    cycles = []
+    for component in _strongly_connected(graph):
+        if len(component) > 1:
+            cycles.append((component, _cycle_in(graph, component)))
+    return cycles
+
+
+def _strongly_connected(graph: dict[str, dict[str, Import]]) -> list[set[str]]:
+    """Tarjan's algorithm, iterative (no recursion limit on long chains)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+    nodes = sorted(set(graph) | {t for ts in graph.values() for t in ts})
+    for start in nodes:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, {}))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.add(top)
+                        if top == node:
+                            break
+                    out.append(component)
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, {})))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return out
+
+
+def _cycle_in(graph: dict[str, dict[str, Import]], component: set[str]) -> list[Import]:
+    """A shortest cycle through the first module of a strongly connected set (BFS)."""
+    start = min(component)
+    prev: dict[str, Import] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for target, edge in sorted(graph.get(node, {}).items()):
+                if target not in component or target in prev:
+                    continue
+                prev[target] = edge
+                if target == start:
+                    path = [edge]
+                    while path[0].source != start:
+                        path.insert(0, prev[path[0].source])
+                    return path
+                nxt.append(target)
+        frontier = nxt
+    raise AssertionError("a strongly connected set of two or more modules has a cycle")
+
+
+def layer_of(module: str, layers: Sequence[Sequence[Sequence[str]]] = LAYERS
+             ) -> tuple[int, int] | None:
+    """(layer, column) of a module: the column with its longest matching name."""
+    best: tuple[int, int, int] | None = None
+    for i, columns in enumerate(layers):
+        for j, names in enumerate(columns):
+            for name in names:
+                exact = name.startswith("=")
+                p = name.lstrip("=")
+                hit = module == p or (not exact and module.startswith(p + "."))
+                if hit and (best is None or len(p) > best[2]):
+                    best = (i, j, len(p))
+    return None if best is None else best[:2]
+
+
+def layer_problems(edges: Sequence[Import], modules: Iterable[str],
+                   layers: Sequence[Sequence[Sequence[str]]] = LAYERS) -> list[str]:
+    """Modules in no layer, and imports that climb or go sideways."""
+    problems = [f"{m}: in no layer of tools/check_layers.py LAYERS" for m in sorted(modules)
+                if layer_of(m, layers) is None]
+    for e in edges:
+        src, dst = layer_of(e.source, layers), layer_of(e.target, layers)
+        if src is None or dst is None or dst[0] < src[0] or dst == src:
+            continue
+        how = "a higher layer" if dst[0] > src[0] else "a sibling column of its layer"
+        problems.append(f"{e} ({how})")
+    return problems
+
+
+def long_functions(root: Path, packages: Iterable[str] = PACKAGES,
+                   max_lines: int = MAX_FUNCTION_LINES) -> list[str]:
+    out = []
+    for path in module_files(root, packages).values():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                assert node.end_lineno is not None
+                length = node.end_lineno - node.lineno + 1
+                if length > max_lines:
+                    out.append(f"{path.relative_to(root)}:{node.lineno}: function "
+                               f"{node.name} is {length} lines (at most {max_lines})")
+    return out
+
+
+def check(root: Path, packages: Sequence[str] = PACKAGES,
+          layers: Sequence[Sequence[Sequence[str]]] = LAYERS,
+          max_lines: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every problem found under ``root``, one line each."""
+    edges = import_graph(root, packages)
+    problems = []
+    for component, cycle in find_cycles(edges):
+        names = " -> ".join([cycle[0].source, *(e.target for e in cycle)])
+        problems.append(f"import cycle {names} ({len(component)} modules reach each "
+                        "other through imports):")
+        problems += [f"    {e}" for e in cycle]
+    problems += layer_problems(edges, module_files(root, packages), layers)
+    problems += long_functions(root, packages, max_lines)
+    return problems
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+                    help="the repository (default: this tool's)")
+    ap.add_argument("--max-lines", type=int, default=MAX_FUNCTION_LINES)
+    args = ap.parse_args(argv)
+    problems = check(args.root, max_lines=args.max_lines)
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"{len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    print(f"layers, cycles and function lengths: ok ({len(module_files(args.root))} modules)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
