@@ -117,10 +117,13 @@ def bid_price_profile(delta: float, zeta2: float, omega: float,
 
 
 # -- tuned constants (``--tune`` reruns the sweep that chose them) ---------------------------
-# Sweep: TUNE_SEEDS x TUNE_RATES x all three arrival processes, 3,000 requests per point;
-# the objective is each variant's mean OnTimeUtility over those 45 runs. Exact ties go to
-# the first in grid order, and each grid lists the earlier choice (the defaults, or the
-# profile chosen before) first.
+# Sweep: TUNE_SEEDS (0-4) x TUNE_RATES (20, 50, 80 qps; not 35 and 65, to halve its cost) x
+# all three arrival processes, 3,000 requests per point, the table's predictor; the
+# objective is each variant's mean OnTimeUtility over those 45 runs, every variant on the
+# same requests and calibration per run. Exact ties go to the first in grid order, and
+# each grid lists the earlier choice (the defaults, or the profile chosen before) first.
+# Figures below: mean OTU over the 45 runs [min-max over the 5 seeds' means]; ``--tune``
+# prints every point, with the mean per arrival process (about 1.5 h on 2 shared cores).
 TUNE_SEEDS = TUNING_SEEDS[:5]  # calibration profiles seed + 1: 1-5, tuning seeds too
 TUNE_RATES = (20.0, 50.0, 80.0)
 
@@ -129,13 +132,28 @@ TUNE_RATES = (20.0, 50.0, 80.0)
 # w_quality = 1 and w_cost = lambda stay and w_latency (per second) is swept.
 SCORE_GRID = tuple({"w_latency": w} for w in (1.0, 0.0, 0.001, 0.003, 0.01, 0.03, 0.05,
                                               0.1, 0.2, 0.3))
-SCORE_PARAMS: dict[str, float] = {"w_latency": 1.0}  # TODO from the sweep
+# Result: w_latency 0.2: 0.407 [0.307-0.450]; 0.3: 0.406; 0.1: 0.399; 1 (the default,
+# reward.delta): 0.394; 0.05: 0.347; 0: 0.323; 0.001-0.03: 0.27-0.31. SCORE's latency is a
+# completion time (queue + predicted output x time per token), seconds for every model, so
+# a weight that keeps requests on time also sends them to the fastest, lowest-quality
+# model, and a small one piles them onto the large models, late; no weight does both.
+SCORE_PARAMS: dict[str, float] = {"w_latency": 0.2}
 
 # RouteBalance: w_quality x q - w_cost x c - w_latency x l on min-max normalised figures;
 # only ratios count, so w_quality = 1 and the other two are swept.
 ROUTE_BALANCE_GRID = tuple({"w_cost": c, "w_latency": lat} for c in (1.0, 0.0, 0.1, 0.3)
                            for lat in (1.0, 0.0, 0.1, 0.3, 0.6, 1.5, 3.0))
-ROUTE_BALANCE_PARAMS: dict[str, float] = {"w_cost": 1.0, "w_latency": 1.0}  # TODO
+# Stage 2 (with bid_price's): w_latency at these multiples of the stage-1 best, at its
+# w_cost (the score jumps between w_latency 0.6 and 1 in stage 1).
+ROUTE_BALANCE_STAGE2_FACTORS = (1.0, 0.7, 0.8, 0.9, 1.1, 1.25)
+# Result, stage 1: (w_cost, w_latency) = (0, 1): 0.371 [0.290-0.409]; (0.1, 1): 0.355;
+# (0.3, 1): 0.344; (1, 1), the defaults: 0.342; (any, 1.5-3): 0.330-0.340; (any, 0-0.6):
+# 0.008-0.238 (quality alone, w_cost = w_latency = 0: 0.008). Stage 2 at
+# w_cost 0: w_latency 1: 0.371; 1.1: 0.352; 1.25: 0.342; 0.7-0.9: 0.224-0.225. The optimum
+# is a knife edge at w_latency = w_quality: there the best-quality but most loaded
+# instance ties the worst-quality idle one (1 - 1 = 0 - 0), and the tie goes to the lower
+# latency. Any cost weight lowers OnTimeUtility.
+ROUTE_BALANCE_PARAMS: dict[str, float] = {"w_cost": 0.0, "w_latency": 1.0}
 
 # bid_price, in two stages around the profile chosen before predictions stopped carrying
 # the truth (delta 60, zeta2 10, omega 10, max_waiting 16): delta x zeta2 at omega 10 and
@@ -145,8 +163,16 @@ BID_PRICE_STAGE1 = tuple({"delta": d, "zeta2": z, "omega": 10.0, "max_waiting": 
                          for d in (60.0, 30.0, 45.0, 75.0, 100.0) for z in (10.0, 0.0, 20.0))
 BID_PRICE_STAGE2_OMEGA = (10.0, 5.0, 20.0)
 BID_PRICE_STAGE2_MAX_WAITING = (16, 0, 8, 32)
-BID_PRICE_CHOICE: dict[str, Any] = {"delta": 60.0, "zeta2": 10.0, "omega": 10.0,
-                                    "max_waiting": 16}  # TODO
+# Result, stage 1 (omega 10, max_waiting 16): (delta, zeta2) = (60, 0): 0.637
+# [0.589-0.657]; (45, 0): 0.634; (60, 20): 0.630; (60, 10), the old profile: 0.630
+# [0.547-0.659]; (45, 10 or 20): 0.627; (75, 0/10/20): 0.620-0.626; (30, 10 or 20): 0.612;
+# (100, any): 0.600-0.605; (30, 0): 0.588. zeta2 = 0 wins under MMPP-2 (r = 6: 0.613
+# against 0.591 for zeta2 10) and loses a little under Poisson (0.656 against 0.661), and
+# its worst seed is much better (0.589 against 0.547). Stage 2 at (60, 0): (omega, max_waiting) =
+# (10, 8): 0.6375; (10, 16 or 32): 0.6374 (a difference of 1e-4: any queue of 8 or more
+# behaves the same); (10, 0): 0.595; (20, any): 0.568-0.587; (5, any): 0.562-0.580.
+BID_PRICE_CHOICE: dict[str, Any] = {"delta": 60.0, "zeta2": 0.0, "omega": 10.0,
+                                    "max_waiting": 8}
 BID_PRICE_PROFILE = bid_price_profile(**BID_PRICE_CHOICE)
 BASELINE_PARAMS = {"score": SCORE_PARAMS, "route_balance": ROUTE_BALANCE_PARAMS}
 
@@ -511,21 +537,24 @@ def tune(args: argparse.Namespace) -> None:
     figures = sweep([v for p, g in stage1.items() for v in _variants(p, g)], args, "tune 1")
     best = {p: print_sweep(f"{p} (stage 1)", {k: f for k, f in figures.items()
                                              if k.startswith(p + " ")}) for p in stage1}
-    first = BID_PRICE_STAGE1[[_key("bid_price", g) for g in BID_PRICE_STAGE1]
-                             .index(best["bid_price"])]
-    stage2 = [dict(first, omega=o, max_waiting=m) for o, m in itertools.product(
-        BID_PRICE_STAGE2_OMEGA, BID_PRICE_STAGE2_MAX_WAITING)]
-    figures2 = sweep(_variants("bid_price", stage2), args, "tune 2")
-    best2 = print_sweep("bid_price (stage 2)", figures2)
-    print(f"\nchosen: {best['score']}; {best['route_balance']}; {best2}")
+    params = {_key(p, g): g for p, grid in stage1.items() for g in grid}
+    bid, rb = params[best["bid_price"]], params[best["route_balance"]]
+    stage2 = {
+        "bid_price": [dict(bid, omega=o, max_waiting=m) for o, m in itertools.product(
+            BID_PRICE_STAGE2_OMEGA, BID_PRICE_STAGE2_MAX_WAITING)],
+        "route_balance": [dict(rb, w_latency=round(rb["w_latency"] * f, 4))
+                          for f in ROUTE_BALANCE_STAGE2_FACTORS]}
+    figures2 = sweep([v for p, g in stage2.items() for v in _variants(p, g)], args, "tune 2")
+    best.update({p: print_sweep(f"{p} (stage 2)", {k: f for k, f in figures2.items()
+                                                   if k.startswith(p + " ")}) for p in stage2})
+    print(f"\nchosen: {best['score']}; {best['route_balance']}; {best['bid_price']}")
     if args.json:
         def as_dict(fs: Mapping[str, SweepFigure]) -> dict[str, Any]:
             return {k: {"mean": f.mean, "per_seed": f.per_seed, "per_process": f.per_process}
                     for k, f in fs.items()}
 
         write_json(args.json, {"stage1": as_dict(figures), "stage2": as_dict(figures2),
-                               "seeds": list(seeds),
-                               "best": {**best, "bid_price": best2}})
+                               "seeds": list(seeds), "best": best})
 
 
 def main() -> None:
