@@ -186,7 +186,7 @@ BID_PRICE_STAGE2_MAX_WAITING = (16, 0, 8, 32)
 # 60 x 0.11-0.3 s on the 8B, more than omega x its utility (~6). Poisson 20 qps, seed 0:
 # 89 of 3,000 refused, all summarization, 74 of them with an instance predicted on time
 # at a positive utility; zeta2 10 refuses none there (OTU 0.700 against 0.695), but loses
-# more under MMPP-2 and at higher rates (stage 1 above).
+# more under MMPP-2 (stage 1 above).
 BID_PRICE_CHOICE: dict[str, Any] = {"delta": 60.0, "zeta2": 0.0, "omega": 10.0,
                                     "max_waiting": 8}
 BID_PRICE_PROFILE = bid_price_profile(**BID_PRICE_CHOICE)
