@@ -50,20 +50,23 @@ def error_response(status: int, message: str, param: str | None = None,
 
 
 
-async def _post(st: ServerState, url: str, body: dict[str, Any]
+async def _post(st: ServerState, g: int, path: str, body: dict[str, Any]
                 ) -> tuple[aiohttp.ClientResponse | None, str | None]:
-    """POST to a backend: (its response, unless the connection failed; why it failed, if
-    it did: a connect error, no answer within ``server.first_byte_timeout_s``, or a 5xx),
-    the response still unread."""
+    """POST to backend ``g``: (its response, unless the connection failed; why it failed,
+    if it did: a connect error, no answer within ``server.first_byte_timeout_s``, or a
+    5xx), the response still unread. An answer ends the backend's failure streak."""
     limit = st.loaded.config.server.first_byte_timeout_s
     try:
         async with asyncio.timeout(limit):
-            upstream = await st.session.post(url, json=body)
+            upstream = await st.session.post(st.tracker.backends[g].url + path, json=body)
     except TimeoutError:
         return None, f"no answer within {limit:g} s (first_byte_timeout_s)"
     except aiohttp.ClientError as exc:
         return None, f"connect: {type(exc).__name__}"
-    return upstream, f"status {upstream.status}" if upstream.status >= 500 else None
+    if upstream.status >= 500:
+        return upstream, f"status {upstream.status}"
+    st.tracker.mark_answered(g)
+    return upstream, None
 
 async def read_json(request: web.Request, limit: int, timeout_s: float) -> Any:
     """The body as JSON; 413 past ``limit`` bytes (checked while reading), 408 when the
@@ -121,22 +124,21 @@ async def decide_until_dispatch(st: ServerState, req: Request, client: web.Reque
     holding = st.holding
     assert holding is not None
     if holding.full():
-        holding.stats.full += 1
         st.metrics.held_full.inc()
         return Decision(req.request_id, "shed", None,
                         f"the central buffer is full ({holding.max_held} requests held)")
     st.metrics.held.inc()
+    held: Decision | None = None
     try:
         held = await holding.wait(req, exclude, patience_s(st.loaded.config.admission, req),
                                   st.decide, lambda: client_gone(client))
-    except asyncio.CancelledError:   # the client left and aiohttp cancelled the handler
-        st.router.forget(req.request_id)
-        raise
     finally:
         st.metrics.held.dec()
-    if held is None:
-        st.metrics.held_dropped.inc()
-        st.router.forget(req.request_id)
+        # None, or cancelled (aiohttp cancels the handler of a client that leaves): its
+        # client left, so nothing is to be decided for it any more
+        if held is None:
+            st.metrics.held_dropped.inc()
+            st.router.forget(req.request_id)
     return held
 
 
@@ -202,13 +204,12 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         now = st.now()
         st.tracker.dispatched(g, req, now, streamed=stream)
         try:
-            upstream, failure = await _post(st, backend.url + request.path, data)
+            upstream, failure = await _post(st, g, request.path, data)
         except asyncio.CancelledError:   # the client left before the backend answered
             st.tracker.finished(g, req.request_id)
             st.router.observe(_outcome(req, g, now, None, None, 0))
             raise
         if failure is None:
-            st.tracker.mark_answered(g)
             break
         if upstream is not None:
             upstream.release()
@@ -438,6 +439,7 @@ async def _prefill(st: ServerState, p: int, path: str, body: dict[str, Any],
         st.metrics.errors.labels(name, "prefill").inc()
         raise _Failed(error_response(502, f"prefill backend {name} failed: {failure}",
                                      kind="backend_error", headers=headers))
+    st.tracker.mark_answered(p)
     return answer
 
 
@@ -462,7 +464,7 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
         st.tracker.prefilled(p, q, rid, st.now())
         body = decode_body(data, bq.spec.model, decode_kv_params(answer, bp.spec.name))
         st.tracker.decode_sent(q, rid, st.now(), stream)
-        upstream, failure = await _post(st, bq.url + request.path, body)
+        upstream, failure = await _post(st, q, request.path, body)
         try:
             if failure is not None:
                 st.tracker.mark_failure(q, st.now())

@@ -397,3 +397,24 @@ def test_a_client_leaving_the_decode_stream_is_not_a_backend_failure(
     # not blamed: no failure counted (/instances' health flags come from the probes too,
     # whose 1 s timeout a loaded machine can miss)
     assert backend_errors(fake_pd.url) == {}
+
+
+def test_an_answered_pair_ends_both_backends_failure_streaks(fake_pd: Stack) -> None:
+    """A health probe that passes lets a failed backend take traffic again but keeps its
+    failure streak (its next backoff grows); a request it answers ends the streak, on
+    the prefill and on the decode side alike."""
+    prefill, decode = fake_pd.fakes
+    prefill.mode = decode.mode = "fail500"
+    assert request(fake_pd.url, "POST", "/v1/completions",
+                   {"prompt": "a b", "max_tokens": 3})[0] == 502
+
+    def instances() -> list[dict[str, Any]]:
+        return json.loads(request(fake_pd.url, "GET", "/instances")[2])["instances"]
+
+    assert instances()[0]["failures"] == 1 and not instances()[0]["healthy"]
+    prefill.mode = decode.mode = "ok"
+    assert wait_until(lambda: all(i["healthy"] for i in instances()), timeout=HANG_S)
+    assert instances()[0]["failures"] == 1   # the probe did not end the streak
+    assert request(fake_pd.url, "POST", "/v1/completions",
+                   {"prompt": "a b", "max_tokens": 3})[0] == 200
+    assert [i["failures"] for i in instances()] == [0, 0]
