@@ -37,12 +37,11 @@ class _Held:
 @dataclass(slots=True)
 class HoldStats:
     """Counters since start: re-scores done, re-scores deferred to a later slot by the
-    budget, requests dropped because their client left, refused because it was full."""
+    budget, requests dropped unscored because their client left."""
 
     rescored: int = 0
     deferred: int = 0
     dropped: int = 0
-    full: int = 0
     slot_seconds: list[float] = field(default_factory=list)
 
 

@@ -36,10 +36,3 @@ class LoopLag:
     def max_since(self, t: float) -> float:
         """The largest lag seen at or after loop time ``t`` (0 if none)."""
         return max((lag for when, lag in self._samples if when >= t), default=0.0)
-
-    def quantile(self, q: float) -> float:
-        """The ``q``-quantile (0..1) of the kept samples (0 if none)."""
-        lags = sorted(lag for _, lag in self._samples)
-        if not lags:
-            return 0.0
-        return lags[min(len(lags) - 1, int(q * len(lags)))]
