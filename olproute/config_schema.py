@@ -305,8 +305,9 @@ class ServerConfig(_Frozen):
     connect_timeout_s: float = Field(default=2.0, gt=0,
                                      description="to open a backend connection")
     first_byte_timeout_s: float = Field(
-        default=60.0, gt=0, description="from sending a request to the first byte of its "
-        "answer's body (a whole answer: the answer; a stream: its first chunk)")
+        default=60.0, gt=0, description="from sending a request to its answer's headers "
+        "(a whole answer comes with them), and again from the headers of a stream to its "
+        "first chunk")
     read_timeout_s: float = Field(default=30.0, gt=0,
                                   description="between two chunks of a stream")
     hold_budget_ms: float = Field(
