@@ -59,7 +59,6 @@ class OutlookSource:
                                    for m in self._models])
         self._price_out = np.array([profiles.models[m].price_output_per_mtok
                                     for m in self._models])
-        self._mode = mode
         self._predictor = predictor
         self._cache: OrderedDict[int, Outlook] = OrderedDict()
         self._cache_size = cache_size

@@ -113,18 +113,12 @@ def build_requests(loaded: LoadedConfig, seed: int | None = None) -> list[Reques
         ttft_target = np.array([slo[i].ttft_s for i in idx])
         tpot_target = np.array([slo[i].tpot_s for i in idx])
         classes = [slo[i].name for i in idx]
+    # the truth stands in for the prediction until _lengths_by_model draws it (one true
+    # length on every model, each model's prediction with its own noise)
+    reqs = wl.build_requests(trace, ttft_target, trace.decode_tokens, tpot_target, classes)
     noise = cfg.prediction.noise if cfg.prediction.mode == "noisy" else 0.0
-    predicted = wl.predicted_decode_tokens(trace.decode_tokens, noise, st.predict)
-    reqs = wl.build_requests(trace, ttft_target, predicted, tpot_target, classes)
     models = pool_models(loaded)
-    if len(models) == 1:
-        return reqs
-    # one true length on every model: each other model's prediction has its own noise
-    by_model = {models[0]: predicted.tolist()} | {
-        m: wl.predicted_decode_tokens(trace.decode_tokens, noise, st.predict_models).tolist()
-        for m in models[1:]}
-    return [replace(r, predicted_decode_by_model={m: by_model[m][i] for m in models})
-            for i, r in enumerate(reqs)]
+    return _with_predictions(reqs, models, _lengths_by_model(reqs, models, noise, st), None)
 
 
 def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
@@ -168,16 +162,34 @@ def _predict_per_model(loaded: LoadedConfig, reqs: list[Request],
         assert pred.model_dir is not None
         return apply_predictor(reqs, Predictor.load(loaded.resolve(pred.model_dir)), models)
     noise, q_noise = (pred.noise, pred.quality_noise) if pred.mode == "noisy" else (0.0, 0.0)
-    decode: dict[str, list[int]] = {}
+    decode = _lengths_by_model(reqs, models, noise, st)
     quality: dict[str, list[float]] = {}
+    for m in models:
+        q = np.array([(r.quality_by_model or {}).get(m, 0.0) for r in reqs])
+        quality[m] = wl.predicted_quality(q, q_noise, st.predict_quality).tolist()
+    return _with_predictions(reqs, models, decode, quality)
+
+
+def _lengths_by_model(reqs: list[Request], models: list[str], noise: float,
+                      st: Streams) -> dict[str, list[int]]:
+    """Each model's predicted lengths: its true length times its own uniform factor in
+    [1 - noise, 1 + noise] (the first model's from the ``predict`` stream, the others'
+    from ``predict_models``)."""
+    decode: dict[str, list[int]] = {}
     for k, m in enumerate(models):
         truth = np.array([r.true_decode_tokens(m) for r in reqs], dtype=np.int64)
         rng = st.predict if k == 0 else st.predict_models
         decode[m] = wl.predicted_decode_tokens(truth, noise, rng).tolist()
-    for m in models:
-        q = np.array([(r.quality_by_model or {}).get(m, 0.0) for r in reqs])
-        quality[m] = wl.predicted_quality(q, q_noise, st.predict_quality).tolist()
+    return decode
+
+
+def _with_predictions(reqs: list[Request], models: list[str],
+                      decode: dict[str, list[int]],
+                      quality: dict[str, list[float]] | None) -> list[Request]:
+    """The requests carrying these per-model predictions (the first model's length also
+    as ``predicted_decode_tokens``)."""
     return [replace(r, predicted_decode_tokens=decode[models[0]][i],
                     predicted_decode_by_model={m: decode[m][i] for m in models},
-                    predicted_quality_by_model={m: quality[m][i] for m in models})
+                    predicted_quality_by_model=(None if quality is None else
+                                                {m: quality[m][i] for m in models}))
             for i, r in enumerate(reqs)]
