@@ -110,8 +110,8 @@ class BeaEstimator:
                           self._max_batches)
         ttft, wait = out[:, 0], out[:, 1]
         # a request that never starts there has inf for both: its prefill time is inf too
-        prefill = np.where(np.isfinite(wait), ttft - np.where(np.isfinite(wait), wait, 0.0),
-                           np.inf)
+        prefill = np.subtract(ttft, wait, out=np.full_like(ttft, np.inf),
+                              where=np.isfinite(wait))
         return TtftEstimate(ttft_s=ttft, wait_s=wait, prefill_s=prefill)
 
     def observe_dispatch(self, instance: int, now_s: float) -> None:

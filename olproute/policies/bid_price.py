@@ -73,7 +73,6 @@ class BidPrice(Policy):
         self._specs = env.specs
         self._cal = env.calibration()
         self._bea = BeaEstimator(env.specs, self._cal)
-        self._tpot = np.array([c.tpot_s for c in self._cal], dtype=np.float64)
         self._outlook = env.outlook()
         self._w = env.reward
         self._adm = env.admission
