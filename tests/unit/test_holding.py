@@ -28,6 +28,12 @@ class Clock:
         self.decided: Counter[int] = Counter()
         self.release: set[int] = set()
 
+    def queue(self, max_held: int, budget_s: float) -> HoldQueue:
+        """A buffer on this clock; its own slot task never runs (slots of an hour), the
+        tests call ``rescore`` themselves."""
+        return HoldQueue(max_held=max_held, slot_s=3600.0, budget_s=budget_s,
+                         now=lambda: self.now_s, clock=lambda: self.t)
+
     def decide(self, req: Request, exclude: frozenset[int]) -> Decision:
         self.t += self.cost_s
         self.decided[req.request_id] += 1
@@ -51,8 +57,7 @@ async def _fill(q: HoldQueue, clock: Clock, n: int, gone: set[int] | None = None
 def test_the_budget_bounds_a_slot_and_every_request_gets_its_turn() -> None:
     async def main() -> None:
         clock = Clock(cost_s=0.004)
-        q = HoldQueue(max_held=100, slot_s=3600.0, budget_s=0.010, now=lambda: clock.now_s,
-                      clock=lambda: clock.t)
+        q = clock.queue(max_held=100, budget_s=0.010)
         tasks = await _fill(q, clock, 10)
         for _ in range(4):
             await q.rescore(clock.decide)
@@ -69,8 +74,7 @@ def test_the_budget_bounds_a_slot_and_every_request_gets_its_turn() -> None:
 def test_expired_requests_are_decided_whatever_the_budget() -> None:
     async def main() -> None:
         clock = Clock(cost_s=0.004)
-        q = HoldQueue(max_held=100, slot_s=3600.0, budget_s=0.010, now=lambda: clock.now_s,
-                      clock=lambda: clock.t)
+        q = clock.queue(max_held=100, budget_s=0.010)
         tasks = await _fill(q, clock, 10)
         clock.now_s = 5.0                # every patience has run out
         await q.rescore(clock.decide)
@@ -84,8 +88,7 @@ def test_a_dispatch_leaves_the_buffer_and_an_abandoned_request_is_never_scored()
     async def main() -> None:
         clock = Clock(cost_s=0.0)
         gone = {3}
-        q = HoldQueue(max_held=100, slot_s=3600.0, budget_s=1.0, now=lambda: clock.now_s,
-                      clock=lambda: clock.t)
+        q = clock.queue(max_held=100, budget_s=1.0)
         tasks = await _fill(q, clock, 5, gone)
         clock.release.add(1)
         await q.rescore(clock.decide)
@@ -102,8 +105,7 @@ def test_a_dispatch_leaves_the_buffer_and_an_abandoned_request_is_never_scored()
 def test_full_is_the_cap() -> None:
     async def main() -> None:
         clock = Clock(cost_s=0.0)
-        q = HoldQueue(max_held=2, slot_s=3600.0, budget_s=1.0, now=lambda: clock.now_s,
-                      clock=lambda: clock.t)
+        q = clock.queue(max_held=2, budget_s=1.0)
         assert not q.full()
         tasks = await _fill(q, clock, 2)
         assert q.full() and len(q) == 2
