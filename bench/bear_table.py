@@ -78,8 +78,8 @@ sys.path.insert(0, str(REPO))  # this checkout's olproute and bench, not an inst
 from bench.common import (  # noqa: E402
     REPORT_SEEDS,
     TUNING_SEEDS,
-    finite_or_none,
     fmt_spread,
+    jsonable,
 )
 
 POOL = (
@@ -406,19 +406,6 @@ def plot(summaries: Mapping[str, ProcessSummary], rates: Sequence[float], seeds:
     plt.close(fig)
 
 
-def _jsonable(x: Any) -> Any:
-    """Nested figures with numpy arrays as lists and non-finite floats as None."""
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float | np.floating):
-        return finite_or_none(float(x))
-    return x
-
-
 def report(args: argparse.Namespace) -> None:
     """The table on the report seeds, every registered policy."""
     from olproute.policies import REGISTRY
@@ -487,7 +474,7 @@ def report(args: argparse.Namespace) -> None:
 
 def write_json(path: str, data: Mapping[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(_jsonable(data), indent=2) + "\n")
+    Path(path).write_text(json.dumps(jsonable(data), indent=2) + "\n")
 
 
 # -- the sweep ------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ they belong to tuning.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
 
 REPORT_SEEDS: tuple[int, ...] = (10, 11, 12)
 TUNING_SEEDS: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
@@ -41,3 +44,27 @@ def fmt_spread(values: Sequence[float], fmt: str = "{:.3f}", scale: float = 1.0)
 def finite_or_none(x: float) -> float | None:
     """JSON has no inf or NaN: None stands for them."""
     return x if math.isfinite(x) else None
+
+
+def seed_figure(values: Sequence[float]) -> dict[str, Any]:
+    """A figure over seeds for a JSON file: mean, min, max and the seeds' values, inf and
+    NaN as None."""
+    mean, lo, hi = spread(values)
+    return {"mean": finite_or_none(mean), "min": finite_or_none(lo),
+            "max": finite_or_none(hi), "per_seed": [finite_or_none(v) for v in values]}
+
+
+def jsonable(x: Any) -> Any:
+    """Nested figures for ``json.dumps``: numpy arrays and numbers as Python ones, tuples
+    as lists, and non-finite floats as None (JSON has no inf or NaN)."""
+    if isinstance(x, Mapping):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, float | np.floating):
+        return finite_or_none(float(x))
+    return x

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_SEEDS, finite_or_none, spread
+from common import REPORT_SEEDS, jsonable, spread
 
 from olproute.config import Config, LoadedConfig, load_profiles
 from olproute.policies import REGISTRY
@@ -276,20 +276,9 @@ def main() -> None:
     plot(results, Path(args.png))
     print(f"\nwrote {args.png}; {time.perf_counter() - t0:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(_clean(as_json(results, seeds)), indent=2,
+        Path(args.json).write_text(json.dumps(jsonable(as_json(results, seeds)), indent=2,
                                               allow_nan=False) + "\n")
         print(f"wrote {args.json}")
-
-
-def _clean(x: Any) -> Any:
-    """inf and NaN as None, everywhere in a JSON document."""
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    if isinstance(x, float):
-        return finite_or_none(x)
-    return x
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from common import jsonable
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
@@ -412,9 +413,7 @@ def main() -> None:
     result["shutdown_s"] = shutdown_s
     print(table(result))
     if args.json:
-        clean = json.loads(json.dumps(result, default=float).replace("Infinity", "null")
-                           .replace("NaN", "null"))
-        Path(args.json).write_text(json.dumps(clean, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(jsonable(result), indent=2) + "\n")
         print(f"wrote {args.json}")
 
 

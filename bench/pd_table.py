@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import REPORT_SEEDS, TUNING_SEEDS, finite_or_none, fmt_spread, spread
+from common import REPORT_SEEDS, TUNING_SEEDS, fmt_spread, seed_figure
 
 from olproute.config import LoadedConfig, load_config
 from olproute.sim import metrics
@@ -363,11 +363,6 @@ def _per_seed(rows: list[dict[str, float]], key: str) -> list[float]:
     return [r[key] for r in rows]
 
 
-def _figure(values: Sequence[float]) -> dict[str, Any]:
-    """A figure over seeds for the JSON: mean, min, max (None for inf) and the seeds'."""
-    mean, lo, hi = spread(values)
-    return {"mean": finite_or_none(mean), "min": finite_or_none(lo),
-            "max": finite_or_none(hi), "per_seed": [finite_or_none(v) for v in values]}
 
 
 def summary(results: Results, cases: Sequence[Case], seeds: Sequence[int],
@@ -379,7 +374,7 @@ def summary(results: Results, cases: Sequence[Case], seeds: Sequence[int],
     for label, mix, rate, *_ in cases:
         pols: dict[str, Any] = {}
         for p, rows in results[label].items():
-            figs = {k: _figure(_per_seed(rows, k)) for k in keys}
+            figs = {k: seed_figure(_per_seed(rows, k)) for k in keys}
             pols[p] = {**{k: f["mean"] for k, f in figs.items()},
                        **{f"{k}_spread": f for k, f in figs.items()}}
         out["cases"][label] = {"mix": mix, "rate_per_s": rate, "policies": pols}
@@ -391,10 +386,10 @@ def summary(results: Results, cases: Sequence[Case], seeds: Sequence[int],
     scar = results[SCARCITY]
     scar_gain = [100.0 * (b["goodput"] - a["goodput"])
                  for a, b in zip(scar["round_robin"], scar["bid_price"], strict=True)]
-    out["mean_goodput_three_mixes"] = {p: _figure(v) for p, v in mean3.items()}
+    out["mean_goodput_three_mixes"] = {p: seed_figure(v) for p, v in mean3.items()}
     out["best_baseline"] = best
-    out["bid_price_minus_best_points"] = _figure(gain)
-    out["scarcity_bid_price_minus_round_robin_points"] = _figure(scar_gain)
+    out["bid_price_minus_best_points"] = seed_figure(gain)
+    out["scarcity_bid_price_minus_round_robin_points"] = seed_figure(scar_gain)
     out["goals"] = {"bid_price_minus_best_at_least_3_points": float(np.mean(gain)) >= 3.0,
                     "scarcity_bid_price_at_least_round_robin": float(np.mean(scar_gain)) >= 0.0}
     return out

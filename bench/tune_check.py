@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import REPORT_SEEDS, TUNING_SEEDS, finite_or_none, fmt_spread, spread
+from common import REPORT_SEEDS, TUNING_SEEDS, fmt_spread, seed_figure
 
 from olproute.config import LoadedConfig, load_config
 from olproute.sim import metrics
@@ -96,14 +96,9 @@ def table(per_seed: list[dict[str, dict[str, Any]]]) -> str:
 def summary(per_seed: list[dict[str, dict[str, Any]]], seeds: list[int],
             selected: Path) -> dict[str, Any]:
     """Per policy and figure: mean, min, max and the seeds' values (None for inf)."""
-    def figure(values: list[float]) -> dict[str, Any]:
-        mean, lo, hi = spread(values)
-        return {"mean": finite_or_none(mean), "min": finite_or_none(lo),
-                "max": finite_or_none(hi), "per_seed": [finite_or_none(v) for v in values]}
-
     return {"config": str(CONFIG.relative_to(REPO)), "selected": str(selected),
             "seeds": seeds, "policies": {
-                p: {key: figure([float(r[p][key]) for r in per_seed])
+                p: {key: seed_figure([float(r[p][key]) for r in per_seed])
                     for _, key, _, _ in ROWS} for p in POLICIES}}
 
 
