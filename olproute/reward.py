@@ -6,9 +6,20 @@ and then holds one batch slot and a growing KV footprint for ``D = ceil(o_hat * 
 Delta)`` slots. Its **usage column** is therefore an interval of ones (batch row) and a
 linear ramp (KV row) on [k0, k0 + D), stored as a few numbers, never as a dense vector:
 on slot k of the interval the batch row uses ``batch_a`` and the KV row
-``kv_a + kv_b * (k - k0)``. Both rows are in **capacity fractions** (batch slots over
-max_num_seqs B, KV tokens over the KV capacity M), so one price scale fits both resources
-and every instance.
+``kv_a + kv_b * (k - k0)``.
+
+The third resource is **compute**: the prefill token budget of an instance, ``b_g`` =
+kappa tokens per engine step (``max_num_batched_tokens``) times the engine steps in a
+slot at the calibrated time of a step carrying kappa tokens (beta0 + beta1 kappa,
+``compute_budget``). A prompt of s tokens needs ``P = ceil(s / b_g)`` slots of it, the
+slots its prefill runs in: [k0 + 1 - P, k0 + 1) (the first token comes out of the slot
+the prefill ends in), using ``compute_a = s / (P b_g)`` of the budget in each. On a
+disaggregated prefill engine this is the only resource its prompt takes from the budget;
+the decode engine's column has no compute row.
+
+All rows are in **capacity fractions** (batch slots over max_num_seqs B, KV tokens over
+the KV capacity M, prefill tokens over b_g), so one price scale fits every resource and
+every instance.
 
 Reward terms (weights from the ``reward`` section of the YAML), all >= 0 so that not
 serving a request is never rewarded:
@@ -24,13 +35,14 @@ serving a request is never rewarded:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from olproute.bea import remaining_decode_tokens
+from olproute.bea import remaining_decode_tokens, remaining_prefill_tokens
 from olproute.config_schema import RewardConfig
 from olproute.outlook import Outlook
 from olproute.types import SNAP_OUTPUT, SNAP_PROMPT, EngineSnapshot, InstanceSpec
@@ -38,43 +50,64 @@ from olproute.types import SNAP_OUTPUT, SNAP_PROMPT, EngineSnapshot, InstanceSpe
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
+RESOURCES = ("batch", "kv", "compute")
+BATCH, KV, COMPUTE = 0, 1, 2
+NUM_RESOURCES = len(RESOURCES)
+
 TERMS = ("qps", "throughput", "eel_saved", "ttft_saved", "eel_slo", "ttft_slo", "utility")
 
 
 @dataclass(frozen=True, slots=True)
 class Columns:
     """Usage columns of one or more requests on G instances (arrays broadcast together):
-    on slots [start, end) the batch row uses batch_a and the KV row kv_a + kv_b*(k-start),
-    in capacity fractions. ``end <= H``; an empty interval (start == end) uses nothing."""
+    on slots [start, end) the batch row uses batch_a and the KV row kv_a + kv_b*(k-start);
+    on slots [pre_start, pre_end) the compute row uses compute_a; all in capacity
+    fractions. ``end, pre_end <= H``; an empty interval uses nothing."""
 
     start: IntArray
     end: IntArray
     batch_a: FloatArray
     kv_a: FloatArray
     kv_b: FloatArray
+    pre_start: IntArray
+    pre_end: IntArray
+    compute_a: FloatArray
+
+    def broadcast(self, shape: tuple[int, ...]) -> Columns:
+        """Every field broadcast to ``shape`` (read-only views)."""
+        return Columns(*(np.broadcast_to(getattr(self, f), shape) for f in COLUMN_FIELDS))
 
 
-# one request's column on one instance: (start, end, batch_a, kv_a, kv_b)
-Column = tuple[int, int, float, float, float]
+COLUMN_FIELDS = ("start", "end", "batch_a", "kv_a", "kv_b", "pre_start", "pre_end",
+                 "compute_a")
+
+# one request's column on one instance: (start, end, batch_a, kv_a, kv_b, pre_start,
+# pre_end, compute_a)
+Column = tuple[int, int, float, float, float, int, int, float]
 
 
 def column_at(cols: Columns, i: int | tuple[int, ...]) -> Column:
     """Entry ``i`` of a set of columns, as plain numbers."""
     return (int(cols.start[i]), int(cols.end[i]), float(cols.batch_a[i]),
-            float(cols.kv_a[i]), float(cols.kv_b[i]))
+            float(cols.kv_a[i]), float(cols.kv_b[i]), int(cols.pre_start[i]),
+            int(cols.pre_end[i]), float(cols.compute_a[i]))
 
 
 def shifted_usage(col: Column, k: int, horizon: int) -> tuple[slice, FloatArray] | None:
     """The slots a column covers on a capacity curve computed k slots ago (so it moves
-    by k; a negative k for a column placed -k slots ago), and its (batch, KV) usage
-    there; None when none of it is within the horizon."""
-    s, e, ba, ka, kb = col
-    lo, hi = max(s + k, 0), min(e + k, horizon)
+    by k; a negative k for a column placed -k slots ago), and its (batch, KV, compute)
+    usage there; None when none of it is within the horizon."""
+    s, e, ba, ka, kb, ps, pe, ca = col
+    lo = max(min(s if e > s else horizon, ps if pe > ps else horizon) + k, 0)
+    hi = min(max(e if e > s else 0, pe if pe > ps else 0) + k, horizon)
     if lo >= hi:
         return None
-    usage = np.empty((hi - lo, 2))
-    usage[:, 0] = ba
-    usage[:, 1] = ka + kb * np.arange(lo - (s + k), hi - (s + k), dtype=np.float64)
+    slots = np.arange(lo, hi)
+    usage = np.zeros((hi - lo, NUM_RESOURCES))
+    inside = (slots >= s + k) & (slots < e + k)
+    usage[inside, BATCH] = ba
+    usage[inside, KV] = ka + kb * (slots[inside] - (s + k))
+    usage[(slots >= ps + k) & (slots < pe + k), COMPUTE] = ca
     return slice(lo, hi), usage
 
 
@@ -126,15 +159,43 @@ def capacities(specs: Sequence[InstanceSpec]) -> tuple[FloatArray, FloatArray]:
     return batch, kv
 
 
+def compute_budget(specs: Sequence[InstanceSpec], betas: FloatArray, slot_s: float
+                   ) -> FloatArray:
+    """b_g, prefill tokens per slot per instance: kappa = max_num_batched_tokens a step,
+    times the steps in a slot at the calibrated time of a step carrying kappa tokens
+    (beta0 + beta1 kappa; ``betas`` (G, 4) from calibration)."""
+    kappa = np.array([s.max_num_batched_tokens for s in specs], dtype=np.float64)
+    b = np.asarray(betas, dtype=np.float64).reshape(len(specs), -1)
+    step_s = np.maximum(b[:, 0] + b[:, 1] * kappa, 1e-9)
+    result: FloatArray = kappa * slot_s / step_s
+    return result
+
+
+def prefill_span(prompt_tokens: float | FloatArray, first_slot: IntArray,
+                 budget: FloatArray, horizon: int) -> tuple[IntArray, IntArray, FloatArray]:
+    """(pre_start, pre_end, compute_a): the slots [k0 + 1 - P, k0 + 1) a prompt's prefill
+    runs in (clipped to the horizon), P = ceil(s / b), and its share s / (P b) of the
+    budget in each (module docstring)."""
+    s = np.asarray(prompt_tokens, dtype=np.float64)
+    n_slots = np.maximum(np.ceil(s / budget - 1e-9), 1.0)
+    end = np.minimum(first_slot + 1, horizon)
+    start = np.clip(first_slot + 1 - n_slots.astype(np.int64), 0, horizon)
+    share: FloatArray = s / (n_slots * budget)
+    return start.astype(np.int64), end.astype(np.int64), share
+
+
 def usage_columns(prompt_tokens: int, decode_tokens: FloatArray, ttft_s: FloatArray,
                   tpot_s: FloatArray, batch_cap: FloatArray, kv_cap: FloatArray,
-                  slot_s: float, horizon: int) -> Columns:
+                  budget: FloatArray, slot_s: float, horizon: int) -> Columns:
     """The request's column on every instance (DESIGN.md: s + theta + 1 KV tokens after
-    theta generated tokens, Delta / tpot tokens per slot)."""
+    theta generated tokens, Delta / tpot tokens per slot; its prefill in the slots up to
+    its first token's)."""
     k0 = first_token_slot(ttft_s, slot_s, horizon)
     end = np.minimum(k0 + decode_slots(decode_tokens, tpot_s, slot_s), horizon)
+    ps, pe, ca = prefill_span(float(prompt_tokens), k0, budget, horizon)
     return Columns(start=k0, end=end, batch_a=1.0 / batch_cap,
-                   kv_a=(prompt_tokens + 1.0) / kv_cap, kv_b=(slot_s / tpot_s) / kv_cap)
+                   kv_a=(prompt_tokens + 1.0) / kv_cap, kv_b=(slot_s / tpot_s) / kv_cap,
+                   pre_start=ps, pre_end=pe, compute_a=ca)
 
 
 def reward_terms(prompt_tokens: int, ttft_target_s: float, outlook: Outlook,
@@ -166,18 +227,20 @@ def reward_terms(prompt_tokens: int, ttft_target_s: float, outlook: Outlook,
 
 
 def dense(cols: Columns, horizon: int) -> FloatArray:
-    """(..., H, 2) dense usage of the columns: for tests and plots, never on a hot path."""
+    """(..., H, 3) dense usage of the columns: for tests and plots, never on a hot path."""
     k = np.arange(horizon)
     start, end = cols.start[..., None], cols.end[..., None]
     inside = (k >= start) & (k < end)
     batch = np.where(inside, cols.batch_a[..., None], 0.0)
     kv = np.where(inside, cols.kv_a[..., None] + cols.kv_b[..., None] * (k - start), 0.0)
-    return np.stack([batch, kv], axis=-1)
+    pre = (k >= cols.pre_start[..., None]) & (k < cols.pre_end[..., None])
+    compute = np.where(pre, cols.compute_a[..., None], 0.0)
+    return np.stack(np.broadcast_arrays(batch, kv, compute), axis=-1)
 
 
 def price_prefix(p: FloatArray) -> tuple[FloatArray, FloatArray]:
-    """Prefix sums of prices p (G, H, 2): P0[g, k] = sum_{i<k} p[g, i] and
-    P1[g, k] = sum_{i<k} i * p[g, i], each (G, H + 1, 2)."""
+    """Prefix sums of prices p (G, H, R): P0[g, k] = sum_{i<k} p[g, i] and
+    P1[g, k] = sum_{i<k} i * p[g, i], each (G, H + 1, R)."""
     g, h, r = p.shape
     k = np.arange(h, dtype=np.float64)[None, :, None]
     zero = np.zeros((g, 1, r))
@@ -188,23 +251,26 @@ def price_prefix(p: FloatArray) -> tuple[FloatArray, FloatArray]:
 
 def column_price(cols: Columns, p0: FloatArray, p1: FloatArray) -> FloatArray:
     """a_jg . p_g for every instance g, in O(1) each from the prefix sums:
-    sum_{k in [s, e)} (a + b (k - s)) p_k = (a - b s)(P0[e] - P0[s]) + b (P1[e] - P1[s])."""
+    sum_{k in [s, e)} (a + b (k - s)) p_k = (a - b s)(P0[e] - P0[s]) + b (P1[e] - P1[s]),
+    plus compute_a (P0[pe] - P0[ps]) for the prefill's slots."""
     g = np.arange(p0.shape[0])
     s, e = cols.start, cols.end
-    batch = cols.batch_a * (p0[g, e, 0] - p0[g, s, 0])
-    kv = ((cols.kv_a - cols.kv_b * s) * (p0[g, e, 1] - p0[g, s, 1])
-          + cols.kv_b * (p1[g, e, 1] - p1[g, s, 1]))
-    result: FloatArray = batch + kv
+    batch = cols.batch_a * (p0[g, e, BATCH] - p0[g, s, BATCH])
+    kv = ((cols.kv_a - cols.kv_b * s) * (p0[g, e, KV] - p0[g, s, KV])
+          + cols.kv_b * (p1[g, e, KV] - p1[g, s, KV]))
+    compute = cols.compute_a * (p0[g, cols.pre_end, COMPUTE] - p0[g, cols.pre_start, COMPUTE])
+    result: FloatArray = batch + kv + compute
     return result
 
 
 def resident_usage(snap: EngineSnapshot, batch_cap: float, kv_cap: float, tpot_s: float,
-                   slot_s: float, horizon: int) -> FloatArray:
-    """(H, 2) capacity fractions the residents of a snapshot are predicted to hold, from
-    now: each holds its slot and its growing context until its predicted output is done.
+                   budget: float, slot_s: float, horizon: int) -> FloatArray:
+    """(H, 3) capacity fractions the residents of a snapshot are predicted to hold, from
+    now: each holds its slot and its growing context until its predicted output is done,
+    and the prompt tokens still to prefill take the budget from now at the full rate.
     Aggregated through difference arrays, O(residents + H)."""
     t = snap.table
-    out = np.zeros((horizon, 2))
+    out = np.zeros((horizon, NUM_RESOURCES))
     if t.shape[0] == 0:
         return out
     remaining = remaining_decode_tokens(snap).astype(np.float64)
@@ -222,16 +288,35 @@ def resident_usage(snap: EngineSnapshot, batch_cap: float, kv_cap: float, tpot_s
     d_slope[0] += n * slope / kv_cap
     np.add.at(d_slope, end, -slope / kv_cap)
     k = np.arange(horizon, dtype=np.float64)
-    out[:, 0] = np.cumsum(d_const[:horizon, 0])
-    out[:, 1] = np.cumsum(d_const[:horizon, 1]) + k * np.cumsum(d_slope[:horizon])
+    out[:, BATCH] = np.cumsum(d_const[:horizon, 0])
+    out[:, KV] = np.cumsum(d_const[:horizon, 1]) + k * np.cumsum(d_slope[:horizon])
+    out[:, COMPUTE] = prefill_load(float(remaining_prefill_tokens(snap).sum()), budget,
+                                   horizon)
+    return out
+
+
+def prefill_load(tokens: float, budget: float, horizon: int) -> FloatArray:
+    """(H,) budget fractions taken by ``tokens`` of prefill run from now at the full
+    rate: whole slots, then the remainder."""
+    busy = tokens / budget
+    out = np.zeros(horizon)
+    full = min(int(math.floor(busy)), horizon)
+    out[:full] = 1.0
+    if full < horizon:
+        out[full] = busy - full
     return out
 
 
 def free_capacity(snapshots: Sequence[EngineSnapshot], specs: Sequence[InstanceSpec],
-                  tpot_s: FloatArray, slot_s: float, horizon: int) -> FloatArray:
-    """c[g, k, r] = 1 - what the residents of g hold at slot k (capacity fractions); may
-    be negative when an instance is over-committed (its prices then rise)."""
+                  tpot_s: FloatArray, budget: FloatArray, slot_s: float,
+                  horizon: int) -> FloatArray:
+    """c[g, k, r] = 1 - what the residents of g hold at slot k (capacity fractions),
+    clipped at 0 as the exact LP clips its right-hand side: an over-committed slot has
+    nothing left to sell, and a negative capacity would only wind the prices up (the
+    dual's gradient c - demand could never turn positive there)."""
     batch_cap, kv_cap = capacities(specs)
-    return np.stack([1.0 - resident_usage(s, batch_cap[g], kv_cap[g], float(tpot_s[g]),
-                                          slot_s, horizon)
+    free = np.stack([1.0 - resident_usage(s, batch_cap[g], kv_cap[g], float(tpot_s[g]),
+                                          float(budget[g]), slot_s, horizon)
                      for g, s in enumerate(snapshots)])
+    result: FloatArray = np.maximum(free, 0.0)
+    return result
