@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Frozen(BaseModel):
@@ -223,27 +223,41 @@ class RewardConfig(_Frozen):
 
 
 class PriceConfig(_Frozen):
-    """Online learning of the shadow prices (projected mini-batch SAA dual steps).
+    """Online learning of the shadow prices (projected mini-batch SAA dual steps, see
+    ``olproute.prices``).
 
-    ``step_size`` is eta0, the price change per unit of (free capacity - demand), both in
-    capacity fractions. Prices must reach the reward scale (a request's reward over its
-    usage, ~10 per slot) within seconds; constant steps track a load that changes
-    (inverse_sqrt settles)."""
+    With ``schedule: adagrad`` (the default) ``step_size`` is a dimensionless fraction of
+    the window's break-even price (a request's reward over the capacity it uses), so one
+    value fits every scenario; with ``constant`` or ``inverse_sqrt`` it is eta0 in price
+    units per capacity fraction of (free capacity - demand)."""
 
     enabled: bool = Field(default=True, description="learn shadow prices at all (false: "
                           "prices stay 0)")
     period_slots: int = Field(default=10, ge=1,
                               description="update the prices every this many slots")
     steps_per_period: int = Field(default=5, ge=1, description="K: dual steps per update")
-    step_size: float = Field(default=2.0, gt=0, description="eta0: price change per unit "
-                             "of (free capacity - demand)")
-    schedule: Literal["constant", "inverse_sqrt"] = Field(
-        default="constant", description="step sizes: constant, or inverse_sqrt "
-        "(eta0 / sqrt(t + 1))")
+    step_size: float = Field(default=0.5, gt=0, description="adagrad: fraction of the "
+                             "break-even price per step; constant / inverse_sqrt: eta0, the "
+                             "price change per unit of (free capacity - demand)")
+    schedule: Literal["constant", "inverse_sqrt", "adagrad"] = Field(
+        default="adagrad", description="step sizes: adagrad (per-coordinate, scaled to the "
+        "break-even price), constant, or inverse_sqrt (eta0 / sqrt(t + 1))")
+    adagrad_halflife_steps: float = Field(default=500.0, gt=0, description="adagrad: "
+                                          "half-life of the squared-gradient sum, steps")
+    sample_delays_slots: tuple[int, ...] = Field(
+        default=(0, 4, 16, 64), min_length=1, description="delays (slots) each demand sample "
+        "may start after, as the LP may delay a start; the first must be 0")
     window: int = Field(default=2000, ge=1, description="recent requests kept for sampling")
     minibatch: int = Field(default=256, ge=1, description="samples per dual step")
     arrival_rate_halflife_s: float = Field(default=10.0, gt=0, description="half-life of "
                                            "the arrival-rate estimate behind N_H, s")
+
+    @field_validator("sample_delays_slots")
+    @classmethod
+    def _delays(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if v[0] != 0 or any(d < 0 for d in v) or list(v) != sorted(set(v)):
+            raise ValueError("must start at 0 and increase")
+        return v
 
 
 class AdmissionConfig(_Frozen):

@@ -1,21 +1,45 @@
-"""Shadow prices p[g, k, r] >= 0 for batch slots and KV cache (capacity fractions) per
-instance g and future slot k, learned online by projected mini-batch steps on the SAA
-dual (DESIGN.md section 1):
+"""Shadow prices p[g, k, r] >= 0 for batch slots, KV cache and compute (the prefill
+token budget), in capacity fractions, per instance g and future slot k, learned online by
+projected mini-batch steps on the SAA dual (DESIGN.md section 1):
 
-    grad = c - (N_H / |S|) * sum_{i in S} a_i(x_i(p));   p <- max(0, p - eta * grad)
+    grad = c - (N_H / |S|) * sum_{i in S} a_i(x_i(p));   p <- max(0, p - step(grad))
 
-``c`` is the free capacity from the current snapshots, ``x_i(p)`` sends sample i to its
-best instance if its margin r_ig - a_ig . p_g is positive (else nowhere), each sample is
-placed at a random start offset in the horizon (a sample of the future), and N_H is the
-expected number of arrivals in the horizon. Prices start from the last prices, shifted
-by the slots elapsed since (warm start).
+``c`` is the free capacity from the current snapshots (clipped at 0, as the LP's
+right-hand side), ``x_i(p)`` sends sample i to its best (instance, delay) if its margin
+r_igl - a_igl . p_g is positive (else nowhere), each sample is placed at a random start
+offset in the horizon (a sample of the future), and N_H is the expected number of
+arrivals in the horizon. A sample has a column per instance and per **delay** l of
+``delays`` (slots): started l slots later, its column moves by l and its reward is the
+reward of that later start (the LP's columns d = 0..max_delay are exactly this), so the
+step is the stochastic subgradient step of the LP's dual D(p) itself.
+
+The step rule (``PriceConfig.schedule``):
+- ``constant`` / ``inverse_sqrt``: eta0 or eta0 / sqrt(t + 1) times the gradient, eta0 in
+  price units per capacity fraction (it must match the scale of rewards over usage:
+  a fixed eta0 that suits one scenario winds up or crawls in another);
+- ``adagrad`` (the default): per coordinate, eta0 * price_scale * grad / sqrt(sum of
+  squared past gradients). ``price_scale`` is the window's typical break-even price, a
+  request's reward over the capacity its column uses (reward per capacity-fraction-slot),
+  so eta0 is a dimensionless fraction of it and one value serves every scenario; the
+  per-coordinate normaliser makes the first steps move by about eta0 * price_scale and
+  later ones shrink where the gradient keeps changing sign (the dual's kinks), as
+  subgradient convergence needs. The accumulator forgets with a half-life of
+  ``adagrad_halflife_steps`` so that prices keep tracking a load that changes online.
+
+**Prorated reward.** A column cut by the horizon's end uses capacity only inside it, so
+at its full reward it would be nearly free capacity: samples (and the LP's columns) late
+in the horizon would bid the last slots' prices up without bound, an artefact of where
+the horizon ends. A column's reward therefore counts in proportion to the share of its
+decode slots inside the horizon (the exact LP, ``solvers.problem``, does the same).
+
+Prices start from the last prices, shifted by the slots elapsed since (warm start).
 
 The step never builds dense (samples x instances x slots) tensors: a column is an
-interval of ones and a linear ramp, so a_ig . p_g costs O(1) from prefix sums of p, and
-the chosen columns are summed through difference arrays in O(H) per instance. The JAX
-version runs K steps in one jitted call with fixed shapes (window and mini-batch are
-padded), off the request path; ``dual_step_numpy`` is the same step in NumPy, the
-reference the tests compare it with.
+interval of ones, a linear ramp and (compute) another interval, so a_igl . p_g costs O(1)
+from prefix sums of p, and the chosen columns are summed through difference arrays in
+O(H) per instance. The JAX version runs K steps in one jitted call with fixed shapes
+(window and mini-batch are padded), off the request path; ``demand_numpy`` and
+``apply_step`` are the same step in NumPy, the reference the tests compare it with.
 """
 
 from __future__ import annotations
@@ -30,24 +54,38 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config_schema import PriceConfig
-from olproute.reward import Columns, capacities, column_price, price_prefix
+from olproute.reward import (
+    BATCH,
+    COMPUTE,
+    KV,
+    NUM_RESOURCES,
+    RESOURCES,
+    Columns,
+    capacities,
+    column_price,
+    price_prefix,
+)
 from olproute.types import InstanceSpec
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 Backend = Literal["jax", "numpy"]
+Rule = Literal["constant", "inverse_sqrt", "adagrad"]
 
-BATCH, KV = 0, 1
-RESOURCES = ("batch", "kv")
+__all__ = ["BATCH", "COMPUTE", "KV", "RESOURCES", "PriceBook", "PriceView", "Samples"]
+
+ADAGRAD_EPS = 1e-12
 
 
 @dataclass(frozen=True, slots=True)
 class PriceView:
     """Shadow prices as an operator reads them, one row per instance in instance order:
     prices ``p[g, k, r]`` and free capacity ``c[g, k, r]`` (copies; resources
-    ``RESOURCES``), each instance's bottleneck, and the learning's state: slot length,
-    horizon, updates so far, N_H and the time of price slot 0 (None before the first
-    update). A policy with one book per pool reports the state of one of them."""
+    ``RESOURCES``), each instance's bottleneck and compute budget (prefill tokens per
+    slot), and the learning's state: slot length, horizon, updates so far, N_H and the
+    time of price slot 0 (None before the first update). A policy with one book per pool
+    reports the state of one of them."""
 
     slot_s: float
     horizon_slots: int
@@ -57,6 +95,7 @@ class PriceView:
     prices: FloatArray
     free: FloatArray
     bottleneck: tuple[str, ...]
+    compute_budget: FloatArray
 
 
 def price_view(rows: Sequence[tuple[PriceBook, int]], state: PriceBook) -> PriceView:
@@ -67,63 +106,193 @@ def price_view(rows: Sequence[tuple[PriceBook, int]], state: PriceBook) -> Price
         slot_s=state.slot_s, horizon_slots=state.horizon, num_updates=state.num_updates,
         arrivals_in_horizon=state.arrivals_in_horizon, origin_s=state.origin_s,
         prices=np.stack([b.p[i] for b, i in rows]), free=np.stack([b.c[i] for b, i in rows]),
-        bottleneck=tuple(tops[id(b)][i] for b, i in rows))
+        bottleneck=tuple(tops[id(b)][i] for b, i in rows),
+        compute_budget=np.array([b.compute_budget[i] for b, i in rows]))
+
+
+@dataclass(frozen=True, slots=True)
+class Samples:
+    """W samples of demand on G instances with L delay options. ``reward`` (W, G, L):
+    the reward of starting the sample on g l delays later (-inf: no such column); the
+    delay-0 column (W, G): first-token slot ``start``, ``end`` = start + decode slots
+    (not clipped), batch_a, kv_a, kv_b, ``pre`` (the prefill's slots P) and compute_a;
+    ``delays`` (L,) in slots, the first 0."""
+
+    reward: FloatArray
+    start: IntArray
+    end: IntArray
+    batch_a: FloatArray
+    kv_a: FloatArray
+    kv_b: FloatArray
+    pre: IntArray
+    compute_a: FloatArray
+    delays: IntArray
+
+    @property
+    def arrays(self) -> tuple[Any, ...]:
+        """The per-sample arrays in the order the steps take them."""
+        return (self.reward, self.start, self.end, self.batch_a, self.kv_a, self.kv_b,
+                self.pre, self.compute_a)
+
+    @staticmethod
+    def empty(w: int, g: int, delays: Sequence[int]) -> Samples:
+        dl = np.asarray(delays, dtype=np.int64)
+        return Samples(reward=np.full((w, g, len(dl)), -np.inf), start=np.zeros((w, g),
+                       dtype=np.int64), end=np.zeros((w, g), dtype=np.int64),
+                       batch_a=np.zeros((w, g)), kv_a=np.zeros((w, g)), kv_b=np.zeros((w, g)),
+                       pre=np.ones((w, g), dtype=np.int64), compute_a=np.zeros((w, g)),
+                       delays=dl)
+
+    def put(self, i: int, reward: FloatArray, cols: Columns) -> None:
+        """Row i := one request's rewards (G,) (delay 0 only) or (G, L), and columns."""
+        r = np.asarray(reward, dtype=np.float64)
+        if r.ndim == 1:
+            self.reward[i] = -np.inf
+            self.reward[i, :, 0] = r
+        else:
+            self.reward[i] = r
+        self.start[i] = cols.start
+        self.end[i] = cols.end
+        self.batch_a[i] = cols.batch_a
+        self.kv_a[i] = cols.kv_a
+        self.kv_b[i] = cols.kv_b
+        self.pre[i] = np.maximum(cols.start + 1 - cols.pre_start, 1)
+        self.compute_a[i] = cols.compute_a
+
+    def price_scale(self, n: int) -> float:
+        """The typical break-even price of the first n samples: median over samples of
+        the best delay-0 reward over the capacity (fraction x slots) its column uses
+        there. 0 when there is nothing to go by."""
+        if n == 0:
+            return 0.0
+        r = self.reward[:n, :, 0]
+        best = np.argmax(np.where(np.isfinite(r), r, -np.inf), axis=1)
+        rows = np.arange(n)
+        d = np.maximum(self.end[rows, best] - self.start[rows, best], 1).astype(np.float64)
+        mass = (self.batch_a[rows, best] * d + self.kv_a[rows, best] * d
+                + self.kv_b[rows, best] * d * (d - 1) / 2.0
+                + self.compute_a[rows, best] * self.pre[rows, best])
+        rb = r[rows, best]
+        ok = np.isfinite(rb) & (rb > 0) & (mass > 0)
+        return float(np.median(rb[ok] / mass[ok])) if ok.any() else 0.0
 
 
 def step_sizes(eta0: float, schedule: str, t0: int, k: int) -> FloatArray:
-    """Step sizes of steps t0 .. t0 + k - 1: constant, or eta0 / sqrt(t + 1)."""
+    """Step sizes of steps t0 .. t0 + k - 1: eta0 / sqrt(t + 1) for inverse_sqrt, else
+    eta0 (constant; adagrad scales eta0 per coordinate itself)."""
     t = np.arange(t0, t0 + k, dtype=np.float64)
-    if schedule == "constant":
-        return np.full(k, eta0)
-    result: FloatArray = eta0 / np.sqrt(t + 1.0)
-    return result
+    if schedule == "inverse_sqrt":
+        result: FloatArray = eta0 / np.sqrt(t + 1.0)
+        return result
+    return np.full(k, eta0)
 
 
-def dual_step_numpy(p: FloatArray, c: FloatArray, reward: FloatArray, start: IntArray,
-                    end: IntArray, batch_a: FloatArray, kv_a: FloatArray, kv_b: FloatArray,
-                    idx: IntArray, mask: npt.NDArray[np.bool_], offset: IntArray,
-                    n_h: float, eta: float) -> FloatArray:
-    """One projected step. Window arrays are (W, G); idx, mask, offset are (S,)."""
-    g_count, h, _ = p.shape
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """The mini-batch's columns moved by their offsets, (S, G, L): clipped batch/KV
+    interval [s0, s1), prefill interval [ps, pe), and each column's margin at p (-inf:
+    no such column, its start past the horizon)."""
+
+    s0: IntArray
+    s1: IntArray
+    ps: IntArray
+    pe: IntArray
+    margin: FloatArray
+
+
+def _place(p: FloatArray, smp: Samples, idx: IntArray, offset: IntArray) -> _Placed:
+    h = p.shape[1]
     p0, p1 = price_prefix(p)
-    s0 = np.clip(start[idx] + offset[:, None], 0, h)
-    s1 = np.clip(end[idx] + offset[:, None], 0, h)
-    cols = Columns(start=s0, end=s1, batch_a=batch_a[idx], kv_a=kv_a[idx], kv_b=kv_b[idx])
-    g = np.arange(g_count)[None, :]
-    cost = (cols.batch_a * (p0[g, s1, 0] - p0[g, s0, 0])
-            + (cols.kv_a - cols.kv_b * s0) * (p0[g, s1, 1] - p0[g, s0, 1])
-            + cols.kv_b * (p1[g, s1, 1] - p1[g, s0, 1]))
-    margin = reward[idx] - cost
+    sh = offset[:, None, None] + smp.delays[None, None, :]
+    s = smp.start[idx][:, :, None] + sh
+    s0 = np.minimum(s, h)
+    s1 = np.minimum(smp.end[idx][:, :, None] + sh, h)
+    pe = np.minimum(s + 1, h)
+    ps = np.clip(s + 1 - smp.pre[idx][:, :, None], 0, h)
+    ba, ka, kb, ca = (x[idx][:, :, None] for x in (smp.batch_a, smp.kv_a, smp.kv_b,
+                                                   smp.compute_a))
+    gi = np.arange(p.shape[0])[None, :, None]
+    cost = (ba * (p0[gi, s1, BATCH] - p0[gi, s0, BATCH])
+            + (ka - kb * s0) * (p0[gi, s1, KV] - p0[gi, s0, KV])
+            + kb * (p1[gi, s1, KV] - p1[gi, s0, KV])
+            + ca * (p0[gi, pe, COMPUTE] - p0[gi, ps, COMPUTE]))
+    margin = np.where(s < h, smp.reward[idx] * _inside(smp, idx, s0, s1) - cost, -np.inf)
+    return _Placed(s0, s1, ps, pe, margin)
+
+
+def _inside(smp: Samples, idx: IntArray, s0: Any, s1: Any) -> Any:
+    """The share of a column's decode slots inside the horizon: its reward counts in
+    that proportion (``prorated reward`` in the module docstring)."""
+    span = np.maximum(smp.end[idx] - smp.start[idx], 1)[:, :, None]
+    return np.clip((s1 - s0) / span, 0.0, 1.0)
+
+
+def saa_dual_value(p: FloatArray, c: FloatArray, smp: Samples, idx: IntArray,
+                   offset: IntArray, n_h: float) -> float:
+    """The SAA dual's objective sum p c + (N_H / S) sum_i max(0, best margin_i): with the
+    LP's requests as the samples (N_H = N, no offsets) it is the LP dual's D(p)."""
+    m = _place(p, smp, idx, offset).margin.reshape(len(idx), -1).max(axis=1)
+    return float(np.sum(p * c) + n_h / max(len(idx), 1) * np.maximum(m, 0.0).sum())
+
+
+def demand_numpy(p: FloatArray, smp: Samples, idx: IntArray, mask: BoolArray,
+                 offset: IntArray) -> FloatArray:
+    """(G, H, R) capacity the mini-batch ``idx`` takes at prices p, each sample at its
+    best (instance, delay) with a positive margin, moved by ``offset`` slots."""
+    g_count, h, _ = p.shape
+    pl = _place(p, smp, idx, offset)
+    margin = pl.margin.reshape(len(idx), -1)
     best = np.argmax(margin, axis=1)
     rows = np.arange(len(idx))
-    take = mask & (margin[rows, best] > 0)
-    w = take.astype(np.float64)
-    b0, b1 = s0[rows, best], s1[rows, best]
-    ba, ka, kb = cols.batch_a[rows, best], cols.kv_a[rows, best], cols.kv_b[rows, best]
-    d0 = np.zeros((g_count, h + 1, 2))
+    n_l = len(smp.delays)
+    bg, bl = best // n_l, best % n_l
+    w = (mask & (margin[rows, best] > 0)).astype(np.float64)
+    b0, b1 = pl.s0[rows, bg, bl], pl.s1[rows, bg, bl]
+    c0, c1 = pl.ps[rows, bg, bl], pl.pe[rows, bg, bl]
+    j = idx[rows]
+    bba, bka, bkb, bca = (x[j, bg] for x in (smp.batch_a, smp.kv_a, smp.kv_b,
+                                             smp.compute_a))
+    d0 = np.zeros((g_count, h + 1, NUM_RESOURCES))
     d1 = np.zeros((g_count, h + 1))
-    np.add.at(d0[:, :, 0], (best, b0), w * ba)
-    np.add.at(d0[:, :, 0], (best, b1), -w * ba)
-    const = ka - kb * b0
-    np.add.at(d0[:, :, 1], (best, b0), w * const)
-    np.add.at(d0[:, :, 1], (best, b1), -w * const)
-    np.add.at(d1, (best, b0), w * kb)
-    np.add.at(d1, (best, b1), -w * kb)
+    const = bka - bkb * b0
+    for r, (lo, hi, v) in enumerate(((b0, b1, bba), (b0, b1, const), (c0, c1, bca))):
+        np.add.at(d0[:, :, r], (bg, lo), w * v)
+        np.add.at(d0[:, :, r], (bg, hi), -w * v)
+    np.add.at(d1, (bg, b0), w * bkb)
+    np.add.at(d1, (bg, b1), -w * bkb)
     k = np.arange(h, dtype=np.float64)[None, :]
-    usage = np.empty((g_count, h, 2))
-    usage[:, :, 0] = np.cumsum(d0[:, :h, 0], axis=1)
-    usage[:, :, 1] = np.cumsum(d0[:, :h, 1], axis=1) + k * np.cumsum(d1[:, :h], axis=1)
+    usage: FloatArray = np.cumsum(d0[:, :h], axis=1)
+    usage[:, :, KV] += k * np.cumsum(d1[:, :h], axis=1)
+    return usage
+
+
+def apply_step(p: FloatArray, acc: FloatArray, grad: FloatArray, eta: float, rule: str,
+               decay: float) -> tuple[FloatArray, FloatArray]:
+    """The projected step of ``rule`` on gradient ``grad``; returns (p, accumulator)."""
+    if rule == "adagrad":
+        acc = decay * acc + grad * grad
+        step = eta * grad / (np.sqrt(acc) + ADAGRAD_EPS)
+    else:
+        step = eta * grad
+    return np.maximum(p - step, 0.0), acc
+
+
+def dual_step_numpy(p: FloatArray, acc: FloatArray, c: FloatArray, smp: Samples,
+                    idx: IntArray, mask: BoolArray, offset: IntArray, n_h: float, eta: float,
+                    rule: str = "constant", decay: float = 1.0
+                    ) -> tuple[FloatArray, FloatArray]:
+    """One projected step: the reference the JAX steps are tested against."""
     n_valid = max(int(mask.sum()), 1)
-    grad = c - (n_h / n_valid) * usage
-    result: FloatArray = np.maximum(p - eta * grad, 0.0)
-    return result
+    grad = c - (n_h / n_valid) * demand_numpy(p, smp, idx, mask, offset)
+    return apply_step(p, acc, grad, eta, rule, decay)
 
 
 @functools.cache
-def _build_jax_steps() -> Callable[..., Any]:
-    """The jitted K-step update; imported and compiled only where prices are learned.
-    One per process: every price book shares it, so JAX compiles each shape once (a new
-    closure per book recompiled the same program, about 0.6 s of CPU each)."""
+def _build_jax_steps(rule: str = "constant") -> Callable[..., Any]:
+    """The jitted K-step update for a step rule; imported and compiled only where prices
+    are learned. One per process and rule: every price book shares it, so JAX compiles
+    each shape once (a new closure per book recompiled the same program, about 0.6 s of
+    CPU each)."""
     import jax
     import jax.numpy as jnp
 
@@ -143,51 +312,73 @@ def _build_jax_steps() -> Callable[..., Any]:
         out = within + (within[..., -1] @ low)[..., None]
         return jnp.moveaxis(out.reshape(*lead, h), -1, 1)
 
-    def one(p: Any, c: Any, reward: Any, start: Any, end: Any, batch_a: Any, kv_a: Any,
-            kv_b: Any, idx: Any, mask: Any, offset: Any, n_h: Any, eta: Any) -> Any:
-        """One step on the mini-batch ``idx`` of the window arrays (W, G)."""
+    def demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: Any,
+               offset: Any) -> Any:
+        """(G, H, 3) capacity the mini-batch takes (``demand_numpy``)."""
+        reward, start, end, batch_a, kv_a, kv_b, pre, compute_a = arrays
         g_count, h, _ = p.shape
         kk = jnp.arange(h, dtype=p.dtype)
-        # one table of prefix sums, rows (g, k): P0 batch, P0 kv, P1 kv, so that each
-        # (sample, instance) needs two row gathers (XLA's CPU gather pays per index)
-        table = cumsum(jnp.stack([p[:, :, 0], p[:, :, 1], p[:, :, 1] * kk[None, :]], axis=-1))
-        table = jnp.concatenate([jnp.zeros((g_count, 1, 3), p.dtype), table], axis=1)
-        table = table.reshape(g_count * (h + 1), 3)
-        s0 = jnp.clip(start[idx] + offset[:, None], 0, h)
-        s1 = jnp.clip(end[idx] + offset[:, None], 0, h)
-        ba, ka, kb = batch_a[idx], kv_a[idx], kv_b[idx]
-        base = (jnp.arange(g_count) * (h + 1))[None, :]
+        # one table of prefix sums, rows (g, k): P0 batch, P0 kv, P1 kv, P0 compute, so
+        # that each (sample, instance, delay) needs a few row gathers
+        table = cumsum(jnp.stack([p[:, :, BATCH], p[:, :, KV], p[:, :, KV] * kk[None, :],
+                                  p[:, :, COMPUTE]], axis=-1))
+        table = jnp.concatenate([jnp.zeros((g_count, 1, 4), p.dtype), table], axis=1)
+        table = table.reshape(g_count * (h + 1), 4)
+        sh = offset[:, None, None] + delays[None, None, :]
+        s = start[idx][:, :, None] + sh
+        valid = s < h
+        s0 = jnp.minimum(s, h)
+        s1 = jnp.minimum(end[idx][:, :, None] + sh, h)
+        pe = jnp.minimum(s + 1, h)
+        ps = jnp.clip(s + 1 - pre[idx][:, :, None], 0, h)
+        ba, ka, kb, ca = (x[idx][:, :, None] for x in (batch_a, kv_a, kv_b, compute_a))
+        base = (jnp.arange(g_count) * (h + 1))[None, :, None]
         diff = (table.at[base + s1].get(mode="promise_in_bounds")
                 - table.at[base + s0].get(mode="promise_in_bounds"))
-        cost = ba * diff[..., 0] + (ka - kb * s0) * diff[..., 1] + kb * diff[..., 2]
-        margin = reward[idx] - cost
+        pre_diff = (table.at[base + pe, 3].get(mode="promise_in_bounds")
+                    - table.at[base + ps, 3].get(mode="promise_in_bounds"))
+        cost = (ba * diff[..., 0] + (ka - kb * s0) * diff[..., 1] + kb * diff[..., 2]
+                + ca * pre_diff)
+        inside = jnp.clip((s1 - s0) / jnp.maximum(end[idx] - start[idx], 1)[:, :, None],
+                          0.0, 1.0)
+        margin = jnp.where(valid, reward[idx] * inside - cost, -jnp.inf).reshape(
+            idx.shape[0], -1)
         best = jnp.argmax(margin, axis=1)
         rows = jnp.arange(idx.shape[0])
+        n_l = delays.shape[0]
+        bg, bl = best // n_l, best % n_l
         w = jnp.where(mask & (margin[rows, best] > 0), 1.0, 0.0).astype(p.dtype)
-        b0, b1 = s0[rows, best], s1[rows, best]
-        bba, bka, bkb = ba[rows, best], ka[rows, best], kb[rows, best]
+        b0, b1 = s0[rows, bg, bl], s1[rows, bg, bl]
+        c0, c1 = ps[rows, bg, bl], pe[rows, bg, bl]
+        bba, bka, bkb, bca = (x[rows, bg, 0] for x in (ba, ka, kb, ca))
         const = bka - bkb * b0
-        d0b = jnp.zeros((g_count, h + 1), p.dtype).at[best, b0].add(w * bba).at[best, b1].add(
-            -w * bba)
-        d0k = jnp.zeros((g_count, h + 1), p.dtype).at[best, b0].add(w * const).at[
-            best, b1].add(-w * const)
-        d1k = jnp.zeros((g_count, h + 1), p.dtype).at[best, b0].add(w * bkb).at[
-            best, b1].add(-w * bkb)
-        sums = cumsum(jnp.stack([d0b[:, :h], d0k[:, :h], d1k[:, :h]], axis=-1))
-        usage = jnp.stack([sums[..., 0], sums[..., 1] + kk[None, :] * sums[..., 2]], axis=-1)
-        n_valid = jnp.maximum(jnp.sum(mask), 1)
-        grad = c - (n_h / n_valid) * usage
-        return jnp.maximum(p - eta * grad, 0.0)
 
-    def steps(p: Any, c: Any, reward: Any, start: Any, end: Any, batch_a: Any, kv_a: Any,
-              kv_b: Any, idx: Any, mask: Any, offset: Any, n_h: Any, etas: Any) -> Any:
-        """K steps; idx, mask, offset are (K, S), etas (K,)."""
-        def body(p_in: Any, xs: Any) -> tuple[Any, None]:
+        def interval(lo: Any, hi: Any, v: Any) -> Any:
+            z = jnp.zeros((g_count, h + 1), p.dtype)
+            return z.at[bg, lo].add(w * v).at[bg, hi].add(-w * v)[:, :h]
+
+        sums = cumsum(jnp.stack([interval(b0, b1, bba), interval(b0, b1, const),
+                                 interval(b0, b1, bkb), interval(c0, c1, bca)], axis=-1))
+        return jnp.stack([sums[..., 0], sums[..., 1] + kk[None, :] * sums[..., 2],
+                          sums[..., 3]], axis=-1)
+
+    def steps(p: Any, acc: Any, c: Any, arrays: tuple[Any, ...], delays: Any, idx: Any,
+              mask: Any, offset: Any, n_h: Any, etas: Any, decay: Any) -> Any:
+        """K steps; idx, mask, offset are (K, S), etas (K,); returns (p, accumulator)."""
+        def body(carry: Any, xs: Any) -> tuple[Any, None]:
+            p_in, acc_in = carry
             i, m, o, eta = xs
-            return one(p_in, c, reward, start, end, batch_a, kv_a, kv_b, i, m, o, n_h,
-                       eta), None
+            n_valid = jnp.maximum(jnp.sum(m), 1)
+            grad = c - (n_h / n_valid) * demand(p_in, arrays, delays, i, m, o)
+            if rule == "adagrad":
+                acc_out = decay * acc_in + grad * grad
+                step = eta * grad / (jnp.sqrt(acc_out) + ADAGRAD_EPS)
+            else:
+                acc_out = acc_in
+                step = eta * grad
+            return (jnp.maximum(p_in - step, 0.0), acc_out), None
 
-        out, _ = jax.lax.scan(body, p, (idx, mask, offset, etas))
+        out, _ = jax.lax.scan(body, (p, acc), (idx, mask, offset, etas))
         return out
 
     return jax.jit(steps)
@@ -196,10 +387,13 @@ def _build_jax_steps() -> Callable[..., Any]:
 class PriceBook:
     """Owns the prices, the free capacity, the rolling window of recent requests and the
     arrival-rate estimate; hands out prices (``price``) on the request path and learns
-    them (``update``) off it. Times in seconds; prices per capacity fraction per slot."""
+    them (``update``) off it. Times in seconds; prices per capacity fraction per slot.
+    ``compute_budget`` (G,) is each instance's prefill tokens per slot (what its compute
+    row's fractions are of), reported in the view."""
 
     def __init__(self, specs: Sequence[InstanceSpec], slot_s: float, horizon: int,
-                 cfg: PriceConfig, rng: np.random.Generator, backend: Backend = "jax") -> None:
+                 cfg: PriceConfig, rng: np.random.Generator, backend: Backend = "jax",
+                 compute_budget: FloatArray | None = None) -> None:
         self.num_instances = len(specs)
         self.slot_s = slot_s
         self.horizon = horizon
@@ -207,24 +401,28 @@ class PriceBook:
         self._rng = rng
         self._backend = backend
         g, w = self.num_instances, cfg.window
-        self.p = np.zeros((g, horizon, 2))
-        self.c = np.ones((g, horizon, 2))
+        self.compute_budget = (np.full(g, np.inf) if compute_budget is None
+                               else np.asarray(compute_budget, dtype=np.float64).copy())
+        self.p = np.zeros((g, horizon, NUM_RESOURCES))
+        self.c = np.ones((g, horizon, NUM_RESOURCES))
+        self._acc = np.zeros((g, horizon, NUM_RESOURCES))
         self._p0, self._p1 = price_prefix(self.p)
-        self._reward = np.zeros((w, g))
-        self._start = np.zeros((w, g), dtype=np.int64)
-        self._end = np.zeros((w, g), dtype=np.int64)
+        self.samples = Samples.empty(w, g, cfg.sample_delays_slots)
         batch_cap, _ = capacities(specs)
-        self._batch_a = np.tile(1.0 / batch_cap, (w, 1))
-        self._kv_a = np.zeros((w, g))
-        self._kv_b = np.zeros((w, g))
+        self.samples.batch_a[:] = 1.0 / batch_cap
         self.num_samples = 0
         self._next = 0
         self.num_steps = 0
         self.num_updates = 0
+        self.last_price_scale = 0.0
         self._origin_s: float | None = None   # time of price slot 0
         self._decayed_arrivals = 0.0
         self._last_arrival_s: float | None = None
-        self._jax_steps: Callable[..., Any] | None = None
+
+    @property
+    def delays(self) -> IntArray:
+        """The delays (slots) each sample's reward is given for, the first 0."""
+        return self.samples.delays
 
     # -- request path ----------------------------------------------------------------
     def price(self, cols: Columns) -> FloatArray:
@@ -241,15 +439,10 @@ class PriceBook:
         self._last_arrival_s = now_s
 
     def add_sample(self, reward: FloatArray, cols: Columns) -> None:
-        """Remember one request's reward and columns (relative to its decision time)."""
-        i = self._next
-        self._reward[i] = reward
-        self._start[i] = cols.start
-        self._end[i] = cols.end
-        self._batch_a[i] = cols.batch_a
-        self._kv_a[i] = cols.kv_a
-        self._kv_b[i] = cols.kv_b
-        self._next = (i + 1) % self.cfg.window
+        """Remember one request's reward, (G,) for a start now or (G, L) for each of
+        ``delays``, and its columns (relative to its decision time)."""
+        self.samples.put(self._next, reward, cols)
+        self._next = (self._next + 1) % self.cfg.window
         self.num_samples = min(self.num_samples + 1, self.cfg.window)
 
     @property
@@ -271,7 +464,7 @@ class PriceBook:
         return price_view([(self, g) for g in range(self.num_instances)], self)
 
     def bottleneck(self) -> list[str]:
-        """Per instance, the resource with the higher total price ('none' when free)."""
+        """Per instance, the resource with the highest total price ('none' when free)."""
         totals = self.p.sum(axis=1)
         return ["none" if t.max() <= 0 else RESOURCES[int(np.argmax(t))] for t in totals]
 
@@ -285,7 +478,8 @@ class PriceBook:
         """Roll the prices forward to now: slot 0 becomes the current slot; returns the
         slots shifted. The newly exposed tail takes each (instance, resource)'s mean price
         over the old horizon: the last slot alone is the least learned (few samples reach
-        it), and repeating it over a long gap would inflate every price."""
+        it), and repeating it over a long gap would inflate every price. The step rule's
+        accumulator rolls with the prices."""
         if self._origin_s is None:
             self._origin_s = now_s
             return 0
@@ -293,21 +487,12 @@ class PriceBook:
         if shift <= 0:
             return 0
         self._origin_s += shift * self.slot_s
-        h = self.horizon
-        fill = self.p.mean(axis=1, keepdims=True)
-        if shift >= h:
-            self.p[:] = fill
-        else:
-            self.p[:, :h - shift] = self.p[:, shift:]
-            self.p[:, h - shift:] = fill
+        for arr in (self.p, self._acc):
+            roll_tail(arr, shift)
         self._p0, self._p1 = price_prefix(self.p)
         return shift
 
-    def update(self, now_s: float) -> None:
-        """Shift to now, then K projected mini-batch steps on the window."""
-        self.advance(now_s)
-        if self.num_samples == 0:
-            return
+    def _minibatches(self) -> tuple[IntArray, BoolArray, IntArray]:
         k, s = self.cfg.steps_per_period, self.cfg.minibatch
         idx = self._rng.integers(0, self.num_samples, size=(k, s))
         mask = np.ones((k, s), dtype=bool)
@@ -315,29 +500,62 @@ class PriceBook:
             idx[:, :] = np.arange(s) % self.num_samples
             mask[:, self.num_samples:] = False
         offset = self._rng.integers(0, self.horizon, size=(k, s))
-        etas = step_sizes(self.cfg.step_size, self.cfg.schedule, self.num_steps, k)
-        n_h = self.arrivals_in_horizon
-        if self._backend == "numpy":
-            p = self.p
-            for j in range(k):
-                p = dual_step_numpy(p, self.c, self._reward, self._start, self._end,
-                                    self._batch_a, self._kv_a, self._kv_b, idx[j], mask[j],
-                                    offset[j], n_h, float(etas[j]))
-            self.p = p
-        else:
-            self.p = self._run_jax(idx, mask, offset, n_h, etas)
+        return idx, mask, offset
+
+    def step_scale(self) -> float:
+        """eta0 in price units: adagrad multiplies it by the window's break-even price."""
+        if self.cfg.schedule != "adagrad":
+            return self.cfg.step_size
+        self.last_price_scale = self.samples.price_scale(self.num_samples)
+        return self.cfg.step_size * self.last_price_scale
+
+    def update(self, now_s: float) -> None:
+        """Shift to now, then K projected mini-batch steps on the window."""
+        self.advance(now_s)
+        if self.num_samples == 0:
+            return
+        k = self.cfg.steps_per_period
+        idx, mask, offset = self._minibatches()
+        etas = step_sizes(self.step_scale(), self.cfg.schedule, self.num_steps, k)
+        self.p, self._acc = run_steps(self.p, self._acc, self.c, self.samples, idx, mask,
+                                      offset, self.arrivals_in_horizon, etas,
+                                      self.cfg.schedule, adagrad_decay(self.cfg),
+                                      self._backend)
         self.num_steps += k
         self.num_updates += 1
         self._p0, self._p1 = price_prefix(self.p)
 
-    def _run_jax(self, idx: IntArray, mask: npt.NDArray[np.bool_], offset: IntArray,
-                 n_h: float, etas: FloatArray) -> FloatArray:
-        import jax
 
-        if self._jax_steps is None:
-            self._jax_steps = _build_jax_steps()
-        with jax.enable_x64(True):
-            out = self._jax_steps(self.p, self.c, self._reward, self._start, self._end,
-                                  self._batch_a, self._kv_a, self._kv_b, idx, mask, offset,
-                                  n_h, etas)
-            return np.array(out, dtype=np.float64)  # writable: advance() shifts in place
+def roll_tail(arr: FloatArray, shift: int) -> None:
+    """Move (G, H, R) ``shift`` slots towards slot 0 in place; the tail takes the mean."""
+    h = arr.shape[1]
+    fill = arr.mean(axis=1, keepdims=True)
+    if shift >= h:
+        arr[:] = fill
+    else:
+        arr[:, :h - shift] = arr[:, shift:]
+        arr[:, h - shift:] = fill
+
+
+def adagrad_decay(cfg: PriceConfig) -> float:
+    """Per-step factor on the adagrad accumulator (its half-life in steps)."""
+    return float(0.5 ** (1.0 / cfg.adagrad_halflife_steps))
+
+
+def run_steps(p: FloatArray, acc: FloatArray, c: FloatArray, smp: Samples, idx: IntArray,
+              mask: BoolArray, offset: IntArray, n_h: float, etas: FloatArray, rule: str,
+              decay: float, backend: Backend) -> tuple[FloatArray, FloatArray]:
+    """K projected steps (idx, mask, offset (K, S), etas (K,)); returns (p, accumulator)."""
+    if backend == "numpy":
+        for j in range(len(etas)):
+            p, acc = dual_step_numpy(p, acc, c, smp, idx[j], mask[j], offset[j], n_h,
+                                     float(etas[j]), rule, decay)
+        return p, acc
+    import jax
+
+    steps = _build_jax_steps(rule)
+    with jax.enable_x64(True):
+        p_out, acc_out = steps(p, acc, c, smp.arrays, smp.delays, idx, mask, offset, n_h,
+                               etas, decay)
+        # writable copies: advance() shifts them in place
+        return np.array(p_out, dtype=np.float64), np.array(acc_out, dtype=np.float64)

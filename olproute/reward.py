@@ -10,10 +10,10 @@ on slot k of the interval the batch row uses ``batch_a`` and the KV row
 
 The third resource is **compute**: the prefill token budget of an instance, ``b_g`` =
 kappa tokens per engine step (``max_num_batched_tokens``) times the engine steps in a
-slot at the calibrated time of a step carrying kappa tokens (beta0 + beta1 kappa,
-``compute_budget``). A prompt of s tokens needs ``P = ceil(s / b_g)`` slots of it, the
-slots its prefill runs in: [k0 + 1 - P, k0 + 1) (the first token comes out of the slot
-the prefill ends in), using ``compute_a = s / (P b_g)`` of the budget in each. On a
+slot at the calibrated time of a step carrying a kappa-token prompt chunk (beta0 + beta1
+kappa + beta3 kappa (kappa + 1) / 2, ``compute_budget``). A prompt of s tokens needs
+``P = ceil(s / b_g)`` slots of it, the slots its prefill runs in: [k0 + 1 - P, k0 + 1)
+(the first token comes out of the slot the prefill ends in), using ``compute_a = s / (P b_g)`` of the budget in each. On a
 disaggregated prefill engine this is the only resource its prompt takes from the budget;
 the decode engine's column has no compute row.
 
@@ -162,11 +162,13 @@ def capacities(specs: Sequence[InstanceSpec]) -> tuple[FloatArray, FloatArray]:
 def compute_budget(specs: Sequence[InstanceSpec], betas: FloatArray, slot_s: float
                    ) -> FloatArray:
     """b_g, prefill tokens per slot per instance: kappa = max_num_batched_tokens a step,
-    times the steps in a slot at the calibrated time of a step carrying kappa tokens
-    (beta0 + beta1 kappa; ``betas`` (G, 4) from calibration)."""
+    times the steps in a slot at the calibrated time of a step carrying one kappa-token
+    prompt chunk (beta0 + beta1 kappa + beta3 kappa (kappa + 1) / 2: its attention pairs;
+    ``betas`` (G, 4) from calibration). The decode tokens a mixed step also carries are
+    in the batch row's price, not here."""
     kappa = np.array([s.max_num_batched_tokens for s in specs], dtype=np.float64)
     b = np.asarray(betas, dtype=np.float64).reshape(len(specs), -1)
-    step_s = np.maximum(b[:, 0] + b[:, 1] * kappa, 1e-9)
+    step_s = np.maximum(b[:, 0] + b[:, 1] * kappa + b[:, 3] * kappa * (kappa + 1) / 2, 1e-9)
     result: FloatArray = kappa * slot_s / step_s
     return result
 
@@ -178,8 +180,10 @@ def prefill_span(prompt_tokens: float | FloatArray, first_slot: IntArray,
     budget in each (module docstring)."""
     s = np.asarray(prompt_tokens, dtype=np.float64)
     n_slots = np.maximum(np.ceil(s / budget - 1e-9), 1.0)
-    end = np.minimum(first_slot + 1, horizon)
-    start = np.clip(first_slot + 1 - n_slots.astype(np.int64), 0, horizon)
+    # a first token past the horizon (an instance that never starts it): no prefill in it
+    end = np.where(first_slot >= horizon, horizon, np.minimum(first_slot + 1, horizon))
+    start = np.where(first_slot >= horizon, horizon,
+                     np.clip(first_slot + 1 - n_slots.astype(np.int64), 0, horizon))
     share: FloatArray = s / (n_slots * budget)
     return start.astype(np.int64), end.astype(np.int64), share
 
@@ -214,9 +218,8 @@ def reward_terms(prompt_tokens: int, ttft_target_s: float, outlook: Outlook,
     tokens = np.where(in_horizon, prompt_tokens + decode_in_h, 0.0)
     eel = ttft_s + outlook.decode_tokens * tpot_s
     t2 = ttft_target_s if w.ttft_threshold_s is None else w.ttft_threshold_s
-    g = len(ttft_s)
     return RewardTerms(
-        qps=np.full(g, w.sigma),
+        qps=np.full(np.shape(ttft_s), w.sigma),
         throughput=w.alpha * tokens / w.token_norm,
         eel_saved=w.beta * np.maximum(horizon - (k0 + d), 0).astype(np.float64),
         ttft_saved=w.gamma * np.maximum(horizon - k0, 0).astype(np.float64),

@@ -27,6 +27,7 @@ from pydantic import Field
 
 from olproute.bea import BeaEstimator, decode_step_times_s
 from olproute.disagg import Pools
+from olproute.outlook import Outlook
 from olproute.policies.admission import can_start_now, hold_shed_or_defer
 from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, PolicyParams
 from olproute.policies.bid_price_pools import PoolBidPrice
@@ -35,13 +36,14 @@ from olproute.reward import (
     Columns,
     capacities,
     column_at,
+    compute_budget,
     free_capacity,
     reward_terms,
     shifted_usage,
     slots_since,
     usage_columns,
 )
-from olproute.types import Decision, EngineSnapshot, Outcome, RoutingContext
+from olproute.types import Decision, EngineSnapshot, Outcome, Request, RoutingContext
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -79,9 +81,11 @@ class BidPrice(Policy):
         self._slot_s = env.slot_s
         self._horizon = env.horizon_slots
         self._batch_cap, self._kv_cap = capacities(env.specs)
+        self._budget = compute_budget(env.specs, self._bea.beta, env.slot_s)
+        self._theta = np.array([c.prefill_tokens_per_s for c in self._cal])
         self._rng = env.rng
         self.book = PriceBook(env.specs, env.slot_s, env.horizon_slots, env.prices, env.rng,
-                              backend=params.backend)
+                              backend=params.backend, compute_budget=self._budget)
         # the tick refreshes the free capacity the admission checks read even when the
         # prices are not learned (prices.enabled: false keeps them at zero)
         self.tick_s = env.prices.period_slots * env.slot_s
@@ -103,7 +107,8 @@ class BidPrice(Policy):
         # time per output token at each instance's current decode load
         tpot = decode_step_times_s(snaps, self._specs, self._bea.beta, req.prompt_tokens)
         cols = usage_columns(req.prompt_tokens, out.decode_tokens, ttft, tpot,
-                             self._batch_cap, self._kv_cap, self._slot_s, self._horizon)
+                             self._batch_cap, self._kv_cap, self._budget, self._slot_s,
+                             self._horizon)
         waited = ctx.now_s - req.arrival_s
         terms = reward_terms(req.prompt_tokens, req.ttft_target_s, out, ttft, tpot,
                              self._w, self._slot_s, self._horizon, waited_s=waited)
@@ -114,12 +119,15 @@ class BidPrice(Policy):
         if req.request_id not in self._seen:  # first sight: a sample of demand
             self._seen.add(req.request_id)
             self.book.observe_arrival(ctx.now_s)
-            self.book.add_sample(reward, cols)
+            self.book.add_sample(self._delayed_rewards(req, out, ttft, tpot, waited), cols)
         candidates = self._candidates()
         g = int(candidates[np.argmax(score[candidates])])
         explanation = {"ttft_s": tuple(ttft.tolist()), "tpot_s": tuple(tpot.tolist()),
                        "reward": tuple(reward.tolist()), "price_cost": tuple(price.tolist()),
                        "score": tuple(score.tolist()),
+                       "decode_tokens": tuple(out.decode_tokens.tolist()),
+                       "utility": tuple(out.utility(self._w.cost_lambda).tolist()),
+                       "exec_ttft_s": tuple((req.prompt_tokens / self._theta).tolist()),
                        "candidates": tuple(float(c) for c in candidates.tolist()),
                        **terms.as_dict()}
         c = self._first_startable(ctx, snaps, candidates, score, cols)
@@ -141,6 +149,16 @@ class BidPrice(Policy):
                             f"{waited_s * 1e3:.0f} ms: {why}", explanation)
 
         return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
+
+    def _delayed_rewards(self, req: Request, out: Outlook, ttft: FloatArray,
+                         tpot: FloatArray, waited_s: float) -> FloatArray:
+        """(G, L) the request's reward on each instance if it started each of the book's
+        delays later: the demand sample prices every start the LP could choose."""
+        later = ttft[:, None] + self.book.delays[None, :] * self._slot_s
+        terms = reward_terms(req.prompt_tokens, req.ttft_target_s, out, later.T, tpot,
+                             self._w, self._slot_s, self._horizon, waited_s=waited_s)
+        result: FloatArray = terms.total.T
+        return result
 
     def _first_startable(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
                          candidates: npt.NDArray[np.int64], score: FloatArray,
@@ -204,7 +222,8 @@ class BidPrice(Policy):
         """Off the request path: free capacity from the snapshots (residents at their
         instance's current decode speed), then K dual steps (when prices are learned)."""
         tpot = decode_step_times_s(snapshots, self._specs, self._bea.beta, 0)
-        free = free_capacity(snapshots, self._specs, tpot, self._slot_s, self._horizon)
+        free = free_capacity(snapshots, self._specs, tpot, self._budget, self._slot_s,
+                             self._horizon)
         self.book.set_free_capacity(free)
         self._free = free.copy()
         self._free_time_s = now_s
@@ -213,8 +232,11 @@ class BidPrice(Policy):
 
 
     def set_beta(self, g: int, beta: Sequence[float]) -> bool:
-        """A recalibrated batch-time model for instance g: the BEA replay reads it."""
+        """A recalibrated batch-time model for instance g: the BEA replay reads it, and
+        the compute budget follows it."""
         self._bea.set_beta(g, beta)
+        self._budget = compute_budget(self._specs, self._bea.beta, self._slot_s)
+        self.book.compute_budget[:] = self._budget
         return True
 
     def price_view(self) -> PriceView:

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from olproute.config_schema import RewardConfig
 from olproute.outlook import Outlook
-from olproute.reward import Columns, first_token_slot, reward_terms, usage_columns
+from olproute.reward import Columns, first_token_slot, prefill_span, reward_terms, usage_columns
 from olproute.types import Request
 
 FloatArray = npt.NDArray[np.float64]
@@ -29,13 +29,13 @@ BoolArray = npt.NDArray[np.bool_]
 @dataclass(frozen=True, slots=True)
 class PoolFigures:
     """What pair scoring reads of the two pools, fixed for a run: global indices of each
-    pool, the prefill engines' calibrated prefill throughput (tokens/s) and KV capacity
-    (tokens), the decode engines' batch and KV capacities, the slot, the horizon and the
-    reward's weights."""
+    pool, the prefill engines' compute budget (prefill tokens per slot,
+    ``olproute.reward.compute_budget``) and KV capacity (tokens), the decode engines'
+    batch and KV capacities, the slot, the horizon and the reward's weights."""
 
     pre: IntArray
     dec: IntArray
-    theta: FloatArray
+    budget: FloatArray
     pre_kv: FloatArray
     dec_batch: FloatArray
     dec_kv: FloatArray
@@ -44,17 +44,16 @@ class PoolFigures:
     w: RewardConfig
 
     def prefill_columns(self, prompt_tokens: int, ttft_s: FloatArray) -> Columns:
-        """The prompt's column on each prefill instance: its share of the prefill token
-        budget (theta_p x Delta tokens a slot) over the slots before its first token, and
-        its KV there, in capacity fractions."""
+        """The prompt's column on each prefill instance: its share of the compute budget
+        over the slots its prefill runs in (the one definition of ``olproute.reward``),
+        and its KV there, in capacity fractions; no batch row (the engine frees the slot
+        as the prefill ends)."""
         k0 = first_token_slot(ttft_s, self.slot_s, self.horizon)
-        length = np.maximum(np.ceil(prompt_tokens / (self.theta * self.slot_s) - 1e-9), 1)
-        start = np.maximum(k0 - length.astype(np.int64), 0)
-        span = np.maximum(k0 - start, 1)
-        end = np.maximum(k0, np.minimum(start + 1, self.horizon))
-        share = np.minimum(prompt_tokens / (self.theta * self.slot_s * span), 1.0)
-        return Columns(start=start, end=end, batch_a=share,
-                       kv_a=prompt_tokens / self.pre_kv, kv_b=np.zeros(len(self.pre)))
+        ps, pe, share = prefill_span(float(prompt_tokens), k0, self.budget, self.horizon)
+        n = len(self.pre)
+        return Columns(start=ps, end=pe, batch_a=np.zeros(n),
+                       kv_a=prompt_tokens / self.pre_kv, kv_b=np.zeros(n), pre_start=ps,
+                       pre_end=pe, compute_a=share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +114,8 @@ def score_pairs(pools: PoolFigures, req: Request, waited_s: float, out: Outlook,
     dec_cols = usage_columns(
         req.prompt_tokens, o_hat[None, :], kv_at[:, None],
         tpot_d[None, :], pools.dec_batch[None, :], pools.dec_kv[None, :],
-        pools.slot_s, pools.horizon)                                  # (n_pre, n_dec)
-    shape = (n_pre, n_dec)
-    dec_cols = Columns(
-        start=np.broadcast_to(dec_cols.start, shape),
-        end=np.broadcast_to(dec_cols.end, shape),
-        batch_a=np.broadcast_to(dec_cols.batch_a, shape),
-        kv_a=np.broadcast_to(dec_cols.kv_a, shape),
-        kv_b=np.broadcast_to(dec_cols.kv_b, shape))
+        np.full(n_dec, np.inf), pools.slot_s, pools.horizon)  # (n_pre, n_dec); no prefill
+    dec_cols = dec_cols.broadcast((n_pre, n_dec))
     p_pre = price_pre(pre_cols)                                      # (n_pre,)
     p_dec = price_dec(dec_cols)                                      # (n_pre, n_dec)
     score = reward - pools.w.delta * ttft - p_pre[:, None] - p_dec

@@ -12,9 +12,10 @@ rest (``olproute.disagg``). For every pair
 - ``tpot_d``: the calibrated time of one decode step of d's residents plus the requests
   bound for it and this one (``beta0 + beta1 n + beta2 sum of contexts``);
 - ``r_pd``: the multi-objective reward (``olproute.reward``) with that TTFT and tpot_d;
-- ``a_p . pi_p``: the price of p's **prefill token budget** (and its KV) over the slots
-  the prompt runs in, ``[k0 - ceil(s / (theta_p Delta)), k0)`` with k0 the slot its
-  prefill ends in and theta_p p's calibrated prefill throughput;
+- ``a_p . pi_p``: the price of p's **compute** (its prefill token budget b_p, the third
+  resource of ``olproute.reward``, one definition for every pool) and its KV over the
+  slots the prompt runs in, ``[k0 + 1 - ceil(s / b_p), k0 + 1)`` with k0 the slot its
+  prefill ends in;
 - ``b_pd . mu_d``: the price of d's **batch slots and KV** over the decode column,
   which starts when the KV arrives (P_p + transfer) and ramps from s + 1 tokens.
 
@@ -54,11 +55,17 @@ from olproute.policies.base import Policy, PolicyEnv, PolicyError
 from olproute.policies.bid_price_pairs import PairScores, PoolFigures, score_pairs
 from olproute.prices import Backend, PriceBook, PriceView, price_view
 from olproute.reward import (
+    COLUMN_FIELDS,
+    COMPUTE,
+    KV,
+    NUM_RESOURCES,
     Column,
     Columns,
     capacities,
     column_at,
+    compute_budget,
     free_capacity,
+    prefill_load,
     shifted_usage,
     slots_since,
 )
@@ -80,11 +87,7 @@ class _Inbound:
     of its dispatch) and when it was dispatched."""
 
     decode: int           # index within the decode pool
-    start: int
-    end: int
-    batch_a: float
-    kv_a: float
-    kv_b: float
+    col: Column
     dispatch_s: float
     expires_s: float      # forget it by then even if never seen (a lost request)
 
@@ -113,11 +116,11 @@ class PoolBidPrice(Policy):
         self._beta = np.array([c.beta for c in cal], dtype=np.float64)
         # the replay runs on the prefill pool only: decode engines never prefill a prompt
         self._bea = BeaEstimator(self._pre_specs, [cal[i] for i in self._pre])
-        self._theta = np.array([cal[i].prefill_tokens_per_s for i in self._pre])
+        self._budget = compute_budget(self._pre_specs, self._beta[self._pre], env.slot_s)
         _, self._pre_kv = capacities(self._pre_specs)
         self._dec_batch, self._dec_kv = capacities(self._dec_specs)
         self._dec_block = np.array([s.block_size for s in self._dec_specs]) / self._dec_kv
-        self._pools = PoolFigures(self._pre, self._dec, self._theta, self._pre_kv,
+        self._pools = PoolFigures(self._pre, self._dec, self._budget, self._pre_kv,
                                   self._dec_batch, self._dec_kv, env.slot_s,
                                   env.horizon_slots, env.reward)
         self._outlook = env.outlook()
@@ -125,7 +128,8 @@ class PoolBidPrice(Policy):
         self._slot_s = env.slot_s
         self._horizon = env.horizon_slots
         self.book_prefill = PriceBook(self._pre_specs, env.slot_s, env.horizon_slots,
-                                      env.prices, env.rng, backend=backend)
+                                      env.prices, env.rng, backend=backend,
+                                      compute_budget=self._budget)
         self.book_decode = PriceBook(self._dec_specs, env.slot_s, env.horizon_slots,
                                      env.prices, env.rng, backend=backend)
         # the tick refreshes the free capacity the admission checks read even when the
@@ -134,7 +138,7 @@ class PoolBidPrice(Policy):
         self._learn = env.prices.enabled
         self._seen: set[int] = set()
         self._inbound: dict[int, _Inbound] = {}
-        # free capacity (pool size, H, 2) as of the last tick, less the dispatches since
+        # free capacity (pool size, H, 3) as of the last tick, less the dispatches since
         self._free_pre: FloatArray | None = None
         self._free_dec: FloatArray | None = None
         self._free_time_s = 0.0
@@ -263,21 +267,19 @@ class PoolBidPrice(Policy):
         self.book_prefill.add_sample((reward - price_dec).max(axis=1), pre)
         self.book_decode.observe_arrival(now_s)
         self.book_decode.add_sample(reward[i_best] - price_pre[i_best], Columns(
-            start=np.array(dec.start[i_best]), end=np.array(dec.end[i_best]),
-            batch_a=np.array(dec.batch_a[i_best]), kv_a=np.array(dec.kv_a[i_best]),
-            kv_b=np.array(dec.kv_b[i_best])))
+            *(np.array(getattr(dec, f)[i_best]) for f in COLUMN_FIELDS)))
 
     def _padded(self, cols: Columns, i: tuple[int, int]
                 ) -> Column:
         """The decode column as admission checks it: its output running ``decode_slack``
         over the prediction (the ramp goes on growing), a slot early and a slot late, so
         that length and speed errors do not overflow a full KV cache into preemptions."""
-        s, e, ba, ka, kb = column_at(cols, i)
+        s, e, ba, ka, kb, ps, pe, ca = column_at(cols, i)
         extra = math.ceil(self._slack * (e - s)) + 1
         s0 = max(s - 1, 0)
         # plus its last, partly filled KV block and the headroom kept free
         ka += self._dec_block[i[1]] + self._headroom
-        return s0, min(e + extra, self._horizon), ba, ka + kb * (s0 - s), kb
+        return s0, min(e + extra, self._horizon), ba, ka + kb * (s0 - s), kb, ps, pe, ca
 
     def _offset(self, now_s: float) -> int:
         return slots_since(now_s, self._free_time_s, self._slot_s)
@@ -313,7 +315,7 @@ class PoolBidPrice(Policy):
         self._take(self._free_pre, i, column_at(pairs.pre_cols, i), k)
         col = column_at(pairs.dec_cols, (i, j))
         self._take(self._free_dec, j, col, k)
-        self._inbound[request_id] = _Inbound(j, *col, dispatch_s=now_s,
+        self._inbound[request_id] = _Inbound(j, col, dispatch_s=now_s,
                                              expires_s=now_s + 2.0 * arrival_in_s + 60.0)
 
     # -- feedback and learning ---------------------------------------------------------
@@ -353,10 +355,11 @@ class PoolBidPrice(Policy):
         pre = self._prefill_free([snapshots[g] for g in self._pre])
         dec_snaps = [snapshots[g] for g in self._dec]
         tpot = self._decode_step_s(snapshots, None, 0)
-        dec = free_capacity(dec_snaps, self._dec_specs, tpot, self._slot_s, self._horizon)
+        dec = free_capacity(dec_snaps, self._dec_specs, tpot,
+                            np.full(len(self._dec), np.inf), self._slot_s, self._horizon)
         for _, b in inbound:
             shift = int((b.dispatch_s - now_s) // self._slot_s)  # <= 0: slots since dispatch
-            self._take(dec, b.decode, (b.start, b.end, b.batch_a, b.kv_a, b.kv_b), shift)
+            self._take(dec, b.decode, b.col, shift)
         self.book_prefill.set_free_capacity(pre)
         self.book_decode.set_free_capacity(dec)
         self._free_pre, self._free_dec = pre.copy(), dec.copy()
@@ -366,18 +369,17 @@ class PoolBidPrice(Policy):
             self.book_decode.update(now_s)
 
     def _prefill_free(self, snaps: list[EngineSnapshot]) -> FloatArray:
-        """c[p, k] of the prefill pool: the token budget is taken while the residents'
-        remaining prompt tokens run at theta_p, and so is the KV their prompts hold."""
+        """c[p, k] of the prefill pool: the compute budget is taken while the residents'
+        remaining prompt tokens run at the full budget (``prefill_load``), and so is the
+        KV their prompts hold; the batch row is not priced here (always free)."""
         h = self._horizon
-        c = np.ones((len(snaps), h, 2))
+        c = np.ones((len(snaps), h, NUM_RESOURCES))
         for i, (snap, spec) in enumerate(zip(snaps, self._pre_specs, strict=True)):
-            busy = float(remaining_prefill_tokens(snap).sum()) / (self._theta[i] * self._slot_s)
-            full = min(math.floor(busy), h)
-            c[i, :full, 0] = 0.0
-            if full < h:
-                c[i, full, 0] = 1.0 - (busy - full)
+            load = prefill_load(float(remaining_prefill_tokens(snap).sum()),
+                                float(self._budget[i]), h)
+            c[i, :, COMPUTE] = 1.0 - load
             used = 1.0 - snap.num_free_blocks / spec.num_kv_blocks
-            c[i, :min(math.ceil(busy), h), 1] = 1.0 - used
+            c[i, :int(np.count_nonzero(load)), KV] = 1.0 - used
         return c
 
     def set_beta(self, g: int, beta: Sequence[float]) -> bool:
@@ -389,11 +391,15 @@ class PoolBidPrice(Policy):
         local = np.flatnonzero(self._pre == g)
         if local.size:
             self._bea.set_beta(int(local[0]), beta)
+            budget = compute_budget(self._pre_specs, self._beta[self._pre], self._slot_s)
+            self._budget[:] = budget
+            self.book_prefill.compute_budget[:] = budget
         return True
 
     def price_view(self) -> PriceView:
-        """Both books' prices in instance order: on a prefill instance the batch row
-        prices its prefill token budget. The learning's state is the decode book's."""
+        """Both books' prices in instance order: a prefill instance's prices are its
+        compute budget's (and its KV's), a decode instance's its batch slots' and KV's.
+        The learning's state is the decode book's."""
         seen = {"prefill": 0, "decode": 0}
         rows = []
         for s in self._specs:
