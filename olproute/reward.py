@@ -13,9 +13,9 @@ kappa tokens per engine step (``max_num_batched_tokens``) times the engine steps
 slot at the calibrated time of a step carrying a kappa-token prompt chunk (beta0 + beta1
 kappa + beta3 kappa (kappa + 1) / 2, ``compute_budget``). A prompt of s tokens needs
 ``P = ceil(s / b_g)`` slots of it, the slots its prefill runs in: [k0 + 1 - P, k0 + 1)
-(the first token comes out of the slot the prefill ends in), using ``compute_a = s / (P b_g)`` of the budget in each. On a
-disaggregated prefill engine this is the only resource its prompt takes from the budget;
-the decode engine's column has no compute row.
+(the first token comes out of the slot the prefill ends in), using
+``compute_a = s / (P b_g)`` of the budget in each. On disaggregated pools the prefill
+engine's column is this compute row (and its KV); the decode engine's has no compute row.
 
 All rows are in **capacity fractions** (batch slots over max_num_seqs B, KV tokens over
 the KV capacity M, prefill tokens over b_g), so one price scale fits every resource and
@@ -303,7 +303,7 @@ def prefill_load(tokens: float, budget: float, horizon: int) -> FloatArray:
     rate: whole slots, then the remainder."""
     busy = tokens / budget
     out = np.zeros(horizon)
-    full = min(int(math.floor(busy)), horizon)
+    full = min(math.floor(busy), horizon)
     out[:full] = 1.0
     if full < horizon:
         out[full] = busy - full
