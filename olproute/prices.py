@@ -216,7 +216,8 @@ def _place(p: FloatArray, smp: Samples, idx: IntArray, offset: IntArray) -> _Pla
             + (ka - kb * s0) * (p0[gi, s1, KV] - p0[gi, s0, KV])
             + kb * (p1[gi, s1, KV] - p1[gi, s0, KV])
             + ca * (p0[gi, pe, COMPUTE] - p0[gi, ps, COMPUTE]))
-    margin = np.where(s < h, smp.reward[idx] * _inside(smp, idx, s0, s1) - cost, -np.inf)
+    with np.errstate(invalid="ignore"):  # -inf x 0 past the horizon: not selected
+        margin = np.where(s < h, smp.reward[idx] * _inside(smp, idx, s0, s1) - cost, -np.inf)
     return _Placed(s0, s1, ps, pe, margin)
 
 
@@ -287,6 +288,77 @@ def dual_step_numpy(p: FloatArray, acc: FloatArray, c: FloatArray, smp: Samples,
     return apply_step(p, acc, grad, eta, rule, decay)
 
 
+def _jax_cumsum(x: Any) -> Any:
+    """Inclusive prefix sums along axis 1 of (G, H, ...) by blocked triangular matmuls:
+    XLA's own cumsum on CPU costs about twice as much at H = 600."""
+    import jax.numpy as jnp
+
+    h = x.shape[1]
+    block = next(b for b in (25, 24, 20, 16, 15, 12, 10, 8, 6, 5, 4, 3, 2, 1) if h % b == 0)
+    nb = h // block
+    tri = jnp.triu(jnp.ones((block, block), x.dtype))
+    low = jnp.triu(jnp.ones((nb, nb), x.dtype), 1)
+    y = jnp.moveaxis(x, 1, -1)
+    lead = y.shape[:-1]
+    y = y.reshape(*lead, nb, block)
+    within = y @ tri
+    out = within + (within[..., -1] @ low)[..., None]
+    return jnp.moveaxis(out.reshape(*lead, h), -1, 1)
+
+
+def _jax_demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: Any,
+                offset: Any) -> Any:
+    """(G, H, 3) capacity the mini-batch takes (``demand_numpy``), traced by JAX."""
+    import jax.numpy as jnp
+
+    reward, start, end, batch_a, kv_a, kv_b, pre, compute_a = arrays
+    g_count, h, _ = p.shape
+    kk = jnp.arange(h, dtype=p.dtype)
+    # one table of prefix sums, rows (g, k): P0 batch, P0 kv, P1 kv, P0 compute, so
+    # that each (sample, instance, delay) needs a few row gathers
+    table = _jax_cumsum(jnp.stack([p[:, :, BATCH], p[:, :, KV], p[:, :, KV] * kk[None, :],
+                                   p[:, :, COMPUTE]], axis=-1))
+    table = jnp.concatenate([jnp.zeros((g_count, 1, 4), p.dtype), table], axis=1)
+    table = table.reshape(g_count * (h + 1), 4)
+    sh = offset[:, None, None] + delays[None, None, :]
+    s = start[idx][:, :, None] + sh
+    valid = s < h
+    s0 = jnp.minimum(s, h)
+    s1 = jnp.minimum(end[idx][:, :, None] + sh, h)
+    pe = jnp.minimum(s + 1, h)
+    ps = jnp.clip(s + 1 - pre[idx][:, :, None], 0, h)
+    ba, ka, kb, ca = (x[idx][:, :, None] for x in (batch_a, kv_a, kv_b, compute_a))
+    base = (jnp.arange(g_count) * (h + 1))[None, :, None]
+    diff = (table.at[base + s1].get(mode="promise_in_bounds")
+            - table.at[base + s0].get(mode="promise_in_bounds"))
+    pre_diff = (table.at[base + pe, 3].get(mode="promise_in_bounds")
+                - table.at[base + ps, 3].get(mode="promise_in_bounds"))
+    cost = (ba * diff[..., 0] + (ka - kb * s0) * diff[..., 1] + kb * diff[..., 2]
+            + ca * pre_diff)
+    inside = jnp.clip((s1 - s0) / jnp.maximum(end[idx] - start[idx], 1)[:, :, None],
+                      0.0, 1.0)
+    margin = jnp.where(valid, reward[idx] * inside - cost, -jnp.inf).reshape(
+        idx.shape[0], -1)
+    best = jnp.argmax(margin, axis=1)
+    rows = jnp.arange(idx.shape[0])
+    n_l = delays.shape[0]
+    bg, bl = best // n_l, best % n_l
+    w = jnp.where(mask & (margin[rows, best] > 0), 1.0, 0.0).astype(p.dtype)
+    b0, b1 = s0[rows, bg, bl], s1[rows, bg, bl]
+    c0, c1 = ps[rows, bg, bl], pe[rows, bg, bl]
+    bba, bka, bkb, bca = (x[rows, bg, 0] for x in (ba, ka, kb, ca))
+    const = bka - bkb * b0
+
+    def interval(lo: Any, hi: Any, v: Any) -> Any:
+        z = jnp.zeros((g_count, h + 1), p.dtype)
+        return z.at[bg, lo].add(w * v).at[bg, hi].add(-w * v)[:, :h]
+
+    sums = _jax_cumsum(jnp.stack([interval(b0, b1, bba), interval(b0, b1, const),
+                                  interval(b0, b1, bkb), interval(c0, c1, bca)], axis=-1))
+    return jnp.stack([sums[..., 0], sums[..., 1] + kk[None, :] * sums[..., 2],
+                      sums[..., 3]], axis=-1)
+
+
 @functools.cache
 def _build_jax_steps(rule: str = "constant") -> Callable[..., Any]:
     """The jitted K-step update for a step rule; imported and compiled only where prices
@@ -296,72 +368,6 @@ def _build_jax_steps(rule: str = "constant") -> Callable[..., Any]:
     import jax
     import jax.numpy as jnp
 
-    def cumsum(x: Any) -> Any:
-        """Inclusive prefix sums along axis 1 of (G, H, ...) by blocked triangular
-        matmuls: XLA's own cumsum on CPU costs about twice as much at H = 600."""
-        h = x.shape[1]
-        block = next(b for b in (25, 24, 20, 16, 15, 12, 10, 8, 6, 5, 4, 3, 2, 1)
-                     if h % b == 0)
-        nb = h // block
-        tri = jnp.triu(jnp.ones((block, block), x.dtype))
-        low = jnp.triu(jnp.ones((nb, nb), x.dtype), 1)
-        y = jnp.moveaxis(x, 1, -1)
-        lead = y.shape[:-1]
-        y = y.reshape(*lead, nb, block)
-        within = y @ tri
-        out = within + (within[..., -1] @ low)[..., None]
-        return jnp.moveaxis(out.reshape(*lead, h), -1, 1)
-
-    def demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: Any,
-               offset: Any) -> Any:
-        """(G, H, 3) capacity the mini-batch takes (``demand_numpy``)."""
-        reward, start, end, batch_a, kv_a, kv_b, pre, compute_a = arrays
-        g_count, h, _ = p.shape
-        kk = jnp.arange(h, dtype=p.dtype)
-        # one table of prefix sums, rows (g, k): P0 batch, P0 kv, P1 kv, P0 compute, so
-        # that each (sample, instance, delay) needs a few row gathers
-        table = cumsum(jnp.stack([p[:, :, BATCH], p[:, :, KV], p[:, :, KV] * kk[None, :],
-                                  p[:, :, COMPUTE]], axis=-1))
-        table = jnp.concatenate([jnp.zeros((g_count, 1, 4), p.dtype), table], axis=1)
-        table = table.reshape(g_count * (h + 1), 4)
-        sh = offset[:, None, None] + delays[None, None, :]
-        s = start[idx][:, :, None] + sh
-        valid = s < h
-        s0 = jnp.minimum(s, h)
-        s1 = jnp.minimum(end[idx][:, :, None] + sh, h)
-        pe = jnp.minimum(s + 1, h)
-        ps = jnp.clip(s + 1 - pre[idx][:, :, None], 0, h)
-        ba, ka, kb, ca = (x[idx][:, :, None] for x in (batch_a, kv_a, kv_b, compute_a))
-        base = (jnp.arange(g_count) * (h + 1))[None, :, None]
-        diff = (table.at[base + s1].get(mode="promise_in_bounds")
-                - table.at[base + s0].get(mode="promise_in_bounds"))
-        pre_diff = (table.at[base + pe, 3].get(mode="promise_in_bounds")
-                    - table.at[base + ps, 3].get(mode="promise_in_bounds"))
-        cost = (ba * diff[..., 0] + (ka - kb * s0) * diff[..., 1] + kb * diff[..., 2]
-                + ca * pre_diff)
-        inside = jnp.clip((s1 - s0) / jnp.maximum(end[idx] - start[idx], 1)[:, :, None],
-                          0.0, 1.0)
-        margin = jnp.where(valid, reward[idx] * inside - cost, -jnp.inf).reshape(
-            idx.shape[0], -1)
-        best = jnp.argmax(margin, axis=1)
-        rows = jnp.arange(idx.shape[0])
-        n_l = delays.shape[0]
-        bg, bl = best // n_l, best % n_l
-        w = jnp.where(mask & (margin[rows, best] > 0), 1.0, 0.0).astype(p.dtype)
-        b0, b1 = s0[rows, bg, bl], s1[rows, bg, bl]
-        c0, c1 = ps[rows, bg, bl], pe[rows, bg, bl]
-        bba, bka, bkb, bca = (x[rows, bg, 0] for x in (ba, ka, kb, ca))
-        const = bka - bkb * b0
-
-        def interval(lo: Any, hi: Any, v: Any) -> Any:
-            z = jnp.zeros((g_count, h + 1), p.dtype)
-            return z.at[bg, lo].add(w * v).at[bg, hi].add(-w * v)[:, :h]
-
-        sums = cumsum(jnp.stack([interval(b0, b1, bba), interval(b0, b1, const),
-                                 interval(b0, b1, bkb), interval(c0, c1, bca)], axis=-1))
-        return jnp.stack([sums[..., 0], sums[..., 1] + kk[None, :] * sums[..., 2],
-                          sums[..., 3]], axis=-1)
-
     def steps(p: Any, acc: Any, c: Any, arrays: tuple[Any, ...], delays: Any, idx: Any,
               mask: Any, offset: Any, n_h: Any, etas: Any, decay: Any) -> Any:
         """K steps; idx, mask, offset are (K, S), etas (K,); returns (p, accumulator)."""
@@ -369,7 +375,7 @@ def _build_jax_steps(rule: str = "constant") -> Callable[..., Any]:
             p_in, acc_in = carry
             i, m, o, eta = xs
             n_valid = jnp.maximum(jnp.sum(m), 1)
-            grad = c - (n_h / n_valid) * demand(p_in, arrays, delays, i, m, o)
+            grad = c - (n_h / n_valid) * _jax_demand(p_in, arrays, delays, i, m, o)
             if rule == "adagrad":
                 acc_out = decay * acc_in + grad * grad
                 step = eta * grad / (jnp.sqrt(acc_out) + ADAGRAD_EPS)
