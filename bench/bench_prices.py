@@ -2,10 +2,11 @@
 
     python bench/bench_prices.py [--json PATH] [--quick]
 
-1. Time per projected dual step for G = 8 instances, H = 600 slots, two resources,
-   mini-batch 256 from a window of 2,000 requests: the jitted JAX update (K steps in one
-   call, timed for K = 5 and K = 50) against the NumPy implementation of the same step,
-   measured in the same run. The JAX result is checked against NumPy first.
+1. Time per projected dual step for G = 8 instances, H = 600 slots, three resources
+   (batch, KV and compute), mini-batch 256 from a window of 2,000 requests with the
+   default four delay options: the jitted JAX update (K steps in one call, timed for
+   K = 5 and K = 50) against the NumPy implementation of the same step, measured in the
+   same run. The JAX result is checked against NumPy first.
 2. Decision time of ``bid_price`` for 8 instances with predictions and BEA included:
    8 Qwen3-8B / H100 instances under a synthetic workload at about 60% load, the
    LightGBM predictor trained here on synthetic prompts (prediction mode ``predictor``),
@@ -27,26 +28,37 @@ from pathlib import Path
 import numpy as np
 
 from olproute.config import Config, LoadedConfig, load_profiles
-from olproute.prices import _build_jax_steps, dual_step_numpy, step_sizes
+from olproute.config_schema import PriceConfig
+from olproute.prices import Samples, _build_jax_steps, dual_step_numpy, step_sizes
+from olproute.reward import NUM_RESOURCES
 
 REPO = Path(__file__).resolve().parents[1]
 G, H, W, S = 8, 600, 2000, 256
 
 
-def _window(rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-    start = rng.integers(0, 40, (W, G))
-    end = np.minimum(start + rng.integers(1, 400, (W, G)), H)
-    return (rng.uniform(0, 12, (W, G)), start, end, np.full((W, G), 1 / 256),
-            rng.uniform(0, 0.02, (W, G)), rng.uniform(0, 2e-4, (W, G)))
+def _window(rng: np.random.Generator) -> Samples:
+    """W random samples: decode intervals from up to 40 slots ahead, prefills of 1 to 4
+    slots, rewards of the later delays a little lower than the delay-0 one."""
+    smp = Samples.empty(W, G, PriceConfig().sample_delays_slots)
+    smp.start[:] = rng.integers(0, 40, (W, G))
+    smp.end[:] = np.minimum(smp.start + rng.integers(1, 400, (W, G)), H)
+    smp.reward[:] = rng.uniform(0, 12, (W, G, 1)) * np.linspace(1.0, 0.7, len(smp.delays))
+    smp.batch_a[:] = 1 / 256
+    smp.kv_a[:] = rng.uniform(0, 0.02, (W, G))
+    smp.kv_b[:] = rng.uniform(0, 2e-4, (W, G))
+    smp.pre[:] = rng.integers(1, 5, (W, G))
+    smp.compute_a[:] = rng.uniform(0, 1, (W, G))
+    return smp
 
 
 def dual_step_times(repeats: int) -> dict[str, float]:
     import jax
 
     rng = np.random.default_rng(0)
-    p = rng.uniform(0, 1, (G, H, 2))
-    c = rng.uniform(-0.2, 1, (G, H, 2))
-    window = _window(rng)
+    p = rng.uniform(0, 1, (G, H, NUM_RESOURCES))
+    c = rng.uniform(-0.2, 1, (G, H, NUM_RESOURCES))
+    acc = np.zeros_like(p)
+    smp = _window(rng)
     out: dict[str, float] = {}
     steps = _build_jax_steps()
     for k in (5, 50):
@@ -54,24 +66,25 @@ def dual_step_times(repeats: int) -> dict[str, float]:
         mask = np.ones((k, S), dtype=bool)
         off = rng.integers(0, H, (k, S))
         etas = step_sizes(2.0, "constant", 0, k)
-        ref = p
+        ref, ref_acc = p, acc
         for j in range(k):
-            ref = dual_step_numpy(ref, c, *window, idx[j], mask[j], off[j], 400.0,
-                                  float(etas[j]))
+            ref, ref_acc = dual_step_numpy(ref, ref_acc, c, smp, idx[j], mask[j], off[j],
+                                           400.0, float(etas[j]))
+        args = (smp.arrays, smp.delays, idx, mask, off, 400.0, etas, 1.0)
         with jax.enable_x64(True):
-            got = np.asarray(steps(p, c, *window, idx, mask, off, 400.0, etas))
+            got = np.asarray(steps(p, acc, c, *args)[0])
             if not np.allclose(got, ref, rtol=1e-6, atol=1e-9):
                 raise AssertionError("JAX and NumPy steps disagree")
             samples = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                steps(p, c, *window, idx, mask, off, 400.0, etas).block_until_ready()
+                steps(p, acc, c, *args)[0].block_until_ready()
                 samples.append((time.perf_counter() - t0) / k)
         out[f"jax_K{k}_us"] = float(np.median(samples) * 1e6)
     samples = []
     for _ in range(max(repeats // 5, 5)):
         t0 = time.perf_counter()
-        dual_step_numpy(p, c, *window, idx[0], mask[0], off[0], 400.0, 2.0)
+        dual_step_numpy(p, acc, c, smp, idx[0], mask[0], off[0], 400.0, 2.0)
         samples.append(time.perf_counter() - t0)
     out["numpy_us"] = float(np.median(samples) * 1e6)
     return out

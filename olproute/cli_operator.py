@@ -67,8 +67,9 @@ def add_operator_commands(sub: Any, add_run_options: AddOptions, loaded_of: Load
     p = sub.add_parser(
         "plots", help="operator plots: price heatmaps, bottlenecks, latency CDFs",
         description="From a simulation: the shadow prices of --price-policy after every "
-                    "price update (prices.png: instance x slot over time), the bottleneck "
-                    "resource per instance (bottleneck.png), and TTFT/EEL CDFs of "
+                    "price update (prices.png: instance x slot over time, one column per "
+                    "resource: batch, KV, compute), the bottleneck resource per instance "
+                    "(bottleneck.png), and TTFT/EEL CDFs of "
                     "--policies (cdf.png). With --from-server URL: poll a live router's "
                     "GET /prices instead and draw prices.png and bottleneck.png.")
     add_run_options(p)

@@ -1,8 +1,9 @@
-"""The plots an operator looks at: shadow prices over time (instance x slot heatmaps),
-the bottleneck resource per instance over time, and tune's Pareto fronts. Prices come
-from a simulation (``record_prices``: the policy's ``tick`` wrapped from outside, as
-``EstimatorProbe`` wraps ``decide``) or from a live server (``PriceTrace.from_polls`` on
-``GET /prices`` answers). TTFT / EEL CDFs per policy: ``olproute.plots.latency_cdfs``.
+"""The plots an operator looks at: shadow prices of batch, KV and compute over time
+(instance x slot heatmaps), the bottleneck resource per instance over time, and tune's
+Pareto fronts. Prices come from a simulation (``record_prices``: the policy's ``tick``
+wrapped from outside, as ``EstimatorProbe`` wraps ``decide``) or from a live server
+(``PriceTrace.from_polls`` on ``GET /prices`` answers). TTFT / EEL CDFs per policy:
+``olproute.plots.latency_cdfs``.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ if TYPE_CHECKING:
     from olproute.tune import TuneResult
 
 FloatArray = npt.NDArray[np.float64]
+# one colour per resource in the bottleneck plot's lines and band
+COLOURS = {"batch": "tab:blue", "kv": "tab:orange", "compute": "tab:green"}
 
 
 @dataclass(frozen=True, slots=True)
 class PriceTrace:
     """Prices p[t, g, k, r] sampled at times ``time_s`` (T,), for instances ``names``,
-    slots of ``slot_s`` seconds; resources ``RESOURCES`` (batch, kv)."""
+    slots of ``slot_s`` seconds; resources ``RESOURCES`` (batch, kv, compute)."""
 
     names: tuple[str, ...]
     slot_s: float
@@ -41,31 +44,40 @@ class PriceTrace:
 
     @staticmethod
     def from_polls(polls: Sequence[tuple[float, Mapping[str, Any]]]) -> PriceTrace:
-        """From (time, ``GET /prices`` JSON) pairs of a live server."""
+        """From (time, ``GET /prices`` JSON) pairs of a live server: one price list per
+        resource of ``RESOURCES`` per instance (a resource a document lacks, from a router
+        that predates it, is priced 0)."""
         if not polls or not polls[0][1].get("instances"):
             raise ValueError("no prices in the polls (is the router's policy bid_price?)")
         first = polls[0][1]
         names = tuple(str(i["name"]) for i in first["instances"])
         arrays = []
         for _t, doc in polls:
-            arrays.append(np.stack([np.stack([np.asarray(i["batch"], dtype=np.float64),
-                                              np.asarray(i["kv"], dtype=np.float64)], axis=-1)
-                                    for i in doc["instances"]]))
+            arrays.append(np.stack([_resource_rows(i) for i in doc["instances"]]))
         return PriceTrace(names, float(first["slot_s"]),
                           np.array([t for t, _ in polls], dtype=np.float64), np.stack(arrays))
 
     def totals(self) -> FloatArray:
-        """(T, G, 2): each resource's price summed over the horizon."""
+        """(T, G, R): each resource's price summed over the horizon."""
         result: FloatArray = self.prices.sum(axis=2)
         return result
 
     def bottlenecks(self) -> npt.NDArray[np.int64]:
-        """(T, G): index into RESOURCES of the dearer resource, -1 when both are free
+        """(T, G): index into RESOURCES of the dearest resource, -1 when all are free
         (``PriceBook.bottleneck`` at each sample)."""
         tot = self.totals()
         out: npt.NDArray[np.int64] = np.argmax(tot, axis=2).astype(np.int64)
         out[tot.max(axis=2) <= 0] = -1
         return out
+
+
+def _resource_rows(inst: Mapping[str, Any]) -> FloatArray:
+    """(H, R): one instance's prices from a ``GET /prices`` document, resources in the
+    order of ``RESOURCES``; a resource it does not list is all zeros."""
+    h = len(inst[RESOURCES[0]])
+    rows: FloatArray = np.stack([np.asarray(inst.get(r, np.zeros(h)), dtype=np.float64)
+                                 for r in RESOURCES], axis=-1)
+    return rows
 
 
 class PriceRecorder(Policy):
@@ -124,14 +136,16 @@ def _pyplot() -> Any:
 
 
 def price_heatmap(trace: PriceTrace, path: Path, title: str = "") -> None:
-    """One row per instance, one column per resource: the price of each future slot k
-    (vertical, seconds ahead) over time (horizontal). Each column shares a colour scale
-    clipped at its 99th percentile, so a few spikes do not wash out the rest."""
+    """One row per instance, one column per resource (batch, KV and compute): the price
+    of each future slot k (vertical, seconds ahead) over time (horizontal). Each column
+    shares a colour scale clipped at its 99th percentile, so a few spikes do not wash out
+    the rest."""
     plt = _pyplot()
     g_count = len(trace.names)
     h = trace.prices.shape[2]
-    fig, axes = plt.subplots(g_count, 2, figsize=(11, 1.5 + 1.6 * g_count), squeeze=False,
-                             sharex=True, sharey=True, constrained_layout=True)
+    fig, axes = plt.subplots(g_count, len(RESOURCES), figsize=(5.5 * len(RESOURCES),
+                             1.5 + 1.6 * g_count), squeeze=False, sharex=True, sharey=True,
+                             constrained_layout=True)
     t0, t1 = float(trace.time_s[0]), float(trace.time_s[-1])
     if t1 <= t0:
         t1 = t0 + trace.slot_s
@@ -157,32 +171,33 @@ def price_heatmap(trace: PriceTrace, path: Path, title: str = "") -> None:
 
 
 def bottleneck_plot(trace: PriceTrace, path: Path, title: str = "") -> None:
-    """Per instance, the horizon-summed batch and KV prices over time, with the dearer
-    resource (the bottleneck) as a coloured band underneath."""
+    """Per instance, the horizon-summed batch, KV and compute prices over time, with the
+    dearest resource (the bottleneck) as a coloured band underneath."""
     plt = _pyplot()
     g_count = len(trace.names)
     tot = trace.totals()
     which = trace.bottlenecks()
-    colours = {0: "tab:blue", 1: "tab:orange"}
     fig, axes = plt.subplots(g_count, 1, figsize=(11, 1.2 + 1.5 * g_count), squeeze=False,
                              sharex=True, constrained_layout=True)
     t = trace.time_s
     for g, name in enumerate(trace.names):
         ax = axes[g, 0]
         for r, resource in enumerate(RESOURCES):
-            ax.plot(t, tot[:, g, r], color=colours[r], lw=1.0, label=f"{resource} (sum)")
+            ax.plot(t, tot[:, g, r], color=COLOURS[resource], lw=1.0,
+                    label=f"{resource} (sum)")
         top = float(tot[:, g].max(initial=0.0)) or 1.0  # never priced: a unit axis
-        for r in (0, 1):
+        for r, resource in enumerate(RESOURCES):
             on = which[:, g] == r
-            ax.fill_between(t, 0, -0.06 * top, where=on, step="post", color=colours[r],
-                            alpha=0.8, lw=0)
+            ax.fill_between(t, 0, -0.06 * top, where=on, step="post",
+                            color=COLOURS[resource], alpha=0.8, lw=0)
         ax.set_ylim(-0.08 * top, top * 1.05)
         ax.set_ylabel(name, fontsize=8)
         ax.grid(True, alpha=0.3)
-        share = [(which[:, g] == r).mean() for r in (-1, 0, 1)]
-        ax.text(0.995, 0.92, f"bottleneck: batch {share[1]:.0%}, kv {share[2]:.0%}, "
-                             f"none (free) {share[0]:.0%} of the time", transform=ax.transAxes,
-                ha="right", va="top", fontsize=8)
+        shares = ", ".join(f"{resource} {(which[:, g] == r).mean():.0%}"
+                           for r, resource in enumerate(RESOURCES))
+        ax.text(0.995, 0.92, f"bottleneck: {shares}, none (free) "
+                             f"{(which[:, g] == -1).mean():.0%} of the time",
+                transform=ax.transAxes, ha="right", va="top", fontsize=8)
     axes[0, 0].legend(loc="upper left", fontsize=8)
     axes[-1, 0].set_xlabel("time (s)")
     fig.suptitle(title or "shadow price summed over the horizon; band: the bottleneck")

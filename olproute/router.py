@@ -22,6 +22,7 @@ from olproute.assembly import CalibrationSource, build_policy
 from olproute.config import LoadedConfig
 from olproute.disagg import Pools
 from olproute.policies import Policy
+from olproute.reward import RESOURCES
 from olproute.types import (
     Decision,
     EngineSnapshot,
@@ -151,9 +152,12 @@ class Router:
         return self.policy.set_beta(g, beta)
 
     def prices(self) -> dict[str, Any] | None:
-        """Current shadow prices per instance and slot, with each bottleneck; None for a
-        policy without prices. On disaggregated pools a prefill instance's "batch" row
-        prices its prefill token budget."""
+        """Current shadow prices per instance and slot, one list per resource of
+        ``RESOURCES`` (batch, KV and compute: prices per capacity fraction per slot), with
+        each bottleneck and compute budget (prefill tokens per slot; None for an instance
+        that never prefills, a decode engine of disaggregated pools); None for a policy
+        without prices. On disaggregated pools a prefill instance is priced on its compute
+        and KV rows, a decode instance on its batch and KV rows."""
         view = self.policy.price_view()
         if view is None:
             return None
@@ -163,11 +167,17 @@ class Router:
             "arrivals_in_horizon": view.arrivals_in_horizon,
             "instances": [
                 {"name": s.name, "role": s.role, "bottleneck": view.bottleneck[g],
-                 "batch": [_finite(x) for x in view.prices[g, :, 0].tolist()],
-                 "kv": [_finite(x) for x in view.prices[g, :, 1].tolist()]}
+                 **{res: [_finite(x) for x in view.prices[g, :, r].tolist()]
+                    for r, res in enumerate(RESOURCES)},
+                 "compute_budget_tokens_per_slot": _budget(float(view.compute_budget[g]))}
                 for g, s in enumerate(self.specs)],
         }
 
 
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else 0.0
+
+
+def _budget(x: float) -> float | None:
+    """A compute budget for JSON: an infinite one (no compute row) is None."""
+    return x if math.isfinite(x) else None

@@ -1,7 +1,8 @@
 """``GET /dashboard``: a live page for operators (plain HTML and JavaScript in
 ``static/dashboard.html``, no build step, nothing fetched from outside the router), and
 ``GET /dashboard/data``: the JSON it polls every second — shadow prices per instance
-(binned over the horizon), decisions per second by action, observed TTFT.
+(batch, KV and compute, binned over the horizon), decisions per second by action,
+observed TTFT.
 
 Rates and recent TTFT come from the router's own Prometheus counters and histograms,
 sampled when the page asks (at most every 0.25 s, kept for a minute): no background
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from olproute.reward import RESOURCES
 from olproute.server.state import STATE, ServerState
 
 ACTIONS = ("dispatch", "hold", "shed")
@@ -187,10 +189,8 @@ def dashboard_doc(st: ServerState, now_s: float, sample: Sample,
             "dispatch_per_s": delta(("dispatch", name)) / since_s,
             "ttft_mean_s": (sample.ttft_sum.get(name, 0.0) / count) if count else None,
             "bottleneck": p["bottleneck"] if p else "none",
-            "price_sum": {"batch": float(sum(p["batch"])) if p else 0.0,
-                          "kv": float(sum(p["kv"])) if p else 0.0},
-            "batch": binned(p["batch"]) if p else [],
-            "kv": binned(p["kv"]) if p else []})
+            "price_sum": {r: float(sum(p[r])) if p else 0.0 for r in RESOURCES},
+            **{r: binned(p[r]) if p else [] for r in RESOURCES}})
     return {
         "policy": st.router.policy_name, "uptime_s": now_s,
         "has_prices": prices is not None,

@@ -8,6 +8,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from olproute.reward import RESOURCES
+
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0)
 HANDOFF_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -42,7 +44,8 @@ class ServerMetrics:
         self.backend_up = Gauge("olproute_backend_up", "1 if the backend passes its health "
                                 "checks", ["instance"], registry=r)
         self.price_sum = Gauge("olproute_price_sum", "Sum over the horizon of the shadow "
-                               "price", ["instance", "resource"], registry=r)
+                               "price (resource: batch, kv or compute)",
+                               ["instance", "resource"], registry=r)
         self.price_updates = Counter("olproute_price_updates", "Shadow-price updates",
                                      registry=r)
         self.errors = Counter("olproute_backend_errors", "Backend failures by kind",
@@ -61,11 +64,13 @@ class ServerMetrics:
                               "event loop lagged)", ["instance", "result"], registry=r)
 
     def set_prices(self, prices: dict[str, Any] | None) -> None:
+        """Each instance's horizon-summed price of every resource (batch, kv, compute)
+        from a ``Router.prices`` document; nothing for a policy without prices."""
         if prices is None:
             return
         for inst in prices["instances"]:
-            self.price_sum.labels(inst["name"], "batch").set(sum(inst["batch"]))
-            self.price_sum.labels(inst["name"], "kv").set(sum(inst["kv"]))
+            for resource in RESOURCES:
+                self.price_sum.labels(inst["name"], resource).set(sum(inst[resource]))
 
     def set_backends(self, names: Sequence[str], healthy: Sequence[bool],
                      in_flight: Sequence[int]) -> None:

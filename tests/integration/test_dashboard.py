@@ -18,6 +18,7 @@ import pytest
 
 from olproute.cli import main
 from olproute.config import load_config
+from olproute.reward import RESOURCES
 from olproute.server.dashboard import PRICE_BINS, quantile
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
@@ -27,6 +28,7 @@ from tests.integration.test_server import CAL, _config, request
 NAMES = ["q-0", "q-1", "q-2"]
 BATCH_PRICE = (0.01, 0.02, 0.03)   # per slot, on all 600 slots: sums 6, 12, 18
 KV_PRICE = (0.0, 0.005, 0.0)       # sums 0, 3, 0
+COMPUTE_PRICE = (0.0, 0.0, 0.05)   # sums 0, 0, 30: q-2's bottleneck is compute
 
 
 @pytest.fixture
@@ -54,6 +56,7 @@ def _traffic(stack: Stack, n: int) -> None:
         for g in range(3):
             book.p[g, :, 0] = BATCH_PRICE[g]
             book.p[g, :, 1] = KV_PRICE[g]
+            book.p[g, :, 2] = COMPUTE_PRICE[g]
 
     stack.call(put_prices)
 
@@ -68,7 +71,7 @@ def test_dashboard_data(stack: Stack) -> None:
     d = _get(stack, "/dashboard/data")
     assert d["policy"] == "bid_price" and d["has_prices"]
     assert [i["name"] for i in d["instances"]] == NAMES
-    assert all(len(i["batch"]) == PRICE_BINS == len(i["kv"]) for i in d["instances"])
+    assert all(len(i[r]) == PRICE_BINS for i in d["instances"] for r in RESOURCES)
     assert d["decisions"]["total"] == {"dispatch": 0, "hold": 0, "shed": 0}
     assert d["ttft"]["all"]["count"] == 0 and d["ttft"]["all"]["mean_s"] is None
 
@@ -84,7 +87,10 @@ def test_dashboard_data(stack: Stack) -> None:
     for g, inst in enumerate(d["instances"]):
         assert inst["price_sum"]["batch"] == pytest.approx(600 * BATCH_PRICE[g])
         assert inst["price_sum"]["kv"] == pytest.approx(600 * KV_PRICE[g])
+        assert inst["price_sum"]["compute"] == pytest.approx(600 * COMPUTE_PRICE[g])
         assert inst["batch"] == pytest.approx([BATCH_PRICE[g]] * PRICE_BINS)
+        assert inst["compute"] == pytest.approx([COMPUTE_PRICE[g]] * PRICE_BINS)
+    assert [i["bottleneck"] for i in d["instances"]] == ["batch", "batch", "compute"]
     status, headers, raw = request(stack.url, "GET", "/dashboard")
     assert status == 200 and headers["content-type"].startswith("text/html")
     assert b"/dashboard/data" in raw
@@ -167,8 +173,10 @@ def test_dashboard_page_in_headless_chromium(stack: Stack, tmp_path: Path) -> No
         batch, kv = page.cells[("price-batch", name)], page.cells[("price-kv", name)]
         assert float(batch) == pytest.approx(600 * BATCH_PRICE[g]), batch
         assert float(kv) == pytest.approx(600 * KV_PRICE[g]), kv
+        compute = page.cells[("price-compute", name)]
+        assert float(compute) == pytest.approx(600 * COMPUTE_PRICE[g]), compute
         assert page.cells[("health", name)] == "up"
-        assert page.cells[("bottleneck", name)] in ("batch", "kv")
+        assert page.cells[("bottleneck", name)] == ("compute" if g == 2 else "batch")
     assert "dispatch 4" in page.ids["totals"]
     rate = float(page.ids["rate-dispatch"])
     assert rate > 0 if recent else rate >= 0, rate

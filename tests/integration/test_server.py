@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from olproute.calibration import InstanceCalibration
 from olproute.config import load_config
+from olproute.reward import RESOURCES
 from olproute.sim.scenario import CalibrationSource
 from tests.conftest import HANG_S, PROFILES
 from tests.integration.server_harness import Stack, record_outcomes, wait_until
@@ -183,8 +184,13 @@ def test_prices_and_instances(stack: Stack) -> None:
                       > 0)
     doc = json.loads(request(stack.url, "GET", "/prices")[2])
     assert [i["name"] for i in doc["instances"]] == ["q-0", "q-1", "q-2"]
-    assert all(len(i["batch"]) == doc["horizon_slots"] for i in doc["instances"])
-    assert {i["bottleneck"] for i in doc["instances"]} <= {"none", "batch", "kv"}
+    assert all(len(i[r]) == doc["horizon_slots"] for i in doc["instances"] for r in RESOURCES)
+    assert {i["bottleneck"] for i in doc["instances"]} <= {"none", *RESOURCES}
+    assert all(i["compute_budget_tokens_per_slot"] > 0 for i in doc["instances"])
+    families = text_string_to_metric_families(request(stack.url, "GET", "/metrics")[2].decode())
+    summed = {(x.labels["instance"], x.labels["resource"]) for f in families
+              for x in f.samples if x.name == "olproute_price_sum"}
+    assert summed == {(n, r) for n in ("q-0", "q-1", "q-2") for r in RESOURCES}
     inst = json.loads(request(stack.url, "GET", "/instances")[2])["instances"]
     assert len(inst[0]["beta"]) == 4
     # every backend is up (waited for: a probe that missed its 1 s timeout while the first

@@ -11,6 +11,7 @@ from olproute.config import ConfigError, load_config
 from olproute.core_ref import ReferenceCore
 from olproute.disagg import KvTransfer, Pools, decode_admission
 from olproute.policies import REGISTRY, PolicyError
+from olproute.reward import COMPUTE
 from olproute.sim import metrics
 from olproute.sim.engine import SimEngine
 from olproute.sim.scenario import CalibrationSource, build_requests, kv_transfer, simulate
@@ -307,13 +308,17 @@ def test_router_prices_show_both_pools_books() -> None:
     loaded = pd_config(router={"policy": "bid_price", "horizon_slots": 40})
     router = Router(loaded, CalibrationSource(loaded))
     book = router.policy.book_prefill  # type: ignore[attr-defined]
-    book.p[0, :, 0] = 2.0              # the first prefill engine's token budget is dear
+    book.p[0, :, COMPUTE] = 2.0        # the first prefill engine's token budget is dear
     prices = router.prices()
     assert prices is not None
     rows = prices["instances"]
     assert [r["role"] for r in rows] == ["prefill"] * 2 + ["decode"] * 4
-    assert rows[0]["batch"] == [2.0] * 40 and rows[0]["bottleneck"] == "batch"
+    assert rows[0]["compute"] == [2.0] * 40 and rows[0]["bottleneck"] == "compute"
+    assert rows[0]["batch"] == [0.0] * 40
     assert all(r["bottleneck"] == "none" and len(r["kv"]) == 40 for r in rows[1:])
+    # prefill engines have a compute budget; decode engines none (no compute row)
+    assert all(r["compute_budget_tokens_per_slot"] > 0 for r in rows[:2])
+    assert all(r["compute_budget_tokens_per_slot"] is None for r in rows[2:])
 
 
 def test_recalibrated_beta_reaches_the_right_pool_instance() -> None:
