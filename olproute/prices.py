@@ -424,6 +424,7 @@ class PriceBook:
         self._origin_s: float | None = None   # time of price slot 0
         self._decayed_arrivals = 0.0
         self._last_arrival_s: float | None = None
+        self._schedule: tuple[float, FloatArray] | None = None
 
     @property
     def delays(self) -> IntArray:
@@ -515,9 +516,34 @@ class PriceBook:
         self.last_price_scale = self.samples.price_scale(self.num_samples)
         return self.cfg.step_size * self.last_price_scale
 
+    def set_schedule(self, t0_s: float, prices: FloatArray) -> None:
+        """Replay fixed prices instead of learning them: ``prices`` (G, K, R) are absolute,
+        slot k starting at t0_s + k * slot_s (an oracle's, e.g. the duals of a run's
+        hindsight LP); each update then reads the horizon from now, 0 past the end."""
+        if prices.shape[0] != self.num_instances or prices.shape[2] != NUM_RESOURCES:
+            raise ValueError(f"scheduled prices must be (G={self.num_instances}, K, "
+                             f"{NUM_RESOURCES}), got {prices.shape}")
+        self._schedule = (t0_s, np.asarray(prices, dtype=np.float64))
+
+    def _replay(self, now_s: float) -> None:
+        """Prices from the fixed schedule for the horizon starting at price slot 0."""
+        assert self._schedule is not None
+        t0_s, sched = self._schedule
+        first = round(((self._origin_s or now_s) - t0_s) / self.slot_s)
+        ks = first + np.arange(self.horizon)
+        inside = (ks >= 0) & (ks < sched.shape[1])
+        self.p = np.zeros_like(self.p)
+        self.p[:, inside] = sched[:, ks[inside]]
+        self.num_updates += 1
+        self._p0, self._p1 = price_prefix(self.p)
+
     def update(self, now_s: float) -> None:
-        """Shift to now, then K projected mini-batch steps on the window."""
+        """Shift to now, then K projected mini-batch steps on the window (or, with a
+        fixed schedule, read its prices)."""
         self.advance(now_s)
+        if self._schedule is not None:
+            self._replay(now_s)
+            return
         if self.num_samples == 0:
             return
         k = self.cfg.steps_per_period

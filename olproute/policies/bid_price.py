@@ -81,7 +81,7 @@ class BidPrice(Policy):
         self._slot_s = env.slot_s
         self._horizon = env.horizon_slots
         self._batch_cap, self._kv_cap = capacities(env.specs)
-        self._budget = compute_budget(env.specs, self._bea.beta, env.slot_s)
+        self._budget = compute_budget(self._cal, env.slot_s)
         self._theta = np.array([c.prefill_tokens_per_s for c in self._cal])
         self._rng = env.rng
         self.book = PriceBook(env.specs, env.slot_s, env.horizon_slots, env.prices, env.rng,
@@ -232,11 +232,8 @@ class BidPrice(Policy):
 
 
     def set_beta(self, g: int, beta: Sequence[float]) -> bool:
-        """A recalibrated batch-time model for instance g: the BEA replay reads it, and
-        the compute budget follows it."""
+        """A recalibrated batch-time model for instance g: the BEA replay reads it."""
         self._bea.set_beta(g, beta)
-        self._budget = compute_budget(self._specs, self._bea.beta, self._slot_s)
-        self.book.compute_budget[:] = self._budget
         return True
 
     def price_view(self) -> PriceView:

@@ -116,7 +116,7 @@ class PoolBidPrice(Policy):
         self._beta = np.array([c.beta for c in cal], dtype=np.float64)
         # the replay runs on the prefill pool only: decode engines never prefill a prompt
         self._bea = BeaEstimator(self._pre_specs, [cal[i] for i in self._pre])
-        self._budget = compute_budget(self._pre_specs, self._beta[self._pre], env.slot_s)
+        self._budget = compute_budget([cal[i] for i in self._pre], env.slot_s)
         _, self._pre_kv = capacities(self._pre_specs)
         self._dec_batch, self._dec_kv = capacities(self._dec_specs)
         self._dec_block = np.array([s.block_size for s in self._dec_specs]) / self._dec_kv
@@ -391,9 +391,6 @@ class PoolBidPrice(Policy):
         local = np.flatnonzero(self._pre == g)
         if local.size:
             self._bea.set_beta(int(local[0]), beta)
-            budget = compute_budget(self._pre_specs, self._beta[self._pre], self._slot_s)
-            self._budget[:] = budget
-            self.book_prefill.compute_budget[:] = budget
         return True
 
     def price_view(self) -> PriceView:
