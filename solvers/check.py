@@ -32,7 +32,7 @@ from solvers.certificate import (
 )
 from solvers.lp import LpSolution, solve
 from solvers.problem import BATCH, KV, LpProblem
-from solvers.record import Recording, record_bid_price, window_problem
+from solvers.record import WindowLog, build_window, record_bid_price
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -94,20 +94,21 @@ def lp_load(prob: LpProblem, sol: LpSolution) -> FloatArray:
     return out
 
 
-def check(rec: Recording, ids: npt.NDArray[np.int64], prob: LpProblem, gap_tol: float = 0.0,
+def check(log: WindowLog, ids: npt.NDArray[np.int64], prob: LpProblem, gap_tol: float = 0.0,
           record_seconds: float = 0.0) -> tuple[CheckResult, LpSolution, FloatArray]:
     """Solve the window's LP and certify the recorded prices; returns the figures, the LP
-    solution and the online prices on the LP's grid."""
+    solution and the online prices on the LP's grid. ``ids`` are the window's request
+    ids in the log (``build_window``'s second result)."""
     t0 = time.perf_counter()
     sol = solve(prob, gap_tol=gap_tol)
     lp_s = time.perf_counter() - t0
     # no updates (prices disabled, or a window before the first tick): the prices were 0
-    p_online = (absolute_prices(rec.updates, prob.t0_s, prob.slot_s, prob.num_slots)
-                if rec.updates else np.zeros_like(prob.free))
+    p_online = (absolute_prices(log.updates, prob.t0_s, prob.slot_s, prob.num_slots)
+                if log.updates else np.zeros_like(prob.free))
     d_on = dual_value(prob, p_online)
     lam, d_scaled = best_scale(prob, p_online)
-    res = rec.result
-    online = online_reward(prob, res.instance[ids], res.first_token_s[ids], res.finish_s[ids])
+    online = online_reward(prob, log.instance[ids], log.first_token_s[ids],
+                           log.finish_s[ids])
     slack = prob.capacity - lp_load(prob, sol)
     total = float(online.sum())
     out = CheckResult(
@@ -133,8 +134,8 @@ def run_check(loaded: LoadedConfig, seed: int | None = None, t0_s: float | None 
     t0 = time.perf_counter()
     rec = record_bid_price(loaded, seed=seed, progress=progress)
     rec_s = time.perf_counter() - t0
-    prob, ids = window_problem(rec, t0_s, t1_s, max_delay=max_delay)
-    out, sol, p_online = check(rec, ids, prob, gap_tol, rec_s)
+    prob, ids = build_window(rec.log, t0_s, t1_s, max_delay=max_delay)
+    out, sol, p_online = check(rec.log, ids, prob, gap_tol, rec_s)
     return out, prob, sol, p_online
 
 
@@ -210,10 +211,11 @@ def lp_check_command(loaded: LoadedConfig, args: argparse.Namespace) -> int:
     if bar is not None:
         bar.close()
     t0 = args.window_start_s
-    t1 = None if args.window_s is None else (t0 or (rec.free[0][0] if rec.free else 0.0)
+    log = rec.log
+    t1 = None if args.window_s is None else (t0 or (log.free[0][0] if log.free else 0.0)
                                               ) + args.window_s
-    prob, ids = window_problem(rec, t0, t1, max_delay=args.max_delay_slots)
-    result, sol, p_online = check(rec, ids, prob, args.gap_tol, rec_s)
+    prob, ids = build_window(log, t0, t1, max_delay=args.max_delay_slots)
+    result, sol, p_online = check(log, ids, prob, args.gap_tol, rec_s)
     print(format_check(result))
     out = Path(args.out) if args.out else None
     if out is not None:
