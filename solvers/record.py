@@ -201,9 +201,8 @@ def build_window(log: WindowLog, t0_s: float | None = None, t1_s: float | None =
         arrival_s=arrival[ids], prompt_tokens=log.prompt_tokens[ids],
         ttft_target_s=log.ttft_target_s[ids], decode_tokens=log.decode_tokens[ids],
         utility=log.utility[ids], tpot_s=log.tpot_s[ids], exec_ttft_s=log.exec_ttft_s[ids],
-        batch_cap=log.batch_cap, kv_cap=log.kv_cap,
-        # compute joins the LP in the next commit
-        free=free[:, :, :2], reward=log.reward, max_delay=int(max_delay))
+        batch_cap=log.batch_cap, kv_cap=log.kv_cap, compute_cap=log.compute_cap, free=free,
+        reward=log.reward, max_delay=int(max_delay))
     return prob, ids.astype(np.int64)
 
 
