@@ -214,7 +214,8 @@ def initial_free(log: WindowLog, t0_s: float, num_slots: int) -> FloatArray:
     before = [(t, c) for t, c in log.free if t <= t0_s + 1e-12]
     if before:
         t_tick, c = before[-1]
-        avail = c[:, int((t0_s - t_tick) // log.slot_s):]
+        # whole slots since the tick, robust to t0 - tick landing a rounding error short
+        avail = c[:, math.floor((t0_s - t_tick) / log.slot_s + 1e-9):]
         m = min(avail.shape[1], num_slots)
         free[:, :m] = avail[:, :m]
     return free
