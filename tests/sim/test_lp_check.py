@@ -57,6 +57,9 @@ def test_check_bounds_and_counts(recorded, tmp_path: Path) -> None:  # type: ign
     res, sol, p_online = check(rec.log, ids, prob)
     assert res.lp_status == "Optimal"
     assert res.lp_binding > 0, "the run must congest the LP, or nothing is checked"
+    assert res.rows == prob.num_instances * prob.num_slots * 3
+    assert sum(res.binding_by_resource.values()) == res.lp_binding
+    assert p_online.shape == sol.p.shape == prob.free.shape
     assert res.d_online >= res.lp_value * (1 - 1e-7)          # weak duality
     assert res.certificate >= -1e-7
     assert dual_value(prob, sol.p) == pytest.approx(res.lp_value, rel=1e-6)
@@ -95,7 +98,7 @@ def test_lp_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0
     text = capsys.readouterr().out
     for label in ("LP*", "online reward", "D(p_online)", "online gap (LP* - online)/LP*",
-                  "binding in the LP", "priced online"):
+                  "binding in the LP", "compute", "priced online"):
         assert label in text
     assert (out / "lp_check.png").stat().st_size > 0
     assert (tmp_path / "r.json").exists()
