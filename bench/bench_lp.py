@@ -2,16 +2,20 @@
 (10000, 8, 1000): N requests, G instances, K slots of 50 ms.
 
     python bench/bench_lp.py [--sizes 500x4x200,...] [--time-limit S] [--naive-max-n N]
-                             [--json PATH]
+                             [--compute-load L] [--json PATH]
 
 The instances are ``solvers.problem.random_instance`` (seed 0): arrivals uniform over
-the grid, lognormal lengths, batch and KV capacity sized for 1.3x overload, residents
-draining over the first 100 slots, start windows of 100 slots (5 s) after the earliest
-start. Every row solves the same LP (a coarse grid solves a relaxation of it):
+the grid, lognormal lengths, batch, KV and compute (prefill budget) capacity sized for
+1.3x overload (``--compute-load`` sets the compute overload alone; 0: an unlimited
+budget, the two-resource LP of before), residents draining over the first 100 slots,
+start windows of 100 slots (5 s) after the earliest start. At 1.3x, compute binds in
+nearly every slot and column generation needs several times more columns and rounds
+than with batch and KV alone. Every row solves the same LP (a coarse grid solves a
+relaxation of it):
 
-- ``naive``: every column written out on the capacity rows (2 D + 1 nonzeros each),
-  default HiGHS (dual simplex), one shot;
-- ``ipm``: the difference form (7 nonzeros per column), every column, interior point
+- ``naive``: every column written out on the capacity rows (2 D + P + 1 nonzeros
+  each), default HiGHS (dual simplex), one shot;
+- ``ipm``: the difference form (9 nonzeros per column), every column, interior point
   without crossover, one shot (the two one-shot rows run only up to ``--naive-max-n``:
   above it they take many minutes);
 - ``colgen``: the difference form, column generation from the earliest starts,
@@ -61,12 +65,15 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=120.0, help="per solve, seconds")
     ap.add_argument("--naive-max-n", type=int, default=500,
                     help="run the one-shot rows only up to this N (they take minutes above)")
+    ap.add_argument("--compute-load", type=float, default=None,
+                    help="overload of the prefill budget alone (default: the 1.3 of the "
+                         "others; 0: unlimited)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     for size in args.sizes.split(","):
         n, g, k = (int(v) for v in size.split("x"))
-        prob = random_instance(n, g, k, seed=0)
+        prob = random_instance(n, g, k, seed=0, compute_load=args.compute_load)
         exact: float | None = None
         for name, kw in variants(n, args.naive_max_n, args.time_limit):
             t0 = time.perf_counter()
@@ -74,11 +81,12 @@ def main() -> None:
             wall = time.perf_counter() - t0
             if name == "colgen" and sol.status == "Optimal":
                 exact = sol.objective
-            row = {"N": n, "G": g, "K": k, "variant": name, "status": sol.status,
-                   "method": sol.method, "columns": sol.num_cols, "nnz": sol.nnz,
-                   "rounds": sol.rounds, "build_s": sol.timings.get("build_s", 0.0),
-                   "solve_s": wall - sol.timings.get("build_s", 0.0), "total_s": wall,
-                   "objective": sol.objective, "bound": sol.bound}
+            build_s = sol.timings.get("build_s", 0.0)
+            row: dict[str, Any] = {
+                "N": n, "G": g, "K": k, "variant": name, "status": sol.status,
+                "method": sol.method, "columns": sol.num_cols, "nnz": sol.nnz,
+                "rounds": sol.rounds, "build_s": build_s, "solve_s": wall - build_s,
+                "total_s": wall, "objective": sol.objective, "bound": sol.bound}
             rows.append(row)
             print(f"  {size} {name:<12} {wall:8.2f} s  {sol.status}", flush=True)
         for row in rows:
