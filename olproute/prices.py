@@ -116,7 +116,8 @@ class Samples:
     the reward of starting the sample on g l delays later (-inf: no such column); the
     delay-0 column (W, G): first-token slot ``start``, ``end`` = start + decode slots
     (not clipped), batch_a, kv_a, kv_b, ``pre`` (the prefill's slots P) and compute_a;
-    ``delays`` (L,) in slots, the first 0."""
+    ``earliest`` (W,), the first slot a prefill may use (the request's arrival: 0 online,
+    where slot 0 is the decision); ``delays`` (L,) in slots, the first 0."""
 
     reward: FloatArray
     start: IntArray
@@ -126,13 +127,14 @@ class Samples:
     kv_b: FloatArray
     pre: IntArray
     compute_a: FloatArray
+    earliest: IntArray
     delays: IntArray
 
     @property
     def arrays(self) -> tuple[Any, ...]:
         """The per-sample arrays in the order the steps take them."""
         return (self.reward, self.start, self.end, self.batch_a, self.kv_a, self.kv_b,
-                self.pre, self.compute_a)
+                self.pre, self.compute_a, self.earliest)
 
     @staticmethod
     def empty(w: int, g: int, delays: Sequence[int]) -> Samples:
@@ -141,7 +143,7 @@ class Samples:
                        dtype=np.int64), end=np.zeros((w, g), dtype=np.int64),
                        batch_a=np.zeros((w, g)), kv_a=np.zeros((w, g)), kv_b=np.zeros((w, g)),
                        pre=np.ones((w, g), dtype=np.int64), compute_a=np.zeros((w, g)),
-                       delays=dl)
+                       earliest=np.zeros(w, dtype=np.int64), delays=dl)
 
     def put(self, i: int, reward: FloatArray, cols: Columns) -> None:
         """Row i := one request's rewards (G,) (delay 0 only) or (G, L), and columns."""
@@ -208,7 +210,8 @@ def _place(p: FloatArray, smp: Samples, idx: IntArray, offset: IntArray) -> _Pla
     s0 = np.minimum(s, h)
     s1 = np.minimum(smp.end[idx][:, :, None] + sh, h)
     pe = np.minimum(s + 1, h)
-    ps = np.clip(s + 1 - smp.pre[idx][:, :, None], 0, h)
+    ps = np.clip(s + 1 - smp.pre[idx][:, :, None],
+                 np.minimum(smp.earliest[idx] + offset, h)[:, None, None], h)
     ba, ka, kb, ca = (x[idx][:, :, None] for x in (smp.batch_a, smp.kv_a, smp.kv_b,
                                                    smp.compute_a))
     gi = np.arange(p.shape[0])[None, :, None]
@@ -311,7 +314,7 @@ def _jax_demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: An
     """(G, H, 3) capacity the mini-batch takes (``demand_numpy``), traced by JAX."""
     import jax.numpy as jnp
 
-    reward, start, end, batch_a, kv_a, kv_b, pre, compute_a = arrays
+    reward, start, end, batch_a, kv_a, kv_b, pre, compute_a, earliest = arrays
     g_count, h, _ = p.shape
     kk = jnp.arange(h, dtype=p.dtype)
     # one table of prefix sums, rows (g, k): P0 batch, P0 kv, P1 kv, P0 compute, so
@@ -326,7 +329,8 @@ def _jax_demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: An
     s0 = jnp.minimum(s, h)
     s1 = jnp.minimum(end[idx][:, :, None] + sh, h)
     pe = jnp.minimum(s + 1, h)
-    ps = jnp.clip(s + 1 - pre[idx][:, :, None], 0, h)
+    ps = jnp.clip(s + 1 - pre[idx][:, :, None],
+                  jnp.minimum(earliest[idx] + offset, h)[:, None, None], h)
     ba, ka, kb, ca = (x[idx][:, :, None] for x in (batch_a, kv_a, kv_b, compute_a))
     base = (jnp.arange(g_count) * (h + 1))[None, :, None]
     diff = (table.at[base + s1].get(mode="promise_in_bounds")

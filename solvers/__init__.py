@@ -11,7 +11,8 @@
 - ``solvers.record``: a ``bid_price`` run with its window and price history recorded
   (``WindowLog``, plain arrays) and the LP of a window of it (``build_window``);
 - ``solvers.check``: ``olproute lp-check`` (record, solve, certify, plot);
-- ``solvers.compare``: the LP-vs-dual table across loads and seeds.
+- ``solvers.compare``: online prices vs the LP in batch-, KV- and compute-bound scenarios.
+- ``solvers.learn``: the online price step run as an LP dual solver on one window.
 
 Heavy imports (highspy, cvxpy, matplotlib) happen inside the functions that need them.
 """

@@ -26,13 +26,15 @@ decides how tight it is for the prices bid_price actually acted on.
 same ``olproute.reward.reward_terms`` evaluated on its realised times: TTFT = first token
 - arrival, the decode time finish - first token spread over the predicted output
 (tpot = that time / o_jg, so the completion slot and EEL are the realised ones), the
-horizon counted from the arrival; a shed request earns 0. Predicted lengths enter as in
+horizon counted from the arrival, prorated like the LP's columns when the decode runs
+past the grid's end; a shed request earns 0. Predicted lengths enter as in
 the LP (the throughput term counts o_jg), so the two rewards differ only by when and where
 requests ran.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -215,5 +217,8 @@ def online_reward(prob: LpProblem, instance: IntArray, first_token_s: FloatArray
         terms = reward_terms(int(prob.prompt_tokens[j]), float(prob.ttft_target_s[j]), look,
                              np.array([ttft]), np.array([tpot]), w, prob.slot_s,
                              prob.horizon)
-        out[j] = float(terms.total[0])
+        # prorated at the grid's end as the LP's columns are (solvers.problem)
+        k = math.ceil((first_token_s[j] - prob.t0_s) / prob.slot_s - 1e-9)
+        d = max(math.ceil(decode_time / prob.slot_s - 1e-9), 1)
+        out[j] = float(terms.total[0]) * min(max((prob.num_slots - k) / d, 0.0), 1.0)
     return out

@@ -50,8 +50,10 @@ def enumerate_columns(prob: LpProblem) -> FlatColumns:
                 start = a + min(max(k0, 0), prob.horizon)
                 if start >= prob.num_slots:
                     continue
-                end = min(start + int(prob.duration[j, g]), prob.num_slots)
-                rows.append((j, g, d, start, end, float(terms.total[0])))
+                dur = int(prob.duration[j, g])
+                end = min(start + dur, prob.num_slots)
+                # prorated at the grid's end (solvers.problem, "The grid's end")
+                rows.append((j, g, d, start, end, float(terms.total[0]) * (end - start) / dur))
     arr = np.array(rows, dtype=np.float64).reshape(-1, 6)
     ints = arr[:, :5].astype(np.int64)
     return FlatColumns(request=ints[:, 0], instance=ints[:, 1], delay=ints[:, 2],
@@ -67,6 +69,7 @@ def usage_matrix(prob: LpProblem, cols: FlatColumns) -> FloatArray:
         start = np.array([cols.start[i]])
         ps, pe, ca = prefill_span(float(prob.prompt_tokens[j]), start,
                                   np.array([prob.compute_cap[g]]), k_n)
+        ps = np.minimum(np.maximum(ps, prob.arrival_slot[j]), pe)  # none before arrival
         col = Columns(start=start, end=np.array([cols.end[i]]),
                       batch_a=np.array([prob.batch_a[g]]), kv_a=np.array([prob.kv_a[j, g]]),
                       kv_b=np.array([prob.kv_b[j, g]]), pre_start=ps, pre_end=pe,

@@ -67,7 +67,8 @@ def lp_samples(prob: LpProblem) -> Samples:
         end=(start + prob.duration).astype(np.int64),
         batch_a=np.broadcast_to(prob.batch_a, (n, g)).copy(), kv_a=prob.kv_a.copy(),
         kv_b=prob.kv_b.copy(), pre=pre.astype(np.int64),
-        compute_a=prob.prompt_tokens[:, None] / (pre * budget), delays=delays)
+        compute_a=prob.prompt_tokens[:, None] / (pre * budget),
+        earliest=prob.arrival_slot.astype(np.int64), delays=delays)
 
 
 @dataclass
@@ -145,7 +146,7 @@ def instances(quick: bool) -> dict[str, LpProblem]:
     from solvers.compare import scenario
     from solvers.record import record_bid_price, window_problem
 
-    rec = record_bid_price(scenario("batch", 16.0, 1000, 0))
+    rec = record_bid_price(scenario("batch", 1000, 0))
     window, _ = window_problem(rec)
     return {"random (2000, 8, 400), load 1.3": random_instance(2000, 8, 400, seed=0),
             "random (2000, 8, 400), load 3": random_instance(2000, 8, 400, seed=0, load=3.0),

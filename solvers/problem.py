@@ -12,9 +12,16 @@ usage column of ``olproute.reward`` moved to k: one batch slot (1/B) and the KV 
 (s + 1 + theta tokens over M) on [k, min(k + D_jg, K)), D_jg = ceil(o_jg * tpot_jg /
 slot_s); and compute, the prefill token budget b_g per slot: the prompt's P_jg =
 ceil(s_j / b_g) prefill slots [clip(k + 1 - P_jg, 0, K), k + 1), each using
-compute_a_jg = s_j / (P_jg b_g) of the budget. Usage past the grid's end is not
-constrained (the window's end effect), nor is a prefill before slot 0 (clipped, as the
-online column clips it at its slot 0).
+compute_a_jg = s_j / (P_jg b_g) of the budget. No prefill runs before the request's
+arrival (clipped there, as the online column clips it at its slot 0, the decision).
+
+**The grid's end.** Usage past the grid's end is not constrained, so a column cut there
+at its full reward would be nearly free capacity: the late columns would bid the last
+slots' duals up to hundreds (the reward of a whole request over one slot's usage), an
+artefact of where the window ends. A column's reward therefore counts in proportion to
+the share of its decode slots inside the grid, (min(k + D, K) - k) / D, as the online
+price samples prorate theirs at the horizon (``olproute.prices``) and as
+``solvers.certificate.online_reward`` prorates the online policy's.
 
 The reward r_jgd is ``olproute.reward.reward_terms`` with TTFT_jgd, measured from the
 arrival and with the reward horizon H counted from the arrival: waiting lowers the
@@ -161,11 +168,12 @@ class LpProblem:
 
 def prefill_interval(prob: LpProblem, j: IntArray, g: IntArray, start: IntArray
                      ) -> tuple[IntArray, IntArray]:
-    """(pre_start, pre_end): the prefill slots [clip(k + 1 - P, 0, K), min(k + 1, K)) of
+    """(pre_start, pre_end): the prefill slots [clip(k + 1 - P, a_j, K), min(k + 1, K)) of
     columns of requests j on instances g with first-token slot k = ``start`` (arrays
-    broadcast together)."""
+    broadcast together): no prefill before the request arrives (as the online column has
+    none before its slot 0, its decision)."""
     k = prob.num_slots
-    lo: IntArray = np.clip(start + 1 - prob.prefill_slots[j, g], 0, k)
+    lo: IntArray = np.clip(start + 1 - prob.prefill_slots[j, g], prob.arrival_slot[j], k)
     hi: IntArray = np.minimum(start + 1, k)
     return lo, hi
 
@@ -249,9 +257,11 @@ def column_block(prob: LpProblem, j: IntArray, delays: IntArray | None = None) -
     k0 = first_token_slot(ttft, prob.slot_s, prob.horizon)
     start = prob.arrival_slot[j][:, None, None] + k0
     k = prob.num_slots
-    end = np.minimum(start + prob.duration[j][:, :, None], k)
+    d = prob.duration[j][:, :, None]
+    end = np.minimum(start + d, k)
+    inside = np.clip((end - start) / d, 0.0, 1.0)
     return ColumnBlock(request=np.asarray(j, dtype=np.int64), start=start, end=end,
-                       reward=reward_grid(prob, j, ttft), valid=start < k)
+                       reward=reward_grid(prob, j, ttft) * inside, valid=start < k)
 
 
 def prefix_sums(p: FloatArray) -> tuple[FloatArray, FloatArray]:

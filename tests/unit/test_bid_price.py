@@ -148,6 +148,7 @@ def _samples(rng: np.random.Generator, w: int, g: int,
     smp.kv_b[:] = rng.uniform(0, 1e-3, (w, g))
     smp.pre[:] = rng.integers(1, 5, (w, g))
     smp.compute_a[:] = rng.uniform(0, 1, (w, g))
+    smp.earliest[:] = rng.integers(0, 4, w)
     return smp
 
 
@@ -196,6 +197,22 @@ def test_demand_takes_each_sample_at_its_best_delay() -> None:
     assert use[0, 15:25, 0].tolist() == [0.5] * 10      # delay 10 now pays best
     use = demand_numpy(np.zeros((1, H, 3)), smp, *one, np.full(1, 10, dtype=np.int64))
     assert use[0, 25:35, 0].tolist() == [0.5] * 10      # moved by 10: delay 90 is past H
+
+
+def test_a_fixed_schedule_is_replayed_from_now() -> None:
+    """Oracle prices: absolute slot k of the schedule is price slot k - (now - t0) / slot
+    at each update, and 0 past the schedule's end; nothing is learned."""
+    book = _book()
+    sched = np.zeros((2, 110, 3))
+    sched[:, :, 0] = np.arange(110)[None, :]
+    book.set_schedule(1.0, sched)
+    book.update(1.0 + 20 * SLOT)
+    assert book.p[0, :3, 0].tolist() == [20.0, 21.0, 22.0]
+    assert book.p[1, 89, 0] == 109.0 and book.p[1, 90:, 0].sum() == 0.0
+    _feed(book, rate=20.0, seconds=2.0, start=2.0)      # samples change nothing
+    assert book.p[0, 0, 0] == pytest.approx((book.origin_s - 1.0) / SLOT)
+    with pytest.raises(ValueError, match="scheduled prices"):
+        book.set_schedule(0.0, np.zeros((3, 10, 3)))
 
 
 def test_step_sizes() -> None:

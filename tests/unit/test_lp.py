@@ -78,7 +78,10 @@ def test_reward_grid_matches_reward_terms() -> None:
                            cost_musd=np.zeros(prob.num_instances))
             terms = reward_terms(int(prob.prompt_tokens[j]), float(prob.ttft_target_s[j]),
                                  look, ttft, prob.tpot_s[j], w, prob.slot_s, prob.horizon)
-            np.testing.assert_allclose(blk.reward[j, :, d], terms.total, rtol=1e-12)
+            # a column cut by the grid's end counts the share of its decode inside it
+            s, e = blk.start[j, :, d], blk.end[j, :, d]
+            inside = np.clip((e - s) / prob.duration[j], 0.0, 1.0)
+            np.testing.assert_allclose(blk.reward[j, :, d], terms.total * inside, rtol=1e-12)
 
 
 def test_columns_match_the_plain_enumeration() -> None:
@@ -330,14 +333,22 @@ def test_absolute_prices_take_the_freshest_update() -> None:
 def test_online_reward_is_the_reward_of_realised_times() -> None:
     prob = hand_problem()
     prob = dataclasses.replace(prob, reward=RewardConfig(sigma=1.0, beta=0.01, gamma=0.02,
-                                                         omega=0.0))
+                                                         omega=0.0), num_slots=60,
+                               free=np.ones((1, 60, 3)))
     # request 0: first token 0.12 s after arrival (slot 3), done 2 s later (100 tokens);
     # request 1: never served
     got = online_reward(prob, np.array([0, -1]), np.array([0.12, np.nan]),
                         np.array([2.12, np.nan]))
     k0, d = 3, 40
-    assert got[0] == pytest.approx(1.0 + 0.01 * (100 - (k0 + d)) + 0.02 * (100 - k0))
+    whole = 1.0 + 0.01 * (100 - (k0 + d)) + 0.02 * (100 - k0)
+    assert got[0] == pytest.approx(whole)
     assert got[1] == 0.0
+    # on a grid ending 20 slots after the first token, half the decode is inside it: the
+    # reward is prorated as the LP's columns are
+    short = dataclasses.replace(prob, num_slots=23, free=np.ones((1, 23, 3)))
+    got = online_reward(short, np.array([0, -1]), np.array([0.12, np.nan]),
+                        np.array([2.12, np.nan]))
+    assert got[0] == pytest.approx(whole * 20 / 40)
 
 
 @pytest.mark.parametrize("coarsen", [2, 3, 7])
