@@ -427,7 +427,9 @@ class PriceBook:
         self.last_price_scale = 0.0
         self._origin_s: float | None = None   # time of price slot 0
         self._decayed_arrivals = 0.0
+        self._first_arrival_s: float | None = None
         self._last_arrival_s: float | None = None
+        self._n_h = 0.0
         self._schedule: tuple[float, FloatArray] | None = None
 
     @property
@@ -442,12 +444,31 @@ class PriceBook:
 
     def observe_arrival(self, now_s: float) -> None:
         """Count an arrival for the rate estimate behind N_H (exponential decay)."""
-        if self._last_arrival_s is not None:
-            gap = max(now_s - self._last_arrival_s, 0.0)  # out-of-order times: no decay
-            self._decayed_arrivals *= math.exp(-gap * math.log(2)
-                                               / self.cfg.arrival_rate_halflife_s)
-        self._decayed_arrivals += 1.0
-        self._last_arrival_s = now_s
+        if self._first_arrival_s is None:
+            self._first_arrival_s = now_s
+        self._decayed_arrivals = self._decayed_at(now_s) + 1.0
+        self._last_arrival_s = max(now_s, self._last_arrival_s or now_s)
+
+    def _decayed_at(self, now_s: float) -> float:
+        """The decayed arrival count as of ``now_s`` (no decay for out-of-order times)."""
+        if self._last_arrival_s is None:
+            return 0.0
+        gap = max(now_s - self._last_arrival_s, 0.0)
+        return self._decayed_arrivals * math.exp(-gap * math.log(2)
+                                                 / self.cfg.arrival_rate_halflife_s)
+
+    def arrival_rate_per_s(self, now_s: float) -> float:
+        """Arrivals per second as of ``now_s``: the decayed count over the decayed length
+        of time observed, ``halflife / ln 2 * (1 - 2^(-elapsed / halflife))``. Dividing by
+        the time observed rather than by its limit removes the start-up bias (the bare
+        decayed count needs several half-lives to reach the rate: 74% of it after 20 s
+        at a 10 s half-life), and a pause in arrivals lowers the rate as it lasts."""
+        if self._first_arrival_s is None:
+            return 0.0
+        hl = self.cfg.arrival_rate_halflife_s
+        elapsed = max(now_s - self._first_arrival_s, self.slot_s)
+        seen = hl / math.log(2) * -math.expm1(-elapsed * math.log(2) / hl)
+        return self._decayed_at(now_s) / seen
 
     def add_sample(self, reward: FloatArray, cols: Columns) -> None:
         """Remember one request's reward, (G,) for a start now or (G, L) for each of
@@ -457,13 +478,9 @@ class PriceBook:
         self.num_samples = min(self.num_samples + 1, self.cfg.window)
 
     @property
-    def arrival_rate_per_s(self) -> float:
-        return self._decayed_arrivals * math.log(2) / self.cfg.arrival_rate_halflife_s
-
-    @property
     def arrivals_in_horizon(self) -> float:
-        """N_H: expected arrivals within the horizon, rate x H x Delta."""
-        return self.arrival_rate_per_s * self.horizon * self.slot_s
+        """N_H at the last update: expected arrivals within the horizon, rate x H x Delta."""
+        return self._n_h
 
     @property
     def origin_s(self) -> float | None:
@@ -551,10 +568,11 @@ class PriceBook:
         if self.num_samples == 0:
             return
         k = self.cfg.steps_per_period
+        self._n_h = self.arrival_rate_per_s(now_s) * self.horizon * self.slot_s
         idx, mask, offset = self._minibatches()
         etas = step_sizes(self.step_scale(), self.cfg.schedule, self.num_steps, k)
         self.p, self._acc = run_steps(self.p, self._acc, self.c, self.samples, idx, mask,
-                                      offset, self.arrivals_in_horizon, etas,
+                                      offset, self._n_h, etas,
                                       self.cfg.schedule, adagrad_decay(self.cfg),
                                       self._backend)
         self.num_steps += k

@@ -125,8 +125,11 @@ class Recording:
 
 def record_bid_price(loaded: LoadedConfig, seed: int | None = None,
                      calibration: CalibrationSource | None = None,
-                     progress: ProgressFn | None = None) -> Recording:
-    """Run bid_price on the configured workload (as ``simulate`` would) and record."""
+                     progress: ProgressFn | None = None,
+                     schedule: tuple[float, FloatArray] | None = None) -> Recording:
+    """Run bid_price on the configured workload (as ``simulate`` would) and record; with
+    ``schedule`` (t0_s, absolute prices (G, K, 3)), bid_price replays those prices
+    instead of learning its own (``PriceBook.set_schedule``: oracle prices)."""
     cfg = loaded.config
     run_seed = cfg.sim.seed if seed is None else seed
     reqs = build_requests(loaded, run_seed)
@@ -135,6 +138,8 @@ def record_bid_price(loaded: LoadedConfig, seed: int | None = None,
     inner = REGISTRY.create("bid_price", env)
     if not isinstance(inner, BidPrice):
         raise TypeError("the registered bid_price policy is not olproute's BidPrice")
+    if schedule is not None:
+        inner.book.set_schedule(*schedule)
     rec = Recorder(inner)
     res = make_cluster(loaded, rec, run_seed, record_batches=False).run(reqs, progress)
     n, g = len(reqs), len(loaded.specs)

@@ -1,0 +1,160 @@
+"""Do the shadow prices earn their place? bid_price with learned, no and oracle prices.
+
+    python bench/price_ablation.py [--quick] [--seeds 10,11,12] [--json PATH]
+
+In each scenario of ``solvers.compare`` (batch-, KV- and compute-bound, overloaded) and
+on each report seed, the same requests and predictions are routed three times by
+bid_price:
+
+- ``learned``: its prices, learned online (the default);
+- ``off``: ``prices.enabled: false`` (prices stay 0; the admission checks, the free
+  capacity they read, the buffer and patience are all still on);
+- ``oracle``: the duals of the hindsight LP of the learned run's window (every request,
+  its predictions, the capacities bid_price saw), replayed as a fixed schedule of
+  absolute prices (``PriceBook.set_schedule``): prices no online learner can beat on
+  this window.
+
+Metrics: the run's **objective**, the sum over requests of the realised reward (the
+reward's terms on the realised TTFT and decode time, ``solvers.certificate
+.online_reward``, on the learned run's window for all three); mean and P95 EEL over the
+served requests beside the served fraction; TTFT attainment (first token within the
+request's target, a refused request a miss). Goals (issue 14): in every scenario learned
+>= off + 5% objective and learned >= 97% of oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.common import REPORT_SEEDS, fmt_spread, jsonable, seed_figure  # noqa: E402
+from olproute.sim import metrics  # noqa: E402
+from olproute.sim.cluster import SimResult  # noqa: E402
+from solvers.certificate import online_reward  # noqa: E402
+from solvers.compare import SCENARIOS, scenario  # noqa: E402
+from solvers.lp import solve  # noqa: E402
+from solvers.problem import LpProblem  # noqa: E402
+from solvers.record import record_bid_price, window_problem  # noqa: E402
+
+ARMS = ("learned", "off", "oracle")
+
+
+def figures(prob: LpProblem, ids: np.ndarray, res: SimResult) -> dict[str, float]:
+    """The run's objective on the window ``prob`` (requests ``ids``) and its latencies."""
+    obj = online_reward(prob, res.instance[ids], res.first_token_s[ids], res.finish_s[ids])
+    s = metrics.summarize(res)
+    arrival = np.array([r.arrival_s for r in res.requests])
+    target = np.array([r.ttft_target_s for r in res.requests])
+    ttft = res.first_token_s - arrival
+    on_time = np.isfinite(ttft) & (ttft <= target)
+    return {"objective": float(obj.sum()), "mean_eel_s": s.eel_mean_s,
+            "p95_eel_s": s.eel_p95_s, "served_fraction": s.served_fraction,
+            "ttft_attainment": float(on_time.mean()),
+            "tokens_per_s": s.throughput_tokens_per_s}
+
+
+def one_seed(name: str, seed: int, num_requests: int) -> dict[str, dict[str, float]]:
+    """The three arms of one scenario on one seed."""
+    loaded = scenario(name, num_requests, seed)
+    learned = record_bid_price(loaded)
+    prob, ids = window_problem(learned)
+    sol = solve(prob)
+    off_cfg = loaded.config.model_copy(update={"prices": loaded.config.prices.model_copy(
+        update={"enabled": False})})
+    off = record_bid_price(type(loaded)(loaded.path, off_cfg, loaded.profiles))
+    oracle = record_bid_price(loaded, schedule=(prob.t0_s, sol.p))
+    out = {arm: figures(prob, ids, rec.result)
+           for arm, rec in zip(ARMS, (learned, off, oracle), strict=True)}
+    out["lp"] = {"objective": sol.objective}
+    return out
+
+
+def run(names: list[str], seeds: list[int], num_requests: int) -> dict[str, Any]:
+    """Every scenario x seed x arm; per figure and arm the values over seeds."""
+    scenarios = []
+    for name in names:
+        per_seed = []
+        for seed in seeds:
+            t0 = time.perf_counter()
+            per_seed.append(one_seed(name, seed, num_requests))
+            print(f"  {name} seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
+        entry: dict[str, Any] = {"name": name, "rate": SCENARIOS[name]["rate"],
+                                 "seeds": seeds,
+                                 "lp_objective": [r["lp"]["objective"] for r in per_seed]}
+        for key in ("objective", "mean_eel_s", "p95_eel_s", "served_fraction",
+                    "ttft_attainment", "tokens_per_s"):
+            entry[key] = {arm: [r[arm][key] for r in per_seed] for arm in ARMS}
+        obj = entry["objective"]
+        entry["learned_over_off"] = [a / b - 1.0 for a, b in zip(obj["learned"], obj["off"],
+                                                                   strict=True)]
+        entry["learned_over_oracle"] = [a / b for a, b in zip(obj["learned"], obj["oracle"],
+                                                               strict=True)]
+        scenarios.append(entry)
+    return {"scenarios": scenarios}
+
+
+def as_json(doc: dict[str, Any]) -> dict[str, Any]:
+    """Each figure over seeds as mean, min, max and per seed (``seed_figure``)."""
+    out = []
+    for sc in doc["scenarios"]:
+        entry: dict[str, Any] = {"name": sc["name"], "rate": sc["rate"], "seeds": sc["seeds"],
+                                 "lp_objective": seed_figure(sc["lp_objective"])}
+        for key, val in sc.items():
+            if isinstance(val, dict):
+                entry[key] = {arm: seed_figure(v) for arm, v in val.items()}
+            elif key.startswith("learned_over"):
+                entry[key] = seed_figure(val)
+        out.append(entry)
+    return {"scenarios": out}
+
+
+def table(doc: dict[str, Any]) -> str:
+    head = (f"{'scenario':<8} {'arm':<8} {'objective':>22} {'mean EEL s':>18} "
+            f"{'P95 EEL s':>18} {'served':>20} {'TTFT att.':>20}")
+    lines = [head, "-" * len(head)]
+    for sc in doc["scenarios"]:
+        for arm in ARMS:
+            lines.append(
+                f"{sc['name']:<8} {arm:<8} {fmt_spread(sc['objective'][arm], '{:.1f}'):>22} "
+                f"{fmt_spread(sc['mean_eel_s'][arm], '{:.2f}'):>18} "
+                f"{fmt_spread(sc['p95_eel_s'][arm], '{:.2f}'):>18} "
+                f"{fmt_spread(sc['served_fraction'][arm], '{:.3f}'):>20} "
+                f"{fmt_spread(sc['ttft_attainment'][arm], '{:.3f}'):>20}")
+        lines.append(f"{'':<8} learned vs off "
+                     f"{fmt_spread(sc['learned_over_off'], '{:+.1f}%', 100)}, learned / "
+                     f"oracle {fmt_spread(sc['learned_over_oracle'], '{:.1f}%', 100)} "
+                     f"(goals: >= +5%, >= 97%)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one seed, 300 requests")
+    ap.add_argument("--seeds", default=",".join(str(s) for s in REPORT_SEEDS))
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    n = args.requests
+    if args.quick:
+        seeds, n = seeds[:1], 300
+    doc = run(args.scenarios.split(","), seeds, n)
+    print()
+    print(table(doc))
+    if args.json:
+        Path(args.json).write_text(json.dumps(jsonable(as_json(doc)), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
