@@ -76,6 +76,7 @@ Rule = Literal["constant", "inverse_sqrt", "adagrad"]
 __all__ = ["BATCH", "COMPUTE", "KV", "RESOURCES", "PriceBook", "PriceView", "Samples"]
 
 ADAGRAD_EPS = 1e-12
+SCALE_EVERY = 20   # updates between refreshes of the break-even price (adagrad's scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,10 +532,13 @@ class PriceBook:
         return idx, mask, offset
 
     def step_scale(self) -> float:
-        """eta0 in price units: adagrad multiplies it by the window's break-even price."""
+        """eta0 in price units: adagrad multiplies it by the window's break-even price,
+        refreshed every ``SCALE_EVERY`` updates (a median over the window: it moves
+        slowly, and costs a quarter of an update)."""
         if self.cfg.schedule != "adagrad":
             return self.cfg.step_size
-        self.last_price_scale = self.samples.price_scale(self.num_samples)
+        if self.num_updates % SCALE_EVERY == 0 or self.last_price_scale <= 0:
+            self.last_price_scale = self.samples.price_scale(self.num_samples)
         return self.cfg.step_size * self.last_price_scale
 
     def set_schedule(self, t0_s: float, prices: FloatArray) -> None:
