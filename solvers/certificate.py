@@ -1,6 +1,7 @@
 """The duality certificate of a set of prices, and the online policy's gap.
 
-For prices p >= 0 on the capacity rows (G, K, 2) of a window's LP (``solvers.problem``),
+For prices p >= 0 on the capacity rows (G, K, 3) of a window's LP (``solvers.problem``;
+resources batch, KV, compute),
 
     D(p) = sum_{g,k,r} p[g,k,r] c[g,k,r] + sum_j max(0, max_{g,d} (r_jgd - a_jgd . p))
 
@@ -39,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.outlook import Outlook
-from olproute.reward import reward_terms
+from olproute.reward import NUM_RESOURCES, reward_terms
 from solvers.problem import (
     ColumnBlock,
     FlatColumns,
@@ -91,8 +92,9 @@ class Pricer:
         """D(p) and, with ``per_request`` > 0 and duals y, up to that many columns per
         request of reduced cost > tol (largest first) not in ``exclude`` (N, G, L)."""
         prob = self.prob
-        if p.shape != (prob.num_instances, prob.num_slots, 2):
-            raise ValueError(f"p must have shape {(prob.num_instances, prob.num_slots, 2)}")
+        shape = (prob.num_instances, prob.num_slots, NUM_RESOURCES)
+        if p.shape != shape:
+            raise ValueError(f"p must have shape {shape}, got {p.shape}")
         if np.any(p < 0):
             raise ValueError("prices must be >= 0")
         p0, p1 = prefix_sums(p)
@@ -123,7 +125,7 @@ class Pricer:
 
 
 def dual_value(prob: LpProblem, p: FloatArray) -> float:
-    """D(p) >= LP* for any p >= 0 of shape (G, K, 2)."""
+    """D(p) >= LP* for any p >= 0 of shape (G, K, 3)."""
     return Pricer(prob).price(p).dual_value
 
 
@@ -161,7 +163,7 @@ def gap(upper: float, online: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class PriceUpdate:
-    """The PriceBook's prices after one update: slot i of ``p`` (G, H, 2) starts at
+    """The PriceBook's prices after one update: slot i of ``p`` (G, H, 3) starts at
     ``origin_s + i * slot_s``."""
 
     time_s: float
@@ -171,16 +173,17 @@ class PriceUpdate:
 
 def absolute_prices(updates: Sequence[PriceUpdate], t0_s: float, slot_s: float,
                     num_slots: int) -> FloatArray:
-    """Absolute-slot prices (G, K, 2) from rolling price updates (module docstring)."""
+    """Absolute-slot prices (G, K, R) from rolling price updates (G, H, R) (module
+    docstring); R = 3 (batch, KV, compute) for prices the LP can price."""
     if not updates:
         raise ValueError("no price updates recorded")
     ups = sorted(updates, key=lambda u: u.origin_s)
     origins = np.array([u.origin_s for u in ups])
-    g, h, _ = ups[0].p.shape
+    g, h, r = ups[0].p.shape
     start = t0_s + np.arange(num_slots) * slot_s
     which = np.clip(np.searchsorted(origins, start + 1e-9 * slot_s, side="right") - 1, 0,
                     len(ups) - 1)
-    out = np.empty((g, num_slots, 2))
+    out = np.empty((g, num_slots, r))
     for u in np.unique(which):
         ks = np.nonzero(which == u)[0]
         pu = ups[u].p

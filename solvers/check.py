@@ -8,6 +8,8 @@ absolute slots, the certificate D(p_online)/LP* - 1, the online gap (LP* - onlin
 LP (slack <= 1e-6 of capacity), how many the LP prices (p* > 0), and how many the online
 prices price (p > 1e-6). The LP's duals are not unique (the LP is degenerate), so prices
 are compared through D(p), and the PNG is a picture, not an element-wise test.
+Rows are (instance, slot, resource) over the three resources batch, KV and compute
+(``olproute.reward.RESOURCES``); the binding rows are also counted per resource.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config import LoadedConfig
+from olproute.reward import BATCH, COMPUTE, KV, RESOURCES
 from olproute.sim.cluster import ProgressFn
 from solvers.certificate import (
     absolute_prices,
@@ -31,13 +34,14 @@ from solvers.certificate import (
     online_reward,
 )
 from solvers.lp import LpSolution, solve
-from solvers.problem import BATCH, KV, LpProblem
-from solvers.record import Recording, record_bid_price, window_problem
+from solvers.problem import LpProblem, prefill_interval
+from solvers.record import WindowLog, build_window, record_bid_price
 
 FloatArray = npt.NDArray[np.float64]
 
 PRICED = 1e-6     # an online price above this counts as pricing its row
 BINDING = 1e-6    # LP slack below this (capacity fractions) counts as binding
+PRICE_COLORS = ("tab:blue", "tab:orange", "tab:green")   # batch, KV, compute
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +60,7 @@ class CheckResult:
     certificate_scaled: float  # D(lambda p_online) / LP* - 1 at that lambda
     gap_lp: float             # (LP* - online) / LP*
     gap_d: float              # (D(p_online) - online) / D(p_online)
-    rows: int                 # capacity rows (G x K x 2)
+    rows: int                 # capacity rows (G x K x 3)
     lp_binding: int
     lp_priced: int
     online_priced: int
@@ -65,50 +69,52 @@ class CheckResult:
     lp_rounds: int
     lp_seconds: float
     record_seconds: float
+    binding_by_resource: dict[str, int]   # resource name -> rows binding in the LP
 
-    def as_dict(self) -> dict[str, float | int | str]:
+    def as_dict(self) -> dict[str, float | int | str | dict[str, int]]:
         return asdict(self)
 
 
 def lp_load(prob: LpProblem, sol: LpSolution) -> FloatArray:
-    """(G, K, 2) capacity used by the LP's solution, through difference arrays."""
+    """(G, K, 3) capacity used by the LP's solution, through difference arrays."""
     keep = sol.x > 1e-12
     c, x = sol.cols, sol.x[keep]
     j, g, s, e = c.request[keep], c.instance[keep], c.start[keep], c.end[keep]
+    ps, pe = prefill_interval(prob, j, g, s)
     k = prob.num_slots
-    d0 = np.zeros((prob.num_instances, k + 1, 2))
+    d0 = np.zeros((prob.num_instances, k + 1, len(RESOURCES)))
     d1 = np.zeros((prob.num_instances, k + 1))
     ba = prob.batch_a[g] * x
     a = prob.kv_a[j, g] * x
     b = prob.kv_b[j, g] * x
-    np.add.at(d0[:, :, BATCH], (g, s), ba)
-    np.add.at(d0[:, :, BATCH], (g, e), -ba)
-    np.add.at(d0[:, :, KV], (g, s), a - b * s)
-    np.add.at(d0[:, :, KV], (g, e), -(a - b * s))
+    ca = prob.compute_a[j, g] * x
+    for r, lo, hi, val in ((BATCH, s, e, ba), (KV, s, e, a - b * s), (COMPUTE, ps, pe, ca)):
+        np.add.at(d0[:, :, r], (g, lo), val)
+        np.add.at(d0[:, :, r], (g, hi), -val)
     np.add.at(d1, (g, s), b)
     np.add.at(d1, (g, e), -b)
     idx = np.arange(k, dtype=np.float64)[None, :]
-    out = np.empty((prob.num_instances, k, 2))
-    out[:, :, BATCH] = np.cumsum(d0[:, :k, BATCH], axis=1)
-    out[:, :, KV] = np.cumsum(d0[:, :k, KV], axis=1) + idx * np.cumsum(d1[:, :k], axis=1)
+    out: FloatArray = np.cumsum(d0[:, :k], axis=1)
+    out[:, :, KV] += idx * np.cumsum(d1[:, :k], axis=1)
     return out
 
 
-def check(rec: Recording, ids: npt.NDArray[np.int64], prob: LpProblem, gap_tol: float = 0.0,
+def check(log: WindowLog, ids: npt.NDArray[np.int64], prob: LpProblem, gap_tol: float = 0.0,
           record_seconds: float = 0.0) -> tuple[CheckResult, LpSolution, FloatArray]:
     """Solve the window's LP and certify the recorded prices; returns the figures, the LP
-    solution and the online prices on the LP's grid."""
+    solution and the online prices on the LP's grid. ``ids`` are the window's request
+    ids in the log (``build_window``'s second result)."""
     t0 = time.perf_counter()
     sol = solve(prob, gap_tol=gap_tol)
     lp_s = time.perf_counter() - t0
     # no updates (prices disabled, or a window before the first tick): the prices were 0
-    p_online = (absolute_prices(rec.updates, prob.t0_s, prob.slot_s, prob.num_slots)
-                if rec.updates else np.zeros_like(prob.free))
+    p_online = (absolute_prices(log.updates, prob.t0_s, prob.slot_s, prob.num_slots)
+                if log.updates else np.zeros_like(prob.free))
     d_on = dual_value(prob, p_online)
     lam, d_scaled = best_scale(prob, p_online)
-    res = rec.result
-    online = online_reward(prob, res.instance[ids], res.first_token_s[ids], res.finish_s[ids])
-    slack = prob.capacity - lp_load(prob, sol)
+    online = online_reward(prob, log.instance[ids], log.first_token_s[ids],
+                           log.finish_s[ids])
+    binding = prob.capacity - lp_load(prob, sol) <= BINDING
     total = float(online.sum())
     out = CheckResult(
         num_requests=prob.num_requests, num_instances=prob.num_instances,
@@ -118,10 +124,12 @@ def check(rec: Recording, ids: npt.NDArray[np.int64], prob: LpProblem, gap_tol: 
         certificate=certificate(d_on, sol.objective), best_scale=lam,
         certificate_scaled=certificate(d_scaled, sol.objective), gap_lp=gap(sol.objective, total),
         gap_d=gap(d_on, total), rows=int(prob.capacity.size),
-        lp_binding=int(np.sum(slack <= BINDING)), lp_priced=int(np.sum(sol.p > PRICED)),
+        lp_binding=int(np.sum(binding)), lp_priced=int(np.sum(sol.p > PRICED)),
         online_priced=int(np.sum(p_online > PRICED)), lp_status=sol.status,
         lp_method=f"{sol.strategy}, {sol.method}", lp_rounds=sol.rounds, lp_seconds=lp_s,
-        record_seconds=record_seconds)
+        record_seconds=record_seconds,
+        binding_by_resource={name: int(np.sum(binding[:, :, r]))
+                             for r, name in enumerate(RESOURCES)})
     return out, sol, p_online
 
 
@@ -133,12 +141,13 @@ def run_check(loaded: LoadedConfig, seed: int | None = None, t0_s: float | None 
     t0 = time.perf_counter()
     rec = record_bid_price(loaded, seed=seed, progress=progress)
     rec_s = time.perf_counter() - t0
-    prob, ids = window_problem(rec, t0_s, t1_s, max_delay=max_delay)
-    out, sol, p_online = check(rec, ids, prob, gap_tol, rec_s)
+    prob, ids = build_window(rec.log, t0_s, t1_s, max_delay=max_delay)
+    out, sol, p_online = check(rec.log, ids, prob, gap_tol, rec_s)
     return out, prob, sol, p_online
 
 
 def format_check(r: CheckResult) -> str:
+    by_resource = ", ".join(f"{name} {n}" for name, n in r.binding_by_resource.items())
     rows = [
         ("window", f"{r.num_requests} requests, {r.num_instances} instances, "
                    f"{r.num_slots} slots, max delay {r.max_delay} slots"),
@@ -152,7 +161,7 @@ def format_check(r: CheckResult) -> str:
         ("online gap (LP* - online)/LP*", f"{r.gap_lp * 100:+.2f}%"),
         ("online gap (D - online)/D", f"{r.gap_d * 100:+.2f}%"),
         ("capacity rows", f"{r.rows}"),
-        ("  binding in the LP", f"{r.lp_binding}"),
+        ("  binding in the LP", f"{r.lp_binding}  ({by_resource})"),
         ("  priced by the LP (p* > 1e-6)", f"{r.lp_priced}"),
         ("  priced online (p > 1e-6)", f"{r.online_priced}"),
     ]
@@ -162,7 +171,7 @@ def format_check(r: CheckResult) -> str:
 
 def plot_prices(prob: LpProblem, p_lp: FloatArray, p_online: FloatArray, path: Path,
                 names: list[str] | None = None) -> None:
-    """Per instance: LP duals and online prices over time, batch and KV."""
+    """Per instance: LP duals and online prices over time, batch, KV and compute."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,18 +183,16 @@ def plot_prices(prob: LpProblem, p_lp: FloatArray, p_online: FloatArray, path: P
                              constrained_layout=True, squeeze=False)
     for i in range(g):
         ax = axes[i, 0]
-        ax.plot(t, p_lp[i, :, BATCH], color="tab:blue", lw=0.9, label="LP dual, batch")
-        ax.plot(t, p_lp[i, :, KV], color="tab:orange", lw=0.9, label="LP dual, KV")
-        ax.plot(t, p_online[i, :, BATCH], color="tab:blue", lw=0.9, ls="--",
-                label="online, batch")
-        ax.plot(t, p_online[i, :, KV], color="tab:orange", lw=0.9, ls="--",
-                label="online, KV")
+        for r, name in enumerate(RESOURCES):
+            ax.plot(t, p_lp[i, :, r], color=PRICE_COLORS[r], lw=0.9, label=f"LP dual, {name}")
+            ax.plot(t, p_online[i, :, r], color=PRICE_COLORS[r], lw=0.9, ls="--",
+                    label=f"online, {name}")
         ax.set_ylabel(names[i] if names else f"instance {i}")
         # symlog: LP duals (about the reward per unit of usage) and online prices can be
         # orders of magnitude apart; both stay readable
         ax.set_yscale("symlog", linthresh=0.1)
         ax.grid(True, alpha=0.3)
-    axes[0, 0].legend(ncol=4, fontsize=8, loc="upper right")
+    axes[0, 0].legend(ncol=3, fontsize=8, loc="upper right")
     axes[0, 0].set_title("prices per capacity fraction and slot (symlog): exact LP duals "
                          "(solid) vs bid_price's online prices (dashed)")
     axes[-1, 0].set_xlabel("time (s)")
@@ -210,10 +217,11 @@ def lp_check_command(loaded: LoadedConfig, args: argparse.Namespace) -> int:
     if bar is not None:
         bar.close()
     t0 = args.window_start_s
-    t1 = None if args.window_s is None else (t0 or (rec.free[0][0] if rec.free else 0.0)
+    log = rec.log
+    t1 = None if args.window_s is None else (t0 or (log.free[0][0] if log.free else 0.0)
                                               ) + args.window_s
-    prob, ids = window_problem(rec, t0, t1, max_delay=args.max_delay_slots)
-    result, sol, p_online = check(rec, ids, prob, args.gap_tol, rec_s)
+    prob, ids = build_window(log, t0, t1, max_delay=args.max_delay_slots)
+    result, sol, p_online = check(log, ids, prob, args.gap_tol, rec_s)
     print(format_check(result))
     out = Path(args.out) if args.out else None
     if out is not None:

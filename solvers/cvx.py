@@ -1,8 +1,9 @@
 """The window's LP written plainly in cvxpy: for tests against ``solvers.lp`` and small
 offline studies. It shares only the problem data with the HiGHS builder: rewards come
 from ``olproute.reward.reward_terms`` request by request, usage from
-``olproute.reward.dense`` column by column, and the capacity rows are written out slot
-by slot (no difference form, no column generation). Dense in (columns x slots): keep it
+``olproute.reward.dense`` column by column (the prefill slots from
+``olproute.reward.prefill_span`` on the LP's grid), and the capacity rows are written out
+slot by slot (no difference form, no column generation). Dense in (columns x slots): keep it
 to a few thousand columns.
 """
 
@@ -15,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.outlook import Outlook
-from olproute.reward import Columns, dense, reward_terms
+from olproute.reward import NUM_RESOURCES, Columns, dense, prefill_span, reward_terms
 from solvers.problem import FlatColumns, LpProblem
 
 FloatArray = npt.NDArray[np.float64]
@@ -27,7 +28,7 @@ class CvxSolution:
     objective: float
     cols: FlatColumns
     x: FloatArray
-    p: FloatArray       # (G, K, 2) capacity prices of the maximisation, >= 0
+    p: FloatArray       # (G, K, 3) capacity prices of the maximisation, >= 0
     y: FloatArray       # (N,) request-row prices, >= 0
 
 
@@ -58,14 +59,18 @@ def enumerate_columns(prob: LpProblem) -> FlatColumns:
 
 
 def usage_matrix(prob: LpProblem, cols: FlatColumns) -> FloatArray:
-    """(G, K, 2, columns): what each column uses of every capacity row."""
+    """(G, K, 3, columns): what each column uses of every capacity row."""
     g_n, k_n = prob.num_instances, prob.num_slots
-    out = np.zeros((g_n, k_n, 2, len(cols)))
+    out = np.zeros((g_n, k_n, NUM_RESOURCES, len(cols)))
     for i in range(len(cols)):
         j, g = int(cols.request[i]), int(cols.instance[i])
-        col = Columns(start=np.array([cols.start[i]]), end=np.array([cols.end[i]]),
+        start = np.array([cols.start[i]])
+        ps, pe, ca = prefill_span(float(prob.prompt_tokens[j]), start,
+                                  np.array([prob.compute_cap[g]]), k_n)
+        col = Columns(start=start, end=np.array([cols.end[i]]),
                       batch_a=np.array([prob.batch_a[g]]), kv_a=np.array([prob.kv_a[j, g]]),
-                      kv_b=np.array([prob.kv_b[j, g]]))
+                      kv_b=np.array([prob.kv_b[j, g]]), pre_start=ps, pre_end=pe,
+                      compute_a=np.asarray(ca, dtype=np.float64).reshape(1))
         out[g, :, :, i] = dense(col, k_n)[0]
     return out
 
@@ -85,8 +90,8 @@ def solve_cvx(prob: LpProblem, solver: str = "HIGHS", **kwargs: Any) -> CvxSolut
     problem.solve(solver=solver, **kwargs)
     # cvxpy: the dual of a "<=" constraint of a maximisation is >= 0 as returned (it
     # reports the multiplier of the constraint in the problem as written), no flip.
-    p = np.asarray(capacity.dual_value, dtype=np.float64).reshape(prob.num_instances,
-                                                                  prob.num_slots, 2)
+    p = np.asarray(capacity.dual_value, dtype=np.float64).reshape(
+        prob.num_instances, prob.num_slots, NUM_RESOURCES)
     y = np.asarray(one_start.dual_value, dtype=np.float64)
     return CvxSolution(status=str(problem.status), objective=float(problem.value), cols=cols,
                        x=np.asarray(x.value, dtype=np.float64), p=p, y=y)

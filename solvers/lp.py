@@ -13,13 +13,15 @@ maximisation above (p, y >= 0).
 **Structure used** (each choice and what it does to the answer):
 
 - *Difference form* (``form="difference"``, default). A usage column is an interval of
-  ones (batch) and a linear ramp (KV): the first difference of the interval has 2
-  nonzeros and the second difference of the ramp 4. With load variables u (batch), v
-  (KV) and slope w (KV) per (g, slot) and the equalities u_l - u_{l-1} = sum dA x,
+  ones (batch), a linear ramp (KV) and a second, shorter interval (compute, the prefill
+  slots): the first difference of an interval has 2 nonzeros and the second difference
+  of the ramp 4. With load variables u (batch), v (KV), z (compute) and slope w (KV)
+  per (g, slot) and the equalities u_l - u_{l-1} = sum dA x, z_l - z_{l-1} = sum dC x,
   w_l - w_{l-1} = sum d2A x, v_l - v_{l-1} = w_l, the capacity rows become the bounds
-  u <= c_batch, v <= c_kv: 7 nonzeros per column instead of 2 D + 1 (D ~ 100 slots).
-  The LP is the same (x-feasible sets equal), so LP* and x are unchanged; the capacity
-  prices are the reduced costs of u and v, exactly the duals of the dense rows.
+  u <= c_batch, v <= c_kv, z <= c_compute: 9 nonzeros per column instead of
+  2 D + P + 1 (D ~ 100 slots). The LP is the same (x-feasible sets equal), so LP* and x
+  are unchanged; the capacity prices are the reduced costs of u, v and z, exactly the
+  duals of the dense rows.
 - *Column generation* (``strategy="colgen"``). Most requests start at their earliest
   slot in an optimum; the master LP starts with that column per (request, instance),
   then adds the columns of positive reduced cost r - a.p - y_j (priced for all delays
@@ -33,11 +35,12 @@ maximisation above (p, y >= 0).
   relative) of LP* and D(p) of its duals still bounds LP* from above.
 - *Coarser grid* (``coarsen=c > 1``): capacity rows of c consecutive slots are summed
   (capacity summed too), in difference form as well (a column's block sums are
-  constant or linear on the blocks it covers whole, so its differences stay a few
-  nonzeros around its first and last block). That is a relaxation: LP_c* >= LP*, a
-  valid upper bound on the hindsight optimum with c times fewer rows and chain links;
-  its prices, copied to every slot of their block, are a valid p with D(p) = LP_c*.
-  It costs bound tightness, not validity; start slots stay on the fine grid.
+  constant (batch, compute) or linear (KV) on the blocks it covers whole, so its
+  differences stay a few nonzeros around its first and last block). That is a
+  relaxation: LP_c* >= LP*, a valid upper bound on the hindsight optimum with c times
+  fewer rows and chain links; its prices, copied to every slot of their block, are a
+  valid p with D(p) = LP_c*. It costs bound tightness, not validity; start slots stay
+  on the fine grid.
 - *Presolve* is left on for one-shot solves (it removes nothing much here) and off in
   column generation (the master is re-solved with its basis).
 """
@@ -52,7 +55,8 @@ import numpy as np
 import numpy.typing as npt
 from scipy import sparse
 
-from solvers.problem import BATCH, KV, FlatColumns, LpProblem, column_block, flatten
+from olproute.reward import BATCH, COMPUTE, KV, NUM_RESOURCES
+from solvers.problem import FlatColumns, LpProblem, column_block, flatten, prefill_interval
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -65,6 +69,10 @@ Form = Literal["difference", "dense"]
 IPM_ABOVE_NNZ = 300_000
 # column generation prices requests in chunks of this many (memory: chunk x G x L)
 PRICE_CHUNK = 1024
+# difference form: row blocks of G x K after the request rows (batch chain, KV slope
+# chain, KV level chain, compute chain), and the load column of each
+CHAIN_ROWS = 4
+U_COL, W_COL, V_COL, Z_COL = 0, 1, 2, 3
 
 
 def all_columns(prob: LpProblem) -> FlatColumns:
@@ -90,7 +98,7 @@ class Layout:
     num_instances: int
     num_slots: int          # slots of the capacity rows (K, or ceil(K / coarsen))
     coarsen: int
-    num_x: int              # x columns first, then (difference form) u, w, v per (g, l)
+    num_x: int              # x columns first, then (difference form) u, w, v, z per (g, l)
     slope_scale: float = 1.0  # the KV slope rows are multiplied by this (difference form)
 
     @property
@@ -100,7 +108,7 @@ class Layout:
     def row_scale(self) -> FloatArray:
         """Per row: 1, except the KV slope rows (``slope_scale``)."""
         gk = self.cap_rows
-        out = np.ones(self.num_requests + 3 * gk)
+        out = np.ones(self.num_requests + CHAIN_ROWS * gk)
         out[self.num_requests + gk:self.num_requests + 2 * gk] = self.slope_scale
         return out
 
@@ -123,22 +131,27 @@ def _x_entries_difference(prob: LpProblem, cols: FlatColumns, layout: Layout
     n, k = prob.num_requests, prob.num_slots
     gk = prob.num_instances * k
     j, g, s, e = cols.request, cols.instance, cols.start, cols.end
+    ps, pe = prefill_interval(prob, j, g, s)
     idx = np.arange(len(cols), dtype=np.int64)
     ba = prob.batch_a[g]
     a = prob.kv_a[j, g]
     b = prob.kv_b[j, g]
+    ca = prob.compute_a[j, g]
     base_b = n + g * k            # batch rows:   u_l - u_{l-1} - sum dA x = 0
     base_s = n + gk + g * k       # KV slope rows: w_l - w_{l-1} - sum d2A x = 0
+    base_c = n + 3 * gk + g * k   # compute rows: z_l - z_{l-1} - sum dC x = 0
     parts: list[tuple[IntArray, IntArray, FloatArray]] = [
         (j, idx, np.ones(len(cols))),
         (base_b + s, idx, -ba),
         (base_s + s, idx, -a),
+        (base_c + ps, idx, -ca),
     ]
     for rows, vals, keep in (
             (base_b + e, ba, e < k),
             (base_s + s + 1, a - b, s + 1 < k),
             (base_s + e, a + b * (e - s), e < k),
-            (base_s + e + 1, -(a + b * (e - 1 - s)), e + 1 < k)):
+            (base_s + e + 1, -(a + b * (e - 1 - s)), e + 1 < k),
+            (base_c + pe, ca, pe < k)):
         parts.append((rows[keep], idx[keep], vals[keep]))
     return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
             np.concatenate([p[2] for p in parts]))
@@ -161,24 +174,27 @@ def _block_sums(alpha: FloatArray, beta: FloatArray, s: IntArray, e: IntArray,
 def _x_entries_difference_coarse(prob: LpProblem, cols: FlatColumns, layout: Layout
                                  ) -> tuple[IntArray, IntArray, FloatArray]:
     """The difference form on blocks of c slots. A column's block sums F_B are constant
-    (batch) or linear (KV) on the blocks it covers whole, so its first (batch) and
-    second (KV) differences are nonzero only on the blocks around its first and last
-    block: evaluated there from closed-form prefix sums, each block once."""
+    (batch, compute) or linear (KV) on the blocks it covers whole, so its first (batch,
+    compute) and second (KV) differences are nonzero only on the blocks around its first
+    and last block: evaluated there from closed-form prefix sums, each block once."""
     n, c, kc = prob.num_requests, layout.coarsen, layout.num_slots
     gk = prob.num_instances * kc
     j, g, s, e = cols.request, cols.instance, cols.start, cols.end
+    ps, pe = prefill_interval(prob, j, g, s)
     idx = np.arange(len(cols), dtype=np.int64)
-    bs, be = s // c, (e - 1) // c
+    flat = np.zeros(len(cols))
     parts_r, parts_c, parts_v = [j], [idx], [np.ones(len(cols))]
-    for offsets, order, base, alpha, beta in (
-            ((0, 1), 1, n + g * kc, prob.batch_a[g], np.zeros(len(cols))),
-            ((0, 1, 2), 2, n + gk + g * kc, prob.kv_a[j, g], prob.kv_b[j, g])):
-        cand = np.concatenate([bs[:, None] + np.array(offsets)[None, :],
-                               be[:, None] + np.array(offsets)[None, :]], axis=1)
-        f0 = _block_sums(alpha, beta, s, e, cand, c)
-        f1 = _block_sums(alpha, beta, s, e, cand - 1, c)
+    for order, base, alpha, beta, lo, hi in (
+            (1, n + g * kc, prob.batch_a[g], flat, s, e),
+            (2, n + gk + g * kc, prob.kv_a[j, g], prob.kv_b[j, g], s, e),
+            (1, n + 3 * gk + g * kc, prob.compute_a[j, g], flat, ps, pe)):
+        offsets = np.arange(order + 1)[None, :]
+        cand = np.concatenate([(lo // c)[:, None] + offsets, ((hi - 1) // c)[:, None] + offsets],
+                              axis=1)
+        f0 = _block_sums(alpha, beta, lo, hi, cand, c)
+        f1 = _block_sums(alpha, beta, lo, hi, cand - 1, c)
         val = (f0 - f1 if order == 1
-               else f0 - 2.0 * f1 + _block_sums(alpha, beta, s, e, cand - 2, c))
+               else f0 - 2.0 * f1 + _block_sums(alpha, beta, lo, hi, cand - 2, c))
         dup = np.zeros(cand.shape, dtype=bool)
         for t in range(1, cand.shape[1]):
             dup[:, t] = (cand[:, :t] == cand[:, t:t + 1]).any(axis=1)
@@ -191,65 +207,80 @@ def _x_entries_difference_coarse(prob: LpProblem, cols: FlatColumns, layout: Lay
     return np.concatenate(parts_r), np.concatenate(parts_c), np.concatenate(parts_v)
 
 
+def _expand(start: IntArray, end: IntArray) -> tuple[IntArray, IntArray]:
+    """(column index, offset from start) of every slot of the intervals [start, end)."""
+    length = end - start
+    idx = np.repeat(np.arange(len(start), dtype=np.int64), length)
+    offset = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(length) - length, length)
+    return idx, offset
+
+
 def _x_entries_dense(prob: LpProblem, cols: FlatColumns, coarsen: int,
                      num_slots: int) -> tuple[IntArray, IntArray, FloatArray]:
     """(row, column, value) of the x columns on the capacity rows themselves, slots
     summed in blocks of ``coarsen``; duplicates are summed later."""
     n = prob.num_requests
-    length = cols.end - cols.start
-    idx = np.repeat(np.arange(len(cols), dtype=np.int64), length)
-    offset = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(
-        np.cumsum(length) - length, length)
-    slot = np.repeat(cols.start, length) + offset
-    g = cols.instance[idx]
-    row = n + 2 * (g * num_slots + slot // coarsen)
-    kv = prob.kv_a[cols.request, cols.instance][idx] + prob.kv_b[
-        cols.request, cols.instance][idx] * offset
-    return (np.concatenate([cols.request, row + BATCH, row + KV]),
-            np.concatenate([np.arange(len(cols), dtype=np.int64), idx, idx]),
-            np.concatenate([np.ones(len(cols)), prob.batch_a[g], kv]))
+    j, g = cols.request, cols.instance
+
+    def rows(idx: IntArray, slot: IntArray, r: int) -> IntArray:
+        result: IntArray = n + NUM_RESOURCES * (g[idx] * num_slots + slot // coarsen) + r
+        return result
+
+    idx, offset = _expand(cols.start, cols.end)
+    kv = prob.kv_a[j, g][idx] + prob.kv_b[j, g][idx] * offset
+    slot = cols.start[idx] + offset
+    ps, pe = prefill_interval(prob, j, g, cols.start)
+    pidx, poff = _expand(ps, pe)
+    return (np.concatenate([j, rows(idx, slot, BATCH), rows(idx, slot, KV),
+                            rows(pidx, ps[pidx] + poff, COMPUTE)]),
+            np.concatenate([np.arange(len(cols), dtype=np.int64), idx, idx, pidx]),
+            np.concatenate([np.ones(len(cols)), prob.batch_a[g][idx], kv,
+                            prob.compute_a[j, g][pidx]]))
 
 
 def x_matrix(prob: LpProblem, cols: FlatColumns, layout: Layout) -> sparse.csc_matrix:
     """The x columns as a CSC matrix with the model's rows."""
     if layout.form == "difference":
         r, c, v = _x_entries_difference(prob, cols, layout)
-        num_rows = prob.num_requests + 3 * layout.cap_rows
+        num_rows = prob.num_requests + CHAIN_ROWS * layout.cap_rows
         v = v * layout.row_scale()[r]
     else:
         r, c, v = _x_entries_dense(prob, cols, layout.coarsen, layout.num_slots)
-        num_rows = prob.num_requests + 2 * layout.cap_rows
+        num_rows = prob.num_requests + NUM_RESOURCES * layout.cap_rows
     return sparse.csc_matrix((v, (r, c)), shape=(num_rows, len(cols)))
 
 
 def _aux_matrix(prob: LpProblem, k: int) -> sparse.csc_matrix:
-    """Columns u, w, v per (g, l) of the difference form on k (block) slots (see the
+    """Columns u, w, v, z per (g, l) of the difference form on k (block) slots (see the
     module docstring)."""
     n, g = prob.num_requests, prob.num_instances
     gk = g * k
     cell = np.arange(gk, dtype=np.int64)
     nxt = (cell % k) < k - 1            # slot l + 1 exists on the same instance
-    rows_b, rows_s, rows_l = n + cell, n + gk + cell, n + 2 * gk + cell
-    cu, cw, cv = cell, gk + cell, 2 * gk + cell
+    rows_b, rows_s, rows_l, rows_c = (n + i * gk + cell for i in range(CHAIN_ROWS))
+    cu, cw, cv, cz = (i * gk + cell for i in (U_COL, W_COL, V_COL, Z_COL))
     r = np.concatenate([rows_b, rows_b[nxt] + 1,             # u: +1 at l, -1 at l + 1
                         rows_s, rows_s[nxt] + 1, rows_l,      # w: slope rows, level row
-                        rows_l, rows_l[nxt] + 1])             # v: +1 at l, -1 at l + 1
-    c = np.concatenate([cu, cu[nxt], cw, cw[nxt], cw, cv, cv[nxt]])
+                        rows_l, rows_l[nxt] + 1,              # v: +1 at l, -1 at l + 1
+                        rows_c, rows_c[nxt] + 1])             # z: +1 at l, -1 at l + 1
+    c = np.concatenate([cu, cu[nxt], cw, cw[nxt], cw, cv, cv[nxt], cz, cz[nxt]])
     one = np.ones(gk)
-    v = np.concatenate([one, -one[nxt], one, -one[nxt], -one, one, -one[nxt]])
-    return sparse.csc_matrix((v, (r, c)), shape=(n + 3 * gk, 3 * gk))
+    v = np.concatenate([one, -one[nxt], one, -one[nxt], -one, one, -one[nxt], one,
+                        -one[nxt]])
+    return sparse.csc_matrix((v, (r, c)), shape=(n + CHAIN_ROWS * gk, CHAIN_ROWS * gk))
 
 
 def coarse_capacity(prob: LpProblem, coarsen: int) -> FloatArray:
-    """Capacity summed over blocks of ``coarsen`` slots (G, ceil(K / c), 2); the last
+    """Capacity summed over blocks of ``coarsen`` slots (G, ceil(K / c), 3); the last
     block sums the slots that exist."""
     g, k = prob.num_instances, prob.num_slots
     if coarsen == 1:
         return prob.capacity
     kc = -(-k // coarsen)
-    pad = np.zeros((g, kc * coarsen, 2))
+    pad = np.zeros((g, kc * coarsen, NUM_RESOURCES))
     pad[:, :k] = prob.capacity
-    result: FloatArray = pad.reshape(g, kc, coarsen, 2).sum(axis=2)
+    result: FloatArray = pad.reshape(g, kc, coarsen, NUM_RESOURCES).sum(axis=2)
     return result
 
 
@@ -286,12 +317,14 @@ def build(prob: LpProblem, cols: FlatColumns | None = None, form: Form = "differ
         aux = sparse.diags(layout.row_scale()) @ _aux_matrix(prob, kc)
         mat = sparse.hstack([x_matrix(prob, cols, layout), aux], format="csc")
         gk = g * kc
-        col_lower = np.concatenate([np.zeros(len(cols)), np.full(3 * gk, -inf)])
+        col_lower = np.concatenate([np.zeros(len(cols)), np.full(CHAIN_ROWS * gk, -inf)])
+        # load columns u, w, v, z: the capacity rows are their upper bounds
         col_upper = np.concatenate([np.full(len(cols), inf), cap[:, :, BATCH].ravel(),
-                                    np.full(gk, inf), cap[:, :, KV].ravel()])
-        row_lower = np.concatenate([np.full(n, -inf), np.zeros(3 * gk)])
-        row_upper = np.concatenate([np.ones(n), np.zeros(3 * gk)])
-        cost = np.concatenate([-cols.reward, np.zeros(3 * gk)])
+                                    np.full(gk, inf), cap[:, :, KV].ravel(),
+                                    cap[:, :, COMPUTE].ravel()])
+        row_lower = np.concatenate([np.full(n, -inf), np.zeros(CHAIN_ROWS * gk)])
+        row_upper = np.concatenate([np.ones(n), np.zeros(CHAIN_ROWS * gk)])
+        cost = np.concatenate([-cols.reward, np.zeros(CHAIN_ROWS * gk)])
     else:
         kc = cap.shape[1]
         layout = Layout("dense", n, g, kc, coarsen, len(cols))
@@ -299,7 +332,7 @@ def build(prob: LpProblem, cols: FlatColumns | None = None, form: Form = "differ
         cap_c = cap
         col_lower = np.zeros(len(cols))
         col_upper = np.full(len(cols), inf)
-        row_lower = np.full(n + 2 * g * kc, -inf)
+        row_lower = np.full(n + NUM_RESOURCES * g * kc, -inf)
         row_upper = np.concatenate([np.ones(n), cap_c.ravel()])
         cost = -cols.reward
     mat.sort_indices()
@@ -310,7 +343,7 @@ def build(prob: LpProblem, cols: FlatColumns | None = None, form: Form = "differ
 # -- solving -----------------------------------------------------------------------------
 @dataclass
 class LpSolution:
-    """The LP's answer. ``x`` holds the value of each column in ``cols``; ``p`` (G, K, 2)
+    """The LP's answer. ``x`` holds the value of each column in ``cols``; ``p`` (G, K, 3)
     and ``y`` (N,) are the duals of the maximisation (>= 0); ``bound`` is D(p, y) >= LP*
     from ``solvers.certificate`` when computed (column generation always does)."""
 
@@ -376,7 +409,7 @@ def _duals(h: Any, prob: LpProblem, m: Model) -> tuple[FloatArray, FloatArray]:
     """(p, y) of the maximisation from HiGHS's duals of min -r.x. HiGHS's reduced costs
     are d = cost - A^T row_dual; a row or a bounded column at its upper bound has a
     dual <= 0 in a minimisation, so the prices of the maximisation are their negatives:
-    y = -row_dual (request rows), p = -col_dual(u), -col_dual(v) (difference form) or
+    y = -row_dual (request rows), p = -col_dual of u, v, z (difference form) or
     p = -row_dual (capacity rows, dense form)."""
     sol = h.getSolution()
     n, g = prob.num_requests, prob.num_instances
@@ -386,11 +419,12 @@ def _duals(h: Any, prob: LpProblem, m: Model) -> tuple[FloatArray, FloatArray]:
     if lay.form == "difference":
         col_dual = np.asarray(sol.col_dual, dtype=np.float64)
         gk = lay.cap_rows
-        aux = col_dual[lay.num_x:lay.num_x + 3 * gk]
-        pc = np.stack([-aux[:gk].reshape(g, lay.num_slots),
-                       -aux[2 * gk:].reshape(g, lay.num_slots)], axis=-1)
+        aux = col_dual[lay.num_x:lay.num_x + CHAIN_ROWS * gk].reshape(CHAIN_ROWS, g,
+                                                                      lay.num_slots)
+        # HiGHS: a column at its upper bound has col_dual <= 0 in the minimisation
+        pc = -np.stack([aux[U_COL], aux[V_COL], aux[Z_COL]], axis=-1)
     else:
-        pc = -row_dual[n:].reshape(g, lay.num_slots, 2)
+        pc = -row_dual[n:].reshape(g, lay.num_slots, NUM_RESOURCES)
     # a block's price applies to each of its slots (module docstring, coarser grid)
     p = np.repeat(pc, lay.coarsen, axis=1)[:, :prob.num_slots]
     # round-off below zero is not a price

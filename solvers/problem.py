@@ -10,7 +10,11 @@ with ``exec_jg`` the queue-free TTFT (prefill alone): waiting is modelled by the
 so it is not also inside exec. d runs over 0..max_delay (and k < K). The column is the
 usage column of ``olproute.reward`` moved to k: one batch slot (1/B) and the KV ramp
 (s + 1 + theta tokens over M) on [k, min(k + D_jg, K)), D_jg = ceil(o_jg * tpot_jg /
-slot_s). Usage past the grid's end is not constrained (the window's end effect).
+slot_s); and compute, the prefill token budget b_g per slot: the prompt's P_jg =
+ceil(s_j / b_g) prefill slots [clip(k + 1 - P_jg, 0, K), k + 1), each using
+compute_a_jg = s_j / (P_jg b_g) of the budget. Usage past the grid's end is not
+constrained (the window's end effect), nor is a prefill before slot 0 (clipped, as the
+online column clips it at its slot 0).
 
 The reward r_jgd is ``olproute.reward.reward_terms`` with TTFT_jgd, measured from the
 arrival and with the reward horizon H counted from the arrival: waiting lowers the
@@ -19,8 +23,9 @@ TTFT- and EEL-saved terms and can lose the SLO indicators, exactly as for bid_pr
 the tests check it against ``reward_terms`` term by term.
 
 The capacity of (g, k, resource) is the free capacity ``free`` (capacity fractions, 1
-minus what the residents at the window start hold), clipped at 0: an over-committed slot
-can take no new request, and x = 0 stays feasible.
+minus what the residents at the window start hold; resources ``BATCH, KV, COMPUTE`` of
+``olproute.reward``), clipped at 0: an over-committed slot can take no new request, and
+x = 0 stays feasible.
 """
 
 from __future__ import annotations
@@ -32,19 +37,17 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config_schema import RewardConfig
-from olproute.reward import decode_slots, first_token_slot
+from olproute.reward import BATCH, COMPUTE, KV, NUM_RESOURCES, decode_slots, first_token_slot
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
-BATCH, KV = 0, 1
-
 
 @dataclass(frozen=True, slots=True)
 class LpProblem:
     """A window of requests, their per-instance predictions and the free capacity.
-    Arrays are (N,) per request, (N, G) per request and instance, (G, K, 2) per slot."""
+    Arrays are (N,) per request, (N, G) per request and instance, (G, K, 3) per slot."""
 
     slot_s: float
     num_slots: int                  # K, the LP grid
@@ -59,7 +62,8 @@ class LpProblem:
     exec_ttft_s: FloatArray         # queue-free TTFT on g
     batch_cap: FloatArray           # B_g, batch slots
     kv_cap: FloatArray              # M_g, KV tokens
-    free: FloatArray                # (G, K, 2) free capacity fractions at the window start
+    compute_cap: FloatArray         # b_g, prefill tokens per slot
+    free: FloatArray                # (G, K, 3) free capacity fractions at the window start
     reward: RewardConfig
     max_delay: int                  # latest start: earliest + max_delay slots
     _derived: dict[str, npt.NDArray[np.generic]] = field(default_factory=dict, repr=False,
@@ -70,8 +74,11 @@ class LpProblem:
         for name in ("utility", "tpot_s", "exec_ttft_s"):
             if getattr(self, name).shape != (n, g):
                 raise ValueError(f"{name} must have shape {(n, g)}")
-        if self.free.shape != (g, self.num_slots, 2):
-            raise ValueError(f"free must have shape {(g, self.num_slots, 2)}, "
+        for name in ("batch_cap", "kv_cap", "compute_cap"):
+            if getattr(self, name).shape != (g,):
+                raise ValueError(f"{name} must have shape {(g,)}")
+        if self.free.shape != (g, self.num_slots, NUM_RESOURCES):
+            raise ValueError(f"free must have shape {(g, self.num_slots, NUM_RESOURCES)}, "
                              f"got {self.free.shape}")
         if self.max_delay < 0:
             raise ValueError("max_delay must be >= 0")
@@ -102,6 +109,11 @@ class LpProblem:
                                                      self.slot_s)
             self._derived["kv_a"] = (self.prompt_tokens[:, None] + 1.0) / self.kv_cap[None, :]
             self._derived["kv_b"] = (self.slot_s / self.tpot_s) / self.kv_cap[None, :]
+            # as olproute.reward.prefill_span: P = ceil(s / b), at least one slot
+            budget = self.compute_cap[None, :]
+            slots = np.maximum(np.ceil(self.prompt_tokens[:, None] / budget - 1e-9), 1.0)
+            self._derived["prefill_slots"] = slots.astype(np.int64)
+            self._derived["compute_a"] = self.prompt_tokens[:, None] / (slots * budget)
         return self._derived[key]
 
     @property
@@ -133,6 +145,29 @@ class LpProblem:
         """Batch row on every slot of the column: 1 / B (per instance)."""
         result: FloatArray = 1.0 / self.batch_cap
         return result
+
+    @property
+    def prefill_slots(self) -> IntArray:
+        """P_jg = ceil(s_j / b_g), at least one: the slots the prefill runs in."""
+        result: IntArray = self._cached("prefill_slots").astype(np.int64)
+        return result
+
+    @property
+    def compute_a(self) -> FloatArray:
+        """Compute row on each prefill slot: s_j / (P_jg b_g) of the budget."""
+        result: FloatArray = self._cached("compute_a").astype(np.float64)
+        return result
+
+
+def prefill_interval(prob: LpProblem, j: IntArray, g: IntArray, start: IntArray
+                     ) -> tuple[IntArray, IntArray]:
+    """(pre_start, pre_end): the prefill slots [clip(k + 1 - P, 0, K), min(k + 1, K)) of
+    columns of requests j on instances g with first-token slot k = ``start`` (arrays
+    broadcast together)."""
+    k = prob.num_slots
+    lo: IntArray = np.clip(start + 1 - prob.prefill_slots[j, g], 0, k)
+    hi: IntArray = np.minimum(start + 1, k)
+    return lo, hi
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +255,7 @@ def column_block(prob: LpProblem, j: IntArray, delays: IntArray | None = None) -
 
 
 def prefix_sums(p: FloatArray) -> tuple[FloatArray, FloatArray]:
-    """P0[g, k] = sum_{i<k} p[g, i] and P1[g, k] = sum_{i<k} i p[g, i], each (G, K + 1, 2)."""
+    """P0[g, k] = sum_{i<k} p[g, i] and P1[g, k] = sum_{i<k} i p[g, i], each (G, K + 1, 3)."""
     g, k, r = p.shape
     idx = np.arange(k, dtype=np.float64)[None, :, None]
     zero = np.zeros((g, 1, r))
@@ -230,29 +265,37 @@ def prefix_sums(p: FloatArray) -> tuple[FloatArray, FloatArray]:
 
 def block_price(prob: LpProblem, blk: ColumnBlock, p0: FloatArray, p1: FloatArray) -> FloatArray:
     """a_jgd . p for every column of the block, O(1) each from the prefix sums:
-    sum_{k in [s, e)} (a + b (k - s)) p_k = (a - b s)(P0[e] - P0[s]) + b (P1[e] - P1[s])."""
+    sum_{k in [s, e)} (a + b (k - s)) p_k = (a - b s)(P0[e] - P0[s]) + b (P1[e] - P1[s])
+    for batch and KV, plus compute_a (P0[pe] - P0[ps]) on the prefill slots."""
     g = np.arange(prob.num_instances)[None, :, None]
     s = np.minimum(blk.start, prob.num_slots)
     e = blk.end
+    j = blk.request[:, None, None]
     ka = prob.kv_a[blk.request][:, :, None]
     kb = prob.kv_b[blk.request][:, :, None]
     ba = prob.batch_a[None, :, None]
+    ps, pe = prefill_interval(prob, j, g, s)
+    ca = prob.compute_a[blk.request][:, :, None]
     cost: FloatArray = (ba * (p0[g, e, BATCH] - p0[g, s, BATCH])
                         + (ka - kb * s) * (p0[g, e, KV] - p0[g, s, KV])
-                        + kb * (p1[g, e, KV] - p1[g, s, KV]))
+                        + kb * (p1[g, e, KV] - p1[g, s, KV])
+                        + ca * (p0[g, pe, COMPUTE] - p0[g, ps, COMPUTE]))
     return cost
 
 
 def random_instance(num_requests: int, num_instances: int, num_slots: int, seed: int = 0,
                     load: float = 1.3, max_delay: int = 100, slot_s: float = 0.05,
                     horizon: int = 600, reward: RewardConfig | None = None,
-                    residents: bool = True) -> LpProblem:
+                    residents: bool = True, compute_load: float | None = None) -> LpProblem:
     """A synthetic window for tests and benchmarks: arrivals uniform over the grid,
     lognormal prompts (mean ~1,000 tokens) and outputs (mean ~200), TPOT 20-40 ms, a
-    queue-free TTFT at 20k prompt tokens/s, and capacities B and M sized so that the
-    mean demand on both resources is ``load`` times the capacity (> 1: the LP must
-    delay or drop requests). With ``residents``, the window starts with instances
-    partly full, draining over its first 100 slots (initial occupancy)."""
+    queue-free TTFT at 20k prompt tokens/s, and capacities B, M and b sized so that the
+    mean demand on each resource, if every request were served, is ``load`` times the
+    capacity (> 1: the LP must delay or drop requests); ``compute_load`` overrides the
+    load for the prefill budget b alone (0: an unlimited budget, compute never binds).
+    With ``residents``, the window starts with instances partly full, draining over its
+    first 100 slots (initial occupancy). The batch and KV data do not depend on
+    ``compute_load`` (same seed, same draws)."""
     rng = np.random.default_rng(seed)
     n, g, k = num_requests, num_instances, num_slots
     arrival = np.sort(rng.uniform(0.0, k * slot_s, n))
@@ -267,13 +310,20 @@ def random_instance(num_requests: int, num_instances: int, num_slots: int, seed:
     batch_cap = np.full(g, max(conc / load, 1.0))
     kv_tokens = (prompt[:, None] + decode / 2.0).mean()
     kv_cap = np.full(g, max(conc * kv_tokens / load, 1.0))
-    free = np.ones((g, k, 2))
+    free = np.ones((g, k, NUM_RESOURCES))
+    ramp = np.clip(1.0 - np.arange(k) / 100.0, 0.0, 1.0)
     if residents:
-        ramp = np.clip(1.0 - np.arange(k) / 100.0, 0.0, 1.0)
-        free -= rng.uniform(0.2, 0.8, (g, 1, 2)) * ramp[None, :, None]
+        free[:, :, :2] -= rng.uniform(0.2, 0.8, (g, 1, 2)) * ramp[None, :, None]
     quality = rng.uniform(0.5, 0.9, (n, g))
+    # prefill tokens per slot and instance if every request were served: b = that / load
+    c_load = load if compute_load is None else compute_load
+    prefill_rate = n * float(prompt.mean()) / (k * g)
+    compute_cap = np.full(g, prefill_rate / c_load if c_load > 0 else np.inf)
+    if residents:
+        free[:, :, COMPUTE] -= rng.uniform(0.2, 0.8, (g, 1)) * ramp[None, :]
     return LpProblem(
         slot_s=slot_s, num_slots=k, horizon=horizon, t0_s=0.0, arrival_s=arrival,
         prompt_tokens=prompt, ttft_target_s=np.full(n, 0.5), decode_tokens=decode,
         utility=quality, tpot_s=tpot, exec_ttft_s=exec_ttft, batch_cap=batch_cap,
-        kv_cap=kv_cap, free=free, reward=reward or RewardConfig(), max_delay=max_delay)
+        kv_cap=kv_cap, compute_cap=compute_cap, free=free, reward=reward or RewardConfig(),
+        max_delay=max_delay)

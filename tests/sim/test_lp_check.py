@@ -15,7 +15,7 @@ from olproute.cli import main
 from olproute.sim.scenario import CalibrationSource, simulate
 from solvers.certificate import dual_value
 from solvers.check import check, format_check, plot_prices
-from solvers.record import record_bid_price, window_problem
+from solvers.record import build_window, record_bid_price
 from tests.conftest import CONV_TRACE, make_config
 
 CAL = InstanceCalibration(beta=(0.008, 6e-5, 1e-7, 1e-10), prefill_tokens_per_s=15_000,
@@ -42,17 +42,24 @@ def test_recording_does_not_change_the_run(recorded) -> None:  # type: ignore[no
     plain = simulate(loaded, "bid_price", calibration=source)
     np.testing.assert_array_equal(plain.instance, rec.result.instance)
     np.testing.assert_array_equal(plain.first_token_s, rec.result.first_token_s)
-    assert rec.updates and rec.free
-    assert np.isfinite(rec.tpot_s).all() and np.isfinite(rec.ttft_hat_s).all()
+    log = rec.log
+    assert log.updates and log.free
+    for a in (log.tpot_s, log.ttft_hat_s, log.decode_tokens, log.utility, log.exec_ttft_s):
+        assert np.isfinite(a).all()
+    np.testing.assert_array_equal(log.instance, rec.result.instance)
+    assert log.compute_cap.shape == (2,) and (log.compute_cap > 0).all()
 
 
 def test_check_bounds_and_counts(recorded, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     _, _, rec = recorded
-    prob, ids = window_problem(rec, max_delay=20)
+    prob, ids = build_window(rec.log, max_delay=20)
     assert prob.num_requests == len(rec.result.requests)
-    res, sol, p_online = check(rec, ids, prob)
+    res, sol, p_online = check(rec.log, ids, prob)
     assert res.lp_status == "Optimal"
     assert res.lp_binding > 0, "the run must congest the LP, or nothing is checked"
+    assert res.rows == prob.num_instances * prob.num_slots * 3
+    assert sum(res.binding_by_resource.values()) == res.lp_binding
+    assert p_online.shape == sol.p.shape == prob.free.shape
     assert res.d_online >= res.lp_value * (1 - 1e-7)          # weak duality
     assert res.certificate >= -1e-7
     assert dual_value(prob, sol.p) == pytest.approx(res.lp_value, rel=1e-6)
@@ -67,8 +74,8 @@ def test_check_bounds_and_counts(recorded, tmp_path: Path) -> None:  # type: ign
 def test_window_keeps_its_requests_and_initial_occupancy(recorded) -> None:  # type: ignore[no-untyped-def]
     _, _, rec = recorded
     mid_arrival = rec.result.requests[len(rec.result.requests) // 2].arrival_s
-    t_mid = max(t for t, _ in rec.free if t <= mid_arrival)
-    prob, ids = window_problem(rec, t0_s=t_mid, t1_s=t_mid + 3.0, max_delay=10)
+    t_mid = max(t for t, _ in rec.log.free if t <= mid_arrival)
+    prob, ids = build_window(rec.log, t0_s=t_mid, t1_s=t_mid + 3.0, max_delay=10)
     arrival = np.array([rec.result.requests[i].arrival_s for i in ids])
     assert ((arrival >= t_mid) & (arrival < t_mid + 3.0)).all()
     assert prob.max_delay == 10 and prob.num_slots == 60 + 10
@@ -91,7 +98,7 @@ def test_lp_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0
     text = capsys.readouterr().out
     for label in ("LP*", "online reward", "D(p_online)", "online gap (LP* - online)/LP*",
-                  "binding in the LP", "priced online"):
+                  "binding in the LP", "compute", "priced online"):
         assert label in text
     assert (out / "lp_check.png").stat().st_size > 0
     assert (tmp_path / "r.json").exists()
@@ -102,8 +109,8 @@ def test_check_without_price_updates(recorded) -> None:  # type: ignore[no-untyp
     import dataclasses
 
     _, _, rec = recorded
-    bare = dataclasses.replace(rec, updates=())
-    prob, ids = window_problem(bare, max_delay=5)
+    bare = dataclasses.replace(rec.log, updates=())
+    prob, ids = build_window(bare, max_delay=5)
     res, _, p_online = check(bare, ids, prob)
     assert not p_online.any()
     assert res.d_online >= res.lp_value * (1 - 1e-7)

@@ -1,5 +1,8 @@
 """The exact LP: HiGHS against the cvxpy twin, KKT conditions, weak and strong duality
-through D(p), a case solved by hand, and the rolling-to-absolute price mapping."""
+through D(p), cases solved by hand (one where KV binds, one where only compute binds),
+the dense and difference forms and column generation against each other, and the
+rolling-to-absolute price mapping. The random instances have all three resources
+(batch, KV, compute) and the tests check that compute is priced in them."""
 
 from __future__ import annotations
 
@@ -12,11 +15,17 @@ from hypothesis import strategies as st
 
 from olproute.config import RewardConfig
 from olproute.outlook import Outlook
-from olproute.reward import reward_terms
+from olproute.reward import BATCH, COMPUTE, KV, reward_terms
 from solvers.certificate import PriceUpdate, absolute_prices, dual_value, online_reward
 from solvers.cvx import enumerate_columns, solve_cvx, usage_matrix
 from solvers.lp import LpSolution, solve
-from solvers.problem import LpProblem, column_block, random_instance
+from solvers.problem import (
+    LpProblem,
+    block_price,
+    column_block,
+    prefix_sums,
+    random_instance,
+)
 
 SMALL = dict(num_requests=14, num_instances=2, num_slots=30, max_delay=5)
 
@@ -119,6 +128,7 @@ def test_the_instance_is_congested() -> None:
     sol = solve(prob, strategy="full", method="simplex")
     assert sol.x.sum() < prob.num_requests - 1
     assert sol.p.max() > 0
+    assert sol.p[:, :, COMPUTE].max() > 0, "compute must be priced, or nothing checks it"
 
 
 # -- D(p) -----------------------------------------------------------------------------------
@@ -133,6 +143,33 @@ def test_weak_duality_for_any_prices(scale: float, seed: int, sparsity: float) -
     rng = np.random.default_rng(seed)
     p = rng.exponential(scale, _PROB.free.shape) * (rng.random(_PROB.free.shape) < sparsity)
     assert dual_value(_PROB, p) >= _LP.objective * (1 - 1e-9)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(scale=st.floats(0.0, 50.0), seed=st.integers(0, 2**31 - 1))
+def test_weak_duality_for_compute_prices_alone(scale: float, seed: int) -> None:
+    """Prices on the compute rows only (batch and KV free): D(p) still bounds LP*."""
+    rng = np.random.default_rng(seed)
+    p = np.zeros(_PROB.free.shape)
+    p[:, :, COMPUTE] = rng.exponential(scale, p.shape[:2])
+    assert dual_value(_PROB, p) >= _LP.objective * (1 - 1e-9)
+
+
+def test_the_lp_prices_compute() -> None:
+    assert _LP.p[:, :, COMPUTE].max() > 0
+
+
+def test_block_price_is_the_dense_usage_times_p() -> None:
+    """a.p from prefix sums (batch, KV ramp and compute interval) equals the dense
+    usage of every column (built through olproute.reward.dense) times p."""
+    p = np.random.default_rng(3).exponential(1.0, _PROB.free.shape)
+    blk = column_block(_PROB, np.arange(_PROB.num_requests))
+    p0, p1 = prefix_sums(p)
+    fast = block_price(_PROB, blk, p0, p1)
+    plain = enumerate_columns(_PROB)
+    dense_price = usage_matrix(_PROB, plain).reshape(-1, len(plain)).T @ p.ravel()
+    np.testing.assert_allclose(fast[plain.request, plain.instance, plain.delay], dense_price,
+                               rtol=1e-10, atol=1e-12)
 
 
 def test_strong_duality_at_the_lp_prices() -> None:
@@ -166,8 +203,8 @@ def hand_problem() -> LpProblem:
         prompt_tokens=np.array([599.0, 599.0]), ttft_target_s=np.array([1.0, 1.0]),
         decode_tokens=np.array([[100.0], [100.0]]), utility=np.array([[1.0], [0.5]]),
         tpot_s=np.full((2, 1), 0.001), exec_ttft_s=np.zeros((2, 1)),
-        batch_cap=np.array([10.0]), kv_cap=np.array([1000.0]), free=np.ones((1, 2, 2)),
-        reward=w, max_delay=0)
+        batch_cap=np.array([10.0]), kv_cap=np.array([1000.0]), compute_cap=np.array([1e9]),
+        free=np.ones((1, 2, 3)), reward=w, max_delay=0)
 
 
 @pytest.mark.parametrize("kw", [{"strategy": "full", "method": "simplex"},
@@ -184,8 +221,8 @@ def test_two_requests_by_hand(kw: dict[str, str]) -> None:
     x[sol.cols.request] = sol.x
     assert x == pytest.approx([1.0, 7 / 13], abs=1e-7)
     assert sol.objective == pytest.approx(2.0 + 1.5 * 7 / 13, rel=1e-9)
-    expected_p = np.zeros((1, 2, 2))
-    expected_p[0, 1, 1] = 1.5 / 0.65
+    expected_p = np.zeros((1, 2, 3))
+    expected_p[0, 1, KV] = 1.5 / 0.65
     np.testing.assert_allclose(sol.p, expected_p, atol=1e-6)
     np.testing.assert_allclose(sol.y, [0.5, 0.0], atol=1e-6)
     ref = solve_cvx(prob)
@@ -193,16 +230,99 @@ def test_two_requests_by_hand(kw: dict[str, str]) -> None:
     np.testing.assert_allclose(ref.y, [0.5, 0.0], atol=1e-6)
 
 
+def compute_problem() -> LpProblem:
+    """One instance, three slots, budget b = 1,000 prefill tokens per slot; batch (1e6
+    slots) and KV (1e9 tokens) never bind. Three requests arrive in slot 0, may not wait
+    (max delay 0) and decode for one slot:
+    - A: 1,500 tokens, first token in slot 1 (queue-free TTFT 50 ms): P = 2 prefill slots
+      [0, 2), 0.75 of the budget in each; reward 1 + 1.0;
+    - B:   800 tokens, first token in slot 1: P = 1, slot [1, 2), 0.8; reward 1 + 0.5;
+    - C:   600 tokens, first token in slot 0: P = 1, slot [0, 1), 0.6; reward 1 + 0.5."""
+    w = RewardConfig(sigma=1.0, beta=0.0, gamma=0.0, omega=1.0, cost_lambda=0.0)
+    return LpProblem(
+        slot_s=0.05, num_slots=3, horizon=100, t0_s=0.0, arrival_s=np.zeros(3),
+        prompt_tokens=np.array([1500.0, 800.0, 600.0]), ttft_target_s=np.ones(3),
+        decode_tokens=np.full((3, 1), 10.0), utility=np.array([[1.0], [0.5], [0.5]]),
+        tpot_s=np.full((3, 1), 0.001), exec_ttft_s=np.array([[0.05], [0.05], [0.0]]),
+        batch_cap=np.array([1e6]), kv_cap=np.array([1e9]), compute_cap=np.array([1000.0]),
+        free=np.ones((1, 3, 3)), reward=w, max_delay=0)
+
+
+@pytest.mark.parametrize("kw", [{"strategy": "full", "method": "simplex"},
+                                {"strategy": "full", "form": "dense", "method": "simplex"},
+                                {"strategy": "full", "method": "ipm"},
+                                {"strategy": "colgen"}])
+def test_only_compute_binds_by_hand(kw: dict[str, str]) -> None:
+    """Slot 0: 0.75 xA + 0.6 xC <= 1; slot 1: 0.75 xA + 0.8 xB <= 1. With xC = 1 and both
+    slots full, xA = 0.4 / 0.75 = 8/15 and xB = 0.6 / 0.8 = 3/4, objective 2 (8/15) + 1.5
+    (3/4) + 1.5 = 443/120 (xA = 1 gives 3.09, xA = 0 gives 3: the optimum trades A
+    against B and C). The vertex is not degenerate, so the duals are unique: B breaks
+    even on slot 1, p1 = 1.5 / 0.8 = 15/8; A on both, p0 = 2 / 0.75 - p1 = 19/24; C's
+    surplus is its row's dual, y_C = 1.5 - 0.6 p0 = 41/40. Batch and KV prices are 0."""
+    prob = compute_problem()
+    sol = solve(prob, **kw)  # type: ignore[arg-type]
+    x = np.zeros(3)
+    np.add.at(x, sol.cols.request, sol.x)
+    assert x == pytest.approx([8 / 15, 3 / 4, 1.0], abs=1e-7)
+    assert sol.objective == pytest.approx(443 / 120, rel=1e-9)
+    expected_p = np.zeros((1, 3, 3))
+    expected_p[0, :, COMPUTE] = [19 / 24, 15 / 8, 0.0]
+    np.testing.assert_allclose(sol.p, expected_p, atol=1e-6)
+    assert (sol.p[0, :2, COMPUTE] > 0).all()
+    assert not sol.p[:, :, [BATCH, KV]].any()
+    np.testing.assert_allclose(sol.y, [0.0, 0.0, 41 / 40], atol=1e-6)
+    ref = solve_cvx(prob)
+    assert ref.objective == pytest.approx(443 / 120, rel=1e-7)
+    np.testing.assert_allclose(ref.p, expected_p, atol=1e-6)
+
+
+def test_an_unlimited_budget_prices_no_compute() -> None:
+    """compute_load = 0: the same batch and KV data, compute rows that never bind."""
+    prob = small(0, load=1.6, compute_load=0.0)
+    base = small(0, load=1.6)
+    np.testing.assert_array_equal(prob.free[:, :, :2], base.free[:, :, :2])
+    sol = solve(prob, strategy="full", method="simplex")
+    assert not sol.p[:, :, COMPUTE].any()
+    # taking a resource away can only lower the optimum
+    assert sol.objective >= solve(base, strategy="full", method="simplex").objective - 1e-9
+
+
+@pytest.mark.parametrize("seed", [1, 4])
+def test_dense_and_difference_forms_agree(seed: int) -> None:
+    """Compute-heavy (twice the budget's worth of prefill): both forms reach the same
+    LP*, and each one's prices are optimal duals of the other (D(p) = LP*)."""
+    prob = small(seed, num_requests=30, num_slots=40, load=1.2, compute_load=2.0)
+    dense_rows = solve(prob, strategy="full", form="dense", method="simplex")
+    diff = solve(prob, strategy="full", method="simplex")
+    assert diff.p[:, :, COMPUTE].max() > 0
+    assert diff.objective == pytest.approx(dense_rows.objective, rel=1e-8)
+    assert dual_value(prob, diff.p) == pytest.approx(dense_rows.objective, rel=1e-7)
+    assert dual_value(prob, dense_rows.p) == pytest.approx(diff.objective, rel=1e-7)
+
+
+def test_colgen_agrees_with_the_full_lp() -> None:
+    prob = random_instance(150, 3, 80, seed=11, max_delay=25, load=1.4, compute_load=1.8)
+    full = solve(prob, strategy="full", method="simplex")
+    for kw in ({"strategy": "colgen"}, {"strategy": "colgen", "method": "simplex"}):
+        gen = solve(prob, **kw)  # type: ignore[arg-type]
+        assert gen.status == "Optimal", kw
+        assert gen.objective == pytest.approx(full.objective, rel=1e-7), kw
+        assert gen.bound == pytest.approx(full.objective, rel=1e-6), kw
+        assert len(gen.cols) < len(full.cols), kw
+
+
 # -- prices and rewards from a run ---------------------------------------------------------------
 def test_absolute_prices_take_the_freshest_update() -> None:
     h = 4
     first = PriceUpdate(time_s=1.0, origin_s=1.0, p=np.arange(h, dtype=float).reshape(1, h, 1)
-                        .repeat(2, axis=2))
-    second = PriceUpdate(time_s=1.12, origin_s=1.1, p=np.full((1, h, 2), 10.0))
+                        .repeat(3, axis=2))
+    second = PriceUpdate(time_s=1.12, origin_s=1.1, p=np.full((1, h, 3), 10.0))
     p = absolute_prices([second, first], t0_s=1.0, slot_s=0.05, num_slots=8)
     # slots 0, 1 (t = 1.00, 1.05) from the first update; slots from t = 1.10 on from the
     # second, which covers 4 slots (to t = 1.30); the rest takes its horizon mean
-    assert p[0, :, 0].tolist() == [0.0, 1.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0]
+    assert p.shape == (1, 8, 3)
+    for r in range(3):
+        assert p[0, :, r].tolist() == [0.0, 1.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0]
     early = absolute_prices([second], t0_s=0.9, slot_s=0.05, num_slots=2)
     assert early[0, :, 1].tolist() == [10.0, 10.0]   # before the first origin: its slot 0
 
