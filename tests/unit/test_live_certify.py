@@ -1,0 +1,72 @@
+"""``solvers.live.certify`` on a LiveWindow built by hand (no server, no simulation): the
+window becomes a WindowLog as the server captured it, and the check's figures are
+plain, JSON-able numbers with weak duality holding."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from olproute.config_schema import RewardConfig
+from olproute.live_window import LiveWindow
+from solvers.live import certify, to_log
+
+H, G, R = 10, 2, 3
+
+
+def hand_window() -> LiveWindow:
+    """Two instances, four requests (the last refused), three ticks: the first before any
+    price update, the next two with prices."""
+    n = 4
+    prompt = np.array([500.0, 900.0, 300.0, 1200.0])
+    free = np.stack([np.full((G, H, R), level) for level in (0.9, 0.8, 0.85)])
+    prices = np.stack([np.zeros((G, H, R)), np.full((G, H, R), 0.1),
+                       np.full((G, H, R), 0.2)])
+    return LiveWindow(
+        t0_s=0.0, t1_s=0.6, slot_s=0.05, horizon=H, reward=RewardConfig(),
+        batch_cap=np.array([2.0, 2.0]), kv_cap=np.array([3000.0, 3000.0]),
+        compute_cap=np.array([600.0, 400.0]),
+        arrival_s=np.array([0.0, 0.02, 0.11, 0.5]), prompt_tokens=prompt,
+        ttft_target_s=np.ones(n), first_seen_s=np.array([0.0, 0.02, 0.11, 0.5]),
+        ttft_hat_s=np.full((n, G), 0.1), tpot_s=np.full((n, G), 0.02),
+        decode_tokens=np.full((n, G), 50.0), utility=np.full((n, G), 0.7),
+        exec_ttft_s=np.repeat(prompt[:, None] / 20_000.0, G, axis=1),
+        instance=np.array([0, 1, 0, -1]), first_token_s=np.array([0.1, 0.2, 0.3, np.nan]),
+        finish_s=np.array([1.1, 1.2, 1.3, np.nan]),
+        tick_s=np.array([0.0, 0.25, 0.5]), origin_s=np.array([np.nan, 0.25, 0.25]),
+        num_updates=np.array([0, 1, 2]), prices=prices, free=free,
+        gap_tol=0.0, time_limit_s=30.0)
+
+
+def test_ticks_become_updates_and_free_capacity() -> None:
+    log = to_log(hand_window())
+    assert [(u.time_s, u.origin_s) for u in log.updates] == [(0.25, 0.25), (0.5, 0.25)]
+    assert [t for t, _ in log.free] == [0.0, 0.25, 0.5]
+    assert log.compute_cap.tolist() == [600.0, 400.0]
+
+
+def test_certify_reports_weak_duality_in_plain_numbers() -> None:
+    out = certify(hand_window())
+    assert out["requests"] == 4 and out["instances"] == G
+    assert out["lp_status"] == "Optimal"
+    assert out["lp_value"] > 0
+    assert out["d_online"] >= out["lp_value"] * (1 - 1e-6)
+    assert out["certificate"] >= -1e-6
+    assert math.isclose(out["online_over_lp"], out["online_reward"] / out["lp_value"])
+    assert out["rows"] == G * out["slots"] * R
+    assert 0 <= out["binding_rows"] <= out["rows"]
+    assert sum(out["binding_by_resource"].values()) == out["binding_rows"]
+    assert out["price_updates"] == 2 and out["solve_s"] >= 0
+    json.dumps(out, allow_nan=False)   # plain numbers
+
+
+def test_certify_without_price_updates_uses_zero_prices() -> None:
+    w = hand_window()
+    w = dataclasses.replace(w, num_updates=np.zeros(3, dtype=np.int64))
+    out = certify(w)
+    assert out["price_updates"] == 0
+    # zero prices: D(0) is the sum of the best rewards, an upper bound of LP*
+    assert out["certificate"] >= -1e-6 and out["online_priced_rows"] == 0
