@@ -1,7 +1,8 @@
 """``GET /dashboard``: a live page for operators (plain HTML and JavaScript in
 ``static/dashboard.html``, no build step, nothing fetched from outside the router), and
 ``GET /dashboard/data``: the JSON it polls every second — shadow prices per instance
-(binned over the horizon), decisions per second by action, observed TTFT.
+(binned over the horizon), decisions per second by action, observed TTFT, and the last
+live certificate of the prices (``olproute.server.live``).
 
 Rates and recent TTFT come from the router's own Prometheus counters and histograms,
 sampled when the page asks (at most every 0.25 s, kept for a minute): no background
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from olproute.server import live
 from olproute.server.state import STATE, ServerState
 
 ACTIONS = ("dispatch", "hold", "shed")
@@ -192,6 +194,7 @@ def dashboard_doc(st: ServerState, now_s: float, sample: Sample,
             "batch": binned(p["batch"]) if p else [],
             "kv": binned(p["kv"]) if p else []})
     return {
+        **live.certificate_doc(st),
         "policy": st.router.policy_name, "uptime_s": now_s,
         "has_prices": prices is not None,
         "price_updates": prices["updates"] if prices else 0,
