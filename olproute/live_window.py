@@ -4,8 +4,9 @@ certifying process (``solvers.live``, injected by the CLI: the server never impo
 the solvers).
 
 Times are seconds on the server's clock (``ServerState.now``). Per-request arrays are
-(N,) or (N, G), in arrival order; per-tick arrays are (T,) or (T, G, H, R), in tick
-order. NaN marks what did not happen (no first token, no finish, no price update yet).
+(N,) or (N, G), in arrival order; the price updates are in tick order, one (G, H, R)
+array each, kept apart (stacking a minute of them would copy tens of megabytes on the
+event loop). NaN marks what did not happen (no first token, no finish).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ IntArray = npt.NDArray[np.int64]
 
 @dataclass(frozen=True, slots=True)
 class LiveWindow:
-    """Requests that arrived in [t0_s, t1_s), the ticks from the last one at or before
-    t0_s on, and the bounds of the LP solve."""
+    """Requests that arrived in [t0_s, t1_s); the price updates of the ticks from the
+    last one at or before t0_s on, and that tick's free capacity (the LP's initial
+    occupancy); the bounds of the LP solve."""
 
     t0_s: float
     t1_s: float
@@ -48,12 +50,13 @@ class LiveWindow:
     instance: IntArray             # (N,)
     first_token_s: FloatArray      # (N,)
     finish_s: FloatArray           # (N,)
-    # per tick of the policy: free capacity, and the prices after the tick's update
-    tick_s: FloatArray             # (T,)
-    origin_s: FloatArray           # (T,) time of price slot 0; NaN before the first update
-    num_updates: IntArray          # (T,)
-    prices: FloatArray             # (T, G, H, R)
-    free: FloatArray               # (T, G, H, R)
+    # per tick with a price update: the prices after it, slot i starting at origin + i slots
+    update_s: FloatArray                 # (U,) tick times
+    origin_s: FloatArray                 # (U,) time of price slot 0
+    prices: tuple[FloatArray, ...]       # U arrays (G, H, R)
+    # the free capacity (G, H, R) bid_price computed at the tick at free_s <= t0_s
+    free_s: float
+    free: FloatArray
     # the LP solve
     gap_tol: float
     time_limit_s: float

@@ -4,16 +4,15 @@ process every ``prices.certify_period_s`` (the CLI injects this function: the se
 may not import the solvers).
 
 :func:`certify` turns the :class:`~olproute.live_window.LiveWindow` into a
-:class:`~solvers.record.WindowLog` (ticks with a price update become the log's updates,
-every tick its free capacity), builds the LP of [t0, t1) with ``build_window`` and
-checks it with ``check`` (``solvers.check``: D(p_online)/LP* - 1, the online reward,
-binding rows), one HiGHS thread and the window's time limit. It returns plain numbers
-(JSON-able; non-finite floats the server shows as null).
+:class:`~solvers.record.WindowLog` (its price updates become the log's, the free
+capacity at its start the log's one tick), builds the LP of [t0, t1) with
+``build_window`` and checks it with ``check`` (``solvers.check``: D(p_online)/LP* - 1,
+the online reward, binding rows) on one HiGHS thread within the window's time limit. It
+returns plain numbers (JSON-able; non-finite floats the server shows as null).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from olproute.live_window import LiveWindow
@@ -28,9 +27,7 @@ LP_THREADS = 1
 def to_log(w: LiveWindow) -> WindowLog:
     """The window as a WindowLog (its requests are all decided: first_seen is set)."""
     updates = tuple(PriceUpdate(float(t), float(o), p)
-                    for t, o, n, p in zip(w.tick_s, w.origin_s, w.num_updates, w.prices,
-                                          strict=True)
-                    if n > 0 and math.isfinite(o))
+                    for t, o, p in zip(w.update_s, w.origin_s, w.prices, strict=True))
     return WindowLog(
         slot_s=w.slot_s, horizon=w.horizon, reward=w.reward, batch_cap=w.batch_cap,
         kv_cap=w.kv_cap, compute_cap=w.compute_cap, arrival_s=w.arrival_s,
@@ -38,8 +35,7 @@ def to_log(w: LiveWindow) -> WindowLog:
         first_seen_s=w.first_seen_s, ttft_hat_s=w.ttft_hat_s, tpot_s=w.tpot_s,
         decode_tokens=w.decode_tokens, utility=w.utility, exec_ttft_s=w.exec_ttft_s,
         instance=w.instance, first_token_s=w.first_token_s, finish_s=w.finish_s,
-        updates=updates,
-        free=tuple((float(t), f) for t, f in zip(w.tick_s, w.free, strict=True)))
+        updates=updates, free=((w.free_s, w.free),))
 
 
 def certify(window: LiveWindow) -> dict[str, Any]:

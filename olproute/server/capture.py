@@ -5,8 +5,9 @@ decision's explanation, :data:`EXPLAINED`), then its outcome; per policy tick, t
 capacity and the prices after the tick's update.
 
 Bounded: a ring of the most recent requests (preallocated arrays; a decision writes one
-row) and the ticks of the last two windows. ``pack`` selects a window and copies it
-into a :class:`~olproute.live_window.LiveWindow`.
+row) and the ticks of the last two windows. ``pack`` selects a window and copies its
+requests into a :class:`~olproute.live_window.LiveWindow`, with the ticks' price updates
+and the free capacity at its start (arrays no one writes again: shared, not copied).
 
 **The window** (``window_bounds``) ends at the arrival of the first request still
 running (its outcome unknown), or now; a request still running after a whole window is
@@ -193,10 +194,12 @@ def pack(cap: LiveCapture, now_s: float, cfg: PriceConfig, reward: RewardConfig,
                            cfg.certify_max_requests)
     rows = order[(arrival >= t0) & (arrival < t1)]
     rows = rows[np.argsort(cap.scalars[rows, 0], kind="stable")]
-    first = np.nonzero(tick_s <= t0)[0]
-    ticks = ticks[int(first[-1]) if first.size else 0:]
     if rows.size == 0:
         return None
+    first = np.nonzero(tick_s <= t0)[0]
+    ticks = ticks[int(first[-1]) if first.size else 0:]
+    # a tick's arrays are its own (the price view's copies), never written after: shared
+    updates = [t for t in ticks if t.num_updates > 0 and np.isfinite(t.origin_s)]
     return LiveWindow(
         t0_s=t0, t1_s=t1, slot_s=slot_s, horizon=horizon, reward=reward,
         batch_cap=np.asarray(batch_cap, dtype=np.float64).copy(),
@@ -208,8 +211,7 @@ def pack(cap: LiveCapture, now_s: float, cfg: PriceConfig, reward: RewardConfig,
         decode_tokens=cap.per_instance[2, rows], utility=cap.per_instance[3, rows],
         exec_ttft_s=cap.per_instance[4, rows], instance=cap.instance[rows],
         first_token_s=cap.times[rows, 0], finish_s=cap.times[rows, 1],
-        tick_s=np.array([t.time_s for t in ticks]),
-        origin_s=np.array([t.origin_s for t in ticks]),
-        num_updates=np.array([t.num_updates for t in ticks], dtype=np.int64),
-        prices=np.stack([t.prices for t in ticks]), free=np.stack([t.free for t in ticks]),
+        update_s=np.array([t.time_s for t in updates]),
+        origin_s=np.array([t.origin_s for t in updates]),
+        prices=tuple(t.prices for t in updates), free_s=ticks[0].time_s, free=ticks[0].free,
         gap_tol=cfg.certify_gap_tol, time_limit_s=cfg.certify_time_limit_s)

@@ -111,7 +111,7 @@ class LiveCert:
 
     def _finish(self, meta: dict[str, Any], wall: float, clock: Callable[[], float],
                 result: Mapping[str, Any] | None, exc: BaseException | None) -> None:
-        doc: dict[str, Any] = {**{k: _jsonable(v) for k, v in (result or {}).items()}, **meta,
+        doc: dict[str, Any] = {**meta, **{k: _jsonable(v) for k, v in (result or {}).items()},
                                "time_s": clock(), "elapsed_s": time.perf_counter() - wall,
                                "status": OK if exc is None else ERROR,
                                "error": None if exc is None else f"{type(exc).__name__}: {exc}"}

@@ -143,15 +143,29 @@ def test_pack_copies_the_window_and_its_ticks() -> None:
     assert w.num_requests == 6 and w.num_instances == G  # type: ignore[attr-defined]
     assert w.arrival_s.tolist() == pytest.approx([0.1, 0.7, 1.3, 1.9, 2.5, 3.1])
     assert w.instance.tolist() == [0, 1, 0, 1, 0, 1]
-    assert w.tick_s.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    assert w.prices.shape == (6, G, H, R) and w.free.shape == (6, G, H, R)
+    # the ticks from the last at or before t0 on: its free capacity, every update since
+    assert w.free_s == 0.0 and w.free.tolist() == cap.ticks[0].free.tolist()
+    assert w.update_s.tolist() == w.origin_s.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [p[0, 0, 0] for p in w.prices] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert w.ttft_hat_s.shape == w.exec_ttft_s.shape == (6, G)
     assert w.compute_cap.tolist() == [100.0, 200.0]
     before = w.ttft_hat_s.copy()
     cap.per_instance[:] = -1.0
-    cap.ticks[0].prices[:] = -1.0
-    assert (w.ttft_hat_s == before).all() and (w.prices >= 0).all()   # copies
+    assert (w.ttft_hat_s == before).all()   # the requests' rows are copies
     assert pickle.loads(pickle.dumps(w)).arrival_s.tolist() == w.arrival_s.tolist()
+
+
+def test_pack_starts_at_a_tick_and_leaves_out_ticks_without_update() -> None:
+    cap = LiveCapture(G, capacity=16)
+    for k, updates in enumerate([0, 0, 1, 2]):
+        cap.ticked(float(k), _view(float(k), updates), keep_s=100.0)  # type: ignore[arg-type]
+    for rid in range(4):
+        cap.decided(_req(rid, 1.5 + 0.5 * rid), _decision(rid), now_s=1.5 + 0.5 * rid)
+        cap.finished(_outcome(rid, 1.5 + 0.5 * rid, 0, 2.0 + rid, 2.5 + rid))
+    w = _pack(cap, 4.0, certify_window_s=2.8)
+    assert (w.t0_s, w.t1_s) == (2.0, 4.0)  # type: ignore[attr-defined]
+    assert w.free_s == 2.0 and w.update_s.tolist() == [2.0, 3.0]  # type: ignore[attr-defined]
+    assert w.arrival_s.tolist() == [2.0, 2.5, 3.0]  # type: ignore[attr-defined]
 
 
 def test_pack_without_ticks_or_requests_is_none() -> None:

@@ -18,13 +18,10 @@ H, G, R = 10, 2, 3
 
 
 def hand_window() -> LiveWindow:
-    """Two instances, four requests (the last refused), three ticks: the first before any
-    price update, the next two with prices."""
+    """Two instances, four requests (the last refused), a tick at the start and two price
+    updates after it."""
     n = 4
     prompt = np.array([500.0, 900.0, 300.0, 1200.0])
-    free = np.stack([np.full((G, H, R), level) for level in (0.9, 0.8, 0.85)])
-    prices = np.stack([np.zeros((G, H, R)), np.full((G, H, R), 0.1),
-                       np.full((G, H, R), 0.2)])
     return LiveWindow(
         t0_s=0.0, t1_s=0.6, slot_s=0.05, horizon=H, reward=RewardConfig(),
         batch_cap=np.array([2.0, 2.0]), kv_cap=np.array([3000.0, 3000.0]),
@@ -36,15 +33,17 @@ def hand_window() -> LiveWindow:
         exec_ttft_s=np.repeat(prompt[:, None] / 20_000.0, G, axis=1),
         instance=np.array([0, 1, 0, -1]), first_token_s=np.array([0.1, 0.2, 0.3, np.nan]),
         finish_s=np.array([1.1, 1.2, 1.3, np.nan]),
-        tick_s=np.array([0.0, 0.25, 0.5]), origin_s=np.array([np.nan, 0.25, 0.25]),
-        num_updates=np.array([0, 1, 2]), prices=prices, free=free,
-        gap_tol=0.0, time_limit_s=30.0)
+        update_s=np.array([0.25, 0.5]), origin_s=np.array([0.25, 0.5]),
+        prices=(np.full((G, H, R), 0.1), np.full((G, H, R), 0.2)),
+        free_s=0.0, free=np.full((G, H, R), 0.9), gap_tol=0.0, time_limit_s=30.0)
 
 
-def test_ticks_become_updates_and_free_capacity() -> None:
-    log = to_log(hand_window())
-    assert [(u.time_s, u.origin_s) for u in log.updates] == [(0.25, 0.25), (0.5, 0.25)]
-    assert [t for t, _ in log.free] == [0.0, 0.25, 0.5]
+def test_the_window_becomes_a_log() -> None:
+    w = hand_window()
+    log = to_log(w)
+    assert [(u.time_s, u.origin_s) for u in log.updates] == [(0.25, 0.25), (0.5, 0.5)]
+    assert [u.p[0, 0, 0] for u in log.updates] == [0.1, 0.2]
+    assert len(log.free) == 1 and log.free[0][0] == 0.0 and log.free[0][1] is w.free
     assert log.compute_cap.tolist() == [600.0, 400.0]
 
 
@@ -65,7 +64,7 @@ def test_certify_reports_weak_duality_in_plain_numbers() -> None:
 
 def test_certify_without_price_updates_uses_zero_prices() -> None:
     w = hand_window()
-    w = dataclasses.replace(w, num_updates=np.zeros(3, dtype=np.int64))
+    w = dataclasses.replace(w, update_s=np.zeros(0), origin_s=np.zeros(0), prices=())
     out = certify(w)
     assert out["price_updates"] == 0
     # zero prices: D(0) is the sum of the best rewards, an upper bound of LP*
