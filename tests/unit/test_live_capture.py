@@ -16,6 +16,7 @@ from olproute.types import Decision, Outcome, Request
 
 G, H, R = 2, 8, 3
 SLOT = 0.05
+NO = -np.inf   # no request dropped
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,10 @@ def test_ring_keeps_the_most_recent_requests_at_their_first_decision() -> None:
     assert cap.request_id[order].tolist() == [2, 3, 4, 5]
     assert cap.per_instance[0, order[-1]].tolist() == [6.0, 12.0]   # the first decision's
     assert cap.scalars[order[-1]].tolist() == pytest.approx([0.5, 15, 0.5, 0.51])
-    # the overwritten requests' outcomes are no longer joined
+    # the overwritten requests' outcomes are no longer joined, and windows start after them
     cap.finished(_outcome(0, 0.0, 1, 0.2, 0.4))
     assert not cap.done[order].any()
+    assert cap.dropped_s == pytest.approx(0.1)
 
 
 def test_outcomes_are_joined_and_a_dropped_request_is_not_served() -> None:
@@ -104,25 +106,29 @@ def test_ticks_are_kept_for_keep_s_from_the_last_at_or_before() -> None:
     assert np.isnan(cap.ticks[-1].origin_s)
 
 
-# (id, arrivals, done, ticks, now, window, max requests, (t0, t1))
+# (id, arrivals, done, ticks, now, window, max requests, dropped, (t0, t1))
 BOUNDS = [
-    ("all-done", [1.0, 2.0, 3.0], [1, 1, 1], [0.0, 2.5], 4.0, 10.0, 10, (0.0, 4.0)),
-    ("snap-to-tick", [1.0, 2.0, 3.0], [1, 1, 1], [0.5, 2.5], 4.0, 3.5, 10, (0.5, 4.0)),
-    ("running-ends-it", [1.0, 2.0, 3.0], [1, 0, 1], [0.0], 4.0, 10.0, 10, (0.0, 2.0)),
-    ("old-running-ignored", [1.0, 5.0, 9.0], [0, 1, 1], [4.0], 10.0, 6.0, 10, (4.0, 10.0)),
-    ("max-requests", [1.0, 2.0, 3.0, 3.5], [1, 1, 1, 1], [0.0, 3.2], 4.0, 10.0, 2,
+    ("all-done", [1.0, 2.0, 3.0], [1, 1, 1], [0.0, 2.5], 4.0, 10.0, 10, NO, (0.0, 4.0)),
+    ("snap-to-tick", [1.0, 2.0, 3.0], [1, 1, 1], [0.5, 2.5], 4.0, 3.5, 10, NO, (0.5, 4.0)),
+    ("running-ends-it", [1.0, 2.0, 3.0], [1, 0, 1], [0.0], 4.0, 10.0, 10, NO, (0.0, 2.0)),
+    ("old-running-ignored", [1.0, 5.0, 9.0], [0, 1, 1], [4.0], 10.0, 6.0, 10, NO, (4.0, 10.0)),
+    ("max-requests", [1.0, 2.0, 3.0, 3.5], [1, 1, 1, 1], [0.0, 3.2], 4.0, 10.0, 2, NO,
      (3.2, 4.0)),
-    ("max-requests-no-tick", [1.0, 2.0, 3.0, 3.5], [1, 1, 1, 1], [0.0], 4.0, 10.0, 2,
+    ("max-requests-no-tick", [1.0, 2.0, 3.0, 3.5], [1, 1, 1, 1], [0.0], 4.0, 10.0, 2, NO,
      (3.0, 4.0)),
+    ("after-a-dropped-request", [2.2, 3.0], [1, 1], [0.0, 2.0, 2.5], 4.0, 10.0, 10, 2.0,
+     (2.5, 4.0)),
+    ("from-the-start", [0.05, 0.3], [1, 1], [0.5, 1.0], 2.0, 10.0, 10, NO, (0.0, 2.0)),
 ]
 
 
-@pytest.mark.parametrize(("arrival", "done", "ticks", "now", "window", "max_req", "want"),
-                         [b[1:] for b in BOUNDS], ids=[b[0] for b in BOUNDS])
+@pytest.mark.parametrize(("arrival", "done", "ticks", "now", "window", "max_req", "dropped",
+                          "want"), [b[1:] for b in BOUNDS], ids=[b[0] for b in BOUNDS])
 def test_window_bounds(arrival: list[float], done: list[int], ticks: list[float], now: float,
-                       window: float, max_req: int, want: tuple[float, float]) -> None:
+                       window: float, max_req: int, dropped: float,
+                       want: tuple[float, float]) -> None:
     got = window_bounds(np.array(arrival), np.array(done, dtype=bool), np.array(ticks), now,
-                        window, max_req)
+                        window, max_req, dropped)
     assert got == pytest.approx(want)
 
 
@@ -183,6 +189,7 @@ def test_resize_keeps_the_most_recent() -> None:
         cap.decided(_req(rid, float(rid)), _decision(rid), float(rid))
     cap.finished(_outcome(5, 5.0, 1, 5.1, 5.2))
     cap.resize(3)
+    assert cap.dropped_s == 2.0
     assert cap.capacity == 3 and cap.request_id[cap.order()].tolist() == [3, 4, 5]
     cap.finished(_outcome(4, 4.0, 0, 4.1, 4.2))
     assert cap.instance[cap.order()].tolist() == [-1, 0, 1]
