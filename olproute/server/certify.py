@@ -6,8 +6,10 @@ import the solvers). The request path never waits for it.
 
 One worker process (``ProcessPoolExecutor(max_workers=1)``, spawned, created at the
 first check and stopped with the server): a check still running when the next is due
-skips that period; a check that raises, or a worker that dies, is logged and shown as
-the last check's error (a dead pool is replaced at the next check).
+skips that period; a check that raises, a worker that dies, or a check that runs past
+its deadline (``olproute.server.live``: 3 LP time limits and 30 s; its worker is
+terminated) is logged and shown as the last check's error (a dead pool is replaced at
+the next check).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class LiveCert:
     num_skipped: int = 0
     _pool: ProcessPoolExecutor | None = field(default=None, init=False, repr=False)
     _running: Future[Mapping[str, Any]] | None = field(default=None, init=False, repr=False)
+    _meta: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _wall: float = field(default=0.0, init=False, repr=False)   # perf_counter at submit
     _closed: bool = field(default=False, init=False)
 
     @property
@@ -74,7 +78,7 @@ class LiveCert:
             self._drop_pool()
             self._finish(meta, wall, clock, None, exc)
             return True
-        self._running = fut
+        self._running, self._meta, self._wall = fut, meta, wall
 
         def done(f: Future[Mapping[str, Any]]) -> None:   # in the pool's thread
             with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone
@@ -82,6 +86,19 @@ class LiveCert:
 
         fut.add_done_callback(done)
         return True
+
+    def overdue(self, limit_s: float) -> bool:
+        """Has the running check run longer than ``limit_s`` (wall seconds)?"""
+        return self.busy and time.perf_counter() - self._wall > limit_s
+
+    def abandon(self, clock: Callable[[], float], limit_s: float) -> None:
+        """Stop the running check (its worker is terminated; a new one starts with the
+        next check) and show it as timed out: a hung worker must not skip every
+        period from now on."""
+        self._running = None
+        self._drop_pool()
+        self._finish(self._meta, self._wall, clock, None, TimeoutError(
+            f"the check ran over {limit_s:g} s and was stopped"))
 
     def empty(self, now_s: float, why: str) -> None:
         """A period with nothing to check: shown as the last check."""
@@ -102,8 +119,8 @@ class LiveCert:
 
     def _collect(self, fut: Future[Mapping[str, Any]], meta: dict[str, Any], wall: float,
                  clock: Callable[[], float]) -> None:
-        if self._closed or fut.cancelled():
-            return
+        if self._closed or fut is not self._running or fut.cancelled():
+            return   # the server stopped, or this check was abandoned
         exc = fut.exception()
         if isinstance(exc, BrokenProcessPool):
             self._drop_pool()

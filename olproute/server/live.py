@@ -17,6 +17,10 @@ from olproute.server.capture import pack
 from olproute.server.state import ServerState
 
 IDLE_S = 1.0   # how often a disabled certificate looks at the config again
+# a check still running after this many LP time limits plus STARTUP_S is stopped: the
+# LP's own limit is checked between rounds, and D(p) and its rescaling come after it
+DEADLINE_LIMITS = 3.0
+STARTUP_S = 30.0   # a fresh worker imports the solvers first
 
 
 async def run(st: ServerState) -> None:
@@ -41,9 +45,12 @@ def check_now(st: ServerState) -> None:
     cap = live.capture
     cap.resize(cfg.prices.certify_max_requests)
     if live.busy:
-        live.num_skipped += 1
-        st.metrics.certificate_checks.labels("skipped").inc()
-        return
+        deadline = DEADLINE_LIMITS * cfg.prices.certify_time_limit_s + STARTUP_S
+        if not live.overdue(deadline):
+            live.num_skipped += 1
+            st.metrics.certificate_checks.labels("skipped").inc()
+            return
+        live.abandon(st.now, deadline)
     now = st.now()
     batch_cap, kv_cap = capacities(st.loaded.specs)
     window = pack(cap, now, cfg.prices, cfg.reward, cfg.router.slot_ms / 1e3,

@@ -67,13 +67,31 @@ def test_a_failing_or_dying_certifier_is_the_checks_error_and_the_pool_recovers(
                    result="error") == 2
 
 
-def test_a_running_check_skips_the_next_and_close_does_not_wait_for_it() -> None:
+def test_a_running_check_skips_the_next_and_a_hung_one_is_stopped() -> None:
+    live = LiveCert(certifiers.hang, LiveCapture(2, 8))
+
+    async def run() -> dict[str, Any]:
+        assert live.submit(hand_window(), 0.0, lambda: 1.0)
+        assert live.busy and not live.overdue(HANG_S)
+        assert not live.submit(hand_window(), 0.5, lambda: 1.5)   # still running: skipped
+        assert live.last is None
+        live.abandon(lambda: 2.0, 0.0)   # past its deadline: its worker is terminated
+        assert not live.busy and live.last is not None
+        stopped = dict(live.last)
+        assert (await _check(live, certify))["status"] == "ok"   # a new worker
+        return stopped
+
+    stopped = asyncio.run(run())
+    assert stopped["status"] == "error" and stopped["time_s"] == 2.0
+    assert stopped["error"] == "TimeoutError: the check ran over 0 s and was stopped"
+    assert live.num_checks == 2   # the abandoned check never reported again
+
+
+def test_close_does_not_wait_for_a_running_check() -> None:
     live = LiveCert(certifiers.hang, LiveCapture(2, 8))
 
     async def run() -> None:
         assert live.submit(hand_window(), 0.0, lambda: 1.0)
-        assert live.busy
-        assert not live.submit(hand_window(), 0.5, lambda: 1.5)   # still running: skipped
 
     asyncio.run(run())
     closing = threading.Thread(target=live.close)
