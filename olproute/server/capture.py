@@ -13,7 +13,7 @@ and the free capacity at its start (arrays no one writes again: shared, not copi
 running (its outcome unknown), or now; a request still running after a whole window is
 left out of that rule (it would hold the window back for ever) and counts as not
 finished. It starts ``certify_window_s`` earlier, but not before a request the ring has
-dropped, nor before the oldest of the most recent ``certify_max_requests``; then it
+evicted, nor before the oldest of the most recent ``certify_max_requests``; then it
 moves up to the first tick at or after that time (the LP's initial occupancy is the free
 capacity of the last tick at or before its start). A window that reaches back to the
 server's start starts there (time 0): nothing ran before it, and the LP's initial
@@ -62,8 +62,8 @@ class LiveCapture:
     def __init__(self, num_instances: int, capacity: int) -> None:
         self.num_instances = num_instances
         self.num_unexplained = 0     # first decisions whose explanation lacked EXPLAINED
-        # the latest arrival the ring dropped: a window starts after it
-        self.dropped_s = -math.inf
+        # the latest arrival the ring evicted (overwrote): a window starts after it
+        self.evicted_s = -math.inf
         self.last_problem: str | None = None
         self.ticks: deque[Tick] = deque()
         self._alloc(capacity)
@@ -103,7 +103,7 @@ class LiveCapture:
         old = int(self.request_id[i])
         if old >= 0:
             del self._slot[old]
-            self.dropped_s = max(self.dropped_s, float(self.scalars[i, 0]))
+            self.evicted_s = max(self.evicted_s, float(self.scalars[i, 0]))
         self._slot[rid] = i
         self.request_id[i] = rid
         self.seq[i] = self._next
@@ -150,7 +150,7 @@ class LiveCapture:
             return
         order = self.order()
         if len(order) > capacity:
-            self.dropped_s = max(self.dropped_s, float(self.scalars[order[:-capacity], 0].max()))
+            self.evicted_s = max(self.evicted_s, float(self.scalars[order[:-capacity], 0].max()))
             order = order[-capacity:]
         old = (self.request_id[order], self.scalars[order], self.per_instance[:, order],
                self.instance[order], self.times[order], self.done[order])
@@ -170,13 +170,13 @@ class LiveCapture:
 
 
 def window_bounds(arrival_s: FloatArray, done: BoolArray, tick_s: FloatArray, now_s: float,
-                  window_s: float, max_requests: int, dropped_s: float = -math.inf
+                  window_s: float, max_requests: int, evicted_s: float = -math.inf
                   ) -> tuple[float, float]:
     """(t0, t1) of the window to check (module docstring); arrivals in any order, all
-    those after ``dropped_s`` (the latest arrival no longer among them)."""
+    those after ``evicted_s`` (the latest arrival no longer among them)."""
     running = arrival_s[~done & (arrival_s >= now_s - window_s)]
     t1 = min(now_s, float(running.min())) if running.size else now_s
-    lo = max(t1 - window_s, float(np.nextafter(dropped_s, np.inf)))
+    lo = max(t1 - window_s, float(np.nextafter(evicted_s, np.inf)))
     inside = np.sort(arrival_s[(arrival_s >= lo) & (arrival_s < t1)])
     if inside.size > max_requests:
         lo = float(inside[-max_requests])
@@ -201,7 +201,7 @@ def pack(cap: LiveCapture, now_s: float, cfg: PriceConfig, reward: RewardConfig,
     tick_s = np.array([t.time_s for t in ticks])
     arrival = cap.scalars[order, 0]
     t0, t1 = window_bounds(arrival, cap.done[order], tick_s, now_s, cfg.certify_window_s,
-                           cfg.certify_max_requests, cap.dropped_s)
+                           cfg.certify_max_requests, cap.evicted_s)
     rows = order[(arrival >= t0) & (arrival < t1)]
     rows = rows[np.argsort(cap.scalars[rows, 0], kind="stable")]
     if rows.size == 0:

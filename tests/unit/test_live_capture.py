@@ -16,7 +16,7 @@ from olproute.types import Decision, Outcome, Request
 
 G, H, R = 2, 8, 3
 SLOT = 0.05
-NO = -np.inf   # no request dropped
+NO = -np.inf   # no request evicted
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def test_ring_keeps_the_most_recent_requests_at_their_first_decision() -> None:
     # the overwritten requests' outcomes are no longer joined, and windows start after them
     cap.finished(_outcome(0, 0.0, 1, 0.2, 0.4))
     assert not cap.done[order].any()
-    assert cap.dropped_s == pytest.approx(0.1)
+    assert cap.evicted_s == pytest.approx(0.1)
 
 
 def test_outcomes_are_joined_and_a_dropped_request_is_not_served() -> None:
@@ -116,7 +116,7 @@ BOUNDS = [
      (3.2, 4.0)),
     ("max-requests-no-tick", [1.0, 2.0, 3.0, 3.5], [1, 1, 1, 1], [0.0], 4.0, 10.0, 2, NO,
      (3.0, 4.0)),
-    ("after-a-dropped-request", [2.2, 3.0], [1, 1], [0.0, 2.0, 2.5], 4.0, 10.0, 10, 2.0,
+    ("after-an-evicted-request", [2.2, 3.0], [1, 1], [0.0, 2.0, 2.5], 4.0, 10.0, 10, 2.0,
      (2.5, 4.0)),
     ("from-the-start", [0.05, 0.3], [1, 1], [0.5, 1.0], 2.0, 10.0, 10, NO, (0.0, 2.0)),
 ]
@@ -189,7 +189,7 @@ def test_resize_keeps_the_most_recent() -> None:
         cap.decided(_req(rid, float(rid)), _decision(rid), float(rid))
     cap.finished(_outcome(5, 5.0, 1, 5.1, 5.2))
     cap.resize(3)
-    assert cap.dropped_s == 2.0
+    assert cap.evicted_s == 2.0
     assert cap.capacity == 3 and cap.request_id[cap.order()].tolist() == [3, 4, 5]
     cap.finished(_outcome(4, 4.0, 0, 4.1, 4.2))
     assert cap.instance[cap.order()].tolist() == [-1, 0, 1]
