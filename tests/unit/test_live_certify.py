@@ -13,6 +13,8 @@ import numpy as np
 from olproute.config_schema import RewardConfig
 from olproute.live_window import LiveWindow
 from solvers.live import certify, to_log
+from solvers.lp import solve
+from solvers.record import build_window
 
 H, G, R = 10, 2, 3
 
@@ -69,3 +71,15 @@ def test_certify_without_price_updates_uses_zero_prices() -> None:
     assert out["price_updates"] == 0
     # zero prices: D(0) is the sum of the best rewards, an upper bound of LP*
     assert out["certificate"] >= -1e-6 and out["online_priced_rows"] == 0
+
+
+def test_one_lp_thread_after_a_solve_with_the_default_threads() -> None:
+    """HiGHS makes one thread scheduler per process at its first run: certify's one
+    thread must still solve after a solve with the default count (it used to fail with
+    status 'Not Set' and LP* = 0 when the tests ran in that order)."""
+    w = hand_window()
+    prob, _ = build_window(to_log(w), w.t0_s, w.t1_s)
+    assert solve(prob).status == "Optimal"
+    out = certify(w)
+    assert out["lp_status"] == "Optimal" and out["lp_value"] > 0
+    assert solve(prob).status == "Optimal"   # and the default count after it
