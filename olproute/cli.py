@@ -238,6 +238,7 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from olproute.server import run_server
     from olproute.sim.scenario import CalibrationSource
+    from solvers.live import certify
 
     loaded = load_config(args.config, _weights(args))
     if args.policy:
@@ -246,8 +247,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.policy not in REGISTRY.names():
             raise PolicyError(f"unknown policy {args.policy!r} "
                               f"(known: {', '.join(REGISTRY.names())})")
-    # calibration: auto profiles the scenario in the simulator, at start-up
-    run_server(loaded, host=args.host, port=args.port, calibration=CalibrationSource(loaded))
+    # calibration: auto profiles the scenario in the simulator, at start-up; the live
+    # certificate checks bid_price's prices with the exact LP in a worker process
+    run_server(loaded, host=args.host, port=args.port, calibration=CalibrationSource(loaded),
+               certifier=certify)
     return 0
 
 
@@ -278,7 +281,9 @@ def _add_serve(sub: Any) -> None:
                                    "/metrics, /healthz, /openapi.json, /admin/reload, "
                                    "/dashboard (live page). With "
                                    "no server.backends in the config, the instances are "
-                                   "emulated in-process.")
+                                   "emulated in-process. With bid_price, the exact LP "
+                                   "checks its prices every prices.certify_period_s in a "
+                                   "background process (/prices, /metrics, /dashboard).")
     p.add_argument("--config", default=str(DEFAULT_CONFIG),
                    help="configuration YAML (default: %(default)s)")
     p.add_argument("--host", help="address to bind (default: server.host)")

@@ -251,6 +251,25 @@ class PriceConfig(_Frozen):
     minibatch: int = Field(default=256, ge=1, description="samples per dual step")
     arrival_rate_halflife_s: float = Field(default=10.0, gt=0, description="half-life of "
                                            "the arrival-rate estimate behind N_H, s")
+    certify_period_s: float | None = Field(
+        default=60.0, gt=0, allow_inf_nan=False, description="olproute serve, bid_price: "
+        "every this many seconds, check the prices of the last window against the exact LP "
+        "in a background process (D(p_online)/LP* - 1 on /metrics, /prices and "
+        "/dashboard); null: never")
+    certify_window_s: float = Field(
+        default=60.0, gt=0, allow_inf_nan=False, description="the checked window: requests "
+        "that arrived at most this many seconds before its end (the first request still "
+        "running, or now)")
+    certify_max_requests: int = Field(
+        default=2000, ge=1, description="at most this many requests in a checked window "
+        "(the most recent; the router keeps this many)")
+    certify_time_limit_s: float = Field(
+        default=30.0, gt=0, allow_inf_nan=False, description="time limit of one check's "
+        "LP solve (HiGHS), seconds; a check that hits it reports the LP's best bound")
+    certify_gap_tol: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False, description="a check's column generation "
+        "may stop when D(p) - LP master <= this fraction of the master (0: exact; the "
+        "certificate is then at most this much too high, never too low)")
 
     @field_validator("sample_delays_slots")
     @classmethod

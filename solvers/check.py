@@ -100,12 +100,14 @@ def lp_load(prob: LpProblem, sol: LpSolution) -> FloatArray:
 
 
 def check(log: WindowLog, ids: npt.NDArray[np.int64], prob: LpProblem, gap_tol: float = 0.0,
-          record_seconds: float = 0.0) -> tuple[CheckResult, LpSolution, FloatArray]:
+          record_seconds: float = 0.0, time_limit_s: float | None = None,
+          threads: int | None = None) -> tuple[CheckResult, LpSolution, FloatArray]:
     """Solve the window's LP and certify the recorded prices; returns the figures, the LP
     solution and the online prices on the LP's grid. ``ids`` are the window's request
-    ids in the log (``build_window``'s second result)."""
+    ids in the log (``build_window``'s second result). ``time_limit_s`` and ``threads``
+    bound the LP solve (``solvers.lp.solve``)."""
     t0 = time.perf_counter()
-    sol = solve(prob, gap_tol=gap_tol)
+    sol = solve(prob, gap_tol=gap_tol, time_limit_s=time_limit_s, threads=threads)
     lp_s = time.perf_counter() - t0
     # no updates (prices disabled, or a window before the first tick): the prices were 0
     p_online = (absolute_prices(log.updates, prob.t0_s, prob.slot_s, prob.num_slots)

@@ -383,6 +383,10 @@ def _highs(method: str, crossover: bool, presolve: bool, time_limit_s: float | N
     if time_limit_s is not None:
         h.setOptionValue("time_limit", float(time_limit_s))
     if threads is not None:
+        # HiGHS keeps one thread scheduler per process, made by the first run: another
+        # thread count is refused (an error, run() then leaves the status "Not Set" and
+        # the objective 0) unless that scheduler is reset first
+        make.resetGlobalScheduler(True)
         h.setOptionValue("threads", int(threads))
     return h
 

@@ -41,9 +41,10 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # batch-time calibration (NNLS beta, online refit)
     (("olproute.calibration",),),
     # TTFT estimators, predictors, the config schema and what needs only it (reading
-    # files, weight profiles, per-request outlook, prefill/decode pools)
+    # files, weight profiles, per-request outlook, prefill/decode pools, the live window the
+    # exact LP checks)
     (("olproute.bea", "olproute.predict", "olproute.config_schema", "olproute.config_read",
-      "olproute.weights", "olproute.outlook", "olproute.disagg"),),
+      "olproute.weights", "olproute.outlook", "olproute.disagg", "olproute.live_window"),),
     # the multi-objective reward and usage columns
     (("olproute.reward",),),
     # shadow prices

@@ -2,7 +2,8 @@
 cleanup context (HTTP session, emulated backends when the config names none, the router
 and its tracker) and background tasks run there too: price updates (in a worker thread,
 off the event loop), health checks with backoff, scraping the backends' Prometheus
-gauges, and beta recalibration from the backends' batch records.
+gauges, beta recalibration from the backends' batch records, and the live certificate of
+bid_price's prices (``olproute.server.live``; the LP runs in a process of its own).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from olproute.assembly import CalibrationSource
 from olproute.calibration import OnlineCalibrator
 from olproute.config import LoadedConfig
 from olproute.router import Router
-from olproute.server import admin, dashboard, proxy
+from olproute.server import admin, dashboard, live, proxy
+from olproute.server.capture import LiveCapture
+from olproute.server.certify import Certifier, LiveCert
 from olproute.server.errors import json_errors
 from olproute.server.holding import HoldQueue
 from olproute.server.metrics import ServerMetrics
@@ -45,16 +48,20 @@ BACKEND_URLS = web.AppKey("olproute_backend_urls", list)
 
 
 def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
-             calibration: CalibrationSource | None = None) -> web.Application:
+             calibration: CalibrationSource | None = None,
+             certifier: Certifier | None = None) -> web.Application:
     """The router application. ``backend_urls`` (one per instance, in order) overrides the
     config's backends; with neither, the instances are emulated in-process.
     ``calibration``: what estimating policies read (``olproute.assembly``); without one,
     the config's calibration file (``calibration: auto`` needs the simulator's profiler:
-    ``olproute serve`` passes ``olproute.sim.scenario.CalibrationSource``)."""
+    ``olproute serve`` passes ``olproute.sim.scenario.CalibrationSource``).
+    ``certifier``: checks a window of bid_price's prices against the exact LP, in a
+    worker process (a picklable function; ``olproute serve`` passes
+    ``solvers.live.certify``); without one, no live certificate."""
     app = web.Application(client_max_size=loaded.config.server.max_body_bytes,
                           middlewares=[json_errors])  # every error in one JSON shape
     app[BACKEND_URLS] = list(backend_urls or [])
-    app.cleanup_ctx.append(_lifecycle(loaded, calibration))
+    app.cleanup_ctx.append(_lifecycle(loaded, calibration, certifier))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.completions)
     app.router.add_post("/route", route)
@@ -69,6 +76,7 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
 
 
 def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
+               certifier: Certifier | None,
                ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         server = loaded.config.server
@@ -109,12 +117,19 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
             st.holding = HoldQueue(loaded.config.admission.max_held,
                                    loaded.config.router.slot_ms / 1e3,
                                    server.hold_budget_ms / 1e3, st.now)
+            if certifier is not None:
+                st.live = LiveCert(certifier, LiveCapture(
+                    len(loaded.specs), loaded.config.prices.certify_max_requests),
+                    on_result=st.metrics.set_certificate)
+                stack.callback(st.live.close)
             app[STATE] = st
             tasks = [asyncio.create_task(_every(period, job, st)) for period, job in (
                 (router.tick_s, _tick), (server.health_period_s, _health),
                 (server.scrape_period_s, _scrape),
                 (server.recalibrate_period_s, _recalibrate)) if period > 0]
             tasks.append(asyncio.create_task(st.lag.run(st.metrics.loop_lag_seconds.observe)))
+            if st.live is not None:
+                tasks.append(asyncio.create_task(live.run(st)))
             try:
                 yield
             finally:
@@ -157,6 +172,8 @@ async def _tick(st: ServerState) -> None:
     await asyncio.get_running_loop().run_in_executor(None, router.tick, now, snaps)
     st.metrics.set_prices(router.prices())
     st.metrics.price_updates.inc()
+    if st.router is router:   # not replaced by a reload meanwhile
+        live.ticked(st, now)
 
 
 PROBE_TIMEOUT_S = 1.0
@@ -296,9 +313,9 @@ async def prices(request: web.Request) -> web.Response:
     st = request.app[STATE]
     doc = st.router.prices()
     if doc is None:
-        return web.json_response({"policy": st.router.policy_name, "instances": [],
-                                  "message": "this policy has no shadow prices"})
-    return web.json_response(doc)
+        doc = {"policy": st.router.policy_name, "instances": [],
+               "message": "this policy has no shadow prices"}
+    return web.json_response({**doc, **live.certificate_doc(st)})
 
 
 async def instances(request: web.Request) -> web.Response:
@@ -358,14 +375,17 @@ async def openapi_doc(request: web.Request) -> web.Response:
 
 
 def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None,
-               calibration: CalibrationSource | None = None) -> None:
-    """Serve on uvloop until interrupted; ``calibration`` as for ``init_app``."""
+               calibration: CalibrationSource | None = None,
+               certifier: Certifier | None = None) -> None:
+    """Serve on uvloop until interrupted; ``calibration`` and ``certifier`` as for
+    ``init_app``."""
     import uvloop
 
     server = loaded.config.server
     uvloop.install()
     # a client that leaves cancels its handler: a held request leaves the buffer, a
     # backend request in flight is closed (the backend stops generating for it)
-    web.run_app(init_app(loaded, calibration=calibration), host=host or server.host,
+    web.run_app(init_app(loaded, calibration=calibration, certifier=certifier),
+                host=host or server.host,
                 port=server.port if port is None else port, print=print,
                 handler_cancellation=True)

@@ -59,6 +59,13 @@ class ServerMetrics:
         self.loop_lag_seconds = Histogram(
             "olproute_loop_lag_seconds", "How late the event loop ran a timer (sampled every "
             "50 ms)", buckets=LOOP_LAG_BUCKETS_S, registry=r)
+        self.certificate_checks = Counter(
+            "olproute_price_certificate_checks", "Live certificate checks by result (ok, "
+            "error, empty: nothing to check, skipped: the last was still running)",
+            ["result"], registry=r)
+        # created by the first check (absent while the certificate is off)
+        self.certificate: Gauge | None = None
+        self.certificate_solve_seconds: Gauge | None = None
         self.probes = Counter("olproute_health_probes", "Health probes by result (ok, "
                               "failed, inconclusive: timed out while the router's own "
                               "event loop lagged)", ["instance", "result"], registry=r)
@@ -71,6 +78,25 @@ class ServerMetrics:
         for inst in prices["instances"]:
             for resource in RESOURCES:
                 self.price_sum.labels(inst["name"], resource).set(sum(inst[resource]))
+
+    def set_certificate(self, check: dict[str, Any]) -> None:
+        """A finished live check: counted by status; a successful one sets the gauges
+        (which keep the last successful check's values)."""
+        self.certificate_checks.labels(check["status"]).inc()
+        cert, solve_s = check.get("certificate"), check.get("solve_s")
+        if check["status"] != "ok" or cert is None or solve_s is None:
+            return
+        if self.certificate is None or self.certificate_solve_seconds is None:
+            self.certificate = Gauge(
+                "olproute_price_certificate", "D(p_online)/LP* - 1 of the last live check: "
+                "how far the dual value of bid_price's prices is above the exact LP's "
+                "optimum over the last window (>= 0; 0: the prices are optimal)",
+                registry=self.registry)
+            self.certificate_solve_seconds = Gauge(
+                "olproute_price_certificate_solve_seconds", "Time the last live check's "
+                "exact LP took to solve", registry=self.registry)
+        self.certificate.set(float(cert))
+        self.certificate_solve_seconds.set(float(solve_s))
 
     def set_backends(self, names: Sequence[str], healthy: Sequence[bool],
                      in_flight: Sequence[int]) -> None:

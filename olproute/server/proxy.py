@@ -119,6 +119,7 @@ async def decide_until_dispatch(st: ServerState, req: Request, client: web.Reque
     policy would hold when the buffer is full is refused; None when the client left
     while it was held (the policy then forgets it)."""
     d = st.decide(req, exclude)
+    st.first_decision(req, d)
     if d.action != "hold":
         return d
     holding = st.holding
@@ -138,7 +139,7 @@ async def decide_until_dispatch(st: ServerState, req: Request, client: web.Reque
         # client left, so nothing is to be decided for it any more
         if held is None:
             st.metrics.held_dropped.inc()
-            st.router.forget(req.request_id)
+            st.forget(req.request_id)
     return held
 
 
@@ -183,7 +184,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if decision is None:   # the client left while its request was held: nobody reads this
         return web.Response(status=499)
     if decision.action == "shed":
-        st.router.observe(_outcome(req, None, None, None, None, 0))
+        st.observe(_outcome(req, None, None, None, None, 0))
         return error_response(429, f"request refused: {decision.reason}", kind="rate_limited",
                               headers={"Retry-After": str(server.retry_after_s),
                                        "x-olproute-reason": _ascii(decision.reason)})
@@ -207,7 +208,7 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
             upstream, failure = await _post(st, g, request.path, data)
         except asyncio.CancelledError:   # the client left before the backend answered
             st.tracker.finished(g, req.request_id)
-            st.router.observe(_outcome(req, g, now, None, None, 0))
+            st.observe(_outcome(req, g, now, None, None, 0))
             raise
         if failure is None:
             break
@@ -218,14 +219,14 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         st.metrics.errors.labels(backend.spec.name, "before_first_byte").inc()
         tried.add(g)
         if len(tried) > 1:
-            st.router.observe(_outcome(req, g, now, None, None, 0))
+            st.observe(_outcome(req, g, now, None, None, 0))
             return error_response(502, f"backends failed: {failure}", kind="backend_error")
         retry = await decide_until_dispatch(st, req, request, exclude | frozenset(tried))
         if retry is None:
             return web.Response(status=499)
         decision = retry
         if decision.action != "dispatch":
-            st.router.observe(_outcome(req, None, None, None, None, 0))
+            st.observe(_outcome(req, None, None, None, None, 0))
             return error_response(503, f"no backend after a failure: {decision.reason}",
                                   kind="backend_error")
     assert upstream is not None
@@ -252,7 +253,7 @@ def _record(st: ServerState, req: Request, g: int, decode_instance: int | None,
     end = st.now() if completed else None
     first = flight.first_token_s
     dispatch = flight.dispatch_s if flight.origin is None else flight.origin.dispatch_s
-    st.router.observe(_outcome(req, g, dispatch, first, end, flight.tokens, decode_instance))
+    st.observe(_outcome(req, g, dispatch, first, end, flight.tokens, decode_instance))
     if first is not None:
         st.metrics.ttft_seconds.labels(name).observe(first - req.arrival_s)
         if end is not None:
@@ -485,6 +486,6 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
         if decode is not None:
             _record(st, req, p, q, decode, completed)
         else:  # the decode never started: no token reached the client
-            st.router.observe(_outcome(req, p, dispatch, None, None, 0, q))
+            st.observe(_outcome(req, p, dispatch, None, None, 0, q))
         if handoff is not None and handoff.handoff_s is not None:
             st.metrics.handoff_seconds.labels(bq.spec.name).observe(handoff.handoff_s)

@@ -13,11 +13,12 @@ from aiohttp import web
 from olproute.calibration import OnlineCalibrator
 from olproute.config import LoadedConfig
 from olproute.router import Router
+from olproute.server.certify import LiveCert
 from olproute.server.holding import HoldQueue
 from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics
 from olproute.server.tracker import Tracker
-from olproute.types import Decision, EngineSnapshot, Request
+from olproute.types import Decision, EngineSnapshot, Outcome, Request
 
 
 @dataclass(slots=True)
@@ -39,6 +40,8 @@ class ServerState:
     emulators: list[Any] = field(default_factory=list)
     holding: HoldQueue | None = None
     lag: LoopLag = field(default_factory=lambda: LoopLag())
+    # the live certificate (olproute.server.certify), when the CLI gave a certifier
+    live: LiveCert | None = None
 
     def now(self) -> float:
         """Seconds since the server started (the policies' clock)."""
@@ -65,6 +68,33 @@ class ServerState:
         name = "" if d.instance is None else self.loaded.specs[d.instance].name
         self.metrics.decisions.labels(d.action, name).inc()
         return d
+
+    def certifying(self) -> bool:
+        """Is the live certificate on: a certifier, a period, and bid_price on mixed
+        instances (the exact LP's model)?"""
+        return (self.live is not None
+                and self.loaded.config.prices.certify_period_s is not None
+                and self.router.policy_name == "bid_price"
+                and not self.router.pools.disaggregated)
+
+    def first_decision(self, request: Request, decision: Decision) -> None:
+        """A request's first decision on its way to a backend: the live certificate
+        records it (a few row writes)."""
+        if self.live is not None and self.certifying():
+            self.live.capture.decided(request, decision, self.now())
+
+    def observe(self, outcome: Outcome) -> None:
+        """A request's outcome, to the policy and the live certificate."""
+        self.router.observe(outcome)
+        if self.live is not None:
+            self.live.capture.finished(outcome)
+
+    def forget(self, request_id: int) -> None:
+        """A request whose decision will not be carried out (its client left while it
+        was held): the policy drops it; the live certificate counts it not served."""
+        self.router.forget(request_id)
+        if self.live is not None:
+            self.live.capture.dropped(request_id)
 
 
 STATE = web.AppKey("olproute_state", ServerState)

@@ -74,6 +74,8 @@ def test_dashboard_data(stack: Stack) -> None:
     assert all(len(i[r]) == PRICE_BINS for i in d["instances"] for r in RESOURCES)
     assert d["decisions"]["total"] == {"dispatch": 0, "hold": 0, "shed": 0}
     assert d["ttft"]["all"]["count"] == 0 and d["ttft"]["all"]["mean_s"] is None
+    # started without a certifier (olproute serve injects one): no live certificate
+    assert d["certificate"] is None and "no certifier" in d["certificate_message"]
 
     _traffic(stack, 6)
     assert wait_until(lambda: _get(stack, "/dashboard/data")["ttft"]["all"]["count"] == 6)
@@ -182,6 +184,7 @@ def test_dashboard_page_in_headless_chromium(stack: Stack, tmp_path: Path) -> No
     assert rate > 0 if recent else rate >= 0, rate
     assert page.ids["ttft-all-count"] == "4" and float(page.ids["ttft-all-mean"]) > 0
     assert dom.count('class="heat"') == 3
+    assert "no certifier" in page.ids["certificate"]
 
 
 def test_plots_from_a_live_server(stack: Stack, tmp_path: Path,
