@@ -7,7 +7,10 @@
    default four delay options: the jitted JAX update (K steps in one call, timed for
    K = 5 and K = 50) against the NumPy implementation of the same step, measured in the
    same run. The JAX result is checked against NumPy first.
-2. Decision time of ``bid_price`` for 8 instances with predictions and BEA included:
+2. One whole price update as bid_price runs it at the defaults (``PriceBook.update``:
+   the shift to now and K = 5 adagrad steps), and its share of one core at the default
+   period of 0.5 s (issue 14's goals: <= 2 ms and <= 1%).
+3. Decision time of ``bid_price`` for 8 instances with predictions and BEA included:
    8 Qwen3-8B / H100 instances under a synthetic workload at about 60% load, the
    LightGBM predictor trained here on synthetic prompts (prediction mode ``predictor``),
    every ``decide`` call timed with perf_counter (the simulator calls it exactly as the
@@ -90,6 +93,44 @@ def dual_step_times(repeats: int) -> dict[str, float]:
     return out
 
 
+def update_times(repeats: int) -> dict[str, float]:
+    """One price update as bid_price runs it (``PriceBook.update`` at the defaults: K = 5
+    adagrad steps of mini-batch 256 on a full window of 2,000 samples with 4 delays, three
+    resources, G = 8, H = 600, the shift to now included), and its share of one core at
+    the default period (10 slots of 50 ms)."""
+    from olproute.prices import PriceBook
+    from olproute.reward import usage_columns
+    from olproute.types import InstanceSpec
+
+    cfg = PriceConfig()
+    spec = InstanceSpec(name="a", model="m", gpu="g", tensor_parallel=1, max_num_seqs=256,
+                        max_num_batched_tokens=2048, block_size=16, num_kv_blocks=10_000)
+    slot = 0.05
+    book = PriceBook([spec] * G, slot, H, cfg, np.random.default_rng(0),
+                     compute_budget=np.full(G, 600.0))
+    rng = np.random.default_rng(1)
+    for i in range(cfg.window):
+        cols = usage_columns(int(rng.integers(100, 3000)), rng.uniform(50, 500, G),
+                             rng.uniform(0.05, 2.0, G), np.full(G, 0.03), np.full(G, 256.0),
+                             np.full(G, 160_000.0), np.full(G, 600.0), slot, H)
+        book.observe_arrival(i * 0.03)
+        book.add_sample(rng.uniform(5, 15, (G, len(cfg.sample_delays_slots))), cols)
+    book.set_free_capacity(rng.uniform(0, 1, (G, H, NUM_RESOURCES)))
+    period = cfg.period_slots * slot
+    t = 60.0
+    for _ in range(5):  # compile and warm up
+        book.update(t)
+        t += period
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        book.update(t)
+        samples.append(time.perf_counter() - t0)
+        t += period
+    med = float(np.median(samples))
+    return {"update_ms": med * 1e3, "core_share": med / period}
+
+
 def decision_times(quick: bool, use_predictor: bool) -> dict[str, float]:
     from olproute.predict import TrainConfig, train_and_evaluate
     from olproute.sim.prompts import generate_prompts, training_data
@@ -142,6 +183,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repeats and decisions")
     args = ap.parse_args()
     step = dual_step_times(10 if args.quick else 40)
+    upd = update_times(20 if args.quick else 100)
     dec = decision_times(args.quick, use_predictor=True)
     bare = decision_times(args.quick, use_predictor=False)
     rows = [
@@ -150,6 +192,9 @@ def main() -> None:
         ("dual step, JAX, K = 50 per call (us/step)", f"{step['jax_K50_us']:.0f}"),
         ("JAX speed-up over NumPy (K = 50)", f"{step['numpy_us'] / step['jax_K50_us']:.1f}x"),
         ("goal per step after jit (us)", "100"),
+        ("price update per period, defaults (ms)", f"{upd['update_ms']:.2f}"),
+        ("share of one core at the default period", f"{upd['core_share'] * 100:.2f}%"),
+        ("goal per period / share of a core", "2 ms / 1%"),
         ("bid_price decisions timed", f"{dec['decisions']:.0f}"),
         ("decision p50 / p90 / p99 (us), LightGBM predictor",
          f"{dec['p50_us']:.0f} / {dec['p90_us']:.0f} / {dec['p99_us']:.0f}"),
@@ -164,7 +209,7 @@ def main() -> None:
         print(f"{k:<{width}}  {v}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"dual_step": step, "decision_with_predictor": dec,
+            {"dual_step": step, "price_update": upd, "decision_with_predictor": dec,
              "decision_lengths_given": bare}, indent=2) + "\n")
 
 
