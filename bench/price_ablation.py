@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one seed, 300 requests")
     ap.add_argument("--seeds", default=",".join(str(s) for s in REPORT_SEEDS))
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]

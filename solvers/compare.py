@@ -116,7 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--seeds", default=",".join(str(s) for s in REPORT_SEEDS))
-    ap.add_argument("--requests", type=int, default=1000, help="requests per run")
+    ap.add_argument("--requests", type=int, default=600, help="requests per run")
     ap.add_argument("--gap-tol", type=float, default=0.0)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--png", metavar="PATH", help="price plot of the last (scenario, seed)")
