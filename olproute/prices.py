@@ -426,6 +426,7 @@ class PriceBook:
         self.num_steps = 0
         self.num_updates = 0
         self.last_price_scale = 0.0
+        self._scale_samples = 0
         self._origin_s: float | None = None   # time of price slot 0
         self._decayed_arrivals = 0.0
         self._first_arrival_s: float | None = None
@@ -463,11 +464,14 @@ class PriceBook:
         of time observed, ``halflife / ln 2 * (1 - 2^(-elapsed / halflife))``. Dividing by
         the time observed rather than by its limit removes the start-up bias (the bare
         decayed count needs several half-lives to reach the rate: 74% of it after 20 s
-        at a 10 s half-life), and a pause in arrivals lowers the rate as it lasts."""
+        at a 10 s half-life), and a pause in arrivals lowers the rate as it lasts. The
+        time observed counts as at least half a half-life, so that the first arrivals do
+        not read as a burst (the rate is then under-estimated for those first seconds)."""
         if self._first_arrival_s is None:
             return 0.0
         hl = self.cfg.arrival_rate_halflife_s
-        elapsed = max(now_s - self._first_arrival_s, self.slot_s)
+        # at least half a half-life: one arrival in the first slot is not 20 a second
+        elapsed = max(now_s - self._first_arrival_s, hl / 2)
         seen = hl / math.log(2) * -math.expm1(-elapsed * math.log(2) / hl)
         return self._decayed_at(now_s) / seen
 
@@ -534,11 +538,14 @@ class PriceBook:
     def step_scale(self) -> float:
         """eta0 in price units: adagrad multiplies it by the window's break-even price,
         refreshed every ``SCALE_EVERY`` updates (a median over the window: it moves
-        slowly, and costs a quarter of an update)."""
+        slowly, and costs a quarter of an update) and whenever the window has grown by a
+        quarter since (a scale from the first few requests would hold for 10 s)."""
         if self.cfg.schedule != "adagrad":
             return self.cfg.step_size
-        if self.num_updates % SCALE_EVERY == 0 or self.last_price_scale <= 0:
+        if (self.num_updates % SCALE_EVERY == 0 or self.last_price_scale <= 0
+                or self.num_samples > 1.25 * self._scale_samples):  # the window fills
             self.last_price_scale = self.samples.price_scale(self.num_samples)
+            self._scale_samples = self.num_samples
         return self.cfg.step_size * self.last_price_scale
 
     def set_schedule(self, t0_s: float, prices: FloatArray) -> None:

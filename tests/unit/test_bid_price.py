@@ -199,6 +199,19 @@ def test_demand_takes_each_sample_at_its_best_delay() -> None:
     assert use[0, 25:35, 0].tolist() == [0.5] * 10      # moved by 10: delay 90 is past H
 
 
+def test_arrival_rate_has_no_start_up_bias_and_decays_in_a_pause() -> None:
+    """N_H's rate: 20 req/s for 30 s reads 20 (the bare decayed count, 17.5 after three
+    half-lives of 10 s); a 10 s pause halves it; one arrival is not a burst."""
+    book = PriceBook([SPEC], SLOT, H, PriceConfig(arrival_rate_halflife_s=10.0),
+                     np.random.default_rng(0), backend="numpy")
+    book.observe_arrival(0.0)
+    assert book.arrival_rate_per_s(0.0) < 0.5
+    for i in range(1, 600):
+        book.observe_arrival(i / 20)
+    assert book.arrival_rate_per_s(30.0) == pytest.approx(20.0, rel=0.03)
+    assert book.arrival_rate_per_s(30.0 + 10.0) == pytest.approx(10.0, rel=0.1)
+
+
 def test_a_fixed_schedule_is_replayed_from_now() -> None:
     """Oracle prices: absolute slot k of the schedule is price slot k - (now - t0) / slot
     at each update, and 0 past the schedule's end; nothing is learned."""
