@@ -1,0 +1,75 @@
+"""The figures the README's operator-plots paragraph states, measured on the run
+``olproute plots`` draws (same config, weights, requests, calibration and seed).
+
+    python bench/plots_figures.py --config configs/tune/bear_pool.yaml \\
+        --weights runs/tune/selected.yaml
+
+Prints, from ``record_prices`` (the prices after every tick, as in prices.png and
+bottleneck.png): the number of ticks and their period; per instance, when each resource
+is first priced (any slot > 0), the share of ticks on which each resource is the
+bottleneck (``PriceTrace.bottlenecks``, the numbers bottleneck.png prints), split into the
+arrival window and the drain after the last arrival, and the peak horizon-summed price of
+each resource; and the share of requests bid_price sends to each instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from olproute.config import load_config
+from olproute.operator_plots import record_prices
+from olproute.prices import RESOURCES
+from olproute.sim.scenario import CalibrationSource, build_requests
+
+
+def _shares(which: np.ndarray) -> str:
+    """'batch x%, kv y%, compute z%, none w%' of a (T,) bottleneck column."""
+    if which.size == 0:
+        return "(no ticks)"
+    parts = [f"{r} {(which == i).mean():.1%}" for i, r in enumerate(RESOURCES)]
+    return ", ".join([*parts, f"none {(which == -1).mean():.1%}"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/tune/bear_pool.yaml")
+    ap.add_argument("--weights", action="append", default=[])
+    ap.add_argument("--policy", default="bid_price")
+    args = ap.parse_args()
+
+    loaded = load_config(args.config, args.weights)
+    reqs = build_requests(loaded)
+    res, trace = record_prices(loaded, args.policy, reqs, CalibrationSource(loaded))
+    t = trace.time_s
+    last_arrival = max(r.arrival_s for r in reqs)
+    tot = trace.totals()
+    which = trace.bottlenecks()
+    arriving = t <= last_arrival
+    print(f"{len(reqs)} requests, last arrival {last_arrival:.1f} s, run ends {res.end_s:.1f} s")
+    print(f"{len(t)} ticks from {t[0]:.2f} to {t[-1]:.2f} s, "
+          f"period {np.median(np.diff(t)):.3f} s; {arriving.sum()} ticks up to the last "
+          "arrival")
+    for g, name in enumerate(trace.names):
+        print(f"\n{name}:")
+        for r, resource in enumerate(RESOURCES):
+            priced = np.flatnonzero(trace.prices[:, g, :, r].max(axis=1) > 0)
+            first = f"first priced at {t[priced[0]]:.2f} s" if priced.size else "never priced"
+            peak = int(np.argmax(tot[:, g, r]))
+            print(f"  {resource:8s} {first}; priced on {priced.size / len(t):.1%} of ticks; "
+                  f"horizon sum peak {tot[peak, g, r]:.1f} at {t[peak]:.1f} s, "
+                  f"last tick {tot[-1, g, r]:.1f}")
+        print(f"  bottleneck, all ticks:      {_shares(which[:, g])}")
+        print(f"  bottleneck, arrival window: {_shares(which[arriving, g])}")
+        print(f"  bottleneck, after it:       {_shares(which[~arriving, g])}")
+    served = ~res.shed
+    print(f"\n{args.policy}: {int(res.shed.sum())} of {len(reqs)} refused")
+    for g, spec in enumerate(res.specs):
+        n = int(((res.instance == g) & served).sum())
+        print(f"  {spec.name:12s} {n:5d} requests, {n / len(reqs):.1%} of all, "
+              f"{n / max(int(served.sum()), 1):.1%} of the served")
+
+
+if __name__ == "__main__":
+    main()
