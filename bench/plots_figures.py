@@ -9,7 +9,9 @@ bottleneck.png): the number of ticks and their period; per instance, when each r
 is first priced (any slot > 0), the share of ticks on which each resource is the
 bottleneck (``PriceTrace.bottlenecks``, the numbers bottleneck.png prints), split into the
 arrival window and the drain after the last arrival, and the peak horizon-summed price of
-each resource; and the share of requests bid_price sends to each instance.
+each resource, over the run and after the first ``--settle-s``; the learner's window size,
+N_H and adagrad scale (``PriceBook.last_price_scale``) whenever the scale changes; and the
+share of requests bid_price sends to each instance.
 """
 
 from __future__ import annotations
@@ -19,9 +21,27 @@ import argparse
 import numpy as np
 
 from olproute.config import load_config
-from olproute.operator_plots import record_prices
+from olproute.operator_plots import PriceRecorder, PriceTrace
 from olproute.prices import RESOURCES
-from olproute.sim.scenario import CalibrationSource, build_requests
+from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, make_policy
+from olproute.types import EngineSnapshot
+
+
+class BookRecorder(PriceRecorder):
+    """``record_prices``' recorder, also keeping the price book's learner state per tick:
+    (time, window size, N_H, adagrad scale)."""
+
+    def __init__(self, inner: object) -> None:
+        super().__init__(inner)  # type: ignore[arg-type]
+        self.book = getattr(inner, "book", None)
+        self.state: list[tuple[float, int, float, float]] = []
+
+    def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
+        super().tick(now_s, snapshots)
+        b = self.book
+        if b is not None:
+            self.state.append((now_s, int(b.num_samples), float(b._n_h),
+                               float(b.last_price_scale)))
 
 
 def _shares(which: np.ndarray) -> str:
@@ -37,11 +57,17 @@ def main() -> None:
     ap.add_argument("--config", default="configs/tune/bear_pool.yaml")
     ap.add_argument("--weights", action="append", default=[])
     ap.add_argument("--policy", default="bid_price")
+    ap.add_argument("--settle-s", type=float, default=2.0,
+                    help="also report each price's peak after this time")
     args = ap.parse_args()
 
     loaded = load_config(args.config, args.weights)
     reqs = build_requests(loaded)
-    res, trace = record_prices(loaded, args.policy, reqs, CalibrationSource(loaded))
+    # what record_prices does (the run `olproute plots` draws), keeping the book's state
+    probe = BookRecorder(make_policy(loaded, args.policy, calibration=CalibrationSource(loaded)))
+    res = make_cluster(loaded, probe).run(reqs)
+    trace = PriceTrace(tuple(s.name for s in loaded.specs), loaded.config.router.slot_ms / 1e3,
+                       np.array(probe.times), np.stack(probe.samples).astype(np.float64))
     t = trace.time_s
     last_arrival = max(r.arrival_s for r in reqs)
     tot = trace.totals()
@@ -51,6 +77,13 @@ def main() -> None:
     print(f"{len(t)} ticks from {t[0]:.2f} to {t[-1]:.2f} s, "
           f"period {np.median(np.diff(t)):.3f} s; {arriving.sum()} ticks up to the last "
           "arrival")
+    last_scale = None
+    for k, (now, window, n_h, scale) in enumerate(probe.state):
+        if scale != last_scale or k == len(probe.state) - 1:
+            print(f"  update {k + 1:3d} at {now:6.2f} s: window {window} requests, "
+                  f"N_H {n_h:.0f}, adagrad scale {scale:.2f}")
+            last_scale = scale
+    later = t > args.settle_s
     for g, name in enumerate(trace.names):
         print(f"\n{name}:")
         for r, resource in enumerate(RESOURCES):
@@ -59,6 +92,7 @@ def main() -> None:
             peak = int(np.argmax(tot[:, g, r]))
             print(f"  {resource:8s} {first}; priced on {priced.size / len(t):.1%} of ticks; "
                   f"horizon sum peak {tot[peak, g, r]:.1f} at {t[peak]:.1f} s, "
+                  f"after {args.settle_s:g} s {tot[later, g, r].max(initial=0.0):.1f}, "
                   f"last tick {tot[-1, g, r]:.1f}")
         print(f"  bottleneck, all ticks:      {_shares(which[:, g])}")
         print(f"  bottleneck, arrival window: {_shares(which[arriving, g])}")
