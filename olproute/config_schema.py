@@ -242,6 +242,10 @@ class PriceConfig(_Frozen):
     schedule: Literal["constant", "inverse_sqrt", "adagrad"] = Field(
         default="adagrad", description="step sizes: adagrad (per-coordinate, scaled to the "
         "break-even price), constant, or inverse_sqrt (eta0 / sqrt(t + 1))")
+    average_halflife_updates: float = Field(
+        default=6.0, ge=0, allow_inf_nan=False, description="the prices decisions read are "
+        "a moving average of the steps' prices with this half-life in updates (0: the last "
+        "step's): a stochastic step's noise, averaged out")
     adagrad_halflife_steps: float = Field(default=500.0, gt=0, description="adagrad: "
                                           "half-life of the squared-gradient sum, steps")
     sample_delays_slots: tuple[int, ...] = Field(

@@ -212,6 +212,27 @@ def test_arrival_rate_has_no_start_up_bias_and_decays_in_a_pause() -> None:
     assert book.arrival_rate_per_s(30.0 + 10.0) == pytest.approx(10.0, rel=0.1)
 
 
+def test_decisions_read_a_moving_average_of_the_steps_prices() -> None:
+    """With a half-life of 2 updates the handed-out prices move a third of the way
+    (1 - 2^-1/2 = 0.29) to the steps' prices each update; with 0 they are the steps'."""
+    runs = {}
+    for hl in (0.0, 2.0):
+        cfg = PriceConfig(step_size=2.0, schedule="constant", window=200, minibatch=64,
+                          steps_per_period=5, arrival_rate_halflife_s=5.0,
+                          sample_delays_slots=(0,), average_halflife_updates=hl)
+        book = PriceBook([SPEC, SPEC], SLOT, H, cfg, np.random.default_rng(0),
+                         backend="numpy")
+        _feed(book, rate=20.0, seconds=1.0)
+        runs[hl] = book
+    last, avg = runs[0.0], runs[2.0]
+    np.testing.assert_array_equal(last.p, last._iterate)
+    assert 0.0 < avg.p.sum() < avg._iterate.sum()
+    before = avg.p.copy()
+    avg.update(avg.origin_s + 0.5 * SLOT)     # no shift: one more update in place
+    w = 0.5 ** 0.5
+    np.testing.assert_allclose(avg.p, w * before + (1 - w) * avg._iterate, atol=1e-12)
+
+
 def test_a_fixed_schedule_is_replayed_from_now() -> None:
     """Oracle prices: absolute slot k of the schedule is price slot k - (now - t0) / slot
     at each update, and 0 past the schedule's end; nothing is learned."""
@@ -235,7 +256,8 @@ def test_step_sizes() -> None:
 
 def _book(backend: str = "numpy") -> PriceBook:
     cfg = PriceConfig(step_size=2.0, schedule="constant", window=200, minibatch=64,
-                      steps_per_period=5, arrival_rate_halflife_s=5.0, sample_delays_slots=(0,))
+                      steps_per_period=5, arrival_rate_halflife_s=5.0, sample_delays_slots=(0,),
+                      average_halflife_updates=0.0)  # the steps' own prices
     return PriceBook([SPEC, SPEC], SLOT, H, cfg, np.random.default_rng(0), backend=backend)
 
 
