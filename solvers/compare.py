@@ -47,11 +47,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-def scenario(name: str, num_requests: int, seed: int, rate: float | None = None
-             ) -> LoadedConfig:
-    """The config of one scenario (module docstring) at its rate (or ``rate``)."""
+def scenario(name: str, num_requests: int, seed: int, rate: float | None = None,
+             patience_s: float | None = None) -> LoadedConfig:
+    """The config of one scenario (module docstring) at its rate (or ``rate``); with
+    ``patience_s``, requests may wait that long in the router's buffer (default: their
+    TTFT target)."""
     sc = SCENARIOS[name]
     data: dict[str, Any] = {
+        "admission": {} if patience_s is None else {"patience_s": patience_s},
         "instances": [{"name": "llama7b", "model": "llama-2-7b", "gpu": "a100-80gb",
                        "replicas": 4, **sc["engine"]}],
         "workload": {"kind": "poisson", "rate_per_s": rate or sc["rate"],
@@ -68,13 +71,13 @@ Row = tuple[str, float, int, CheckResult]
 
 
 def run(names: list[str], seeds: list[int], num_requests: int, gap_tol: float = 0.0,
-        png: Path | None = None) -> list[Row]:
+        png: Path | None = None, patience_s: float | None = None) -> list[Row]:
     """Every (scenario, seed); with ``png``, the price plot of the last one."""
     rows: list[Row] = []
     for name in names:
         for seed in seeds:
             t0 = time.perf_counter()
-            loaded = scenario(name, num_requests, seed)
+            loaded = scenario(name, num_requests, seed, patience_s=patience_s)
             res, prob, sol, p_online = run_check(loaded, gap_tol=gap_tol)
             print(f"  {name} seed {seed}: {time.perf_counter() - t0:.1f} s", flush=True)
             rows.append((name, float(SCENARIOS[name]["rate"]), seed, res))
@@ -120,9 +123,12 @@ def main() -> None:
     ap.add_argument("--gap-tol", type=float, default=0.0)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--png", metavar="PATH", help="price plot of the last (scenario, seed)")
+    ap.add_argument("--patience-s", type=float, default=None,
+                    help="admission.patience_s (default: each request's TTFT target)")
     args = ap.parse_args()
     rows = run(args.scenarios.split(","), [int(s) for s in args.seeds.split(",")],
-               args.requests, args.gap_tol, Path(args.png) if args.png else None)
+               args.requests, args.gap_tol, Path(args.png) if args.png else None,
+               args.patience_s)
     print()
     print(table(rows))
     if args.json:
