@@ -64,8 +64,9 @@ IMBALANCE_LIMIT = 1.5
 ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "bid_price, patience = TTFT target": {"admission": {"patience_s": None,
                                                          "max_patience_s": 30.0}},
-    "bid_price, step 0.05/sqrt(t)": {"prices": {"step_size": 0.05,
-                                                "schedule": "inverse_sqrt"}},
+    # the step rule of before issue 14 (its other fixes stay: clipping, prorating, N_H)
+    "bid_price, constant step 2.0, no averaging": {"prices": {
+        "step_size": 2.0, "schedule": "constant", "average_halflife_updates": 0.0}},
     "bid_price, prices off": {"prices": {"enabled": False}},
 }
 
