@@ -27,8 +27,9 @@ to a queue after the default patience (their TTFT target). It refuses nothing
 (``admission: defer``), so every policy here is measured over the same served set.
 
 ``--ablations`` adds bid_price variants at the overloaded rate: the default patience
-(each request's TTFT target) instead of 60 s, a step of 0.05/sqrt(t) instead of 2.0, and
-prices off (``prices.enabled: false``; the start-and-fit checks still run every tick).
+(each request's TTFT target) instead of 60 s, the step rule of before issue 14 (a
+constant 2.0, no averaging) instead of adagrad with averaged prices, and prices off
+(``prices.enabled: false``; the start-and-fit checks still run every tick).
 """
 
 from __future__ import annotations
