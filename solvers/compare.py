@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from olproute.config import Config, LoadedConfig, load_profiles
 from solvers.check import CheckResult, plot_prices, run_check
 
@@ -48,13 +50,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 def scenario(name: str, num_requests: int, seed: int, rate: float | None = None,
-             patience_s: float | None = None) -> LoadedConfig:
+             patience_s: float | None = None, prices: dict[str, Any] | None = None
+             ) -> LoadedConfig:
     """The config of one scenario (module docstring) at its rate (or ``rate``); with
     ``patience_s``, requests may wait that long in the router's buffer (default: their
-    TTFT target)."""
+    TTFT target); ``prices``: keys of the ``prices`` section to override."""
     sc = SCENARIOS[name]
     data: dict[str, Any] = {
         "admission": {} if patience_s is None else {"patience_s": patience_s},
+        "prices": prices or {},
         "instances": [{"name": "llama7b", "model": "llama-2-7b", "gpu": "a100-80gb",
                        "replicas": 4, **sc["engine"]}],
         "workload": {"kind": "poisson", "rate_per_s": rate or sc["rate"],
@@ -71,13 +75,14 @@ Row = tuple[str, float, int, CheckResult]
 
 
 def run(names: list[str], seeds: list[int], num_requests: int, gap_tol: float = 0.0,
-        png: Path | None = None, patience_s: float | None = None) -> list[Row]:
+        png: Path | None = None, patience_s: float | None = None,
+        prices: dict[str, Any] | None = None) -> list[Row]:
     """Every (scenario, seed); with ``png``, the price plot of the last one."""
     rows: list[Row] = []
     for name in names:
         for seed in seeds:
             t0 = time.perf_counter()
-            loaded = scenario(name, num_requests, seed, patience_s=patience_s)
+            loaded = scenario(name, num_requests, seed, patience_s=patience_s, prices=prices)
             res, prob, sol, p_online = run_check(loaded, gap_tol=gap_tol)
             print(f"  {name} seed {seed}: {time.perf_counter() - t0:.1f} s", flush=True)
             rows.append((name, float(SCENARIOS[name]["rate"]), seed, res))
@@ -125,10 +130,19 @@ def main() -> None:
     ap.add_argument("--png", metavar="PATH", help="price plot of the last (scenario, seed)")
     ap.add_argument("--patience-s", type=float, default=None,
                     help="admission.patience_s (default: each request's TTFT target)")
+    ap.add_argument("--price", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a key of the prices section (repeatable), e.g. "
+                    "average_halflife_updates=0")
     args = ap.parse_args()
+    prices = {}
+    for item in args.price:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--price {item!r}: expected KEY=VALUE")
+        prices[key] = yaml.safe_load(value)
     rows = run(args.scenarios.split(","), [int(s) for s in args.seeds.split(",")],
                args.requests, args.gap_tol, Path(args.png) if args.png else None,
-               args.patience_s)
+               args.patience_s, prices)
     print()
     print(table(rows))
     if args.json:
