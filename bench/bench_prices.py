@@ -49,7 +49,7 @@ def _window(rng: np.random.Generator) -> Samples:
     smp.batch_a[:] = 1 / 256
     smp.kv_a[:] = rng.uniform(0, 0.02, (W, G))
     smp.kv_b[:] = rng.uniform(0, 2e-4, (W, G))
-    smp.pre[:] = rng.integers(1, 5, (W, G))
+    smp.pre_lo[:] = rng.integers(0, 4, (W, G))
     smp.compute_a[:] = rng.uniform(0, 1, (W, G))
     return smp
 

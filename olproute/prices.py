@@ -124,7 +124,10 @@ class Samples:
     """W samples of demand on G instances with L delay options. ``reward`` (W, G, L):
     the reward of starting the sample on g l delays later (-inf: no such column); the
     delay-0 column (W, G): first-token slot ``start``, ``end`` = start + decode slots
-    (not clipped), batch_a, kv_a, kv_b, ``pre`` (the prefill's slots P) and compute_a;
+    (not clipped), batch_a, kv_a, kv_b, the prefill's slots [start - pre_lo, start +
+    pre_hi) (a mixed instance's P slots up to the first token's: pre_lo = P - 1,
+    pre_hi = 1; a disaggregated prefill engine's column is its prefill: 0, P) and
+    compute_a;
     ``earliest`` (W,), the first slot a prefill may use (the request's arrival: 0 online,
     where slot 0 is the decision); ``delays`` (L,) in slots, the first 0."""
 
@@ -134,7 +137,8 @@ class Samples:
     batch_a: FloatArray
     kv_a: FloatArray
     kv_b: FloatArray
-    pre: IntArray
+    pre_lo: IntArray
+    pre_hi: IntArray
     compute_a: FloatArray
     earliest: IntArray
     delays: IntArray
@@ -143,7 +147,7 @@ class Samples:
     def arrays(self) -> tuple[Any, ...]:
         """The per-sample arrays in the order the steps take them."""
         return (self.reward, self.start, self.end, self.batch_a, self.kv_a, self.kv_b,
-                self.pre, self.compute_a, self.earliest)
+                self.pre_lo, self.pre_hi, self.compute_a, self.earliest)
 
     @staticmethod
     def empty(w: int, g: int, delays: Sequence[int]) -> Samples:
@@ -151,7 +155,8 @@ class Samples:
         return Samples(reward=np.full((w, g, len(dl)), -np.inf), start=np.zeros((w, g),
                        dtype=np.int64), end=np.zeros((w, g), dtype=np.int64),
                        batch_a=np.zeros((w, g)), kv_a=np.zeros((w, g)), kv_b=np.zeros((w, g)),
-                       pre=np.ones((w, g), dtype=np.int64), compute_a=np.zeros((w, g)),
+                       pre_lo=np.zeros((w, g), dtype=np.int64),
+                       pre_hi=np.ones((w, g), dtype=np.int64), compute_a=np.zeros((w, g)),
                        earliest=np.zeros(w, dtype=np.int64), delays=dl)
 
     def put(self, i: int, reward: FloatArray, cols: Columns) -> None:
@@ -167,7 +172,9 @@ class Samples:
         self.batch_a[i] = cols.batch_a
         self.kv_a[i] = cols.kv_a
         self.kv_b[i] = cols.kv_b
-        self.pre[i] = np.maximum(cols.start + 1 - cols.pre_start, 1)
+        # the prefill's slots relative to the column's start, whatever side they lie on
+        self.pre_lo[i] = np.maximum(cols.start - cols.pre_start, 0)
+        self.pre_hi[i] = np.maximum(cols.pre_end - cols.start, 0)
         self.compute_a[i] = cols.compute_a
 
     def price_scale(self, n: int) -> float:
@@ -182,7 +189,8 @@ class Samples:
         d = np.maximum(self.end[rows, best] - self.start[rows, best], 1).astype(np.float64)
         mass = (self.batch_a[rows, best] * d + self.kv_a[rows, best] * d
                 + self.kv_b[rows, best] * d * (d - 1) / 2.0
-                + self.compute_a[rows, best] * self.pre[rows, best])
+                + self.compute_a[rows, best]
+                * (self.pre_lo[rows, best] + self.pre_hi[rows, best]))
         rb = r[rows, best]
         ok = np.isfinite(rb) & (rb > 0) & (mass > 0)
         return float(np.median(rb[ok] / mass[ok])) if ok.any() else 0.0
@@ -218,8 +226,8 @@ def _place(p: FloatArray, smp: Samples, idx: IntArray, offset: IntArray) -> _Pla
     s = smp.start[idx][:, :, None] + sh
     s0 = np.minimum(s, h)
     s1 = np.minimum(smp.end[idx][:, :, None] + sh, h)
-    pe = np.minimum(s + 1, h)
-    ps = np.clip(s + 1 - smp.pre[idx][:, :, None],
+    pe = np.minimum(s + smp.pre_hi[idx][:, :, None], h)
+    ps = np.clip(s - smp.pre_lo[idx][:, :, None],
                  np.minimum(smp.earliest[idx] + offset, h)[:, None, None], h)
     ba, ka, kb, ca = (x[idx][:, :, None] for x in (smp.batch_a, smp.kv_a, smp.kv_b,
                                                    smp.compute_a))
@@ -323,7 +331,7 @@ def _jax_demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: An
     """(G, H, 3) capacity the mini-batch takes (``demand_numpy``), traced by JAX."""
     import jax.numpy as jnp
 
-    reward, start, end, batch_a, kv_a, kv_b, pre, compute_a, earliest = arrays
+    reward, start, end, batch_a, kv_a, kv_b, pre_lo, pre_hi, compute_a, earliest = arrays
     g_count, h, _ = p.shape
     kk = jnp.arange(h, dtype=p.dtype)
     # one table of prefix sums, rows (g, k): P0 batch, P0 kv, P1 kv, P0 compute, so
@@ -337,8 +345,8 @@ def _jax_demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: An
     valid = s < h
     s0 = jnp.minimum(s, h)
     s1 = jnp.minimum(end[idx][:, :, None] + sh, h)
-    pe = jnp.minimum(s + 1, h)
-    ps = jnp.clip(s + 1 - pre[idx][:, :, None],
+    pe = jnp.minimum(s + pre_hi[idx][:, :, None], h)
+    ps = jnp.clip(s - pre_lo[idx][:, :, None],
                   jnp.minimum(earliest[idx] + offset, h)[:, None, None], h)
     ba, ka, kb, ca = (x[idx][:, :, None] for x in (batch_a, kv_a, kv_b, compute_a))
     base = (jnp.arange(g_count) * (h + 1))[None, :, None]

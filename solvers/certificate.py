@@ -199,9 +199,11 @@ def absolute_prices(updates: Sequence[PriceUpdate], t0_s: float, slot_s: float,
 
 
 def online_reward(prob: LpProblem, instance: IntArray, first_token_s: FloatArray,
-                  finish_s: FloatArray) -> FloatArray:
+                  finish_s: FloatArray, prorate: bool = True) -> FloatArray:
     """Per request of the window, the reward of what the online policy did (module
-    docstring); 0 for a request not served (instance < 0 or no first token)."""
+    docstring); 0 for a request not served (instance < 0 or no first token). With
+    ``prorate`` false the grid's end cuts nothing: the whole realised reward, to compare
+    runs that end at different times."""
     out = np.zeros(prob.num_requests)
     w = prob.reward
     for j in range(prob.num_requests):
@@ -220,5 +222,6 @@ def online_reward(prob: LpProblem, instance: IntArray, first_token_s: FloatArray
         # prorated at the grid's end as the LP's columns are (solvers.problem)
         k = math.ceil((first_token_s[j] - prob.t0_s) / prob.slot_s - 1e-9)
         d = max(math.ceil(decode_time / prob.slot_s - 1e-9), 1)
-        out[j] = float(terms.total[0]) * min(max((prob.num_slots - k) / d, 0.0), 1.0)
+        share = min(max((prob.num_slots - k) / d, 0.0), 1.0) if prorate else 1.0
+        out[j] = float(terms.total[0]) * share
     return out

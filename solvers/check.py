@@ -5,7 +5,7 @@ Reported: LP* (column generation to ``gap_tol``), the online reward (realised, s
 ``solvers.certificate.online_reward``), D(p_online) of the online prices mapped to
 absolute slots, the certificate D(p_online)/LP* - 1, the online gap (LP* - online)/LP*
 (and against D(p_online), which needs no LP), and capacity rows: how many bind in the
-LP (slack <= 1e-6 of capacity), how many the LP prices (p* > 0), and how many the online
+LP (slack <= 1e-6 of a capacity above 1e-6), how many the LP prices (p* > 0), and how many the online
 prices price (p > 1e-6). The LP's duals are not unique (the LP is degenerate), so prices
 are compared through D(p), and the PNG is a picture, not an element-wise test.
 Rows are (instance, slot, resource) over the three resources batch, KV and compute
@@ -116,7 +116,10 @@ def check(log: WindowLog, ids: npt.NDArray[np.int64], prob: LpProblem, gap_tol: 
     lam, d_scaled = best_scale(prob, p_online)
     online = online_reward(prob, log.instance[ids], log.first_token_s[ids],
                            log.finish_s[ids])
-    binding = prob.capacity - lp_load(prob, sol) <= BINDING
+    # a row binds when the LP's solution uses all of a capacity there was: a row with no
+    # capacity left at the window start (residents over-committed it) is not counted
+    cap = prob.capacity
+    binding = (cap - lp_load(prob, sol) <= BINDING) & (cap > BINDING)
     total = float(online.sum())
     out = CheckResult(
         num_requests=prob.num_requests, num_instances=prob.num_instances,

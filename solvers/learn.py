@@ -66,7 +66,8 @@ def lp_samples(prob: LpProblem) -> Samples:
         reward=reward_grid(prob, np.arange(n), ttft), start=start,
         end=(start + prob.duration).astype(np.int64),
         batch_a=np.broadcast_to(prob.batch_a, (n, g)).copy(), kv_a=prob.kv_a.copy(),
-        kv_b=prob.kv_b.copy(), pre=pre.astype(np.int64),
+        kv_b=prob.kv_b.copy(), pre_lo=(pre - 1).astype(np.int64),
+        pre_hi=np.ones((n, g), dtype=np.int64),
         compute_a=prob.prompt_tokens[:, None] / (pre * budget),
         earliest=prob.arrival_slot.astype(np.int64), delays=delays)
 

@@ -146,7 +146,8 @@ def _samples(rng: np.random.Generator, w: int, g: int,
     smp.batch_a[:] = 0.25
     smp.kv_a[:] = rng.uniform(0, 0.05, (w, g))
     smp.kv_b[:] = rng.uniform(0, 1e-3, (w, g))
-    smp.pre[:] = rng.integers(1, 5, (w, g))
+    smp.pre_lo[:] = rng.integers(0, 4, (w, g))
+    smp.pre_hi[:] = rng.integers(0, 3, (w, g))
     smp.compute_a[:] = rng.uniform(0, 1, (w, g))
     smp.earliest[:] = rng.integers(0, 4, w)
     return smp
@@ -186,7 +187,7 @@ def test_demand_takes_each_sample_at_its_best_delay() -> None:
     smp = Samples.empty(1, 1, (0, 10, 90))
     smp.reward[0, 0] = [1.0, 2.0, 5.0]     # delay 90: starts at slot 95 >= ... valid
     smp.start[0], smp.end[0] = 5, 15
-    smp.batch_a[0], smp.pre[0], smp.compute_a[0] = 0.5, 2, 0.25
+    smp.batch_a[0], smp.pre_lo[0], smp.compute_a[0] = 0.5, 1, 0.25
     p = np.zeros((1, H, 3))
     one = (np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool))
     use = demand_numpy(p, smp, *one, np.zeros(1, dtype=np.int64))
@@ -231,6 +232,26 @@ def test_decisions_read_a_moving_average_of_the_steps_prices() -> None:
     avg.update(avg.origin_s + 0.5 * SLOT)     # no shift: one more update in place
     w = 0.5 ** 0.5
     np.testing.assert_allclose(avg.p, w * before + (1 - w) * avg._iterate, atol=1e-12)
+
+
+def test_a_sample_books_its_whole_prefill_on_either_kind_of_column() -> None:
+    """A mixed column's prefill ends with its first-token slot; a disaggregated prefill
+    engine's column is its prefill. Either way the sample's demand is compute_a on each
+    of its P slots (the review found the second kind booked on one slot only)."""
+    one = (np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool), np.zeros(1, dtype=np.int64))
+    p = np.zeros((1, H, 3))
+    mixed = Columns(start=np.array([6]), end=np.array([10]), batch_a=np.array([0.25]),
+                    kv_a=np.array([0.1]), kv_b=np.array([0.0]), pre_start=np.array([4]),
+                    pre_end=np.array([7]), compute_a=np.array([0.5]))
+    prefill = Columns(start=np.array([3]), end=np.array([6]), batch_a=np.array([0.0]),
+                      kv_a=np.array([0.1]), kv_b=np.array([0.0]), pre_start=np.array([3]),
+                      pre_end=np.array([6]), compute_a=np.array([0.5]))
+    for cols, slots in ((mixed, [4, 5, 6]), (prefill, [3, 4, 5])):
+        smp = Samples.empty(1, 1, (0,))
+        smp.put(0, np.array([5.0]), cols)
+        use = demand_numpy(p, smp, *one)
+        assert np.flatnonzero(use[0, :, 2]).tolist() == slots
+        assert use[0, slots, 2].tolist() == [0.5] * 3
 
 
 def test_a_fixed_schedule_is_replayed_from_now() -> None:

@@ -349,6 +349,10 @@ def test_online_reward_is_the_reward_of_realised_times() -> None:
     got = online_reward(short, np.array([0, -1]), np.array([0.12, np.nan]),
                         np.array([2.12, np.nan]))
     assert got[0] == pytest.approx(whole * 20 / 40)
+    # unless asked not to cut it (runs that end at different times compared)
+    got = online_reward(short, np.array([0, -1]), np.array([0.12, np.nan]),
+                        np.array([2.12, np.nan]), prorate=False)
+    assert got[0] == pytest.approx(whole)
 
 
 @pytest.mark.parametrize("coarsen", [2, 3, 7])
