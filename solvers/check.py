@@ -5,9 +5,10 @@ Reported: LP* (column generation to ``gap_tol``), the online reward (realised, s
 ``solvers.certificate.online_reward``), D(p_online) of the online prices mapped to
 absolute slots, the certificate D(p_online)/LP* - 1, the online gap (LP* - online)/LP*
 (and against D(p_online), which needs no LP), and capacity rows: how many bind in the
-LP (slack <= 1e-6 of a capacity above 1e-6), how many the LP prices (p* > 0), and how many the online
-prices price (p > 1e-6). The LP's duals are not unique (the LP is degenerate), so prices
-are compared through D(p), and the PNG is a picture, not an element-wise test.
+LP (slack <= 1e-6 of a capacity above 1e-6), how many the LP prices (p* > 0), and how
+many the online prices price (p > 1e-6). The LP's duals are not unique (the LP is
+degenerate), so prices are compared through D(p), and the PNG is a picture, not an
+element-wise test.
 Rows are (instance, slot, resource) over the three resources batch, KV and compute
 (``olproute.reward.RESOURCES``); the binding rows are also counted per resource.
 """
