@@ -22,6 +22,7 @@ import numpy as np
 
 from olproute.config import load_config
 from olproute.operator_plots import PriceRecorder, PriceTrace
+from olproute.policies.bid_price import BidPrice
 from olproute.prices import RESOURCES
 from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, make_policy
 from olproute.types import EngineSnapshot
@@ -33,14 +34,15 @@ class BookRecorder(PriceRecorder):
 
     def __init__(self, inner: object) -> None:
         super().__init__(inner)  # type: ignore[arg-type]
-        self.book = getattr(inner, "book", None)
+        # bid_price on mixed instances has one book; any other policy: no learner state
+        self.book = inner.book if isinstance(inner, BidPrice) else None
         self.state: list[tuple[float, int, float, float]] = []
 
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
         super().tick(now_s, snapshots)
         b = self.book
         if b is not None:
-            self.state.append((now_s, int(b.num_samples), float(b._n_h),
+            self.state.append((now_s, int(b.num_samples), float(b.arrivals_in_horizon),
                                float(b.last_price_scale)))
 
 
