@@ -515,3 +515,20 @@ def test_free_capacity_is_refreshed_with_prices_off() -> None:
     rr = simulate(loaded, "round_robin", reqs, calibration=cal)
     assert res.num_preemptions.sum() <= 0.15 * rr.num_preemptions.sum()
     assert np.nanmax(res.dispatch_s - np.array([r.arrival_s for r in reqs])) > 0.5
+
+
+def test_a_demand_sample_carries_the_reward_of_each_later_start() -> None:
+    """The sample bid_price adds at a request's first sight holds, per instance, the
+    reward of starting now and of each of the book's delays later: exactly the reward
+    terms with the TTFT estimate plus that many slots (the LP's columns d = 0..)."""
+    policy = _policy(g=2)
+    d = policy.decide(_ctx((_snap(n_running=1), _snap()), now=0.0))
+    smp, delays = policy.book.samples, policy.book.delays
+    assert len(delays) > 1 and delays[0] == 0
+    out = Outlook(decode_tokens=np.array(d.explanation["decode_tokens"]),
+                  quality=np.zeros(2), cost_musd=np.zeros(2))
+    ttft, tpot = np.array(d.explanation["ttft_s"]), np.array(d.explanation["tpot_s"])
+    for li, delay in enumerate(delays):
+        want = reward_terms(300, 0.5, out, ttft + delay * SLOT, tpot, RewardConfig(), SLOT, H)
+        np.testing.assert_allclose(smp.reward[0, :, li], want.total, rtol=1e-12)
+    assert smp.reward[0, :, 0].tolist() == list(d.explanation["reward"])
