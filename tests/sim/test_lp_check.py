@@ -118,17 +118,19 @@ def test_check_without_price_updates(recorded) -> None:  # type: ignore[no-untyp
 
 def test_a_replayed_schedule_steers_the_run(recorded) -> None:  # type: ignore[no-untyped-def]
     """Oracle prices through ``record_bid_price(schedule=...)``: a prohibitive compute
-    price on instance 0 over the whole run keeps every request off it, and the book's
-    prices are the schedule's (nothing learned); zero prices route to both."""
+    price on instance 0 keeps every request dispatched after the first price update off
+    it (before it the book's prices are 0), and the book's prices are the schedule's
+    (nothing learned); zero prices route to both."""
     loaded, source, rec = recorded
     t0 = float(rec.log.updates[0].origin_s)
     k = 4000
     sched = np.zeros((2, k, 3))
     sched[0, :, 2] = 1e6
     steered = record_bid_price(loaded, calibration=source, schedule=(t0, sched))
-    served = np.isfinite(steered.result.finish_s)
-    assert served.any()
-    assert set(steered.result.instance[served].tolist()) == {1}
+    res = steered.result
+    late = np.isfinite(res.finish_s) & (res.dispatch_s > steered.log.updates[0].time_s)
+    assert late.sum() > 10      # the rest are refused: one instance of 6 slots is left
+    assert set(res.instance[late].tolist()) == {1}
     assert all(float(u.p[0, :, 2].min()) == 1e6 for u in steered.log.updates[1:])
     free = record_bid_price(loaded, calibration=source, schedule=(t0, np.zeros((2, k, 3))))
     assert set(free.result.instance[np.isfinite(free.result.finish_s)].tolist()) == {0, 1}
