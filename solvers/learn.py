@@ -60,15 +60,12 @@ def lp_samples(prob: LpProblem) -> Samples:
     k0 = first_token_slot(prob.exec_ttft_s, prob.slot_s, prob.horizon)
     start = (prob.arrival_slot[:, None] + k0).astype(np.int64)
     ttft = prob.exec_ttft_s[:, :, None] + delays[None, None, :] * prob.slot_s
-    budget = prob.compute_cap[None, :]
-    pre = np.maximum(np.ceil(prob.prompt_tokens[:, None] / budget - 1e-9), 1.0)
     return Samples(
         reward=reward_grid(prob, np.arange(n), ttft), start=start,
         end=(start + prob.duration).astype(np.int64),
         batch_a=np.broadcast_to(prob.batch_a, (n, g)).copy(), kv_a=prob.kv_a.copy(),
-        kv_b=prob.kv_b.copy(), pre_lo=(pre - 1).astype(np.int64),
-        pre_hi=np.ones((n, g), dtype=np.int64),
-        compute_a=prob.prompt_tokens[:, None] / (pre * budget),
+        kv_b=prob.kv_b.copy(), pre_lo=prob.prefill_slots - 1,
+        pre_hi=np.ones((n, g), dtype=np.int64), compute_a=prob.compute_a.copy(),
         earliest=prob.arrival_slot.astype(np.int64), delays=delays)
 
 
