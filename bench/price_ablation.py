@@ -73,9 +73,7 @@ def one_seed(name: str, seed: int, num_requests: int) -> dict[str, dict[str, flo
     learned = record_bid_price(loaded)
     prob, ids = window_problem(learned)
     sol = solve(prob)
-    off_cfg = loaded.config.model_copy(update={"prices": loaded.config.prices.model_copy(
-        update={"enabled": False})})
-    off = record_bid_price(type(loaded)(loaded.path, off_cfg, loaded.profiles))
+    off = record_bid_price(scenario(name, num_requests, seed, prices={"enabled": False}))
     oracle = record_bid_price(loaded, schedule=(prob.t0_s, sol.p))
     out = {arm: figures(prob, ids, rec.result)
            for arm, rec in zip(ARMS, (learned, off, oracle), strict=True)}
