@@ -119,7 +119,8 @@ class BidPrice(Policy):
         if req.request_id not in self._seen:  # first sight: a sample of demand
             self._seen.add(req.request_id)
             self.book.observe_arrival(ctx.now_s)
-            self.book.add_sample(self._delayed_rewards(req, out, ttft, tpot, waited), cols)
+            self.book.add_sample(self._delayed_rewards(req, out, ttft, tpot, waited, reward),
+                                 cols)
         candidates = self._candidates()
         g = int(candidates[np.argmax(score[candidates])])
         explanation = {"ttft_s": tuple(ttft.tolist()), "tpot_s": tuple(tpot.tolist()),
@@ -151,13 +152,17 @@ class BidPrice(Policy):
         return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
 
     def _delayed_rewards(self, req: Request, out: Outlook, ttft: FloatArray,
-                         tpot: FloatArray, waited_s: float) -> FloatArray:
+                         tpot: FloatArray, waited_s: float, now: FloatArray) -> FloatArray:
         """(G, L) the request's reward on each instance if it started each of the book's
-        delays later: the demand sample prices every start the LP could choose."""
-        later = ttft[:, None] + self.book.delays[None, :] * self._slot_s
-        terms = reward_terms(req.prompt_tokens, req.ttft_target_s, out, later.T, tpot,
+        delays later (the first delay is 0: ``now``, the decision's own reward): the
+        demand sample prices every start the LP could choose."""
+        later = self.book.delays[1:]
+        if later.size == 0:
+            return now[:, None]
+        ttft_later = ttft[None, :] + later[:, None] * self._slot_s
+        terms = reward_terms(req.prompt_tokens, req.ttft_target_s, out, ttft_later, tpot,
                              self._w, self._slot_s, self._horizon, waited_s=waited_s)
-        result: FloatArray = terms.total.T
+        result: FloatArray = np.column_stack([now, terms.total.T])
         return result
 
     def _first_startable(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
