@@ -99,7 +99,7 @@ def update_times(repeats: int) -> dict[str, float]:
     resources, G = 8, H = 600, the shift to now included), and its share of one core at
     the default period (10 slots of 50 ms)."""
     from olproute.prices import PriceBook
-    from olproute.reward import usage_columns
+    from olproute.reward import sample_extent, usage_columns
     from olproute.types import InstanceSpec
 
     cfg = PriceConfig()
@@ -110,11 +110,14 @@ def update_times(repeats: int) -> dict[str, float]:
                      compute_budget=np.full(G, 600.0))
     rng = np.random.default_rng(1)
     for i in range(cfg.window):
-        cols = usage_columns(int(rng.integers(100, 3000)), rng.uniform(50, 500, G),
-                             rng.uniform(0.05, 2.0, G), np.full(G, 0.03), np.full(G, 256.0),
-                             np.full(G, 160_000.0), np.full(G, 600.0), slot, H)
+        prompt, decode = int(rng.integers(100, 3000)), rng.uniform(50, 500, G)
+        cols = usage_columns(prompt, decode, rng.uniform(0.05, 2.0, G), np.full(G, 0.03),
+                             np.full(G, 256.0), np.full(G, 160_000.0), np.full(G, 600.0), slot,
+                             H)
         book.observe_arrival(i * 0.03)
-        book.add_sample(rng.uniform(5, 15, (G, len(cfg.sample_delays_slots))), cols)
+        book.add_sample(rng.uniform(5, 15, (G, len(cfg.sample_delays_slots))), cols,
+                        *sample_extent(cols, prompt, decode, np.full(G, 0.03),
+                                       np.full(G, 600.0), slot))
     book.set_free_capacity(rng.uniform(0, 1, (G, H, NUM_RESOURCES)))
     period = cfg.period_slots * slot
     t = 60.0

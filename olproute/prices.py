@@ -72,6 +72,8 @@ from olproute.reward import (
     capacities,
     column_price,
     price_prefix,
+    shift_columns,
+    slots_since,
 )
 from olproute.types import InstanceSpec
 
@@ -123,11 +125,11 @@ def price_view(rows: Sequence[tuple[PriceBook, int]], state: PriceBook) -> Price
 class Samples:
     """W samples of demand on G instances with L delay options. ``reward`` (W, G, L):
     the reward of starting the sample on g l delays later (-inf: no such column); the
-    delay-0 column (W, G): first-token slot ``start``, ``end`` = start + decode slots
-    (not clipped), batch_a, kv_a, kv_b, the prefill's slots [start - pre_lo, start +
-    pre_hi) (a mixed instance's P slots up to the first token's: pre_lo = P - 1,
-    pre_hi = 1; a disaggregated prefill engine's column is its prefill: 0, P) and
-    compute_a;
+    delay-0 column (W, G): first-token slot ``start``, ``end`` = start + decode slots (not
+    cut at the horizon: the step prorates the reward by the share inside it), batch_a,
+    kv_a, kv_b, the prefill's slots [start - pre_lo, start + pre_hi) (a mixed instance's
+    P slots before the first token's: pre_lo = P, pre_hi = 0, not cut at now; a
+    disaggregated prefill engine's column is its prefill: 0, P) and compute_a;
     ``earliest`` (W,), the first slot a prefill may use (the request's arrival: 0 online,
     where slot 0 is the decision); ``delays`` (L,) in slots, the first 0."""
 
@@ -156,11 +158,15 @@ class Samples:
                        dtype=np.int64), end=np.zeros((w, g), dtype=np.int64),
                        batch_a=np.zeros((w, g)), kv_a=np.zeros((w, g)), kv_b=np.zeros((w, g)),
                        pre_lo=np.zeros((w, g), dtype=np.int64),
-                       pre_hi=np.ones((w, g), dtype=np.int64), compute_a=np.zeros((w, g)),
+                       pre_hi=np.zeros((w, g), dtype=np.int64), compute_a=np.zeros((w, g)),
                        earliest=np.zeros(w, dtype=np.int64), delays=dl)
 
-    def put(self, i: int, reward: FloatArray, cols: Columns) -> None:
-        """Row i := one request's rewards (G,) (delay 0 only) or (G, L), and columns."""
+    def put(self, i: int, reward: FloatArray, cols: Columns, end: IntArray,
+            pre_lo: IntArray) -> None:
+        """Row i := one request's rewards (G,) (delay 0 only) or (G, L), its columns
+        (relative to its decision), and their extent cut neither at the horizon nor at
+        now: the decode's ``end`` and the prefill slots ``pre_lo`` before the start
+        (``olproute.reward.sample_extent``)."""
         r = np.asarray(reward, dtype=np.float64)
         if r.ndim == 1:
             self.reward[i] = -np.inf
@@ -168,12 +174,12 @@ class Samples:
         else:
             self.reward[i] = r
         self.start[i] = cols.start
-        self.end[i] = cols.end
+        self.end[i] = end
         self.batch_a[i] = cols.batch_a
         self.kv_a[i] = cols.kv_a
         self.kv_b[i] = cols.kv_b
-        # the prefill's slots relative to the column's start, whatever side they lie on
-        self.pre_lo[i] = np.maximum(cols.start - cols.pre_start, 0)
+        self.pre_lo[i] = pre_lo
+        # the prefill's slots at or after the column's start (a prefill engine's column)
         self.pre_hi[i] = np.maximum(cols.pre_end - cols.start, 0)
         self.compute_a[i] = cols.compute_a
 
@@ -457,9 +463,12 @@ class PriceBook:
         return self.samples.delays
 
     # -- request path ----------------------------------------------------------------
-    def price(self, cols: Columns) -> FloatArray:
-        """a_jg . p_g for every instance, O(1) each."""
-        return column_price(cols, self._p0, self._p1)
+    def price(self, cols: Columns, now_s: float) -> FloatArray:
+        """a_jg . p_g for every instance, O(1) each: the columns (slots from now) moved by
+        the slots elapsed since the book's slot 0 (its last update), cut at the horizon."""
+        shift = 0 if self._origin_s is None else slots_since(now_s, self._origin_s,
+                                                             self.slot_s)
+        return column_price(shift_columns(cols, shift, self.horizon), self._p0, self._p1)
 
     def observe_arrival(self, now_s: float) -> None:
         """Count an arrival for the rate estimate behind N_H (exponential decay)."""
@@ -492,10 +501,12 @@ class PriceBook:
         seen = hl / math.log(2) * -math.expm1(-elapsed * math.log(2) / hl)
         return self._decayed_at(now_s) / seen
 
-    def add_sample(self, reward: FloatArray, cols: Columns) -> None:
+    def add_sample(self, reward: FloatArray, cols: Columns, end: IntArray,
+                   pre_lo: IntArray) -> None:
         """Remember one request's reward, (G,) for a start now or (G, L) for each of
-        ``delays``, and its columns (relative to its decision time)."""
-        self.samples.put(self._next, reward, cols)
+        ``delays``, its columns (relative to its decision time) and their extent
+        (``Samples.put``)."""
+        self.samples.put(self._next, reward, cols, end, pre_lo)
         self._next = (self._next + 1) % self.cfg.window
         self.num_samples = min(self.num_samples + 1, self.cfg.window)
 

@@ -12,8 +12,9 @@ The third resource is **compute**: the prefill token budget of an instance, ``b_
 kappa tokens per engine step (``max_num_batched_tokens``) times the engine steps in a
 slot at the calibrated time of such a step: the calibrated prefill throughput times the
 slot (``compute_budget``). A prompt of s tokens needs
-``P = ceil(s / b_g)`` slots of it, the slots its prefill runs in: [k0 + 1 - P, k0 + 1)
-(the first token comes out of the slot the prefill ends in), using
+``P = ceil(s / b_g)`` slots of it, the slots its prefill runs in: [k0 - P, k0) (the
+first token comes out of slot k0 - 1, where the prefill ends, and its decode holds the
+batch from slot k0 on), clipped at 0 (now), using
 ``compute_a = s / (P b_g)`` of the budget in each. On disaggregated pools the prefill
 engine's column is this compute row (and its KV); the decode engine's has no compute row.
 
@@ -174,17 +175,47 @@ def compute_budget(calibrations: Sequence[InstanceCalibration], slot_s: float) -
 
 def prefill_span(prompt_tokens: float | FloatArray, first_slot: IntArray,
                  budget: FloatArray, horizon: int) -> tuple[IntArray, IntArray, FloatArray]:
-    """(pre_start, pre_end, compute_a): the slots [k0 + 1 - P, k0 + 1) a prompt's prefill
-    runs in (clipped to the horizon), P = ceil(s / b), and its share s / (P b) of the
-    budget in each (module docstring)."""
+    """(pre_start, pre_end, compute_a): the slots [k0 - P, k0) a prompt's prefill runs in
+    (clipped at 0, now), P = ceil(s / b) (``prefill_slots``), and its share s / (P b) of
+    the budget in each (module docstring). A first token at or past the horizon (an
+    instance that never starts it) has no prefill in it."""
     s = np.asarray(prompt_tokens, dtype=np.float64)
-    n_slots = np.maximum(np.ceil(s / budget - 1e-9), 1.0)
-    # a first token past the horizon (an instance that never starts it): no prefill in it
-    end = np.where(first_slot >= horizon, horizon, np.minimum(first_slot + 1, horizon))
-    start = np.where(first_slot >= horizon, horizon,
-                     np.clip(first_slot + 1 - n_slots.astype(np.int64), 0, horizon))
+    n_slots = prefill_slots(s, budget)
+    beyond = first_slot >= horizon
+    end = np.where(beyond, horizon, first_slot)
+    start = np.where(beyond, horizon, np.clip(first_slot - n_slots, 0, horizon))
     share: FloatArray = s / (n_slots * budget)
     return start.astype(np.int64), end.astype(np.int64), share
+
+
+def prefill_slots(prompt_tokens: float | FloatArray, budget: FloatArray) -> IntArray:
+    """P = ceil(s / b), at least one slot: the slots a prompt's prefill runs in."""
+    result: IntArray = np.maximum(np.ceil(np.asarray(prompt_tokens, dtype=np.float64) / budget
+                                          - 1e-9), 1.0).astype(np.int64)
+    return result
+
+
+def sample_extent(cols: Columns, prompt_tokens: int, decode_tokens: FloatArray,
+                  tpot_s: FloatArray, budget: FloatArray, slot_s: float
+                  ) -> tuple[IntArray, IntArray]:
+    """(end, pre_lo) of a request's columns as a demand sample keeps them, cut neither at
+    the horizon nor at now: the decode's end start + D (the step moves the sample and
+    prorates its reward by the share of those D slots inside the horizon) and the P
+    prefill slots before the first token's (clipped where the step places it)."""
+    end: IntArray = cols.start + decode_slots(decode_tokens, tpot_s, slot_s)
+    return end, np.broadcast_to(prefill_slots(prompt_tokens, budget), end.shape)
+
+
+def shift_columns(cols: Columns, k: int, horizon: int) -> Columns:
+    """The columns moved k >= 0 slots later, cut at the horizon (a column priced on
+    prices k slots older than now)."""
+    if k == 0:
+        return cols
+    return Columns(start=np.minimum(cols.start + k, horizon),
+                   end=np.minimum(cols.end + k, horizon), batch_a=cols.batch_a,
+                   kv_a=cols.kv_a, kv_b=cols.kv_b,
+                   pre_start=np.minimum(cols.pre_start + k, horizon),
+                   pre_end=np.minimum(cols.pre_end + k, horizon), compute_a=cols.compute_a)
 
 
 def usage_columns(prompt_tokens: int, decode_tokens: FloatArray, ttft_s: FloatArray,

@@ -11,7 +11,7 @@ so it is not also inside exec. d runs over 0..max_delay (and k < K). The column 
 usage column of ``olproute.reward`` moved to k: one batch slot (1/B) and the KV ramp
 (s + 1 + theta tokens over M) on [k, min(k + D_jg, K)), D_jg = ceil(o_jg * tpot_jg /
 slot_s); and compute, the prefill token budget b_g per slot: the prompt's P_jg =
-ceil(s_j / b_g) prefill slots [clip(k + 1 - P_jg, 0, K), k + 1), each using
+ceil(s_j / b_g) prefill slots [clip(k - P_jg, a_j, K), min(k, K)), each using
 compute_a_jg = s_j / (P_jg b_g) of the budget. No prefill runs before the request's
 arrival (clipped there, as the online column clips it at its slot 0, the decision).
 
@@ -44,7 +44,15 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config_schema import RewardConfig
-from olproute.reward import BATCH, COMPUTE, KV, NUM_RESOURCES, decode_slots, first_token_slot
+from olproute.reward import (
+    BATCH,
+    COMPUTE,
+    KV,
+    NUM_RESOURCES,
+    decode_slots,
+    first_token_slot,
+    prefill_slots,
+)
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -116,10 +124,9 @@ class LpProblem:
                                                      self.slot_s)
             self._derived["kv_a"] = (self.prompt_tokens[:, None] + 1.0) / self.kv_cap[None, :]
             self._derived["kv_b"] = (self.slot_s / self.tpot_s) / self.kv_cap[None, :]
-            # as olproute.reward.prefill_span: P = ceil(s / b), at least one slot
             budget = self.compute_cap[None, :]
-            slots = np.maximum(np.ceil(self.prompt_tokens[:, None] / budget - 1e-9), 1.0)
-            self._derived["prefill_slots"] = slots.astype(np.int64)
+            slots = prefill_slots(self.prompt_tokens[:, None], budget)
+            self._derived["prefill_slots"] = slots
             self._derived["compute_a"] = self.prompt_tokens[:, None] / (slots * budget)
         return self._derived[key]
 
@@ -168,13 +175,13 @@ class LpProblem:
 
 def prefill_interval(prob: LpProblem, j: IntArray, g: IntArray, start: IntArray
                      ) -> tuple[IntArray, IntArray]:
-    """(pre_start, pre_end): the prefill slots [clip(k + 1 - P, a_j, K), min(k + 1, K)) of
-    columns of requests j on instances g with first-token slot k = ``start`` (arrays
-    broadcast together): no prefill before the request arrives (as the online column has
-    none before its slot 0, its decision)."""
+    """(pre_start, pre_end): the prefill slots [clip(k - P, a_j, K), min(k, K)) of columns
+    of requests j on instances g with first-token slot k = ``start`` (arrays broadcast
+    together), as ``olproute.reward.prefill_span`` places them: no prefill before the
+    request arrives (as the online column has none before its slot 0, its decision)."""
     k = prob.num_slots
-    lo: IntArray = np.clip(start + 1 - prob.prefill_slots[j, g], prob.arrival_slot[j], k)
-    hi: IntArray = np.minimum(start + 1, k)
+    lo: IntArray = np.clip(start - prob.prefill_slots[j, g], prob.arrival_slot[j], k)
+    hi: IntArray = np.minimum(start, k)
     return lo, hi
 
 

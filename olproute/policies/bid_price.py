@@ -39,6 +39,7 @@ from olproute.reward import (
     compute_budget,
     free_capacity,
     reward_terms,
+    sample_extent,
     shifted_usage,
     slots_since,
     usage_columns,
@@ -113,14 +114,16 @@ class BidPrice(Policy):
         terms = reward_terms(req.prompt_tokens, req.ttft_target_s, out, ttft, tpot,
                              self._w, self._slot_s, self._horizon, waited_s=waited)
         reward = terms.total
-        price = self.book.price(cols)
+        price = self.book.price(cols, ctx.now_s)
         finite_ttft = np.where(np.isfinite(ttft), ttft, 1e9)
         score = reward - self._w.delta * finite_ttft - price
         if req.request_id not in self._seen:  # first sight: a sample of demand
             self._seen.add(req.request_id)
             self.book.observe_arrival(ctx.now_s)
             self.book.add_sample(self._delayed_rewards(req, out, ttft, tpot, waited, reward),
-                                 cols)
+                                 cols, *sample_extent(cols, req.prompt_tokens,
+                                                      out.decode_tokens, tpot, self._budget,
+                                                      self._slot_s))
         candidates = self._candidates()
         g = int(candidates[np.argmax(score[candidates])])
         explanation = {"ttft_s": tuple(ttft.tolist()), "tpot_s": tuple(tpot.tolist()),

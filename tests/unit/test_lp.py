@@ -237,16 +237,16 @@ def compute_problem() -> LpProblem:
     """One instance, three slots, budget b = 1,000 prefill tokens per slot; batch (1e6
     slots) and KV (1e9 tokens) never bind. Three requests arrive in slot 0, may not wait
     (max delay 0) and decode for one slot:
-    - A: 1,500 tokens, first token in slot 1 (queue-free TTFT 50 ms): P = 2 prefill slots
-      [0, 2), 0.75 of the budget in each; reward 1 + 1.0;
-    - B:   800 tokens, first token in slot 1: P = 1, slot [1, 2), 0.8; reward 1 + 0.5;
-    - C:   600 tokens, first token in slot 0: P = 1, slot [0, 1), 0.6; reward 1 + 0.5."""
+    - A: 1,500 tokens, first token in slot 2 (queue-free TTFT 100 ms): P = 2 prefill slots
+      before it, [0, 2), 0.75 of the budget in each; reward 1 + 1.0;
+    - B:   800 tokens, first token in slot 2: P = 1, slot [1, 2), 0.8; reward 1 + 0.5;
+    - C:   600 tokens, first token in slot 1: P = 1, slot [0, 1), 0.6; reward 1 + 0.5."""
     w = RewardConfig(sigma=1.0, beta=0.0, gamma=0.0, omega=1.0, cost_lambda=0.0)
     return LpProblem(
         slot_s=0.05, num_slots=3, horizon=100, t0_s=0.0, arrival_s=np.zeros(3),
         prompt_tokens=np.array([1500.0, 800.0, 600.0]), ttft_target_s=np.ones(3),
         decode_tokens=np.full((3, 1), 10.0), utility=np.array([[1.0], [0.5], [0.5]]),
-        tpot_s=np.full((3, 1), 0.001), exec_ttft_s=np.array([[0.05], [0.05], [0.0]]),
+        tpot_s=np.full((3, 1), 0.001), exec_ttft_s=np.array([[0.1], [0.1], [0.05]]),
         batch_cap=np.array([1e6]), kv_cap=np.array([1e9]), compute_cap=np.array([1000.0]),
         free=np.ones((1, 3, 3)), reward=w, max_delay=0)
 
