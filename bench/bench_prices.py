@@ -50,7 +50,7 @@ def _window(rng: np.random.Generator) -> Samples:
     smp.kv_a[:] = rng.uniform(0, 0.02, (W, G))
     smp.kv_b[:] = rng.uniform(0, 2e-4, (W, G))
     smp.pre_lo[:] = rng.integers(0, 4, (W, G))
-    smp.compute_a[:] = rng.uniform(0, 1, (W, G))
+    smp.prefill_work[:] = rng.uniform(0, 4, (W, G))
     return smp
 
 
@@ -116,7 +116,7 @@ def update_times(repeats: int) -> dict[str, float]:
                              H)
         book.observe_arrival(i * 0.03)
         book.add_sample(rng.uniform(5, 15, (G, len(cfg.sample_delays_slots))), cols,
-                        *sample_extent(cols, prompt, decode, np.full(G, 0.03),
+                        sample_extent(cols, prompt, decode, np.full(G, 0.03),
                                        np.full(G, 600.0), slot))
     book.set_free_capacity(rng.uniform(0, 1, (G, H, NUM_RESOURCES)))
     period = cfg.period_slots * slot

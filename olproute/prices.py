@@ -69,8 +69,10 @@ from olproute.reward import (
     NUM_RESOURCES,
     RESOURCES,
     Columns,
+    SampleExtent,
     capacities,
     column_price,
+    prefill_share,
     price_prefix,
     shift_columns,
     slots_since,
@@ -129,7 +131,9 @@ class Samples:
     cut at the horizon: the step prorates the reward by the share inside it), batch_a,
     kv_a, kv_b, the prefill's slots [start - pre_lo, start + pre_hi) (a mixed instance's
     P slots before the first token's: pre_lo = P, pre_hi = 0, not cut at now; a
-    disaggregated prefill engine's column is its prefill: 0, P) and compute_a;
+    disaggregated prefill engine's column is its prefill as cut at now: 0, pe - ps) and
+    the prefill's work s / b in slots of budget, ``prefill_work`` (where the step places
+    a sample it takes ``reward.prefill_share`` of the budget on each prefill slot left);
     ``earliest`` (W,), the first slot a prefill may use (the request's arrival: 0 online,
     where slot 0 is the decision); ``delays`` (L,) in slots, the first 0."""
 
@@ -141,7 +145,7 @@ class Samples:
     kv_b: FloatArray
     pre_lo: IntArray
     pre_hi: IntArray
-    compute_a: FloatArray
+    prefill_work: FloatArray
     earliest: IntArray
     delays: IntArray
 
@@ -149,7 +153,7 @@ class Samples:
     def arrays(self) -> tuple[Any, ...]:
         """The per-sample arrays in the order the steps take them."""
         return (self.reward, self.start, self.end, self.batch_a, self.kv_a, self.kv_b,
-                self.pre_lo, self.pre_hi, self.compute_a, self.earliest)
+                self.pre_lo, self.pre_hi, self.prefill_work, self.earliest)
 
     @staticmethod
     def empty(w: int, g: int, delays: Sequence[int]) -> Samples:
@@ -158,15 +162,13 @@ class Samples:
                        dtype=np.int64), end=np.zeros((w, g), dtype=np.int64),
                        batch_a=np.zeros((w, g)), kv_a=np.zeros((w, g)), kv_b=np.zeros((w, g)),
                        pre_lo=np.zeros((w, g), dtype=np.int64),
-                       pre_hi=np.zeros((w, g), dtype=np.int64), compute_a=np.zeros((w, g)),
+                       pre_hi=np.zeros((w, g), dtype=np.int64), prefill_work=np.zeros((w, g)),
                        earliest=np.zeros(w, dtype=np.int64), delays=dl)
 
-    def put(self, i: int, reward: FloatArray, cols: Columns, end: IntArray,
-            pre_lo: IntArray) -> None:
+    def put(self, i: int, reward: FloatArray, cols: Columns, extent: SampleExtent) -> None:
         """Row i := one request's rewards (G,) (delay 0 only) or (G, L), its columns
-        (relative to its decision), and their extent cut neither at the horizon nor at
-        now: the decode's ``end`` and the prefill slots ``pre_lo`` before the start
-        (``olproute.reward.sample_extent``)."""
+        (relative to its decision) and what the sample keeps beyond them (the decode's
+        whole extent, the prefill's P slots and share: ``SampleExtent``)."""
         r = np.asarray(reward, dtype=np.float64)
         if r.ndim == 1:
             self.reward[i] = -np.inf
@@ -174,14 +176,14 @@ class Samples:
         else:
             self.reward[i] = r
         self.start[i] = cols.start
-        self.end[i] = end
+        self.end[i] = extent.end
         self.batch_a[i] = cols.batch_a
         self.kv_a[i] = cols.kv_a
         self.kv_b[i] = cols.kv_b
-        self.pre_lo[i] = pre_lo
+        self.pre_lo[i] = extent.pre_lo
         # the prefill's slots at or after the column's start (a prefill engine's column)
         self.pre_hi[i] = np.maximum(cols.pre_end - cols.start, 0)
-        self.compute_a[i] = cols.compute_a
+        self.prefill_work[i] = extent.prefill_work
 
     def price_scale(self, n: int) -> float:
         """The typical break-even price of the first n samples: median over samples of
@@ -195,8 +197,7 @@ class Samples:
         d = np.maximum(self.end[rows, best] - self.start[rows, best], 1).astype(np.float64)
         mass = (self.batch_a[rows, best] * d + self.kv_a[rows, best] * d
                 + self.kv_b[rows, best] * d * (d - 1) / 2.0
-                + self.compute_a[rows, best]
-                * (self.pre_lo[rows, best] + self.pre_hi[rows, best]))
+                + self.prefill_work[rows, best])
         rb = r[rows, best]
         ok = np.isfinite(rb) & (rb > 0) & (mass > 0)
         return float(np.median(rb[ok] / mass[ok])) if ok.any() else 0.0
@@ -215,13 +216,14 @@ def step_sizes(eta0: float, schedule: str, t0: int, k: int) -> FloatArray:
 @dataclass(frozen=True, slots=True)
 class _Placed:
     """The mini-batch's columns moved by their offsets, (S, G, L): clipped batch/KV
-    interval [s0, s1), prefill interval [ps, pe), and each column's margin at p (-inf:
-    no such column, its start past the horizon)."""
+    interval [s0, s1), prefill interval [ps, pe) and its budget share, and each column's
+    margin at p (-inf: no such column, its start past the horizon)."""
 
     s0: IntArray
     s1: IntArray
     ps: IntArray
     pe: IntArray
+    share: FloatArray
     margin: FloatArray
 
 
@@ -232,11 +234,15 @@ def _place(p: FloatArray, smp: Samples, idx: IntArray, offset: IntArray) -> _Pla
     s = smp.start[idx][:, :, None] + sh
     s0 = np.minimum(s, h)
     s1 = np.minimum(smp.end[idx][:, :, None] + sh, h)
-    pe = np.minimum(s + smp.pre_hi[idx][:, :, None], h)
-    ps = np.clip(s - smp.pre_lo[idx][:, :, None],
-                 np.minimum(smp.earliest[idx] + offset, h)[:, None, None], h)
-    ba, ka, kb, ca = (x[idx][:, :, None] for x in (smp.batch_a, smp.kv_a, smp.kv_b,
-                                                   smp.compute_a))
+    first = np.maximum(s - smp.pre_lo[idx][:, :, None],
+                       (smp.earliest[idx] + offset)[:, None, None])
+    last = s + smp.pre_hi[idx][:, :, None]
+    pe = np.minimum(last, h)
+    ps = np.minimum(first, h)
+    # the prefill's share on its slots left after the clip at the arrival (not the
+    # horizon's: the work goes on past it)
+    ca = prefill_share(smp.prefill_work[idx][:, :, None], last - first)
+    ba, ka, kb = (x[idx][:, :, None] for x in (smp.batch_a, smp.kv_a, smp.kv_b))
     gi = np.arange(p.shape[0])[None, :, None]
     cost = (ba * (p0[gi, s1, BATCH] - p0[gi, s0, BATCH])
             + (ka - kb * s0) * (p0[gi, s1, KV] - p0[gi, s0, KV])
@@ -244,7 +250,7 @@ def _place(p: FloatArray, smp: Samples, idx: IntArray, offset: IntArray) -> _Pla
             + ca * (p0[gi, pe, COMPUTE] - p0[gi, ps, COMPUTE]))
     with np.errstate(invalid="ignore"):  # -inf x 0 past the horizon: not selected
         margin = np.where(s < h, smp.reward[idx] * _inside(smp, idx, s0, s1) - cost, -np.inf)
-    return _Placed(s0, s1, ps, pe, margin)
+    return _Placed(s0, s1, ps, pe, ca, margin)
 
 
 def _inside(smp: Samples, idx: IntArray, s0: Any, s1: Any) -> Any:
@@ -277,8 +283,8 @@ def demand_numpy(p: FloatArray, smp: Samples, idx: IntArray, mask: BoolArray,
     b0, b1 = pl.s0[rows, bg, bl], pl.s1[rows, bg, bl]
     c0, c1 = pl.ps[rows, bg, bl], pl.pe[rows, bg, bl]
     j = idx[rows]
-    bba, bka, bkb, bca = (x[j, bg] for x in (smp.batch_a, smp.kv_a, smp.kv_b,
-                                             smp.compute_a))
+    bba, bka, bkb = (x[j, bg] for x in (smp.batch_a, smp.kv_a, smp.kv_b))
+    bca = pl.share[rows, bg, bl]
     d0 = np.zeros((g_count, h + 1, NUM_RESOURCES))
     d1 = np.zeros((g_count, h + 1))
     const = bka - bkb * b0
@@ -337,7 +343,7 @@ def _jax_demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: An
     """(G, H, 3) capacity the mini-batch takes (``demand_numpy``), traced by JAX."""
     import jax.numpy as jnp
 
-    reward, start, end, batch_a, kv_a, kv_b, pre_lo, pre_hi, compute_a, earliest = arrays
+    reward, start, end, batch_a, kv_a, kv_b, pre_lo, pre_hi, work, earliest = arrays
     g_count, h, _ = p.shape
     kk = jnp.arange(h, dtype=p.dtype)
     # one table of prefix sums, rows (g, k): P0 batch, P0 kv, P1 kv, P0 compute, so
@@ -351,10 +357,12 @@ def _jax_demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: An
     valid = s < h
     s0 = jnp.minimum(s, h)
     s1 = jnp.minimum(end[idx][:, :, None] + sh, h)
-    pe = jnp.minimum(s + pre_hi[idx][:, :, None], h)
-    ps = jnp.clip(s - pre_lo[idx][:, :, None],
-                  jnp.minimum(earliest[idx] + offset, h)[:, None, None], h)
-    ba, ka, kb, ca = (x[idx][:, :, None] for x in (batch_a, kv_a, kv_b, compute_a))
+    first = jnp.maximum(s - pre_lo[idx][:, :, None], (earliest[idx] + offset)[:, None, None])
+    last = s + pre_hi[idx][:, :, None]
+    pe = jnp.minimum(last, h)
+    ps = jnp.minimum(first, h)
+    ca = prefill_share(work[idx][:, :, None], last - first)
+    ba, ka, kb = (x[idx][:, :, None] for x in (batch_a, kv_a, kv_b))
     base = (jnp.arange(g_count) * (h + 1))[None, :, None]
     diff = (table.at[base + s1].get(mode="promise_in_bounds")
             - table.at[base + s0].get(mode="promise_in_bounds"))
@@ -373,7 +381,8 @@ def _jax_demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: An
     w = jnp.where(mask & (margin[rows, best] > 0), 1.0, 0.0).astype(p.dtype)
     b0, b1 = s0[rows, bg, bl], s1[rows, bg, bl]
     c0, c1 = ps[rows, bg, bl], pe[rows, bg, bl]
-    bba, bka, bkb, bca = (x[rows, bg, 0] for x in (ba, ka, kb, ca))
+    bba, bka, bkb = (x[rows, bg, 0] for x in (ba, ka, kb))
+    bca = ca[rows, bg, bl]
     const = bka - bkb * b0
 
     def interval(lo: Any, hi: Any, v: Any) -> Any:
@@ -501,12 +510,11 @@ class PriceBook:
         seen = hl / math.log(2) * -math.expm1(-elapsed * math.log(2) / hl)
         return self._decayed_at(now_s) / seen
 
-    def add_sample(self, reward: FloatArray, cols: Columns, end: IntArray,
-                   pre_lo: IntArray) -> None:
+    def add_sample(self, reward: FloatArray, cols: Columns, extent: SampleExtent) -> None:
         """Remember one request's reward, (G,) for a start now or (G, L) for each of
         ``delays``, its columns (relative to its decision time) and their extent
         (``Samples.put``)."""
-        self.samples.put(self._next, reward, cols, end, pre_lo)
+        self.samples.put(self._next, reward, cols, extent)
         self._next = (self._next + 1) % self.cfg.window
         self.num_samples = min(self.num_samples + 1, self.cfg.window)
 
@@ -544,7 +552,7 @@ class PriceBook:
         if self._origin_s is None:
             self._origin_s = now_s
             return 0
-        shift = int((now_s - self._origin_s) // self.slot_s)
+        shift = slots_since(now_s, self._origin_s, self.slot_s)
         if shift <= 0:
             return 0
         self._origin_s += shift * self.slot_s

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -114,8 +115,9 @@ def shifted_usage(col: Column, k: int, horizon: int) -> tuple[slice, FloatArray]
 
 
 def slots_since(now_s: float, then_s: float, slot_s: float) -> int:
-    """Whole slots elapsed from then to now (0 if now is earlier)."""
-    return max(int((now_s - then_s) // slot_s), 0)
+    """Whole slots elapsed from then to now (0 if now is earlier), with a tolerance for
+    rounding: 0.5 s is 10 slots of 0.05 s (``0.5 // 0.05`` is 9.0 in floating point)."""
+    return max(math.floor((now_s - then_s) / slot_s + 1e-9), 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,16 +178,27 @@ def compute_budget(calibrations: Sequence[InstanceCalibration], slot_s: float) -
 def prefill_span(prompt_tokens: float | FloatArray, first_slot: IntArray,
                  budget: FloatArray, horizon: int) -> tuple[IntArray, IntArray, FloatArray]:
     """(pre_start, pre_end, compute_a): the slots [k0 - P, k0) a prompt's prefill runs in
-    (clipped at 0, now), P = ceil(s / b) (``prefill_slots``), and its share s / (P b) of
-    the budget in each (module docstring). A first token at or past the horizon (an
-    instance that never starts it) has no prefill in it."""
+    (clipped at 0, now), P = ceil(s / b) (``prefill_slots``), and its share of the budget
+    in each: s / (P b), or when the clip leaves fewer slots (a first token predicted
+    sooner than P slots of the calibrated budget allow) the prompt spread over those,
+    at most the whole budget (module docstring). A first token at or past the horizon
+    (an instance that never starts it) has no prefill in it."""
     s = np.asarray(prompt_tokens, dtype=np.float64)
     n_slots = prefill_slots(s, budget)
     beyond = first_slot >= horizon
     end = np.where(beyond, horizon, first_slot)
     start = np.where(beyond, horizon, np.clip(first_slot - n_slots, 0, horizon))
-    share: FloatArray = s / (n_slots * budget)
+    share = prefill_share(s / budget, end - start)
     return start.astype(np.int64), end.astype(np.int64), share
+
+
+def prefill_share(work: Any, kept: Any) -> Any:
+    """The budget share a prefill of ``work`` = s / b slots' worth of budget takes on each
+    of the ``kept`` slots left of its P after a clip (at now, or at the arrival): s / (P b)
+    when none is cut, else the prompt spread over the kept slots, at most the whole
+    budget (a first token predicted sooner than the calibrated budget allows). NumPy or
+    JAX arrays alike."""
+    return (work / kept.clip(1, None)).clip(None, 1.0)
 
 
 def prefill_slots(prompt_tokens: float | FloatArray, budget: FloatArray) -> IntArray:
@@ -195,15 +208,35 @@ def prefill_slots(prompt_tokens: float | FloatArray, budget: FloatArray) -> IntA
     return result
 
 
+@dataclass(frozen=True, slots=True)
+class SampleExtent:
+    """What a demand sample keeps of a request's columns beyond the columns themselves,
+    per instance: the decode's ``end`` (start + D, not cut at the horizon), the ``pre_lo``
+    prefill slots before the start (P, not cut at now) and the prefill's ``prefill_work``
+    s / b (the step clips the P slots where it places the sample, as the LP clips them
+    at the arrival, and takes ``prefill_share`` of the budget on those left)."""
+
+    end: IntArray
+    pre_lo: IntArray
+    prefill_work: FloatArray
+
+    @staticmethod
+    def of_columns(cols: Columns) -> SampleExtent:
+        """A column that is its own extent (a prefill engine's: the prefill itself, cut
+        at now, which cannot start before)."""
+        kept = np.maximum(cols.pre_end - cols.pre_start, 0)
+        return SampleExtent(cols.end, np.zeros_like(cols.start), cols.compute_a * kept)
+
+
 def sample_extent(cols: Columns, prompt_tokens: int, decode_tokens: FloatArray,
-                  tpot_s: FloatArray, budget: FloatArray, slot_s: float
-                  ) -> tuple[IntArray, IntArray]:
-    """(end, pre_lo) of a request's columns as a demand sample keeps them, cut neither at
-    the horizon nor at now: the decode's end start + D (the step moves the sample and
-    prorates its reward by the share of those D slots inside the horizon) and the P
-    prefill slots before the first token's (clipped where the step places it)."""
+                  tpot_s: FloatArray, budget: FloatArray, slot_s: float) -> SampleExtent:
+    """A mixed instance's request as a demand sample keeps it (``SampleExtent``): the
+    step moves the sample and prorates its reward by the share of its D decode slots
+    inside the horizon."""
+    p = prefill_slots(prompt_tokens, budget)
     end: IntArray = cols.start + decode_slots(decode_tokens, tpot_s, slot_s)
-    return end, np.broadcast_to(prefill_slots(prompt_tokens, budget), end.shape)
+    return SampleExtent(end, np.broadcast_to(p, end.shape),
+                        np.broadcast_to(prompt_tokens / budget, end.shape))
 
 
 def shift_columns(cols: Columns, k: int, horizon: int) -> Columns:

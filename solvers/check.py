@@ -81,14 +81,14 @@ def lp_load(prob: LpProblem, sol: LpSolution) -> FloatArray:
     keep = sol.x > 1e-12
     c, x = sol.cols, sol.x[keep]
     j, g, s, e = c.request[keep], c.instance[keep], c.start[keep], c.end[keep]
-    ps, pe = prefill_interval(prob, j, g, s)
+    ps, pe, share = prefill_interval(prob, j, g, s)
     k = prob.num_slots
     d0 = np.zeros((prob.num_instances, k + 1, len(RESOURCES)))
     d1 = np.zeros((prob.num_instances, k + 1))
     ba = prob.batch_a[g] * x
     a = prob.kv_a[j, g] * x
     b = prob.kv_b[j, g] * x
-    ca = prob.compute_a[j, g] * x
+    ca = share * x
     for r, lo, hi, val in ((BATCH, s, e, ba), (KV, s, e, a - b * s), (COMPUTE, ps, pe, ca)):
         np.add.at(d0[:, :, r], (g, lo), val)
         np.add.at(d0[:, :, r], (g, hi), -val)

@@ -67,9 +67,11 @@ def usage_matrix(prob: LpProblem, cols: FlatColumns) -> FloatArray:
     for i in range(len(cols)):
         j, g = int(cols.request[i]), int(cols.instance[i])
         start = np.array([cols.start[i]])
-        ps, pe, ca = prefill_span(float(prob.prompt_tokens[j]), start,
-                                  np.array([prob.compute_cap[g]]), k_n)
-        ps = np.minimum(np.maximum(ps, prob.arrival_slot[j]), pe)  # none before arrival
+        # the online column relative to the arrival (clipped there), moved to the grid
+        a_j = int(prob.arrival_slot[j])
+        ps, pe, ca = prefill_span(float(prob.prompt_tokens[j]), start - a_j,
+                                  np.array([prob.compute_cap[g]]), k_n + 1)
+        ps, pe = np.minimum(ps + a_j, k_n), np.minimum(pe + a_j, k_n)
         col = Columns(start=start, end=np.array([cols.end[i]]),
                       batch_a=np.array([prob.batch_a[g]]), kv_a=np.array([prob.kv_a[j, g]]),
                       kv_b=np.array([prob.kv_b[j, g]]), pre_start=ps, pre_end=pe,

@@ -65,7 +65,7 @@ def lp_samples(prob: LpProblem) -> Samples:
         end=(start + prob.duration).astype(np.int64),
         batch_a=np.broadcast_to(prob.batch_a, (n, g)).copy(), kv_a=prob.kv_a.copy(),
         kv_b=prob.kv_b.copy(), pre_lo=prob.prefill_slots.copy(),
-        pre_hi=np.zeros((n, g), dtype=np.int64), compute_a=prob.compute_a.copy(),
+        pre_hi=np.zeros((n, g), dtype=np.int64), prefill_work=prob.prefill_work.copy(),
         earliest=prob.arrival_slot.astype(np.int64), delays=delays)
 
 

@@ -131,12 +131,11 @@ def _x_entries_difference(prob: LpProblem, cols: FlatColumns, layout: Layout
     n, k = prob.num_requests, prob.num_slots
     gk = prob.num_instances * k
     j, g, s, e = cols.request, cols.instance, cols.start, cols.end
-    ps, pe = prefill_interval(prob, j, g, s)
+    ps, pe, ca = prefill_interval(prob, j, g, s)
     idx = np.arange(len(cols), dtype=np.int64)
     ba = prob.batch_a[g]
     a = prob.kv_a[j, g]
     b = prob.kv_b[j, g]
-    ca = prob.compute_a[j, g]
     base_b = n + g * k            # batch rows:   u_l - u_{l-1} - sum dA x = 0
     base_s = n + gk + g * k       # KV slope rows: w_l - w_{l-1} - sum d2A x = 0
     base_c = n + 3 * gk + g * k   # compute rows: z_l - z_{l-1} - sum dC x = 0
@@ -180,14 +179,14 @@ def _x_entries_difference_coarse(prob: LpProblem, cols: FlatColumns, layout: Lay
     n, c, kc = prob.num_requests, layout.coarsen, layout.num_slots
     gk = prob.num_instances * kc
     j, g, s, e = cols.request, cols.instance, cols.start, cols.end
-    ps, pe = prefill_interval(prob, j, g, s)
+    ps, pe, ca = prefill_interval(prob, j, g, s)
     idx = np.arange(len(cols), dtype=np.int64)
     flat = np.zeros(len(cols))
     parts_r, parts_c, parts_v = [j], [idx], [np.ones(len(cols))]
     for order, base, alpha, beta, lo, hi in (
             (1, n + g * kc, prob.batch_a[g], flat, s, e),
             (2, n + gk + g * kc, prob.kv_a[j, g], prob.kv_b[j, g], s, e),
-            (1, n + 3 * gk + g * kc, prob.compute_a[j, g], flat, ps, pe)):
+            (1, n + 3 * gk + g * kc, ca, flat, ps, pe)):
         offsets = np.arange(order + 1)[None, :]
         cand = np.concatenate([(lo // c)[:, None] + offsets, ((hi - 1) // c)[:, None] + offsets],
                               axis=1)
@@ -230,13 +229,13 @@ def _x_entries_dense(prob: LpProblem, cols: FlatColumns, coarsen: int,
     idx, offset = _expand(cols.start, cols.end)
     kv = prob.kv_a[j, g][idx] + prob.kv_b[j, g][idx] * offset
     slot = cols.start[idx] + offset
-    ps, pe = prefill_interval(prob, j, g, cols.start)
+    ps, pe, ca = prefill_interval(prob, j, g, cols.start)
     pidx, poff = _expand(ps, pe)
     return (np.concatenate([j, rows(idx, slot, BATCH), rows(idx, slot, KV),
                             rows(pidx, ps[pidx] + poff, COMPUTE)]),
             np.concatenate([np.arange(len(cols), dtype=np.int64), idx, idx, pidx]),
             np.concatenate([np.ones(len(cols)), prob.batch_a[g][idx], kv,
-                            prob.compute_a[j, g][pidx]]))
+                            ca[pidx]]))
 
 
 def x_matrix(prob: LpProblem, cols: FlatColumns, layout: Layout) -> sparse.csc_matrix:

@@ -12,8 +12,10 @@ usage column of ``olproute.reward`` moved to k: one batch slot (1/B) and the KV 
 (s + 1 + theta tokens over M) on [k, min(k + D_jg, K)), D_jg = ceil(o_jg * tpot_jg /
 slot_s); and compute, the prefill token budget b_g per slot: the prompt's P_jg =
 ceil(s_j / b_g) prefill slots [clip(k - P_jg, a_j, K), min(k, K)), each using
-compute_a_jg = s_j / (P_jg b_g) of the budget. No prefill runs before the request's
-arrival (clipped there, as the online column clips it at its slot 0, the decision).
+s_j / (P_jg b_g) of the budget. No prefill runs before the request's arrival (clipped
+there, as the online column clips it at its slot 0, the decision), and a prefill cut
+there spreads over the slots left, at most the whole budget
+(``olproute.reward.prefill_share``).
 
 **The grid's end.** Usage past the grid's end is not constrained, so a column cut there
 at its full reward would be nearly free capacity: the late columns would bid the last
@@ -51,6 +53,7 @@ from olproute.reward import (
     NUM_RESOURCES,
     decode_slots,
     first_token_slot,
+    prefill_share,
     prefill_slots,
 )
 
@@ -127,7 +130,7 @@ class LpProblem:
             budget = self.compute_cap[None, :]
             slots = prefill_slots(self.prompt_tokens[:, None], budget)
             self._derived["prefill_slots"] = slots
-            self._derived["compute_a"] = self.prompt_tokens[:, None] / (slots * budget)
+            self._derived["prefill_work"] = self.prompt_tokens[:, None] / budget
         return self._derived[key]
 
     @property
@@ -167,22 +170,26 @@ class LpProblem:
         return result
 
     @property
-    def compute_a(self) -> FloatArray:
-        """Compute row on each prefill slot: s_j / (P_jg b_g) of the budget."""
-        result: FloatArray = self._cached("compute_a").astype(np.float64)
+    def prefill_work(self) -> FloatArray:
+        """s_j / b_g: the prefill's work in slots of the whole budget."""
+        result: FloatArray = self._cached("prefill_work").astype(np.float64)
         return result
 
 
 def prefill_interval(prob: LpProblem, j: IntArray, g: IntArray, start: IntArray
-                     ) -> tuple[IntArray, IntArray]:
-    """(pre_start, pre_end): the prefill slots [clip(k - P, a_j, K), min(k, K)) of columns
-    of requests j on instances g with first-token slot k = ``start`` (arrays broadcast
-    together), as ``olproute.reward.prefill_span`` places them: no prefill before the
-    request arrives (as the online column has none before its slot 0, its decision)."""
+                     ) -> tuple[IntArray, IntArray, FloatArray]:
+    """(pre_start, pre_end, share): the prefill slots [clip(k - P, a_j, K), min(k, K)) of
+    columns of requests j on instances g with first-token slot k = ``start`` (arrays
+    broadcast together), as ``olproute.reward.prefill_span`` places them: no prefill
+    before the request arrives (as the online column has none before its slot 0, its
+    decision); and the budget share on each (``prefill_share`` of the slots the arrival
+    leaves, not the grid's end)."""
     k = prob.num_slots
-    lo: IntArray = np.clip(start - prob.prefill_slots[j, g], prob.arrival_slot[j], k)
+    first = np.maximum(start - prob.prefill_slots[j, g], prob.arrival_slot[j])
+    lo: IntArray = np.minimum(first, k)
     hi: IntArray = np.minimum(start, k)
-    return lo, hi
+    share: FloatArray = prefill_share(prob.prefill_work[j, g], start - first)
+    return lo, hi, share
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +290,7 @@ def prefix_sums(p: FloatArray) -> tuple[FloatArray, FloatArray]:
 def block_price(prob: LpProblem, blk: ColumnBlock, p0: FloatArray, p1: FloatArray) -> FloatArray:
     """a_jgd . p for every column of the block, O(1) each from the prefix sums:
     sum_{k in [s, e)} (a + b (k - s)) p_k = (a - b s)(P0[e] - P0[s]) + b (P1[e] - P1[s])
-    for batch and KV, plus compute_a (P0[pe] - P0[ps]) on the prefill slots."""
+    for batch and KV, plus the prefill's share (P0[pe] - P0[ps]) on its slots."""
     g = np.arange(prob.num_instances)[None, :, None]
     s = np.minimum(blk.start, prob.num_slots)
     e = blk.end
@@ -291,8 +298,7 @@ def block_price(prob: LpProblem, blk: ColumnBlock, p0: FloatArray, p1: FloatArra
     ka = prob.kv_a[blk.request][:, :, None]
     kb = prob.kv_b[blk.request][:, :, None]
     ba = prob.batch_a[None, :, None]
-    ps, pe = prefill_interval(prob, j, g, s)
-    ca = prob.compute_a[blk.request][:, :, None]
+    ps, pe, ca = prefill_interval(prob, j, g, s)
     cost: FloatArray = (ba * (p0[g, e, BATCH] - p0[g, s, BATCH])
                         + (ka - kb * s) * (p0[g, e, KV] - p0[g, s, KV])
                         + kb * (p1[g, e, KV] - p1[g, s, KV])

@@ -121,9 +121,9 @@ class BidPrice(Policy):
             self._seen.add(req.request_id)
             self.book.observe_arrival(ctx.now_s)
             self.book.add_sample(self._delayed_rewards(req, out, ttft, tpot, waited, reward),
-                                 cols, *sample_extent(cols, req.prompt_tokens,
-                                                      out.decode_tokens, tpot, self._budget,
-                                                      self._slot_s))
+                                 cols, sample_extent(cols, req.prompt_tokens,
+                                                     out.decode_tokens, tpot, self._budget,
+                                                     self._slot_s))
         candidates = self._candidates()
         g = int(candidates[np.argmax(score[candidates])])
         explanation = {"ttft_s": tuple(ttft.tolist()), "tpot_s": tuple(tpot.tolist()),

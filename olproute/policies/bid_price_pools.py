@@ -61,6 +61,7 @@ from olproute.reward import (
     NUM_RESOURCES,
     Column,
     Columns,
+    SampleExtent,
     capacities,
     column_at,
     compute_budget,
@@ -267,12 +268,12 @@ class PoolBidPrice(Policy):
         self.book_prefill.observe_arrival(now_s)
         # the prefill column is cut at now (it cannot start before), and its end is its
         # first token's slot, at most the horizon: it is its own extent
-        self.book_prefill.add_sample((reward - price_dec).max(axis=1), pre, pre.end,
-                                     np.zeros_like(pre.start))
+        self.book_prefill.add_sample((reward - price_dec).max(axis=1), pre,
+                                     SampleExtent.of_columns(pre))
         self.book_decode.observe_arrival(now_s)
         best = Columns(*(np.array(getattr(dec, f)[i_best]) for f in COLUMN_FIELDS))
-        self.book_decode.add_sample(reward[i_best] - price_pre[i_best], best,
-                                    best.start + pairs.dec_slots, np.zeros_like(best.start))
+        self.book_decode.add_sample(reward[i_best] - price_pre[i_best], best, SampleExtent(
+            best.start + pairs.dec_slots, np.zeros_like(best.start), best.compute_a))
 
     def _padded(self, cols: Columns, i: tuple[int, int]
                 ) -> Column:

@@ -26,6 +26,7 @@ from olproute.prices import (
 )
 from olproute.reward import (
     Columns,
+    SampleExtent,
     column_price,
     decode_slots,
     dense,
@@ -36,6 +37,7 @@ from olproute.reward import (
     resident_usage,
     reward_terms,
     sample_extent,
+    slots_since,
     usage_columns,
 )
 from olproute.sim import metrics
@@ -153,7 +155,7 @@ def _samples(rng: np.random.Generator, w: int, g: int,
     smp.kv_b[:] = rng.uniform(0, 1e-3, (w, g))
     smp.pre_lo[:] = rng.integers(0, 4, (w, g))
     smp.pre_hi[:] = rng.integers(0, 3, (w, g))
-    smp.compute_a[:] = rng.uniform(0, 1, (w, g))
+    smp.prefill_work[:] = rng.uniform(0, 4, (w, g))
     smp.earliest[:] = rng.integers(0, 4, w)
     return smp
 
@@ -192,7 +194,7 @@ def test_demand_takes_each_sample_at_its_best_delay() -> None:
     smp = Samples.empty(1, 1, (0, 10, 90))
     smp.reward[0, 0] = [1.0, 2.0, 5.0]     # delay 90: starts at slot 95 >= ... valid
     smp.start[0], smp.end[0] = 5, 15
-    smp.batch_a[0], smp.pre_lo[0], smp.compute_a[0] = 0.5, 2, 0.25
+    smp.batch_a[0], smp.pre_lo[0], smp.prefill_work[0] = 0.5, 2, 0.5   # 0.25 a slot
     p = np.zeros((1, H, 3))
     one = (np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool))
     use = demand_numpy(p, smp, *one, np.zeros(1, dtype=np.int64))
@@ -240,9 +242,10 @@ def test_decisions_read_a_moving_average_of_the_steps_prices() -> None:
 
 
 def test_a_sample_books_its_whole_prefill_on_either_kind_of_column() -> None:
-    """A mixed column's prefill ends with its first-token slot; a disaggregated prefill
-    engine's column is its prefill. Either way the sample's demand is compute_a on each
-    of its P slots (the review found the second kind booked on one slot only)."""
+    """A mixed column's prefill ends before its first-token slot; a disaggregated prefill
+    engine's column is its prefill. Either way the sample's demand is its share on each
+    of its P slots (the review found the second kind booked on one slot only), and a
+    prefill the arrival cuts spreads over the slots left, at most the whole budget."""
     one = (np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool), np.zeros(1, dtype=np.int64))
     p = np.zeros((1, H, 3))
     mixed = Columns(start=np.array([7]), end=np.array([10]), batch_a=np.array([0.25]),
@@ -251,12 +254,20 @@ def test_a_sample_books_its_whole_prefill_on_either_kind_of_column() -> None:
     prefill = Columns(start=np.array([3]), end=np.array([6]), batch_a=np.array([0.0]),
                       kv_a=np.array([0.1]), kv_b=np.array([0.0]), pre_start=np.array([3]),
                       pre_end=np.array([6]), compute_a=np.array([0.5]))
-    for cols, pre_lo, slots in ((mixed, 3, [4, 5, 6]), (prefill, 0, [3, 4, 5])):
+    extents = (SampleExtent(mixed.end, np.array([3]), np.array([1.5])),
+               SampleExtent.of_columns(prefill))
+    for cols, extent, slots in zip((mixed, prefill), extents, ([4, 5, 6], [3, 4, 5]),
+                                   strict=True):
         smp = Samples.empty(1, 1, (0,))
-        smp.put(0, np.array([5.0]), cols, cols.end, np.array([pre_lo]))
+        smp.put(0, np.array([5.0]), cols, extent)
         use = demand_numpy(p, smp, *one)
         assert np.flatnonzero(use[0, :, 2]).tolist() == slots
         assert use[0, slots, 2].tolist() == [0.5] * 3
+    smp.earliest[0] = 4                        # arrived in slot 4: 2 slots left of 3
+    use = demand_numpy(p, smp, *one)
+    assert use[0, :, 2].tolist()[3:7] == [0.0, 0.75, 0.75, 0.0]
+    smp.earliest[0] = 5                        # 1 slot left: the whole budget
+    assert demand_numpy(p, smp, *one)[0, 5, 2] == 1.0
 
 
 def test_a_sample_past_the_horizon_is_prorated_by_its_whole_decode() -> None:
@@ -267,10 +278,11 @@ def test_a_sample_past_the_horizon_is_prorated_by_its_whole_decode() -> None:
     decode = np.full(1, 2 * H * SLOT / 0.025)            # 2H slots of decode
     cols = usage_columns(100, decode, np.full(1, 0.01), tpot, np.full(1, 4.0),
                          np.full(1, 1e9), np.full(1, 1e4), SLOT, H)
-    end, pre_lo = sample_extent(cols, 100, decode, tpot, np.full(1, 1e4), SLOT)
-    assert cols.end.tolist() == [H] and end.tolist() == [1 + 2 * H] and pre_lo.tolist() == [1]
+    extent = sample_extent(cols, 100, decode, tpot, np.full(1, 1e4), SLOT)
+    assert cols.end.tolist() == [H] and extent.end.tolist() == [1 + 2 * H]
+    assert extent.pre_lo.tolist() == [1] and extent.prefill_work.tolist() == [0.01]
     smp = Samples.empty(1, 1, (0,))
-    smp.put(0, np.array([10.0]), cols, end, pre_lo)
+    smp.put(0, np.array([10.0]), cols, extent)
     zero = np.zeros(1, dtype=np.int64)
     value = saa_dual_value(np.zeros((1, H, 3)), np.zeros((1, H, 3)), smp, zero, zero, 1.0)
     assert value == pytest.approx(10.0 * (H - 1) / (2 * H))
@@ -284,17 +296,23 @@ def test_the_prefill_ends_before_the_first_token_slot_online_and_in_the_lp() -> 
     k0 = np.array([1, 3, 10, 2])
     ps, pe, share = prefill_span(999.0, k0, budget, H)
     assert ps.tolist() == [0, 0, 7, 0] and pe.tolist() == k0.tolist()
-    assert share == pytest.approx(999 / 1200)
+    # P = 3 slots of 400; a first token sooner than that spreads the prompt over the
+    # slots left, at most the whole budget (999 / 800 and 999 / 400 are over it)
+    assert share == pytest.approx([1.0, 999 / 1200, 999 / 1200, 1.0])
+    wide = prefill_span(999.0, np.array([2]), np.array([600.0]), H)
+    assert wide[2] == pytest.approx([999 / 1200])  # P = 2 slots: not cut
     prob = random_instance(30, 2, 40, seed=3, max_delay=5, horizon=H)
     j = np.arange(30)[:, None]
     g = np.arange(2)[None, :]
     kk = first_token_slot(prob.exec_ttft_s, SLOT, H)
-    lo, hi = prefill_interval(prob, j, g, prob.arrival_slot[:, None] + kk)
-    on_ps, on_pe, _ = prefill_span(prob.prompt_tokens[:, None], kk, prob.compute_cap[None, :], H)
+    lo, hi, share = prefill_interval(prob, j, g, prob.arrival_slot[:, None] + kk)
+    on_ps, on_pe, on_share = prefill_span(prob.prompt_tokens[:, None], kk,
+                                          prob.compute_cap[None, :], H)
     inside = prob.arrival_slot[:, None] + kk < prob.num_slots
     assert np.array_equal((lo - prob.arrival_slot[:, None])[inside], on_ps[inside])
     assert np.array_equal((hi - prob.arrival_slot[:, None])[inside], on_pe[inside])
     assert (hi == prob.arrival_slot[:, None] + kk)[inside].all()
+    np.testing.assert_allclose(share[inside], on_share[inside])
 
 
 def test_a_decision_prices_its_column_on_the_slots_of_now() -> None:
@@ -311,6 +329,8 @@ def test_a_decision_prices_its_column_on_the_slots_of_now() -> None:
     assert book.price(cols, 1.0 + 4.5 * SLOT).tolist() == pytest.approx([0.25 * (5 + 6)] * 2)
     late = book.price(cols, 1.0 + (H - 2) * SLOT)   # moved to [H - 1, H + 1): cut at H
     assert late.tolist() == pytest.approx([0.25 * (H - 1)] * 2)
+    book.update(1.5)               # 10 slots of 50 ms later, not 9 (0.5 // 0.05 == 9.0)
+    assert book.origin_s == pytest.approx(1.5) and slots_since(1.5, 1.0, SLOT) == 10
 
 
 def test_a_fixed_schedule_is_replayed_from_now() -> None:
@@ -350,7 +370,7 @@ def _feed(book: PriceBook, rate: float, seconds: float, reward: float = 10.0,
                          np.full(2, 4.0), np.full(2, 10_000.0), np.full(2, 1e4), SLOT, H)
     while t < start + seconds:
         book.observe_arrival(t)
-        book.add_sample(np.full(2, reward), cols, *sample_extent(
+        book.add_sample(np.full(2, reward), cols, sample_extent(
             cols, 2000, np.full(2, 200.0), np.full(2, 0.025), np.full(2, 1e4), SLOT))
         t += 1.0 / rate
         if int(t / 0.5) != int((t - 1.0 / rate) / 0.5):
