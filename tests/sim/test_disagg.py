@@ -188,32 +188,6 @@ def test_a_decode_pool_at_kv_capacity_holds_admission_back(learn_prices: bool) -
     assert bp.num_preemptions.sum() <= 0.1 * rr.num_preemptions.sum()
 
 
-def test_bid_price_decisions_name_both_instances_and_explain_pairs() -> None:
-    loaded = pd_config(duration_s=10.0)
-    decisions: list[Any] = []
-    from olproute.policies import bid_price_pools
-
-    original = bid_price_pools.PoolBidPrice.decide
-
-    def spy(self: Any, ctx: Any) -> Any:
-        d = original(self, ctx)
-        decisions.append(d)
-        return d
-
-    bid_price_pools.PoolBidPrice.decide = spy  # type: ignore[method-assign]
-    try:
-        simulate(loaded, "bid_price")
-    finally:
-        bid_price_pools.PoolBidPrice.decide = original  # type: ignore[method-assign]
-    sent = [d for d in decisions if d.action == "dispatch"]
-    assert sent
-    for d in sent:
-        assert loaded.specs[d.instance].role == "prefill"
-        assert loaded.specs[d.decode_instance].role == "decode"
-        assert len(d.explanation["pair_score"]) == 2 * 4
-        assert "prefill on prefill-" in d.reason and "decode on decode-" in d.reason
-
-
 def _pool_decisions(loaded: Any) -> list[Any]:
     """Every decision PoolBidPrice takes in a simulation of ``loaded``."""
     from olproute.policies import bid_price_pools
@@ -232,6 +206,18 @@ def _pool_decisions(loaded: Any) -> list[Any]:
     finally:
         bid_price_pools.PoolBidPrice.decide = original  # type: ignore[method-assign]
     return decisions
+
+
+def test_bid_price_decisions_name_both_instances_and_explain_pairs() -> None:
+    loaded = pd_config(duration_s=10.0)
+    decisions = _pool_decisions(loaded)
+    sent = [d for d in decisions if d.action == "dispatch"]
+    assert sent
+    for d in sent:
+        assert loaded.specs[d.instance].role == "prefill"
+        assert loaded.specs[d.decode_instance].role == "decode"
+        assert len(d.explanation["pair_score"]) == 2 * 4
+        assert "prefill on prefill-" in d.reason and "decode on decode-" in d.reason
 
 
 def _chosen_on_time(d: Any) -> bool:
