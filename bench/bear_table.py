@@ -3,7 +3,7 @@ Qwen3 pool, over arrival rates and three arrival processes, on the report seeds.
 
     python bench/bear_table.py [--quick] [--json PATH] [--png PATH] [--workers N]
                                [--requests N] [--predictions {predictor,oracle,noisy}]
-                               [--tune]
+                               [--tune] [--tune-form]
 
 Pool (BEAR paper section 5): Qwen3-0.6B and Qwen3-8B on one H100 each, Qwen3-32B on two
 H100 (tensor parallel 2), vLLM defaults (B = 256, kappa = 2048). Workload: the synthetic
@@ -108,15 +108,18 @@ PREDICTIONS: dict[str, dict[str, Any]] = {
 GOAL_VS_BEST = 0.35  # issue 4: bid_price >= +35% over the best other policy
 
 
-def bid_price_profile(delta: float, zeta2: float, omega: float,
-                      max_waiting: int) -> dict[str, dict[str, Any]]:
+def bid_price_profile(delta: float, zeta2: float, omega: float, max_waiting: int,
+                      form: str = "lagrangian") -> dict[str, dict[str, Any]]:
     """bid_price's objective for this table (whole ``reward`` and ``admission``
     sections): omega x (quality - lambda x cost), zeta2 when BEA's TTFT estimate meets
     the request's own target, minus delta per second of estimated TTFT; no per-request,
     throughput or slots-saved terms (only utility counts in OnTimeUtility). A request
     whose best score is <= 0 is held and shed when its TTFT target passes (a late answer
-    is worth nothing); max_waiting is the queue an instance may have and still take one."""
+    is worth nothing); max_waiting is the queue an instance may have and still take one.
+    ``form``: bid_price's (``router.policy_params.bid_price.form``); under ``constrained``
+    delta and zeta2 do not rank the on-time instances (only the deferral, unused here)."""
     return {
+        "router": {"policy_params": {"bid_price": {"form": form}}},
         "reward": {
             "sigma": 0.0, "alpha": 0.0, "beta": 0.0, "gamma": 0.0, "zeta1": 0.0,
             "zeta2": zeta2, "ttft_threshold_s": None,
@@ -189,6 +192,11 @@ BID_PRICE_STAGE2_MAX_WAITING = (16, 0, 8, 32)
 # more under MMPP-2 (stage 1 above).
 BID_PRICE_CHOICE: dict[str, Any] = {"delta": 60.0, "zeta2": 0.0, "omega": 10.0,
                                     "max_waiting": 8}
+# The constrained form (``--tune-form``): it ranks the on-time instances by omega x utility
+# net of the prices, so delta and zeta2 rank nothing (kept at the choice above), and only
+# omega (against the prices) and max_waiting are swept, the Lagrangian choice first.
+BID_PRICE_FORM_GRID = tuple(dict(BID_PRICE_CHOICE, form="constrained", omega=o, max_waiting=m)
+                            for o in (10.0, 5.0, 20.0) for m in (8, 0, 16, 32))
 BID_PRICE_PROFILE = bid_price_profile(**BID_PRICE_CHOICE)
 BASELINE_PARAMS = {"score": SCORE_PARAMS, "route_balance": ROUTE_BALANCE_PARAMS}
 
@@ -480,7 +488,8 @@ def write_json(path: str, data: Mapping[str, Any]) -> None:
 # -- the sweep ------------------------------------------------------------------------------
 
 def _key(policy: str, params: Mapping[str, Any]) -> str:
-    return policy + " " + " ".join(f"{k}={v:g}" for k, v in params.items())
+    return policy + " " + " ".join(f"{k}={v:g}" if isinstance(v, int | float) else f"{k}={v}"
+                                   for k, v in params.items())
 
 
 def _variants(policy: str, grid: Sequence[Mapping[str, Any]]) -> list[Variant]:
@@ -524,11 +533,12 @@ def print_sweep(title: str, figures: Mapping[str, SweepFigure]) -> str:
     """Every point of one sweep, best first; returns the best key."""
     order = sorted(figures, key=lambda k: -figures[k].mean)  # stable: ties in grid order
     labels = list(figures[order[0]].per_process)
-    print(f"\n{title}\n{'variant':<54}  {'mean OTU [min-max over seeds]':>29}  "
+    w = max(54, *(len(k) for k in order))
+    print(f"\n{title}\n{'variant':<{w}}  {'mean OTU [min-max over seeds]':>29}  "
           + "  ".join(f"{lab:>9}" for lab in labels))
     for k in order:
         f = figures[k]
-        print(f"{k:<54}  {fmt_spread(f.per_seed, '{:.4f}'):>29}  "
+        print(f"{k:<{w}}  {fmt_spread(f.per_seed, '{:.4f}'):>29}  "
               + "  ".join(f"{f.per_process[lab]:>9.4f}" for lab in labels))
     return order[0]
 
@@ -566,6 +576,21 @@ def tune(args: argparse.Namespace) -> None:
                                "seeds": list(seeds), "best": best})
 
 
+def tune_form(args: argparse.Namespace) -> None:
+    """The constrained form's sweep (BID_PRICE_FORM_GRID) beside the Lagrangian choice, on
+    the tuning points of ``--tune``; prints every variant, best first."""
+    ensure_predictor()
+    grid = [dict(BID_PRICE_CHOICE, form="lagrangian"), *BID_PRICE_FORM_GRID]
+    figures = sweep(_variants("bid_price", grid), args, "tune form")
+    best = print_sweep("bid_price by form (tuning seeds)", figures)
+    print(f"\nchosen: {best}")
+    if args.json:
+        write_json(args.json, {"figures": {k: {"mean": f.mean, "per_seed": f.per_seed,
+                                                "per_process": f.per_process}
+                                           for k, f in figures.items()},
+                               "best": best})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
@@ -582,8 +607,13 @@ def main() -> None:
                          "oracle / noisy: to see what prediction error costs)")
     ap.add_argument("--tune", action="store_true",
                     help="rerun the sweep that chose the tuned constants (tuning seeds)")
+    ap.add_argument("--tune-form", action="store_true",
+                    help="sweep bid_price's constrained form against its Lagrangian choice "
+                         "(tuning seeds)")
     args = ap.parse_args()
-    if args.tune:
+    if args.tune_form:
+        tune_form(args)
+    elif args.tune:
         tune(args)
     else:
         report(args)

@@ -14,6 +14,15 @@ Against herding on the momentarily cheapest instance: the TTFT term reads live
 snapshots that already hold the router's own dispatches (stale ones get the router's
 later dispatches added, ``ctx.pending``), and ``admission.candidates`` samples d of the
 G instances per decision. Prices are learned off the request path in ``tick``.
+
+Parameter ``form`` (BEAR's two forms, with the prices):
+
+- ``lagrangian`` (default): the score above, TTFT a cost of delta per second;
+- ``constrained``: TTFT a constraint, as BEAR's eq. 5: among the instances predicted
+  on time (TTFT, counted from the arrival, within the request's target) the highest
+  r_jg - a_jg . p_g, ties to the smaller TTFT; with none on time the request is held
+  (a later slot may find one) until its patience, then deferred to the best Lagrangian
+  score or shed as ``admission`` says. On disaggregated pools the same over pairs.
 """
 
 from __future__ import annotations
@@ -62,6 +71,11 @@ class BidPriceParams(PolicyParams):
         default=0.03, ge=0, strict=True, allow_inf_nan=False,
         description="disaggregated pools only: fraction of each decode engine's KV kept "
         "free by admission (as vLLM keeps a watermark of free blocks)")
+    form: Literal["lagrangian", "constrained"] = Field(
+        default="lagrangian", description="lagrangian: the highest reward - "
+        "reward.delta x predicted TTFT - price; constrained (BEAR eq. 5): the highest "
+        "reward - price among the instances predicted to meet the TTFT target, else hold "
+        "until patience")
 
 
 POOL_ONLY = ("decode_slack", "kv_headroom")
@@ -91,6 +105,7 @@ class BidPrice(Policy):
         # prices are not learned (prices.enabled: false keeps them at zero)
         self.tick_s = env.prices.period_slots * env.slot_s
         self._learn = env.prices.enabled
+        self._form = params.form
         self._seen: set[int] = set()
         # free capacity (G, H, 2) as of the last tick, less the dispatches since
         self._free: FloatArray | None = None
@@ -116,7 +131,8 @@ class BidPrice(Policy):
         reward = terms.total
         price = self.book.price(cols, ctx.now_s)
         finite_ttft = np.where(np.isfinite(ttft), ttft, 1e9)
-        score = reward - self._w.delta * finite_ttft - price
+        lagrangian = reward - self._w.delta * finite_ttft - price
+        on_time = ttft + waited <= req.ttft_target_s
         if req.request_id not in self._seen:  # first sight: a sample of demand
             self._seen.add(req.request_id)
             self.book.observe_arrival(ctx.now_s)
@@ -125,27 +141,31 @@ class BidPrice(Policy):
                                                      out.decode_tokens, tpot, self._budget,
                                                      self._slot_s))
         candidates = self._candidates()
-        g = int(candidates[np.argmax(score[candidates])])
+        score, order = self._ranking(candidates, lagrangian, reward - price, on_time,
+                                     finite_ttft)
+        g = int(order[0])
         explanation = {"ttft_s": tuple(ttft.tolist()), "tpot_s": tuple(tpot.tolist()),
                        "reward": tuple(reward.tolist()), "price_cost": tuple(price.tolist()),
                        "score": tuple(score.tolist()),
+                       "on_time": tuple(on_time.astype(np.float64).tolist()),
                        "decode_tokens": tuple(out.decode_tokens.tolist()),
                        "utility": tuple(out.utility(self._w.cost_lambda).tolist()),
                        "exec_ttft_s": tuple((req.prompt_tokens / self._theta).tolist()),
                        "candidates": tuple(float(c) for c in candidates.tolist()),
                        **terms.as_dict()}
-        c = self._first_startable(ctx, snaps, candidates, score, cols)
+        eligible = order[on_time[order]] if self._form == "constrained" else order
+        c = self._first_startable(ctx, snaps, eligible, score, cols)
         if c is not None:
             self._account(c, cols, ctx.now_s)
-            rank = "best score" if c == g else f"best startable score (best: {score[g]:.3f})"
-            return Decision(req.request_id, "dispatch", c, f"{rank} {score[c]:.3f} on "
+            among = (f" of the {int(on_time[candidates].sum())} on time"
+                     if self._form == "constrained" else "")
+            rank = ("best score" if c == g else
+                    f"best startable score (best: {score[g]:.3f})")
+            return Decision(req.request_id, "dispatch", c, f"{rank}{among} {score[c]:.3f} on "
                             f"{self._specs[c].name}, which can start it now", explanation)
+        g, why = self._why_held(ctx, snaps, g, score, bool(on_time[candidates].any()),
+                                int(candidates[np.argmax(lagrangian[candidates])]))
         spec = self._specs[g]
-        startable = can_start_now(snaps[g], req.prompt_tokens, spec.block_size,
-                                  spec.max_num_seqs, self._adm.max_waiting)
-        why = (f"best score {score[g]:.3f} <= 0" if score[g] <= 0
-               else "no instance with a positive score can start it now" if not startable
-               else "its predicted usage fits no instance with a positive score")
 
         def defer(waited_s: float) -> Decision:
             self._account(g, cols, ctx.now_s)
@@ -168,14 +188,41 @@ class BidPrice(Policy):
         result: FloatArray = np.column_stack([now, terms.total.T])
         return result
 
-    def _first_startable(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
-                         candidates: npt.NDArray[np.int64], score: FloatArray,
-                         cols: Columns) -> int | None:
-        """The best-scoring candidate with a positive score that can start the request
-        now and hold it as predicted: a lower-scoring free instance beats waiting for a
-        busy better one."""
+    def _why_held(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...], g: int,
+                  score: FloatArray, any_on_time: bool, best_late: int) -> tuple[int, str]:
+        """(the instance a deferral would take, why nothing takes the request now): the
+        best-ranked instance ``g``; under the constrained form with none on time, the best
+        Lagrangian score ``best_late``."""
         req = ctx.request
-        for c in candidates[np.argsort(-score[candidates], kind="stable")]:
+        if self._form == "constrained" and not any_on_time:
+            return best_late, (f"no instance is predicted to meet its "
+                               f"{req.ttft_target_s * 1e3:.0f} ms TTFT target")
+        spec = self._specs[g]
+        startable = can_start_now(snaps[g], req.prompt_tokens, spec.block_size,
+                                  spec.max_num_seqs, self._adm.max_waiting)
+        return g, (f"best score {score[g]:.3f} <= 0" if score[g] <= 0
+                   else "no instance with a positive score can start it now" if not startable
+                   else "its predicted usage fits no instance with a positive score")
+
+    def _ranking(self, candidates: npt.NDArray[np.int64], lagrangian: FloatArray,
+                 net: FloatArray, on_time: npt.NDArray[np.bool_], ttft: FloatArray
+                 ) -> tuple[FloatArray, npt.NDArray[np.int64]]:
+        """(score per instance, candidates best first) of the policy's form: the
+        Lagrangian score, or for ``constrained`` the reward net of the price, the
+        instances on time first, ties to the smaller TTFT."""
+        if self._form == "constrained":
+            order = np.lexsort((ttft[candidates], -net[candidates], ~on_time[candidates]))
+            return net, candidates[order]
+        return lagrangian, candidates[np.argsort(-lagrangian[candidates], kind="stable")]
+
+    def _first_startable(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
+                         order: npt.NDArray[np.int64], score: FloatArray,
+                         cols: Columns) -> int | None:
+        """The first instance of ``order`` (best first) with a positive score that can
+        start the request now and hold it as predicted: a lower-scoring free instance
+        beats waiting for a busy better one."""
+        req = ctx.request
+        for c in order:
             c = int(c)
             if score[c] <= 0:
                 break
@@ -256,7 +303,7 @@ def bid_price(env: PolicyEnv, params: BidPriceParams) -> Policy:
     prefill and a decode instance and takes the two pool-only parameters."""
     if Pools.of(env.specs).disaggregated:
         return PoolBidPrice(env, backend=params.backend, decode_slack=params.decode_slack,
-                            kv_headroom=params.kv_headroom)
+                            kv_headroom=params.kv_headroom, form=params.form)
     given = sorted(set(params.model_fields_set) & set(POOL_ONLY))
     if given:
         raise PolicyError(f"policy 'bid_price' takes {', '.join(given)} on disaggregated "

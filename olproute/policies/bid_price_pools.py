@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -99,10 +100,12 @@ class PoolBidPrice(Policy):
     takes_beta = True
 
     def __init__(self, env: PolicyEnv, *, backend: Backend, decode_slack: float,
-                 kv_headroom: float) -> None:
+                 kv_headroom: float, form: Literal["lagrangian", "constrained"]) -> None:
         """Built by the registry's ``bid_price`` (``olproute.policies.bid_price``) from
-        its parameters: the dual step's ``backend``, and the decode admission's slack and
-        KV headroom (fractions)."""
+        its parameters: the dual step's ``backend``, the decode admission's slack and
+        KV headroom (fractions), and the ``form`` (lagrangian or constrained, over
+        pairs)."""
+        self._form = form
         self._slack = decode_slack
         self._headroom = kv_headroom
         if env.transfer_s is None:
@@ -156,19 +159,23 @@ class PoolBidPrice(Policy):
         if req.request_id not in self._seen:  # first sight: a sample of demand per pool
             self._seen.add(req.request_id)
             self._sample(pairs, ctx.now_s)
-        flat = pairs.score.ravel()
-        best = int(np.argmax(flat))
+        score, order, on_time = self._ranking(pairs, ctx.now_s - req.arrival_s,
+                                              req.ttft_target_s)
+        best = int(order[0]) if len(order) else int(np.argmax(pairs.score))
         explanation = pairs.explanation(self._pools)
-        k = self._first_admissible(ctx, snaps, pairs)
+        explanation["pair_on_time"] = tuple(on_time.astype(np.float64).tolist())
+        k = self._first_admissible(ctx, snaps, pairs, order, score)
         if k is not None:
             i, j = divmod(k, len(self._dec))
             p, d = int(self._pre[i]), int(self._dec[j])
             self._admit(req.request_id, i, j, pairs, ctx.now_s)
-            rank = "best pair" if k == best else f"best admissible pair (best: {flat[best]:.3f})"
+            rank = "best pair" if k == best else f"best admissible pair (best: {score[best]:.3f})"
             return Decision(req.request_id, "dispatch", p,
-                            f"{rank} {flat[k]:.3f}: prefill on {self._specs[p].name}, decode "
+                            f"{rank} {score[k]:.3f}: prefill on {self._specs[p].name}, decode "
                             f"on {self._specs[d].name}", explanation, decode_instance=d)
-        why = (f"best pair score {flat[best]:.3f} <= 0" if flat[best] <= 0
+        why = (f"no pair is predicted to meet its {req.ttft_target_s * 1e3:.0f} ms TTFT target"
+               if not len(order) else f"best pair score {score[best]:.3f} <= 0"
+               if score[best] <= 0
                else "no positive pair can start now with its decode KV and TPOT in reach")
 
         def defer(waited_s: float) -> Decision:
@@ -193,16 +200,28 @@ class PoolBidPrice(Policy):
                            tpot_d, lambda c: self.book_prefill.price(c, ctx.now_s),
                            lambda c: self.book_decode.price(c, ctx.now_s))
 
-    def _first_admissible(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
-                          pairs: PairScores) -> int | None:
-        """The best-scoring pair (flat index) with a positive score whose decode TPOT is
-        in reach, whose prefill engine can start the prompt now, and whose two columns
-        fit under the free capacity; None when there is none."""
-        req = ctx.request
+    def _ranking(self, pairs: PairScores, waited_s: float, target_s: float
+                 ) -> tuple[FloatArray, IntArray, BoolArray]:
+        """(score per pair, the pairs to try best first, on time per pair), flat:
+        the Lagrangian score, every pair; or for ``constrained`` the reward net of both
+        prices, the pairs predicted on time only, ties to the smaller TTFT."""
+        on_time = (pairs.ttft + waited_s <= target_s).ravel()
+        if self._form == "constrained":
+            net = (pairs.reward - pairs.price_pre[:, None] - pairs.price_dec).ravel()
+            order = np.lexsort((pairs.ttft.ravel(), -net))
+            return net, order[on_time[order]], on_time
         flat = pairs.score.ravel()
-        for k in np.argsort(-flat, kind="stable"):
+        return flat, np.argsort(-flat, kind="stable"), on_time
+
+    def _first_admissible(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
+                          pairs: PairScores, order: IntArray, score: FloatArray) -> int | None:
+        """The first pair of ``order`` (flat indices, best first) with a positive
+        ``score`` whose decode TPOT is in reach, whose prefill engine can start the prompt
+        now, and whose two columns fit under the free capacity; None when there is none."""
+        req = ctx.request
+        for k in order:
             k = int(k)
-            if flat[k] <= 0:
+            if score[k] <= 0:
                 break
             i, j = divmod(k, len(self._dec))
             p = int(self._pre[i])

@@ -188,11 +188,11 @@ def test_a_decode_pool_at_kv_capacity_holds_admission_back(learn_prices: bool) -
     assert bp.num_preemptions.sum() <= 0.1 * rr.num_preemptions.sum()
 
 
-def test_bid_price_decisions_name_both_instances_and_explain_pairs() -> None:
-    loaded = pd_config(duration_s=10.0)
-    decisions: list[Any] = []
+def _pool_decisions(loaded: Any) -> list[Any]:
+    """Every decision PoolBidPrice takes in a simulation of ``loaded``."""
     from olproute.policies import bid_price_pools
 
+    decisions: list[Any] = []
     original = bid_price_pools.PoolBidPrice.decide
 
     def spy(self: Any, ctx: Any) -> Any:
@@ -205,6 +205,12 @@ def test_bid_price_decisions_name_both_instances_and_explain_pairs() -> None:
         simulate(loaded, "bid_price")
     finally:
         bid_price_pools.PoolBidPrice.decide = original  # type: ignore[method-assign]
+    return decisions
+
+
+def test_bid_price_decisions_name_both_instances_and_explain_pairs() -> None:
+    loaded = pd_config(duration_s=10.0)
+    decisions = _pool_decisions(loaded)
     sent = [d for d in decisions if d.action == "dispatch"]
     assert sent
     for d in sent:
@@ -212,6 +218,33 @@ def test_bid_price_decisions_name_both_instances_and_explain_pairs() -> None:
         assert loaded.specs[d.decode_instance].role == "decode"
         assert len(d.explanation["pair_score"]) == 2 * 4
         assert "prefill on prefill-" in d.reason and "decode on decode-" in d.reason
+
+
+def _chosen_on_time(d: Any) -> bool:
+    e = d.explanation
+    k = next(i for i, (p, q) in enumerate(zip(e["pair_prefill"], e["pair_decode"],
+                                                strict=True))
+             if p == d.instance and q == d.decode_instance)
+    return bool(e["pair_on_time"][k])
+
+
+def test_the_constrained_form_on_pools_sends_only_on_time_pairs() -> None:
+    """Overloaded pools (12 req/s on one prefill engine): the Lagrangian form sends some
+    requests to pairs predicted late; the constrained form sends none (but those it
+    defers at their patience), holding a request while no pair is on time."""
+    late = {}
+    for form in ("lagrangian", "constrained"):
+        loaded = pd_config(num_prefill=1, num_decode=2, rate=12.0, duration_s=10.0,
+                           router={"policy": "bid_price",
+                                   "policy_params": {"bid_price": {"form": form}}})
+        decisions = _pool_decisions(loaded)
+        sent = [d for d in decisions if d.action == "dispatch" and "deferred" not in d.reason]
+        assert sent
+        late[form] = sum(not _chosen_on_time(d) for d in sent)
+        if form == "constrained":
+            assert any(d.action == "hold" and "no pair is predicted to meet" in d.reason
+                       for d in decisions)
+    assert late["lagrangian"] > 0 and late["constrained"] == 0
 
 
 def test_policies_that_cannot_route_pools_say_so() -> None:

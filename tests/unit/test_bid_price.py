@@ -415,7 +415,7 @@ def _snap(n_running: int = 0, n_waiting: int = 0, free: int = 625) -> EngineSnap
 
 
 def _policy(reward: RewardConfig | None = None, admission: AdmissionConfig | None = None,
-            g: int = 2) -> BidPrice:
+            g: int = 2, form: str = "lagrangian") -> BidPrice:
     from olproute.config import load_profiles
     from olproute.outlook import OutlookSource
     from tests.conftest import PROFILES
@@ -426,7 +426,7 @@ def _policy(reward: RewardConfig | None = None, admission: AdmissionConfig | Non
                     prices=PriceConfig(window=100, minibatch=32),
                     calibration_source=lambda: (CAL,) * g,
                     outlook_source=OutlookSource(specs, load_profiles(PROFILES), "noisy"),
-                    params={"backend": "numpy"})
+                    params={"backend": "numpy", "form": form})
     policy = REGISTRY.create("bid_price", env)
     assert isinstance(policy, BidPrice)
     return policy
@@ -559,6 +559,56 @@ def test_a_free_instance_beats_waiting_for_a_busy_better_one() -> None:
     assert score[0] > score[1] > 0, "the full instance must be the better-scoring one"
     assert d.action == "dispatch" and d.instance == 1
     assert "best startable score" in d.reason
+
+
+def _priced(policy: BidPrice, g: int, batch_price: float) -> BidPrice:
+    """Instance g's batch slots priced at ``batch_price`` on every slot from t = 0."""
+    from olproute.reward import price_prefix as pp
+
+    policy.book.advance(0.0)
+    policy.book.p[g, :, 0] = batch_price
+    policy.book._p0, policy.book._p1 = pp(policy.book.p)
+    return policy
+
+
+def test_the_constrained_form_takes_the_best_on_time_instance() -> None:
+    """Instance 0 is idle (TTFT 13 ms) but dearer, instance 1 has a prompt queued (TTFT
+    28 ms) and scores best: with a 20 ms target the Lagrangian form sends the request to
+    1, late; the constrained form to 0, the only one on time."""
+    snaps = (_snap(), _snap(n_running=1, n_waiting=1))
+    adm = AdmissionConfig(max_waiting=1)
+    results = {}
+    for form in ("lagrangian", "constrained"):
+        policy = _priced(_policy(admission=adm, form=form), 0, 0.05)
+        results[form] = policy.decide(_ctx(snaps, target=0.02))
+    lag, con = results["lagrangian"], results["constrained"]
+    assert lag.explanation["ttft_s"][0] < 0.02 < lag.explanation["ttft_s"][1]
+    assert lag.explanation["on_time"] == (1.0, 0.0)
+    assert lag.explanation["score"][1] > lag.explanation["score"][0] > 0
+    assert lag.action == "dispatch" and lag.instance == 1
+    assert con.action == "dispatch" and con.instance == 0
+    assert "of the 1 on time" in con.reason
+    # the constrained score is the reward net of the price: no TTFT cost
+    net = np.array(con.explanation["reward"]) - np.array(con.explanation["price_cost"])
+    assert con.explanation["score"] == pytest.approx(tuple(net))
+
+
+def test_the_constrained_form_refuses_what_the_lagrangian_form_sends_late() -> None:
+    """A 5 ms target no instance can meet: the Lagrangian form dispatches (late, with a
+    positive score); the constrained form holds the request while it is patient and
+    then sheds it (or, under admission: defer, sends it to the best Lagrangian score)."""
+    snaps = (_snap(), _snap(n_running=2))
+    lag = _policy().decide(_ctx(snaps, target=0.005))
+    assert lag.action == "dispatch" and lag.explanation["on_time"] == (0.0, 0.0)
+    for mode, final in (("shed", "shed"), ("defer", "dispatch")):
+        policy = _policy(admission=AdmissionConfig(mode=mode, patience_s=0.2),
+                         form="constrained")
+        d = policy.decide(_ctx(snaps, now=0.0, target=0.005))
+        assert d.action == "hold" and "no instance is predicted to meet its 5 ms" in d.reason
+        d = policy.decide(_ctx(snaps, now=0.2, target=0.005))
+        assert d.action == final and "after 200 ms" in d.reason
+        if final == "dispatch":
+            assert d.instance == lag.instance
 
 
 def test_free_capacity_is_refreshed_with_prices_off() -> None:
