@@ -178,8 +178,14 @@ class PoolBidPrice(Policy):
                if score[best] <= 0
                else "no positive pair can start now with its decode KV and TPOT in reach")
 
+        # a deferral takes the best Lagrangian pair; under the constrained form with
+        # pairs on time, the best of those (as on mixed instances)
+        defer_score: FloatArray = (
+            np.where(on_time, score, -np.inf).reshape(pairs.score.shape)
+            if self._form == "constrained" and len(order) else pairs.score)
+
         def defer(waited_s: float) -> Decision:
-            return self._defer(ctx, snaps, pairs, waited_s, why, explanation)
+            return self._defer(ctx, snaps, pairs, defer_score, waited_s, why, explanation)
 
         return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
 
@@ -239,13 +245,12 @@ class PoolBidPrice(Policy):
         return None
 
     def _defer(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
-               pairs: PairScores, waited_s: float, why: str,
+               pairs: PairScores, score: FloatArray, waited_s: float, why: str,
                explanation: dict[str, tuple[float, ...]]) -> Decision:
         """Patience ran out (``admission: defer``): the decode instance whose KV fits
-        (else the one it overflows least), TPOT in reach, best score; then the prefill
-        instance that can start it now, best score."""
+        (else the one it overflows least), TPOT in reach, best ``score`` (n_pre, n_dec);
+        then the prefill instance that can start it now, best score."""
         req = ctx.request
-        score = pairs.score
         i0 = int(np.argmax(score.max(axis=1)))
 
         def decode_key(j: int) -> tuple[float, bool, float]:
