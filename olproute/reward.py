@@ -56,6 +56,12 @@ IntArray = npt.NDArray[np.int64]
 RESOURCES = ("batch", "kv", "compute")
 BATCH, KV, COMPUTE = 0, 1, 2
 NUM_RESOURCES = len(RESOURCES)
+# What the admission checks hold a request to: batch slots and KV are hard (past them
+# the engine queues or preempts); compute is a rate, and its congestion is already in
+# the BEA replay's TTFT and in the compute price (a compute check on top held back
+# requests the replay expects to prefill faster than the calibrated budget b_g, with its
+# prefill overlapping the residents' at rate b_g: 10.7% less reward compute-bound).
+HARD = slice(BATCH, KV + 1)
 
 TERMS = ("qps", "throughput", "eel_saved", "ttft_saved", "eel_slo", "ttft_slo", "utility")
 

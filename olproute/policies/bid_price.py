@@ -42,6 +42,7 @@ from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, Pol
 from olproute.policies.bid_price_pools import PoolBidPrice
 from olproute.prices import PriceBook, PriceView
 from olproute.reward import (
+    HARD,
     Columns,
     capacities,
     column_at,
@@ -244,13 +245,13 @@ class BidPrice(Policy):
                              self._horizon)
 
     def _fits(self, g: int, cols: Columns, now_s: float) -> bool:
-        """Does the request's predicted usage on g fit under g's free capacity (as of the
-        last tick, less the router's own dispatches since)?"""
+        """Does the request's predicted usage on g fit under g's free batch slots and KV
+        (as of the last tick, less the router's own dispatches since; ``reward.HARD``)?"""
         win = self._window(g, cols, now_s)
         if win is None or self._free is None:
             return True
         span, usage = win
-        return bool((self._free[g, span] - usage).min() >= 0.0)
+        return bool((self._free[g, span, HARD] - usage[:, HARD]).min() >= 0.0)
 
     def _account(self, g: int, cols: Columns, now_s: float) -> None:
         """Immediate accounting: the dispatch holds capacity before the next snapshot."""

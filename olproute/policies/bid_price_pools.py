@@ -58,6 +58,7 @@ from olproute.prices import Backend, PriceBook, PriceView, price_view
 from olproute.reward import (
     COLUMN_FIELDS,
     COMPUTE,
+    HARD,
     KV,
     NUM_RESOURCES,
     Column,
@@ -316,12 +317,14 @@ class PoolBidPrice(Policy):
 
     def _margin(self, free: FloatArray | None, i: int,
                 col: Column, now_s: float) -> float:
-        """The least free capacity the column leaves on pool instance i (negative: it
-        does not fit); +inf before the first tick or outside the horizon."""
+        """The least free batch or KV capacity the column leaves on pool instance i
+        (negative: it does not fit; ``reward.HARD``); +inf before the first tick or
+        outside the horizon."""
         if free is None:
             return math.inf
         win = shifted_usage(col, self._offset(now_s), self._horizon)
-        return math.inf if win is None else float((free[i, win[0]] - win[1]).min())
+        return math.inf if win is None else float(
+            (free[i, win[0], HARD] - win[1][:, HARD]).min())
 
     def _fits(self, free: FloatArray | None, i: int,
               col: Column, now_s: float) -> bool:

@@ -611,6 +611,20 @@ def test_the_constrained_form_refuses_what_the_lagrangian_form_sends_late() -> N
             assert d.instance == lag.instance
 
 
+def test_the_admission_check_holds_a_request_to_batch_and_kv_not_compute() -> None:
+    """Compute is a rate: with no prefill budget left anywhere in the horizon a request
+    still fits (its wait is in its TTFT and its price); with no KV it does not."""
+    policy = _policy()
+    cols = usage_columns(300, np.full(2, 50.0), np.full(2, 0.12), np.full(2, 0.025),
+                         np.full(2, 4.0), np.full(2, 10_000.0), np.full(2, 400.0), SLOT, H)
+    assert dense(cols, H)[0, :, 2].sum() > 0          # the column does use compute
+    policy._free, policy._free_time_s = np.ones((2, H, 3)), 0.0
+    policy._free[:, :, 2] = 0.0
+    assert policy._fits(0, cols, 0.0)
+    policy._free[1, :, 1] = 0.0
+    assert not policy._fits(1, cols, 0.0)
+
+
 def test_free_capacity_is_refreshed_with_prices_off() -> None:
     """prices.enabled: false keeps every price at 0, but the periodic tick still refreshes
     the free capacity the admission checks read. 100 requests (~17 s): round robin
