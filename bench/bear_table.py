@@ -193,10 +193,11 @@ BID_PRICE_STAGE2_MAX_WAITING = (16, 0, 8, 32)
 BID_PRICE_CHOICE: dict[str, Any] = {"delta": 60.0, "zeta2": 0.0, "omega": 10.0,
                                     "max_waiting": 8}
 # The constrained form (``--tune-form``): it ranks the on-time instances by omega x utility
-# net of the prices, so delta and zeta2 rank nothing (kept at the choice above), and only
-# omega (against the prices) and max_waiting are swept, the Lagrangian choice first.
-BID_PRICE_FORM_GRID = tuple(dict(BID_PRICE_CHOICE, form="constrained", omega=o, max_waiting=m)
-                            for o in (10.0, 5.0, 20.0) for m in (8, 0, 16, 32))
+# net of the prices, so delta and zeta2 rank nothing (kept at the choice above), and omega
+# only weighs the utility against prices that do nothing on this pool: max_waiting alone
+# is swept (the Lagrangian sweep found 8, 16 and 32 alike), beside the Lagrangian choice.
+BID_PRICE_FORM_GRID = tuple(dict(BID_PRICE_CHOICE, form="constrained", max_waiting=m)
+                            for m in (8, 0, 16))
 BID_PRICE_PROFILE = bid_price_profile(**BID_PRICE_CHOICE)
 BASELINE_PARAMS = {"score": SCORE_PARAMS, "route_balance": ROUTE_BALANCE_PARAMS}
 
