@@ -254,7 +254,8 @@ def main() -> None:
                     help="also bid_price variants at the overloaded rate")
     ap.add_argument("--quick", action="store_true", help="600 requests, four policies, 1 seed")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    ap.add_argument("--png", metavar="PATH", default="olp_table.png", help="bar chart")
+    ap.add_argument("--png", metavar="PATH", default="runs/olp_table.png",
+                    help="bar chart (default runs/olp_table.png)")
     args = ap.parse_args()
     policies = REGISTRY.names()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -275,6 +276,7 @@ def main() -> None:
     print(f"bid_price overloaded: mean EEL {bid[0] * 100:+.1f}% [{bid[1] * 100:+.1f}% to "
           f"{bid[2] * 100:+.1f}%] (goal <= -50%), P95 EEL {p95[0] * 100:+.1f}% "
           f"[{p95[1] * 100:+.1f}% to {p95[2] * 100:+.1f}%] (goal <= -45%)")
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     plot(results, Path(args.png))
     print(f"\nwrote {args.png}; {time.perf_counter() - t0:.0f} s")
     if args.json:
