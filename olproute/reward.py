@@ -15,8 +15,10 @@ slot (``compute_budget``). A prompt of s tokens needs
 ``P = ceil(s / b_g)`` slots of it, the slots its prefill runs in: [k0 - P, k0) (the
 first token comes out of slot k0 - 1, where the prefill ends, and its decode holds the
 batch from slot k0 on), clipped at 0 (now), using
-``compute_a = s / (P b_g)`` of the budget in each. On disaggregated pools the prefill
-engine's column is this compute row (and its KV); the decode engine's has no compute row.
+``compute_a = s / (P b_g)`` of the budget in each (a prefill the clip cuts short spreads
+over the slots left, at most the whole budget: ``prefill_share``). On disaggregated
+pools the prefill engine's column is this compute row (and its KV); the decode engine's
+has no compute row.
 
 All rows are in **capacity fractions** (batch slots over max_num_seqs B, KV tokens over
 the KV capacity M, prefill tokens over b_g), so one price scale fits every resource and

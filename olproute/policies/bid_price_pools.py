@@ -179,14 +179,13 @@ class PoolBidPrice(Policy):
                if score[best] <= 0
                else "no positive pair can start now with its decode KV and TPOT in reach")
 
-        # a deferral takes the best Lagrangian pair; under the constrained form with
-        # pairs on time, the best of those (as on mixed instances)
-        defer_score: FloatArray = (
-            np.where(on_time, score, -np.inf).reshape(pairs.score.shape)
-            if self._form == "constrained" and len(order) else pairs.score)
-
         def defer(waited_s: float) -> Decision:
-            return self._defer(ctx, snaps, pairs, defer_score, waited_s, why, explanation)
+            # the best Lagrangian pair; under the constrained form with pairs on time,
+            # the best of those (as on mixed instances)
+            rank: FloatArray = (np.where(on_time, score, -np.inf).reshape(pairs.score.shape)
+                                if self._form == "constrained" and len(order)
+                                else pairs.score)
+            return self._defer(ctx, snaps, pairs, rank, waited_s, why, explanation)
 
         return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
 
@@ -297,8 +296,9 @@ class PoolBidPrice(Policy):
                                      SampleExtent.of_columns(pre))
         self.book_decode.observe_arrival(now_s)
         best = Columns(*(np.array(getattr(dec, f)[i_best]) for f in COLUMN_FIELDS))
-        self.book_decode.add_sample(reward[i_best] - price_pre[i_best], best, SampleExtent(
-            best.start + pairs.dec_slots, np.zeros_like(best.start), best.compute_a))
+        # the decode column is its own extent but for its decode's whole length
+        self.book_decode.add_sample(reward[i_best] - price_pre[i_best], best, replace(
+            SampleExtent.of_columns(best), end=best.start + pairs.dec_slots))
 
     def _padded(self, cols: Columns, i: tuple[int, int]
                 ) -> Column:
