@@ -109,7 +109,8 @@ GOAL_VS_BEST = 0.35  # issue 4: bid_price >= +35% over the best other policy
 
 
 def bid_price_profile(delta: float, zeta2: float, omega: float, max_waiting: int,
-                      form: str = "lagrangian") -> dict[str, dict[str, Any]]:
+                      form: str = "lagrangian", release: str = "in_order"
+                      ) -> dict[str, dict[str, Any]]:
     """bid_price's objective for this table (whole ``reward`` and ``admission``
     sections): omega x (quality - lambda x cost), zeta2 when BEA's TTFT estimate meets
     the request's own target, minus delta per second of estimated TTFT; no per-request,
@@ -117,9 +118,10 @@ def bid_price_profile(delta: float, zeta2: float, omega: float, max_waiting: int
     whose best score is <= 0 is held and shed when its TTFT target passes (a late answer
     is worth nothing); max_waiting is the queue an instance may have and still take one.
     ``form``: bid_price's (``router.policy_params.bid_price.form``); under ``constrained``
-    delta and zeta2 do not rank the on-time instances (only the deferral, unused here)."""
+    delta and zeta2 do not rank the on-time instances (only the deferral, unused here).
+    ``release``: how the held requests are decided each slot (``...bid_price.release``)."""
     return {
-        "router": {"policy_params": {"bid_price": {"form": form}}},
+        "router": {"policy_params": {"bid_price": {"form": form, "release": release}}},
         "reward": {
             "sigma": 0.0, "alpha": 0.0, "beta": 0.0, "gamma": 0.0, "zeta1": 0.0,
             "zeta2": zeta2, "ttft_threshold_s": None,
@@ -198,6 +200,11 @@ BID_PRICE_CHOICE: dict[str, Any] = {"delta": 60.0, "zeta2": 0.0, "omega": 10.0,
 # is swept (the Lagrangian sweep found 8, 16 and 32 alike), beside the Lagrangian choice.
 BID_PRICE_FORM_GRID = tuple(dict(BID_PRICE_CHOICE, form="constrained", max_waiting=m)
                             for m in (8, 0, 16))
+# The held requests' release (``--tune-form`` too): together, by density or by score,
+# against one by one in arrival order, under each form (constrained at max_waiting 8).
+BID_PRICE_RELEASE_GRID = tuple(dict(BID_PRICE_CHOICE, form=f, release=r)
+                               for f in ("lagrangian", "constrained")
+                               for r in ("density", "score"))
 BID_PRICE_PROFILE = bid_price_profile(**BID_PRICE_CHOICE)
 BASELINE_PARAMS = {"score": SCORE_PARAMS, "route_balance": ROUTE_BALANCE_PARAMS}
 
@@ -578,10 +585,12 @@ def tune(args: argparse.Namespace) -> None:
 
 
 def tune_form(args: argparse.Namespace) -> None:
-    """The constrained form's sweep (BID_PRICE_FORM_GRID) beside the Lagrangian choice, on
-    the tuning points of ``--tune``; prints every variant, best first."""
+    """The constrained form's sweep (BID_PRICE_FORM_GRID) and the release's
+    (BID_PRICE_RELEASE_GRID) beside the Lagrangian choice, on the tuning points of
+    ``--tune``; prints every variant, best first."""
     ensure_predictor()
-    grid = [dict(BID_PRICE_CHOICE, form="lagrangian"), *BID_PRICE_FORM_GRID]
+    grid = [dict(BID_PRICE_CHOICE, form="lagrangian"), *BID_PRICE_FORM_GRID,
+            *BID_PRICE_RELEASE_GRID]
     figures = sweep(_variants("bid_price", grid), args, "tune form")
     best = print_sweep("bid_price by form (tuning seeds)", figures)
     print(f"\nchosen: {best}")

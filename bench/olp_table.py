@@ -28,8 +28,10 @@ to a queue after the default patience (their TTFT target). It refuses nothing
 
 ``--ablations`` adds bid_price variants at the overloaded rate: the default patience
 (each request's TTFT target) instead of 60 s, the step rule of before issue 14 (a
-constant 2.0, no averaging) instead of adagrad with averaged prices, and prices off
-(``prices.enabled: false``; the start-and-fit checks still run every tick).
+constant 2.0, no averaging) instead of adagrad with averaged prices, prices off
+(``prices.enabled: false``; the start-and-fit checks still run every tick), and the held
+requests decided together at each slot boundary (``release: density`` or ``score``)
+instead of one by one in arrival order.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "bid_price, constant step 2.0, no averaging": {"prices": {
         "step_size": 2.0, "schedule": "constant", "average_halflife_updates": 0.0}},
     "bid_price, prices off": {"prices": {"enabled": False}},
+    # the held requests decided together each slot (issue 16), not one by one
+    "bid_price, release by density": {
+        "router": {"policy_params": {"bid_price": {"release": "density"}}}},
+    "bid_price, release by score": {
+        "router": {"policy_params": {"bid_price": {"release": "score"}}}},
 }
 
 

@@ -63,3 +63,14 @@ def replay_ttft(
     extras: list[npt.NDArray[np.float64] | None] | None = ...,
     max_batches: int = ...,
 ) -> npt.NDArray[np.float64]: ...
+
+def replay_ttft_many(
+    snapshots: list[Any],
+    limits: _IntArray,
+    beta: npt.NDArray[np.float64],
+    new_prompts: _IntArray,
+    new_decode: _IntArray,
+    now_s: float,
+    extras: list[npt.NDArray[np.float64] | None] | None = ...,
+    max_batches: int = ...,
+) -> npt.NDArray[np.float64]: ...

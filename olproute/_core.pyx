@@ -16,7 +16,7 @@ cimport numpy as cnp
 from libc.math cimport INFINITY
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memmove
+from libc.string cimport memcpy, memmove
 
 cnp.import_array()
 
@@ -497,30 +497,20 @@ cdef inline double _beta_time(const double* beta, double* sums) noexcept nogil:
     return beta[0] + beta[1] * sums[1] + beta[2] * sums[3] + beta[3] * sums[5]
 
 
-cdef int _replay_one(
-    const int64_t[:, ::1] table, int64_t num_running, int64_t free_blocks,
-    const int64_t[:, ::1] inflight, double inflight_start_s, double snap_time_s,
+cdef int64_t* _replay_setup(
+    Engine* e, const int64_t[:, ::1] table, int64_t num_running, int64_t free_blocks,
     const double[:, ::1] extras, int64_t total_blocks, int64_t block_size,
-    int64_t max_num_seqs, int64_t token_budget, const double* beta,
-    int64_t new_prompt, int64_t new_decode, double now_s, int64_t max_batches,
-    double* out) noexcept nogil:
-    """Replay one instance until the new request's first token; out = (ttft, wait, n).
-
-    The in-flight batch completes first (at its start plus its estimated time, and not
-    before the snapshot); while the replayed clock is before now (a stale snapshot),
-    batches run without the new request, and the router's own dispatches since the
-    snapshot (extras: prompt, predicted output, dispatch time; in dispatch order) join
-    the queue at their dispatch times; then the new request joins behind them."""
+    int64_t max_num_seqs, int64_t token_budget) noexcept nogil:
+    """Scratch arrays for a replay of one instance with one slot for a new request (the
+    last), filled from the snapshot's table and the router's later dispatches; NULL when
+    the allocation fails. The caller frees the returned buffer."""
     cdef int64_t n_res = table.shape[0]
     cdef int64_t n_extra = extras.shape[0]
     cdef int64_t n = n_res + n_extra + 1
-    cdef int64_t new_slot = n - 1
-    cdef int64_t i, k, r, nb = 0, released = 0
-    cdef double t, dur, wait = -1.0
-    cdef Engine e
+    cdef int64_t k, r
     cdef int64_t* buf = <int64_t*>malloc(<size_t>(n * 15 + 8) * sizeof(int64_t))
     if buf == NULL:
-        return -1
+        return NULL
     e.num_prompt = buf
     e.num_output = buf + n
     e.max_output = buf + 2 * n
@@ -552,12 +542,6 @@ cdef int _replay_one(
         e.num_computed[r] = 0
         e.num_blocks[r] = 0
         e.num_preempt[r] = 0
-    e.num_prompt[new_slot] = new_prompt
-    e.num_output[new_slot] = 0
-    e.max_output[new_slot] = new_decode if new_decode > 0 else 1
-    e.num_computed[new_slot] = 0
-    e.num_blocks[new_slot] = 0
-    e.num_preempt[new_slot] = 0
     e.n_running = num_running
     for r in range(num_running):
         e.running[r] = r
@@ -571,22 +555,35 @@ cdef int _replay_one(
     e.token_budget = token_budget
     e.n_preempted = 0
     e.n_events = 0
+    return buf
 
-    # 1. the batch in flight at snapshot time completes
-    t = snap_time_s
+
+cdef double _replay_to_now(
+    Engine* e, int64_t n_res, const int64_t[:, ::1] inflight, double inflight_start_s,
+    double snap_time_s, const double[:, ::1] extras, const double* beta, double now_s,
+    int64_t max_batches) noexcept nogil:
+    """Stages 1 and 2 of a replay (the engine as it stands at now, without the new
+    request); returns the replayed clock, at least now.
+
+    The in-flight batch completes first (at its start plus its estimated time, and not
+    before the snapshot); while the replayed clock is before now (a stale snapshot),
+    batches run without the new request, and the router's own dispatches since the
+    snapshot (extras: prompt, predicted output, dispatch time; in dispatch order) join
+    the queue at their dispatch times."""
+    cdef int64_t n_extra = extras.shape[0]
+    cdef int64_t i, k, nb = 0, released = 0
+    cdef double t = snap_time_s
     e.n_sched = 0
     for i in range(8):
         e.sums[i] = 0.0
     if inflight.shape[0] > 0:
         for k in range(inflight.shape[0]):
-            _record(&e, inflight[k, 0], inflight[k, 1])
+            _record(e, inflight[k, 0], inflight[k, 1])
         t = inflight_start_s + _beta_time(beta, e.sums)
         # the batch was still running at snapshot time, whatever its estimate says
         if t < snap_time_s:
             t = snap_time_s
-        _commit(&e)
-    # 2. a stale snapshot: replay up to now without the new request, releasing the
-    #    router's later dispatches into the queue at their dispatch times
+        _commit(e)
     while nb < max_batches:
         while released < n_extra and extras[released, 2] <= t:
             e.waiting[e.n_waiting] = n_res + released
@@ -594,13 +591,13 @@ cdef int _replay_one(
             released += 1
         if t >= now_s:
             break
-        if _schedule(&e) == 0:
+        if _schedule(e) == 0:
             if released < n_extra and extras[released, 2] < now_s:
                 t = extras[released, 2]  # idle until the next dispatch
                 continue
             break
         t += _beta_time(beta, e.sums)
-        _commit(&e)
+        _commit(e)
         nb += 1
     while released < n_extra:  # dispatched before now in any case
         e.waiting[e.n_waiting] = n_res + released
@@ -608,14 +605,29 @@ cdef int _replay_one(
         released += 1
     if t < now_s:
         t = now_s
-    # 3. the new request joins the back of the queue
+    return t
+
+
+cdef void _replay_new(Engine* e, int64_t new_slot, int64_t new_prompt, int64_t new_decode,
+                      double t, const double* beta, double now_s, int64_t max_batches,
+                      double* out) noexcept nogil:
+    """Stage 3: the new request joins the back of the queue (slot ``new_slot``); batches
+    run until its first token. out = (ttft from now, wait before its first chunk,
+    batches replayed), inf for both times if the first token is not reached."""
+    cdef int64_t k, nb = 0
+    cdef double dur, wait = -1.0
+    e.num_prompt[new_slot] = new_prompt
+    e.num_output[new_slot] = 0
+    e.max_output[new_slot] = new_decode if new_decode > 0 else 1
+    e.num_computed[new_slot] = 0
+    e.num_blocks[new_slot] = 0
+    e.num_preempt[new_slot] = 0
     e.waiting[e.n_waiting] = new_slot
     e.n_waiting += 1
-    nb = 0
     out[0] = INFINITY
     out[1] = INFINITY
     while nb < max_batches:
-        if _schedule(&e) == 0:
+        if _schedule(e) == 0:
             break
         nb += 1
         dur = _beta_time(beta, e.sums)
@@ -625,12 +637,52 @@ cdef int _replay_one(
                     wait = t - now_s
                     break
         t += dur
-        _commit(&e)
+        _commit(e)
         if e.num_output[new_slot] > 0:
             out[0] = t - now_s
             out[1] = wait
             break
     out[2] = <double>nb
+
+
+cdef int _replay_one(
+    const int64_t[:, ::1] table, int64_t num_running, int64_t free_blocks,
+    const int64_t[:, ::1] inflight, double inflight_start_s, double snap_time_s,
+    const double[:, ::1] extras, int64_t total_blocks, int64_t block_size,
+    int64_t max_num_seqs, int64_t token_budget, const double* beta,
+    const int64_t* new_prompt, const int64_t* new_decode, int64_t n_new,
+    int64_t decode_stride, double now_s, int64_t max_batches, double* out,
+    int64_t out_stride) noexcept nogil:
+    """Replay one instance until each new request's first token, each alone behind the
+    queue: stages 1 and 2 (``_replay_to_now``) once, then stage 3 (``_replay_new``) per
+    new request i from a copy of that state; out[i * out_stride] = (ttft, wait, n)."""
+    cdef int64_t n_res = table.shape[0]
+    cdef int64_t n = n_res + extras.shape[0] + 1
+    cdef size_t size = <size_t>(n * 15 + 8) * sizeof(int64_t)
+    cdef int64_t i
+    cdef double t
+    cdef Engine e, saved
+    cdef int64_t* copy = NULL
+    cdef int64_t* buf = _replay_setup(&e, table, num_running, free_blocks, extras,
+                                      total_blocks, block_size, max_num_seqs, token_budget)
+    if buf == NULL:
+        return -1
+    t = _replay_to_now(&e, n_res, inflight, inflight_start_s, snap_time_s, extras, beta,
+                       now_s, max_batches)
+    if n_new > 1:
+        copy = <int64_t*>malloc(size)
+        if copy == NULL:
+            free(buf)
+            return -1
+        memcpy(copy, buf, size)
+        saved = e
+    for i in range(n_new):
+        if i > 0:
+            memcpy(buf, copy, size)
+            e = saved
+        _replay_new(&e, n - 1, new_prompt[i], new_decode[i * decode_stride], t, beta, now_s,
+                    max_batches, out + i * out_stride)
+    free(copy)
     free(buf)
     return 0
 
@@ -652,14 +704,35 @@ def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::
     TTFT seconds from now, waiting seconds before its first prefill chunk, batches
     replayed (inf TTFT if the first token is not reached within max_batches)."""
     cdef Py_ssize_t G = len(snapshots)
-    if limits.shape[0] != G or beta.shape[0] != G or new_decode.shape[0] != G:
+    if new_decode.shape[0] != G:
         raise ValueError("limits, beta and new_decode need one row per snapshot")
+    prompts = np.array([new_prompt], dtype=np.int64)
+    out = replay_ttft_many(snapshots, limits, beta, prompts,
+                           np.asarray(new_decode).reshape(1, G), now_s, extras, max_batches)
+    return out[0]
+
+
+def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[:, ::1] beta,
+                     const int64_t[::1] new_prompts, const int64_t[:, ::1] new_decode,
+                     double now_s, list extras=None, int64_t max_batches=200000):
+    """``replay_ttft`` for N new requests at once, each alone behind each instance's
+    queue (as if it were the only one to join): each instance is replayed up to now once
+    and then once per new request from a copy of that state. ``new_prompts`` is (N,),
+    ``new_decode`` (N, G). Returns float64 (N, G, 3)."""
+    cdef Py_ssize_t G = len(snapshots)
+    cdef Py_ssize_t N = new_prompts.shape[0]
+    if limits.shape[0] != G or beta.shape[0] != G or new_decode.shape[1] != G:
+        raise ValueError("limits, beta and new_decode need one row per snapshot")
+    if new_decode.shape[0] != N:
+        raise ValueError("new_decode needs one row per new prompt")
     if limits.shape[1] != 4 or beta.shape[1] != 4:
         raise ValueError("limits and beta need 4 columns")
     if extras is not None and len(extras) != G:
         raise ValueError("extras needs one entry per snapshot")
-    out_np = np.empty((G, 3), dtype=np.float64)
-    cdef double[:, ::1] out = out_np
+    out_np = np.empty((N, G, 3), dtype=np.float64)
+    if N == 0:
+        return out_np
+    cdef double[:, :, ::1] out = out_np
     cdef const int64_t[:, ::1] table
     cdef const int64_t[:, ::1] inflight
     cdef const double[:, ::1] extra
@@ -685,7 +758,8 @@ def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::
             rc = _replay_one(table, n_running, n_free, inflight,
                              start_s, snap_s, extra, limits[g, 0],
                              limits[g, 1], limits[g, 2], limits[g, 3], &beta[g, 0],
-                             new_prompt, new_decode[g], now_s, max_batches, &out[g, 0])
+                             &new_prompts[0], &new_decode[0, g], N, G, now_s, max_batches,
+                             &out[0, g, 0], 3 * G)
         if rc != 0:
             raise MemoryError("replay scratch allocation failed")
     return out_np

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from olproute._core import replay_ttft
+from olproute._core import replay_ttft, replay_ttft_many
 from olproute.calibration import InstanceCalibration
 from olproute.types import (
     SNAP_COMPUTED,
@@ -110,6 +110,22 @@ class BeaEstimator:
                           self._max_batches)
         ttft, wait = out[:, 0], out[:, 1]
         # a request that never starts there has inf for both: its prefill time is inf too
+        prefill = np.subtract(ttft, wait, out=np.full_like(ttft, np.inf),
+                              where=np.isfinite(wait))
+        return TtftEstimate(ttft_s=ttft, wait_s=wait, prefill_s=prefill)
+
+    def estimate_many(self, ctx: RoutingContext, prompts: IntArray,
+                      predicted_decode: IntArray) -> TtftEstimate:
+        """``estimate`` for N requests at once (prompts (N,), predicted outputs (N, G)),
+        each as if it alone joined now: (N, G) arrays. Each instance is replayed up to
+        now once for all of them."""
+        snaps = _require_snapshots(ctx, self.name)
+        pending = None if ctx.pending is None else list(ctx.pending)
+        out = replay_ttft_many(list(snaps), self._limits, self._beta,
+                               np.ascontiguousarray(prompts, dtype=np.int64),
+                               np.ascontiguousarray(predicted_decode, dtype=np.int64),
+                               ctx.now_s, pending, self._max_batches)
+        ttft, wait = out[..., 0], out[..., 1]
         prefill = np.subtract(ttft, wait, out=np.full_like(ttft, np.inf),
                               where=np.isfinite(wait))
         return TtftEstimate(ttft_s=ttft, wait_s=wait, prefill_s=prefill)
@@ -366,15 +382,18 @@ def make_estimator(name: str, specs: Sequence[InstanceSpec],
 
 
 def decode_step_times_s(snapshots: Sequence[EngineSnapshot], specs: Sequence[InstanceSpec],
-                        beta: FloatArray, prompt_tokens: int,
+                        beta: FloatArray, prompt_tokens: int | IntArray,
                         inbound: Sequence[FloatArray | None] | None = None) -> FloatArray:
     """Per instance, the calibrated time of one decode batch of its residents plus the new
     request (up to max_num_seqs, contexts as they stand): the time per output token the
     new request should expect there now. Unlike the profiled mean TPOT, it grows with
     the instance's decode load (beta0 + beta1 * n + beta2 * sum of contexts). With
     ``inbound`` (``RoutingContext.inbound`` rows, prompt first) the requests on their way
-    to an instance count as residents after the others."""
-    out = np.empty(len(snapshots))
+    to an instance count as residents after the others. With ``prompt_tokens`` of
+    shape (N,), one row per prompt: (N, G)."""
+    g_count = len(snapshots)
+    fixed = np.empty(g_count)
+    resident = np.empty(g_count)
     for g, (snap, spec) in enumerate(zip(snapshots, specs, strict=True)):
         t = snap.table
         contexts = (t[:, SNAP_PROMPT] + t[:, SNAP_OUTPUT]).astype(np.float64)
@@ -382,7 +401,8 @@ def decode_step_times_s(snapshots: Sequence[EngineSnapshot], specs: Sequence[Ins
         if rows is not None and rows.shape[0]:
             contexts = np.concatenate([contexts, rows[:, 0]])
         n = min(contexts.shape[0], spec.max_num_seqs - 1)
-        ctx = float(contexts[:n].sum()) + prompt_tokens
-        b = beta[g]
-        out[g] = b[0] + b[1] * (n + 1) + b[2] * ctx
+        resident[g] = float(contexts[:n].sum())
+        fixed[g] = beta[g, 0] + beta[g, 1] * (n + 1)
+    prompt = np.asarray(prompt_tokens, dtype=np.float64)[..., None]
+    out: FloatArray = fixed + beta[:, 2] * (resident + prompt)
     return out

@@ -8,7 +8,7 @@ wrapped from outside, as ``EstimatorProbe`` wraps ``decide``) or from a live ser
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,11 +91,16 @@ class PriceRecorder(Policy):
         self._inner = inner
         self.tick_s = inner.tick_s
         self.needs_snapshots = inner.needs_snapshots
+        self.joint_release = inner.joint_release
         self.times: list[float] = []
         self.samples: list[npt.NDArray[np.float32]] = []
 
     def decide(self, ctx: RoutingContext) -> Decision:
         return self._inner.decide(ctx)
+
+    def decide_held(self, requests: Sequence[Request],
+                    context: Callable[[Request], RoutingContext]) -> Iterator[Decision]:
+        return self._inner.decide_held(requests, context)
 
     def observe(self, outcome: Outcome) -> None:
         self._inner.observe(outcome)

@@ -259,27 +259,44 @@ def shift_columns(cols: Columns, k: int, horizon: int) -> Columns:
                    pre_end=np.minimum(cols.pre_end + k, horizon), compute_a=cols.compute_a)
 
 
-def usage_columns(prompt_tokens: int, decode_tokens: FloatArray, ttft_s: FloatArray,
-                  tpot_s: FloatArray, batch_cap: FloatArray, kv_cap: FloatArray,
-                  budget: FloatArray, slot_s: float, horizon: int) -> Columns:
+def usage_columns(prompt_tokens: int | FloatArray, decode_tokens: FloatArray,
+                  ttft_s: FloatArray, tpot_s: FloatArray, batch_cap: FloatArray,
+                  kv_cap: FloatArray, budget: FloatArray, slot_s: float,
+                  horizon: int) -> Columns:
     """The request's column on every instance (DESIGN.md: s + theta + 1 KV tokens after
     theta generated tokens, Delta / tpot tokens per slot; its prefill in the slots up to
-    its first token's)."""
+    its first token's). Several requests at once with ``prompt_tokens`` of shape (N, 1)
+    and the rest (N, G)."""
     k0 = first_token_slot(ttft_s, slot_s, horizon)
     end = np.minimum(k0 + decode_slots(decode_tokens, tpot_s, slot_s), horizon)
-    ps, pe, ca = prefill_span(float(prompt_tokens), k0, budget, horizon)
+    ps, pe, ca = prefill_span(np.asarray(prompt_tokens, dtype=np.float64), k0, budget,
+                              horizon)
     return Columns(start=k0, end=end, batch_a=1.0 / batch_cap,
                    kv_a=(prompt_tokens + 1.0) / kv_cap, kv_b=(slot_s / tpot_s) / kv_cap,
                    pre_start=ps, pre_end=pe, compute_a=ca)
 
 
-def reward_terms(prompt_tokens: int, ttft_target_s: float, outlook: Outlook,
-                 ttft_s: FloatArray, tpot_s: FloatArray, w: RewardConfig, slot_s: float,
-                 horizon: int, waited_s: float = 0.0) -> RewardTerms:
+def column_mass(cols: Columns) -> FloatArray:
+    """Each column's whole use, in capacity-fraction slots summed over the resources (its
+    price at a price of 1 everywhere): what a request takes from an instance, for ranking
+    requests by reward per use."""
+    d = np.maximum(cols.end - cols.start, 0).astype(np.float64)
+    p = np.maximum(cols.pre_end - cols.pre_start, 0).astype(np.float64)
+    result: FloatArray = ((cols.batch_a + cols.kv_a) * d + cols.kv_b * d * (d - 1) / 2
+                          + cols.compute_a * p)
+    return result
+
+
+def reward_terms(prompt_tokens: int | FloatArray, ttft_target_s: float | FloatArray,
+                 outlook: Outlook, ttft_s: FloatArray, tpot_s: FloatArray, w: RewardConfig,
+                 slot_s: float, horizon: int,
+                 waited_s: float | FloatArray = 0.0) -> RewardTerms:
     """r_jg term by term for one request on every instance (see the module docstring).
     ``ttft_s`` is counted from now; ``waited_s`` is the time the request has already
     spent in the router's buffer, so latencies (and the SLO indicators) are judged from
-    its arrival: a request held past its target no longer earns the on-time bonus."""
+    its arrival: a request held past its target no longer earns the on-time bonus.
+    Several requests at once with the per-request figures of shape (N, 1) and the
+    outlook's and estimates' (N, G)."""
     ttft_s = ttft_s + waited_s
     k0 = first_token_slot(ttft_s, slot_s, horizon)
     d = decode_slots(outlook.decode_tokens, tpot_s, slot_s)

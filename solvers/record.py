@@ -17,6 +17,7 @@ built by hand, saved, or come from the server as well as from the simulator.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,7 @@ from olproute.policies.bid_price import BidPrice
 from olproute.reward import NUM_RESOURCES
 from olproute.sim.cluster import ProgressFn, SimResult
 from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, streams
-from olproute.types import Decision, EngineSnapshot, Outcome, RoutingContext
+from olproute.types import Decision, EngineSnapshot, Outcome, Request, RoutingContext
 from solvers.certificate import PriceUpdate
 from solvers.problem import LpProblem
 
@@ -86,6 +87,7 @@ class Recorder(Policy):
 
     def __post_init__(self) -> None:
         self.tick_s = self.inner.tick_s
+        self.joint_release = self.inner.joint_release
 
     def decide(self, ctx: RoutingContext) -> Decision:
         decision = self.inner.decide(ctx)
@@ -94,6 +96,10 @@ class Recorder(Policy):
             self.first_seen_s[rid] = ctx.now_s
             self.predictions[rid] = {k: decision.explanation[k] for k in PREDICTIONS}
         return decision
+
+    def decide_held(self, requests: Sequence[Request],
+                    context: Callable[[Request], RoutingContext]) -> Iterator[Decision]:
+        return self.inner.decide_held(requests, context)
 
     def observe(self, outcome: Outcome) -> None:
         self.inner.observe(outcome)

@@ -13,7 +13,7 @@ global state.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Generic, TypeVar
 
@@ -25,7 +25,14 @@ from olproute.config_read import problems_of
 from olproute.config_schema import AdmissionConfig, PriceConfig, RewardConfig
 from olproute.outlook import OutlookSource
 from olproute.prices import PriceView
-from olproute.types import Decision, EngineSnapshot, InstanceSpec, Outcome, RoutingContext
+from olproute.types import (
+    Decision,
+    EngineSnapshot,
+    InstanceSpec,
+    Outcome,
+    Request,
+    RoutingContext,
+)
 
 
 class Policy(ABC):
@@ -33,6 +40,10 @@ class Policy(ABC):
 
     The core is ``decide`` and ``observe``. The rest are optional hooks whose defaults
     suit a policy that does not need them (as vLLM's scheduler interface does it):
+
+    - ``joint_release`` / ``decide_held``: a policy that decides its held requests
+      together sets ``joint_release``; its callers then run ``decide_held`` once per slot
+      over all of them, and otherwise ``decide`` each held request again every slot;
 
     - ``needs_snapshots``: the context carries instance snapshots (else ``None``);
     - ``tick_s`` > 0: ``tick(now_s, snapshots)`` runs every ``tick_s`` seconds off the
@@ -45,6 +56,7 @@ class Policy(ABC):
 
     name: str = ""
     needs_snapshots: bool = False
+    joint_release: bool = False
     tick_s: float = 0.0
     takes_beta: bool = False
 
@@ -55,6 +67,16 @@ class Policy(ABC):
     @abstractmethod
     def observe(self, outcome: Outcome) -> None:
         """Learn from a request that finished (or was shed)."""
+
+    def decide_held(self, requests: Sequence[Request],
+                    context: Callable[[Request], RoutingContext]) -> Iterator[Decision]:
+        """One slot's pass over the router's buffer of held requests: one decision per
+        request, yielded in the order they are to be carried out; the caller carries out
+        each before it asks for the next, so a context built after a dispatch sees it.
+        The default decides them one by one in the order given, each on its own fresh
+        context."""
+        for request in requests:
+            yield self.decide(context(request))
 
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:  # noqa: B027 (optional hook)
         """Learn off the request path, every ``tick_s`` seconds (when > 0)."""

@@ -27,7 +27,9 @@ Parameter ``form`` (BEAR's two forms, with the prices):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -42,10 +44,14 @@ from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, Pol
 from olproute.policies.bid_price_pools import PoolBidPrice
 from olproute.prices import PriceBook, PriceView
 from olproute.reward import (
+    COLUMN_FIELDS,
     HARD,
+    TERMS,
     Columns,
+    RewardTerms,
     capacities,
     column_at,
+    column_mass,
     compute_budget,
     free_capacity,
     reward_terms,
@@ -77,6 +83,48 @@ class BidPriceParams(PolicyParams):
         "reward.delta x predicted TTFT - price; constrained (BEAR eq. 5): the highest "
         "reward - price among the instances predicted to meet the TTFT target, else hold "
         "until patience")
+    release: Literal["in_order", "density", "score"] = Field(
+        default="in_order", description="how each slot's pass decides the held requests: "
+        "one by one in arrival order (in_order); or together, greedily by score per use "
+        "of the instance (density) or by score")
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """One request's figures on every instance (arrays of length G)."""
+
+    ttft: FloatArray
+    tpot: FloatArray
+    cols: Columns
+    reward: FloatArray
+    lagrangian: FloatArray
+    net: FloatArray
+    on_time: npt.NDArray[np.bool_]
+    finite_ttft: FloatArray
+
+
+@dataclass(frozen=True, slots=True)
+class _Scores:
+    """What a decision reads for N requests on G instances: (N, G) arrays (``waited``
+    (N,): seconds each has been held), from one context."""
+
+    outlooks: list[Outlook]
+    ttft: FloatArray
+    tpot: FloatArray
+    cols: Columns
+    terms: RewardTerms
+    reward: FloatArray
+    price: FloatArray
+    lagrangian: FloatArray
+    on_time: npt.NDArray[np.bool_]
+    finite_ttft: FloatArray
+    waited: FloatArray
+
+    def row(self, j: int) -> _Row:
+        return _Row(self.ttft[j], self.tpot[j],
+                    Columns(*(getattr(self.cols, f)[j] for f in COLUMN_FIELDS)),
+                    self.reward[j], self.lagrangian[j], self.reward[j] - self.price[j],
+                    self.on_time[j], self.finite_ttft[j])
 
 
 POOL_ONLY = ("decode_slack", "kv_headroom")
@@ -107,73 +155,218 @@ class BidPrice(Policy):
         self.tick_s = env.prices.period_slots * env.slot_s
         self._learn = env.prices.enabled
         self._form = params.form
+        self._release = params.release
+        self.joint_release = params.release != "in_order"
         self._seen: set[int] = set()
         # free capacity (G, H, 2) as of the last tick, less the dispatches since
         self._free: FloatArray | None = None
         self._free_time_s = 0.0
 
-    def decide(self, ctx: RoutingContext) -> Decision:
-        req = ctx.request
+    def _score(self, ctx: RoutingContext, requests: Sequence[Request]) -> _Scores:
+        """Every figure a decision reads, for N requests deciding on the same context,
+        each as if it alone joined now: (N, G) arrays (one BEA call for all of them)."""
         snaps = ctx.snapshots
         if snaps is None:
             raise ValueError("bid_price needs instance snapshots in the context")
-        out = self._outlook(req)
-        est = self._bea.estimate(ctx, predicted_decode=np.rint(out.decode_tokens).astype(
-            np.int64))
-        ttft = est.ttft_s
+        outs = [self._outlook(r) for r in requests]
+        decode = np.stack([o.decode_tokens for o in outs])
+        out = Outlook(decode_tokens=decode, quality=np.stack([o.quality for o in outs]),
+                      cost_musd=np.stack([o.cost_musd for o in outs]))
+        prompt = np.array([r.prompt_tokens for r in requests], dtype=np.int64)
+        ttft = self._bea.estimate_many(ctx, prompt, np.rint(decode).astype(np.int64)).ttft_s
         # time per output token at each instance's current decode load
-        tpot = decode_step_times_s(snaps, self._specs, self._bea.beta, req.prompt_tokens)
-        cols = usage_columns(req.prompt_tokens, out.decode_tokens, ttft, tpot,
-                             self._batch_cap, self._kv_cap, self._budget, self._slot_s,
-                             self._horizon)
-        waited = ctx.now_s - req.arrival_s
-        terms = reward_terms(req.prompt_tokens, req.ttft_target_s, out, ttft, tpot,
-                             self._w, self._slot_s, self._horizon, waited_s=waited)
+        tpot = decode_step_times_s(snaps, self._specs, self._bea.beta, prompt)
+        s = prompt[:, None].astype(np.float64)
+        cols = usage_columns(s, decode, ttft, tpot, self._batch_cap, self._kv_cap,
+                             self._budget, self._slot_s, self._horizon)
+        waited = np.array([ctx.now_s - r.arrival_s for r in requests])[:, None]
+        target = np.array([r.ttft_target_s for r in requests])[:, None]
+        terms = reward_terms(s, target, out, ttft, tpot, self._w, self._slot_s,
+                             self._horizon, waited_s=waited)
         reward = terms.total
         price = self.book.price(cols, ctx.now_s)
         finite_ttft = np.where(np.isfinite(ttft), ttft, 1e9)
-        lagrangian = reward - self._w.delta * finite_ttft - price
-        on_time = ttft + waited <= req.ttft_target_s
+        return _Scores(outs, ttft, tpot, cols.broadcast(ttft.shape), terms, reward, price,
+                       reward - self._w.delta * finite_ttft - price, ttft + waited <= target,
+                       finite_ttft, waited[:, 0])
+
+    def decide(self, ctx: RoutingContext) -> Decision:
+        req = ctx.request
+        sc = self._score(ctx, (req,))
+        row = sc.row(0)
         if req.request_id not in self._seen:  # first sight: a sample of demand
-            self._seen.add(req.request_id)
-            self.book.observe_arrival(ctx.now_s)
-            self.book.add_sample(self._delayed_rewards(req, out, ttft, tpot, waited, reward),
-                                 cols, sample_extent(cols, req.prompt_tokens,
-                                                     out.decode_tokens, tpot, self._budget,
-                                                     self._slot_s))
+            self._sample(req, sc, 0, ctx.now_s)
         candidates = self._candidates()
-        score, order = self._ranking(candidates, lagrangian, reward - price, on_time,
-                                     finite_ttft)
+        score, order = self._ranking(candidates, row.lagrangian, row.net, row.on_time,
+                                     row.finite_ttft)
         g = int(order[0])
-        explanation = {"ttft_s": tuple(ttft.tolist()), "tpot_s": tuple(tpot.tolist()),
-                       "reward": tuple(reward.tolist()), "price_cost": tuple(price.tolist()),
-                       "score": tuple(score.tolist()),
-                       "on_time": tuple(on_time.astype(np.float64).tolist()),
-                       "decode_tokens": tuple(out.decode_tokens.tolist()),
-                       "utility": tuple(out.utility(self._w.cost_lambda).tolist()),
-                       "exec_ttft_s": tuple((req.prompt_tokens / self._theta).tolist()),
-                       "candidates": tuple(float(c) for c in candidates.tolist()),
-                       **terms.as_dict()}
-        eligible = order[on_time[order]] if self._form == "constrained" else order
-        c = self._first_startable(ctx, snaps, eligible, score, cols)
+        explanation = self._explain(req, sc, 0, score, candidates)
+        eligible = order[row.on_time[order]] if self._form == "constrained" else order
+        assert ctx.snapshots is not None
+        c = self._first_startable(ctx, ctx.snapshots, eligible, score, row.cols)
         if c is not None:
-            self._account(c, cols, ctx.now_s)
-            among = (f" of the {int(on_time[candidates].sum())} on time"
-                     if self._form == "constrained" else "")
-            rank = ("best score" if c == g else
-                    f"best startable score (best: {score[g]:.3f})")
-            return Decision(req.request_id, "dispatch", c, f"{rank}{among} {score[c]:.3f} on "
-                            f"{self._specs[c].name}, which can start it now", explanation)
-        g, why = self._why_held(ctx, snaps, g, score, bool(on_time[candidates].any()),
-                                int(candidates[np.argmax(lagrangian[candidates])]))
+            self._account(c, row.cols, ctx.now_s)
+            return self._dispatch(req, c, g, score, row.on_time, candidates, explanation)
+        return self._not_now(ctx, row, g, score, candidates, explanation)
+
+    def decide_held(self, requests: Sequence[Request],
+                    context: Callable[[Request], RoutingContext]) -> Iterator[Decision]:
+        """One slot's pass over the held requests. ``release: in_order``: one by one in
+        the order given (the base's). Otherwise together, from one context
+        (``_assign``); the dispatches are yielded first, in the order they were chosen,
+        then the others, held, shed or deferred as ``decide`` would."""
+        if self._release == "in_order" or not requests:
+            yield from super().decide_held(requests, context)
+            return
+        ctx = context(requests[0])
+        sc = self._score(ctx, requests)
+        for j, req in enumerate(requests):
+            if req.request_id not in self._seen:
+                self._sample(req, sc, j, ctx.now_s)
+        cands = [self._candidates() for _ in requests]
+        src: list[tuple[_Scores, int]] = [(sc, j) for j in range(len(requests))]
+        chosen = self._assign(ctx, requests, src, cands)
+        done = [j for j, _ in chosen]
+        for rank, (j, c) in enumerate(chosen, 1):
+            req = requests[j]
+            row = src[j][0].row(src[j][1])
+            score, order = self._ranking(cands[j], row.lagrangian, row.net, row.on_time,
+                                         row.finite_ttft)
+            yield self._dispatch(req, c, int(order[0]), score, row.on_time, cands[j],
+                                 self._explain(req, *src[j], score, cands[j]),
+                                 f" (released {rank} of {len(requests)} held, by "
+                                 f"{self._release})")
+        for j, req in enumerate(requests):
+            if j in done:
+                continue
+            row = src[j][0].row(src[j][1])
+            score, order = self._ranking(cands[j], row.lagrangian, row.net, row.on_time,
+                                         row.finite_ttft)
+            yield self._not_now(replace(ctx, request=req), row, int(order[0]), score,
+                                cands[j], self._explain(req, *src[j], score, cands[j]))
+
+    def _assign(self, ctx: RoutingContext, requests: Sequence[Request],
+                src: list[tuple[_Scores, int]], cands: list[npt.NDArray[np.int64]]
+                ) -> list[tuple[int, int]]:
+        """The joint pass: (request index, instance) dispatches in the order chosen.
+        Greedily, the request whose choice (its own first startable instance, as
+        ``decide`` picks it, with this pass's dispatches accounted) has the highest key —
+        its score per use (``density``: ``reward.column_mass``) or its score (``score``)
+        — goes there, until no request left has a choice. A request whose choice took a
+        dispatch since it was scored is scored again first, behind the dispatches (its
+        ``src`` entry is replaced)."""
+        snaps = ctx.snapshots
+        assert snaps is not None
+        pending: list[list[tuple[float, float, float]]] = [[] for _ in snaps]
+        counts = [0] * len(snaps)
+        seen = [list(counts) for _ in requests]
+
+        def choice(j: int) -> tuple[float, int, int] | None:
+            row = src[j][0].row(src[j][1])
+            score, order = self._ranking(cands[j], row.lagrangian, row.net, row.on_time,
+                                         row.finite_ttft)
+            if self._form == "constrained":
+                order = order[row.on_time[order]]
+            c = self._first_startable(replace(ctx, request=requests[j]), snaps, order, score,
+                                      row.cols)
+            if c is None:
+                return None
+            key = float(score[c])
+            if self._release == "density":
+                one = Columns(*(np.asarray(getattr(row.cols, f))[c:c + 1]
+                                for f in COLUMN_FIELDS))
+                key /= max(float(column_mass(one)[0]), 1e-12)
+            return -key, j, c
+
+        heap = [h for h in map(choice, range(len(requests))) if h is not None]
+        heapq.heapify(heap)
+        chosen: list[tuple[int, int]] = []
+        while heap:
+            _, j, c = heapq.heappop(heap)
+            if counts[c] != seen[j][c]:
+                # dispatches joined c since j was scored: score j again behind them
+                extra = tuple(self._pending_with(ctx, g, pending[g]) for g in range(len(snaps)))
+                src[j] = (self._score(replace(ctx, request=requests[j], pending=extra),
+                                      (requests[j],)), 0)
+                seen[j] = list(counts)
+                again = choice(j)
+                if again is not None:
+                    heapq.heappush(heap, again)
+                continue
+            sc, i = src[j]
+            self._account(c, sc.row(i).cols, ctx.now_s)
+            chosen.append((j, c))
+            pending[c].append((float(requests[j].prompt_tokens),
+                               float(np.rint(sc.outlooks[i].decode_tokens[c])), ctx.now_s))
+            counts[c] += 1
+        return chosen
+
+    @staticmethod
+    def _pending_with(ctx: RoutingContext, g: int, rows: list[tuple[float, float, float]]
+                      ) -> FloatArray | None:
+        """Instance g's rows of dispatches since its snapshot, with this pass's after."""
+        before = None if ctx.pending is None else ctx.pending[g]
+        if not rows:
+            return before
+        new = np.array(rows, dtype=np.float64)
+        return new if before is None else np.concatenate([before, new])
+
+    def _dispatch(self, req: Request, c: int, best: int, score: FloatArray,
+                  on_time: npt.NDArray[np.bool_], candidates: npt.NDArray[np.int64],
+                  explanation: dict[str, tuple[float, ...]], joint: str = "") -> Decision:
+        among = (f" of the {int(on_time[candidates].sum())} on time"
+                 if self._form == "constrained" else "")
+        rank = ("best score" if c == best else
+                f"best startable score (best: {score[best]:.3f})")
+        return Decision(req.request_id, "dispatch", c, f"{rank}{among} {score[c]:.3f} on "
+                        f"{self._specs[c].name}, which can start it now{joint}", explanation)
+
+    def _not_now(self, ctx: RoutingContext, row: _Row, g: int, score: FloatArray,
+                 candidates: npt.NDArray[np.int64],
+                 explanation: dict[str, tuple[float, ...]], why: str | None = None
+                 ) -> Decision:
+        """No instance takes the request now: hold, shed or defer it (``admission``)."""
+        req = ctx.request
+        snaps = ctx.snapshots
+        assert snaps is not None
+        g, held_why = self._why_held(ctx, snaps, g, score, bool(row.on_time[candidates].any()),
+                                     int(candidates[np.argmax(row.lagrangian[candidates])]))
+        why = held_why if why is None else why
         spec = self._specs[g]
 
         def defer(waited_s: float) -> Decision:
-            self._account(g, cols, ctx.now_s)
+            self._account(g, row.cols, ctx.now_s)
             return Decision(req.request_id, "dispatch", g, f"deferred to {spec.name} after "
                             f"{waited_s * 1e3:.0f} ms: {why}", explanation)
 
         return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
+
+    def _sample(self, req: Request, sc: _Scores, j: int, now_s: float) -> None:
+        """A request's first sight: a sample of demand for the price step."""
+        self._seen.add(req.request_id)
+        self.book.observe_arrival(now_s)
+        row = sc.row(j)
+        out = sc.outlooks[j]
+        self.book.add_sample(
+            self._delayed_rewards(req, out, row.ttft, row.tpot, float(sc.waited[j]),
+                                  row.reward),
+            row.cols, sample_extent(row.cols, req.prompt_tokens, out.decode_tokens, row.tpot,
+                                    self._budget, self._slot_s))
+
+    def _explain(self, req: Request, sc: _Scores, j: int, score: FloatArray,
+                 candidates: npt.NDArray[np.int64]) -> dict[str, tuple[float, ...]]:
+        out = sc.outlooks[j]
+        terms = {name: tuple(getattr(sc.terms, name)[j].tolist()) for name in TERMS}
+        return {"ttft_s": tuple(sc.ttft[j].tolist()), "tpot_s": tuple(sc.tpot[j].tolist()),
+                "reward": tuple(sc.reward[j].tolist()),
+                "price_cost": tuple(sc.price[j].tolist()),
+                "score": tuple(score.tolist()),
+                "on_time": tuple(sc.on_time[j].astype(np.float64).tolist()),
+                "decode_tokens": tuple(out.decode_tokens.tolist()),
+                "utility": tuple(out.utility(self._w.cost_lambda).tolist()),
+                "exec_ttft_s": tuple((req.prompt_tokens / self._theta).tolist()),
+                "candidates": tuple(float(c) for c in candidates.tolist()),
+                **terms}
 
     def _delayed_rewards(self, req: Request, out: Outlook, ttft: FloatArray,
                          tpot: FloatArray, waited_s: float, now: FloatArray) -> FloatArray:

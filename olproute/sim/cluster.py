@@ -3,14 +3,16 @@
 Events live on a heap of (time, priority, seq, kind, arg); ``seq`` is a counter owned by
 the simulation, so ties break deterministically. At equal times a finishing batch is
 handled before an arrival (it frees slots and blocks the arrival may use), an arrival
-before a held request's retry, and that before a policy's periodic tick (price
+before the pass over the held requests, and that before a policy's periodic tick (price
 updates, off the request path).
 
 Requests reach an engine the instant they are dispatched; an idle engine starts a batch
-at once, a busy one takes the request into its next batch. A held request is decided
-again every slot (``slot_s``); a shed one is recorded and never served. At most
-``max_held`` requests are held at once, as in the server: a request the policy would hold
-past that is shed.
+at once, a busy one takes the request into its next batch. An arrival is decided at once;
+a held request is decided again every slot (``slot_s``) after it was held, or, for a
+policy with ``joint_release``, all held requests together at every slot boundary
+(multiples of ``slot_s``) in one ``decide_held`` pass; a shed one is recorded and never
+served. At most ``max_held`` requests are held at once, as in the server: an arrival the
+policy would hold past that is shed.
 
 With disaggregated pools (``olproute.disagg``) a dispatch names a prefill and a decode
 instance. The prefill engine runs the prompt and one token (not the client's); the KV
@@ -24,6 +26,7 @@ in the context's ``inbound`` rows there.
 from __future__ import annotations
 
 import heapq
+import math
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +40,7 @@ from olproute.sim.engine import BATCH_LOG_COLUMNS, FINISHED, FIRST_TOKEN, BatchT
 from olproute.sim.snapshots import SnapshotFeed
 from olproute.types import Decision, InstanceSpec, Outcome, Request, RoutingContext
 
-_BATCH_DONE, _ARRIVAL, _RETRY, _TICK, _TRANSFER = 0, 1, 2, 3, 4
+_BATCH_DONE, _ARRIVAL, _RETRY, _TICK, _TRANSFER, _RELEASE = 0, 1, 2, 3, 4, 5
 _heappush = heapq.heappush
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -132,13 +135,15 @@ class Cluster:
         self.outstanding = [0] * len(specs)
         self.feed = SnapshotFeed(self.engines, snapshot_age_s)
         self.needs_snapshots = policy.needs_snapshots
+        self.joint_release = policy.joint_release
         # a policy with tick_s > 0 learns off the request path every tick_s seconds
         self.tick_s = policy.tick_s
 
     def run(self, requests: Sequence[Request], progress: ProgressFn | None = None) -> SimResult:
         """Every event in time order, each handled by the method of its kind."""
         run = _Run(self, requests, progress)
-        handlers = (run.batch_done, run.arrival, run.retry, run.tick, run.transfer)
+        handlers = (run.batch_done, run.arrival, run.retry, run.tick, run.transfer,
+                    run.release)
         heap, pop = run.heap, heapq.heappop
         num_events, now = 0, 0.0
         while heap:
@@ -170,8 +175,8 @@ class _Run:
     records, the buffer of held requests, and one method per event kind."""
 
     __slots__ = ("arrived", "cluster", "done", "engines", "feed", "heap", "held", "in_system",
-                 "inbound", "outstanding", "policy", "progress", "rec", "requests", "role",
-                 "seq")
+                 "inbound", "outstanding", "policy", "progress", "rec", "release_at",
+                 "requests", "role", "seq")
 
     def __init__(self, cluster: Cluster, requests: Sequence[Request],
                  progress: ProgressFn | None) -> None:
@@ -186,7 +191,8 @@ class _Run:
         # per instance: request_id -> (dispatch time, prompt, predicted decode) of requests
         # bound for it as their decode instance whose KV has not arrived yet
         self.inbound: list[dict[int, tuple[float, int, int]]] = [{} for _ in cluster.engines]
-        self.held: set[int] = set()
+        self.held: dict[int, None] = {}  # request ids, in the order they were held
+        self.release_at: float | None = None
         self.arrived = self.in_system = self.done = 0
         self.heap: list[tuple[float, int, int, int, int]] = [
             (r.arrival_s, _ARRIVAL, seq, _ARRIVAL, r.request_id)
@@ -267,26 +273,58 @@ class _Run:
         self.in_system += 1
         self.rec.in_system_t.append(now)
         self.rec.in_system_n.append(self.in_system)
-        self.retry(now, rid)
-
-    def retry(self, now: float, rid: int) -> None:
-        """The policy decides (a new request, or a held one again): dispatch, hold or
-        shed, with at most ``max_held`` requests held at once."""
         decision = self.policy.decide(self._context(now, self.requests[rid]))
-        held, max_held = self.held, self.cluster.max_held
-        if decision.action == "hold" and rid not in held:
-            if max_held is not None and len(held) >= max_held:
+        if decision.action == "hold":
+            max_held = self.cluster.max_held
+            if max_held is not None and len(self.held) >= max_held:
                 decision = Decision(rid, "shed", None, f"buffer full ({max_held} "
                                     "requests held)")
             else:
-                held.add(rid)
-        if decision.action != "hold":
-            held.discard(rid)
+                self.held[rid] = None
+                self._next_retry(now, rid)
+        self._carry_out(now, rid, decision)
+
+    def retry(self, now: float, rid: int) -> None:
+        """A held request decided again, a slot after the last time; the next a slot
+        later while it is still held."""
+        decision = self.policy.decide(self._context(now, self.requests[rid]))
+        if decision.action == "hold":
+            self._next_retry(now, rid)
+        else:
+            del self.held[rid]
+            self._carry_out(now, rid, decision)
+
+    def release(self, now: float, _arg: int) -> None:
+        """A slot boundary, for a policy with ``joint_release``: it decides the held
+        requests in one pass (``Policy.decide_held``), each decision carried out before
+        the next is asked for; the next pass a slot later while any is still held."""
+        self.release_at = None
+        held = self.held
+        requests = [self.requests[rid] for rid in held]
+        for decision in self.policy.decide_held(requests, lambda r: self._context(now, r)):
+            rid = decision.request_id
+            if rid not in held:
+                raise ValueError(f"policy decided request {rid}, which is not held")
+            if decision.action != "hold":
+                del held[rid]
+                self._carry_out(now, rid, decision)
+        if held:
+            self._next_retry(now, -1)
+
+    def _next_retry(self, now: float, rid: int) -> None:
+        """The request's next decision: a slot from now, or with ``joint_release`` the
+        pass at the next slot boundary after now (one for all)."""
+        if not self.cluster.joint_release:
+            self.push(now + self.cluster.slot_s, _RETRY, _RETRY, rid)
+        elif self.release_at is None:
+            slot = self.cluster.slot_s
+            self.release_at = (math.floor(now / slot + 1e-9) + 1) * slot
+            self.push(self.release_at, _RETRY, _RELEASE, 0)
+
+    def _carry_out(self, now: float, rid: int, decision: Decision) -> None:
         if decision.action == "dispatch":
             self._dispatch(now, rid, decision)
-        elif decision.action == "hold":
-            self.push(now + self.cluster.slot_s, _RETRY, _RETRY, rid)
-        else:
+        elif decision.action == "shed":
             self._shed(now, rid)
 
     # -- what the events do ---------------------------------------------------------------

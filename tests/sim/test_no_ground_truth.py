@@ -17,7 +17,7 @@ somewhere (the last test shows the check catching one).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,11 +44,28 @@ class Recorder(Policy):
         self.name = policy.name
         self.needs_snapshots = policy.needs_snapshots
         self.tick_s = policy.tick_s
+        self.joint_release = policy.joint_release
 
     def decide(self, ctx: RoutingContext) -> Decision:
         decision = self.inner.decide(ctx)
         self.calls.append(("decide", (ctx, decision)))
         return decision
+
+    def decide_held(self, requests: Sequence[Request],
+                    context: Callable[[Request], RoutingContext]) -> Iterator[Decision]:
+        """Forwarded; the requests, the contexts the pass asked for and its decisions
+        are recorded in the order the pass began (sheds it causes are observed after)."""
+        built: dict[int, RoutingContext] = {}
+        decisions: list[Decision] = []
+        self.calls.append(("held", (list(requests), built, decisions)))
+
+        def context_of(r: Request) -> RoutingContext:
+            built[r.request_id] = context(r)
+            return built[r.request_id]
+
+        for d in self.inner.decide_held(requests, context_of):
+            decisions.append(d)
+            yield d
 
     def observe(self, outcome: Outcome) -> None:
         self.inner.observe(outcome)
@@ -113,17 +130,29 @@ def replay_with_other_truth(loaded: LoadedConfig, name: str, cal: CalibrationSou
             twin.observe(arg)
         elif kind == "tick":
             twin.tick(*arg)  # type: ignore[attr-defined]
+        elif kind == "held":
+            held, built, decided = arg
+            pass_ = twin.decide_held([truth[r.request_id] for r in held],
+                                     lambda r, b=built: replace(b[r.request_id], request=r))
+            for seen, again in zip(decided, pass_, strict=True):
+                num += 1
+                if not same(again, seen):
+                    changed += 1
+                    first = first or _change(seen, again, "held pass")
         else:
             ctx, seen = arg
             again = twin.decide(replace(ctx, request=truth[ctx.request.request_id]))
             num += 1
             if not same(again, seen):
                 changed += 1
-                first = first or (f"request {ctx.request.request_id} at {ctx.now_s:.3f} s: "
-                                  f"{seen.action} {seen.instance}/{seen.decode_instance} "
-                                  f"became {again.action} {again.instance}/"
-                                  f"{again.decode_instance}")
+                first = first or _change(seen, again, f"{ctx.now_s:.3f} s")
     return Replay(num, changed, first)
+
+
+def _change(seen: Decision, again: Decision, when: str) -> str:
+    return (f"request {seen.request_id} at {when}: {seen.action} {seen.instance}/"
+            f"{seen.decode_instance} became {again.action} {again.instance}/"
+            f"{again.decode_instance}")
 
 
 # -- the pools ------------------------------------------------------------------------------

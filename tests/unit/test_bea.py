@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from olproute._core import BatchCore, replay_ttft
+from olproute._core import BatchCore, replay_ttft, replay_ttft_many
 from olproute.bea import (
     BeaEstimator,
     PrefillTpsEstimator,
@@ -151,6 +151,51 @@ def test_compiled_replay_matches_python_reference(p: dict) -> None:  # type: ign
                                 (p["blocks"], p["block"], p["seqs"], p["budget"]),
                                 list(BETA), prompt, decode, now, extras)
     assert fast[0] == ref[0] and fast[1] == ref[1] and int(fast[2]) == ref[2]
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(p=snapshot_programs,
+       news=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 20)), min_size=1,
+                     max_size=5))
+def test_many_new_requests_replay_as_each_alone(p: dict, news: list) -> None:  # type: ignore[type-arg]
+    """replay_ttft_many replays each instance to now once and each new request from a
+    copy of that state: every row equals replay_ttft for that request alone, on two
+    instances (one busy as the program left it, one idle)."""
+    core = BatchCore(p["blocks"], p["block"], p["seqs"], p["budget"])
+    predicted = np.zeros(core.capacity, dtype=np.int64)
+    for prompt, out, err in p["reqs"]:
+        if math.ceil((prompt + out) / p["block"]) <= p["blocks"]:
+            predicted[core.add_request(prompt, out)] = max(out + err, 1)
+    for _ in range(p["steps"]):
+        core.schedule()
+        core.commit()
+        for slot, flags in core.event_list():
+            if flags & 2:
+                core.release_slot(slot)
+    busy = p["inflight"] and core.schedule()[0] > 0
+    table, _ids, n_run, free, inflight = core.snapshot(predicted, np.arange(core.capacity))
+    if not busy:
+        inflight = inflight[:0]
+    snaps = [EngineSnapshot(time_s=1.0, table=table, num_running=n_run, num_free_blocks=free,
+                            inflight=inflight, inflight_start_s=0.999,
+                            request_ids=np.arange(len(table), dtype=np.int64)),
+             EngineSnapshot(time_s=1.0, table=np.zeros((0, 5), dtype=np.int64),
+                            num_running=0, num_free_blocks=p["blocks"],
+                            inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=0.0,
+                            request_ids=np.zeros(0, dtype=np.int64))]
+    ext = sorted(p["extras"], key=lambda e: e[2])
+    extras = [np.array(ext, dtype=np.float64).reshape(len(ext), 3), None]
+    limits = np.array([[p["blocks"], p["block"], p["seqs"], p["budget"]]] * 2, dtype=np.int64)
+    beta = np.array([BETA, BETA])
+    news = [(s, d) for s, d in news if math.ceil((s + d) / p["block"]) <= p["blocks"]]
+    now = 1.0 + p["age"]
+    prompts = np.array([s for s, _ in news], dtype=np.int64)
+    decodes = np.array([[d, d + 1] for _, d in news], dtype=np.int64).reshape(len(news), 2)
+    many = replay_ttft_many(snaps, limits, beta, prompts, decodes, now, extras)
+    assert many.shape == (len(news), 2, 3)
+    for i, (s, _) in enumerate(news):
+        alone = replay_ttft(snaps, limits, beta, int(s), decodes[i].copy(), now, extras)
+        np.testing.assert_array_equal(many[i], alone)
 
 
 def test_replay_reproduces_the_simulator_exactly() -> None:

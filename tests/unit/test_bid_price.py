@@ -415,7 +415,7 @@ def _snap(n_running: int = 0, n_waiting: int = 0, free: int = 625) -> EngineSnap
 
 
 def _policy(reward: RewardConfig | None = None, admission: AdmissionConfig | None = None,
-            g: int = 2, form: str = "lagrangian") -> BidPrice:
+            g: int = 2, form: str = "lagrangian", release: str = "in_order") -> BidPrice:
     from olproute.config import load_profiles
     from olproute.outlook import OutlookSource
     from tests.conftest import PROFILES
@@ -426,7 +426,7 @@ def _policy(reward: RewardConfig | None = None, admission: AdmissionConfig | Non
                     prices=PriceConfig(window=100, minibatch=32),
                     calibration_source=lambda: (CAL,) * g,
                     outlook_source=OutlookSource(specs, load_profiles(PROFILES), "noisy"),
-                    params={"backend": "numpy", "form": form})
+                    params={"backend": "numpy", "form": form, "release": release})
     policy = REGISTRY.create("bid_price", env)
     assert isinstance(policy, BidPrice)
     return policy
@@ -485,17 +485,22 @@ def test_can_start_now() -> None:
     assert not can_start_now(_snap(free=10), 300, 16, 4, 0)
 
 
+@pytest.mark.parametrize("release", ["in_order", "density"])
 @pytest.mark.parametrize("mode", ["defer", "shed"])
-def test_central_buffer_loses_and_duplicates_nothing(mode: str) -> None:
+def test_central_buffer_loses_and_duplicates_nothing(mode: str, release: str) -> None:
     """Overloaded, with holds: every request ends exactly once, dispatched or shed, and
-    no later than its patience after arrival. 10 s of the trace (174 requests) holds 82
-    of them under defer and sheds 46 under shed; the first 5 s hold none."""
+    no later than its patience after arrival (plus the slot until the next pass), with
+    the held requests decided one by one or together. 10 s of the trace (174 requests)
+    holds 82 of them under defer and sheds 46 under shed (one by one); the first 5 s hold
+    none."""
     loaded = make_config(
         instances=[{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 2,
                     "max_num_seqs": 8, "kv_capacity_tokens": 30_000}],
         workload={"kind": "trace", "path": str(CONV_TRACE), "rate_per_s": 30.0,
                   "duration_s": 10},
-        admission={"mode": mode, "patience_s": 0.5}, prices={"window": 200, "minibatch": 64})
+        admission={"mode": mode, "patience_s": 0.5}, prices={"window": 200, "minibatch": 64},
+        router={"policy": "bid_price",
+                "policy_params": {"bid_price": {"release": release}}})
     cal = CalibrationSource(loaded, known=[CAL, CAL])
     reqs = build_requests(loaded)
     res = simulate(loaded, "bid_price", reqs, calibration=cal)
@@ -609,6 +614,61 @@ def test_the_constrained_form_refuses_what_the_lagrangian_form_sends_late() -> N
         assert d.action == final and "after 200 ms" in d.reason
         if final == "dispatch":
             assert d.instance == lag.instance
+
+
+def _held_pass(release: str) -> dict[int, tuple[str, float]]:
+    """Two held requests, one instance with batch room for one of them over the horizon:
+    a long one that arrived first and a short one. Per request id: (action, its score on
+    the instance)."""
+    policy = _policy(reward=RewardConfig(sigma=1.0, alpha=0.0, beta=0.01, gamma=0.0,
+                                         zeta1=0.0, zeta2=0.0, omega=0.0, delta=0.0),
+                     g=1, release=release)
+    free = np.ones((1, H, 3))
+    free[0, :, 0] = 0.3                      # one more request (1/4 of the batch) fits
+    policy._free, policy._free_time_s = free, 0.1
+    snaps = (_snap(n_running=1),)
+    long_ = Request(request_id=1, arrival_s=0.0, prompt_tokens=300, decode_tokens=400,
+                    predicted_decode_tokens=400, ttft_target_s=5.0)
+    short = replace(long_, request_id=2, arrival_s=0.01, decode_tokens=20,
+                    predicted_decode_tokens=20)
+    out = {}
+    for d in policy.decide_held([long_, short], lambda r: RoutingContext(
+            request=r, now_s=0.1, instances=(), specs=(SPEC,), snapshots=snaps)):
+        out[d.request_id] = (d.action, d.explanation["score"][0])
+    return out
+
+
+def test_a_joint_release_beats_arrival_order_on_a_hand_built_buffer() -> None:
+    """Arrival order gives the one place to the long request that came first; the joint
+    pass (by density and by score alike) gives it to the short one, whose score is
+    higher, and the long one stays held (its patience has not run out)."""
+    in_order = _held_pass("in_order")
+    assert in_order[1][0] == "dispatch" and in_order[2][0] == "hold"
+    for release in ("density", "score"):
+        joint = _held_pass(release)
+        assert joint[2][0] == "dispatch" and joint[1][0] == "hold", release
+        assert joint[2][1] > in_order[1][1] > 0
+    # the scores are the same either way: only who gets the place differs
+    assert _held_pass("density")[1][1] == pytest.approx(in_order[1][1])
+
+
+def test_a_joint_release_scores_a_request_again_behind_the_pass_dispatches() -> None:
+    """Two short requests and room for both on one instance: the second is scored again
+    behind the first (its TTFT estimate grows), and both go."""
+    policy = _policy(g=1, release="density")
+    policy._free, policy._free_time_s = np.ones((1, H, 3)), 0.1
+    snaps = (_snap(n_running=1),)
+    reqs = [Request(request_id=i, arrival_s=0.0, prompt_tokens=300, decode_tokens=20,
+                    predicted_decode_tokens=20, ttft_target_s=5.0) for i in (1, 2)]
+    alone = policy.decide(RoutingContext(request=replace(reqs[0], request_id=9), now_s=0.1,
+                                         instances=(), specs=(SPEC,), snapshots=snaps))
+    policy._free = np.ones((1, H, 3))
+    out = list(policy.decide_held(reqs, lambda r: RoutingContext(
+        request=r, now_s=0.1, instances=(), specs=(SPEC,), snapshots=snaps)))
+    assert [d.action for d in out] == ["dispatch", "dispatch"]
+    assert out[0].explanation["ttft_s"][0] == pytest.approx(alone.explanation["ttft_s"][0])
+    assert out[1].explanation["ttft_s"][0] > out[0].explanation["ttft_s"][0]
+    assert "released 2 of 2 held, by density" in out[1].reason
 
 
 def test_the_admission_check_holds_a_request_to_batch_and_kv_not_compute() -> None:
