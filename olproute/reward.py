@@ -122,6 +122,28 @@ def shifted_usage(col: Column, k: int, horizon: int) -> tuple[slice, FloatArray]
     return slice(lo, hi), usage
 
 
+def fits_under(free: FloatArray, col: Column, k: int, horizon: int) -> bool:
+    """Does a column, on a capacity curve computed k slots ago (``shifted_usage``), fit
+    under that curve's free batch slots and KV (``HARD``; ``free`` is one instance's
+    (H, 3))? Every slot it covers must keep free >= its use there: the same test as
+    ``(free[span, HARD] - usage[:, HARD]).min() >= 0`` over ``shifted_usage``'s slots,
+    without building the usage."""
+    s, e, ba, ka, kb, ps, pe, _ = col
+    lo = max(min(s if e > s else horizon, ps if pe > ps else horizon) + k, 0)
+    hi = min(max(e if e > s else 0, pe if pe > ps else 0) + k, horizon)
+    if lo >= hi:
+        return True
+    f = free[lo:hi, HARD]
+    ds, de = min(max(s + k, lo), hi), max(min(e + k, hi), lo)
+    if ds >= de:
+        return bool(f.min() >= 0.0)
+    if (ds > lo and f[:ds - lo].min() < 0.0) or (de < hi and f[de - lo:].min() < 0.0):
+        return False
+    mid = f[ds - lo:de - lo]
+    kv = ka + kb * (np.arange(ds, de) - (s + k))
+    return bool((mid[:, 0] - ba).min() >= 0.0 and (mid[:, 1] - kv).min() >= 0.0)
+
+
 def slots_since(now_s: float, then_s: float, slot_s: float) -> int:
     """Whole slots elapsed from then to now (0 if now is earlier), with a tolerance for
     rounding: 0.5 s is 10 slots of 0.05 s (``0.5 // 0.05`` is 9.0 in floating point)."""

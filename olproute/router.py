@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -70,21 +70,58 @@ class Router:
         outstanding), and a pool with no healthy backend sheds. On disaggregated pools
         ``inbound`` is the context's inbound rows; the decision names a prefill and a
         decode instance, each moved within its own pool when unhealthy."""
-        if not any(healthy):
-            return Decision(request.request_id, "shed", None, "no healthy backend")
+        refused = self._no_backend(request.request_id, healthy)
+        if refused is not None:
+            return refused
+        d = self.policy.decide(self.context(request, now_s, loads, snapshots, inbound))
+        return self._healthy(d, loads, healthy)
+
+    def decide_held(self, requests: Sequence[Request], now_s: float,
+                    loads: tuple[InstanceLoad, ...],
+                    snapshots: tuple[EngineSnapshot, ...] | None,
+                    healthy: Callable[[int], Sequence[bool]],
+                    inbound: tuple[npt.NDArray[np.float64] | None, ...] | None = None
+                    ) -> Iterator[Decision]:
+        """One pass of the policy's ``decide_held`` over held requests, on one context
+        (for a policy with ``joint_release``); each dispatch is moved off unhealthy
+        backends as in ``decide`` (``healthy(request_id)``: per backend, for that
+        request), and one that no healthy backend can take is shed (the policy forgets
+        it)."""
+        for d in self.policy.decide_held(
+                requests, lambda r: self.context(r, now_s, loads, snapshots, inbound)):
+            ok = healthy(d.request_id)
+            refused = self._no_backend(d.request_id, ok) if d.action == "dispatch" else None
+            if refused is not None:
+                self.policy.forget(d.request_id)
+                yield refused
+            else:
+                yield self._healthy(d, loads, ok)
+
+    def context(self, request: Request, now_s: float, loads: tuple[InstanceLoad, ...],
+                snapshots: tuple[EngineSnapshot, ...] | None,
+                inbound: tuple[npt.NDArray[np.float64] | None, ...] | None) -> RoutingContext:
         pools = self.pools.disaggregated
-        if pools:
+        return RoutingContext(request=request, now_s=now_s, instances=loads,
+                              specs=self.specs,
+                              snapshots=snapshots if self.needs_snapshots else None,
+                              inbound=inbound if pools else None)
+
+    def _no_backend(self, request_id: int, healthy: Sequence[bool]) -> Decision | None:
+        """A shed when no healthy backend (in either pool) could take a request."""
+        if not any(healthy):
+            return Decision(request_id, "shed", None, "no healthy backend")
+        if self.pools.disaggregated:
             for role, group in (("prefill", self.pools.prefill), ("decode", self.pools.decode)):
                 if not any(healthy[g] for g in group.tolist()):
-                    return Decision(request.request_id, "shed", None,
-                                    f"no healthy {role} backend")
-        ctx = RoutingContext(request=request, now_s=now_s, instances=loads, specs=self.specs,
-                             snapshots=snapshots if self.needs_snapshots else None,
-                             inbound=inbound if pools else None)
-        d = self.policy.decide(ctx)
+                    return Decision(request_id, "shed", None, f"no healthy {role} backend")
+        return None
+
+    def _healthy(self, d: Decision, loads: tuple[InstanceLoad, ...],
+                 healthy: Sequence[bool]) -> Decision:
+        """The policy's dispatch moved off unhealthy backends (``decide``)."""
         if d.action != "dispatch" or d.instance is None:
             return d
-        if not pools:
+        if not self.pools.disaggregated:
             g = self._healthy_choice(d, d.instance, range(len(self.specs)), loads, healthy)
             return d if g == d.instance else replace(
                 d, instance=g, reason=f"{self.specs[d.instance].name} unhealthy; "
@@ -98,7 +135,7 @@ class Router:
                  for a, b in ((d.instance, p), (d.decode_instance, q)) if a != b]
         if not moved:
             return d
-        self.policy.rerouted(request.request_id, p, q)  # what it holds for it moves too
+        self.policy.rerouted(d.request_id, p, q)  # what it holds for it moves too
         return replace(d, instance=p, decode_instance=q,
                        reason=f"{'; '.join(moved)} ({d.reason})")
 

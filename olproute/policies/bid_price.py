@@ -27,9 +27,8 @@ Parameter ``form`` (BEAR's two forms, with the prices):
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -53,6 +52,7 @@ from olproute.reward import (
     column_at,
     column_mass,
     compute_budget,
+    fits_under,
     free_capacity,
     reward_terms,
     sample_extent,
@@ -83,10 +83,11 @@ class BidPriceParams(PolicyParams):
         "reward.delta x predicted TTFT - price; constrained (BEAR eq. 5): the highest "
         "reward - price among the instances predicted to meet the TTFT target, else hold "
         "until patience")
-    release: Literal["in_order", "density", "score"] = Field(
+    release: Literal["in_order", "density", "score", "assignment"] = Field(
         default="in_order", description="how each slot's pass decides the held requests: "
         "one by one in arrival order (in_order); or together, greedily by score per use "
-        "of the instance (density) or by score")
+        "of the instance (density) or by score, or as the exact assignment with the "
+        "largest sum of scores that fits (assignment)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +120,20 @@ class _Scores:
     on_time: npt.NDArray[np.bool_]
     finite_ttft: FloatArray
     waited: FloatArray
+    mass: FloatArray                  # reward.column_mass of each column
+    rows: list[_Row | None] = field(default_factory=list)   # row(j), built once
 
     def row(self, j: int) -> _Row:
-        return _Row(self.ttft[j], self.tpot[j],
-                    Columns(*(getattr(self.cols, f)[j] for f in COLUMN_FIELDS)),
-                    self.reward[j], self.lagrangian[j], self.reward[j] - self.price[j],
-                    self.on_time[j], self.finite_ttft[j])
+        if not self.rows:
+            self.rows.extend([None] * len(self.ttft))
+        row = self.rows[j]
+        if row is None:
+            row = self.rows[j] = _Row(
+                self.ttft[j], self.tpot[j],
+                Columns(*(getattr(self.cols, f)[j] for f in COLUMN_FIELDS)),
+                self.reward[j], self.lagrangian[j], self.reward[j] - self.price[j],
+                self.on_time[j], self.finite_ttft[j])
+        return row
 
 
 POOL_ONLY = ("decode_slack", "kv_headroom")
@@ -188,7 +197,7 @@ class BidPrice(Policy):
         finite_ttft = np.where(np.isfinite(ttft), ttft, 1e9)
         return _Scores(outs, ttft, tpot, cols.broadcast(ttft.shape), terms, reward, price,
                        reward - self._w.delta * finite_ttft - price, ttft + waited <= target,
-                       finite_ttft, waited[:, 0])
+                       finite_ttft, waited[:, 0], column_mass(cols))
 
     def decide(self, ctx: RoutingContext) -> Decision:
         req = ctx.request
@@ -225,7 +234,8 @@ class BidPrice(Policy):
                 self._sample(req, sc, j, ctx.now_s)
         cands = [self._candidates() for _ in requests]
         src: list[tuple[_Scores, int]] = [(sc, j) for j in range(len(requests))]
-        chosen = self._assign(ctx, requests, src, cands)
+        chosen = (self._assign_exact(ctx, requests, src, cands)
+                  if self._release == "assignment" else self._assign(ctx, requests, src, cands))
         done = [j for j, _ in chosen]
         for rank, (j, c) in enumerate(chosen, 1):
             req = requests[j]
@@ -248,58 +258,133 @@ class BidPrice(Policy):
     def _assign(self, ctx: RoutingContext, requests: Sequence[Request],
                 src: list[tuple[_Scores, int]], cands: list[npt.NDArray[np.int64]]
                 ) -> list[tuple[int, int]]:
-        """The joint pass: (request index, instance) dispatches in the order chosen.
-        Greedily, the request whose choice (its own first startable instance, as
-        ``decide`` picks it, with this pass's dispatches accounted) has the highest key —
-        its score per use (``density``: ``reward.column_mass``) or its score (``score``)
-        — goes there, until no request left has a choice. A request whose choice took a
-        dispatch since it was scored is scored again first, behind the dispatches (its
-        ``src`` entry is replaced)."""
+        """The joint pass, greedy: (request index, instance) dispatches in the order
+        chosen. In rounds: each request's choice is its own first startable instance (as
+        ``decide`` picks it, with this pass's dispatches accounted) among those with
+        prefill budget left this slot (``_slot_budget``); each instance takes the
+        requests that chose it in order of key — score per use (``density``:
+        ``reward.column_mass``) or score (``score``) — while its budget lasts and each
+        still fits; then the requests left are scored again at once behind the round's
+        dispatches (their ``src`` entries replaced), until a round takes none."""
         snaps = ctx.snapshots
         assert snaps is not None
+        budget, take = self._slot_budget(requests)
+        startable = self._startable(snaps, requests)
         pending: list[list[tuple[float, float, float]]] = [[] for _ in snaps]
-        counts = [0] * len(snaps)
-        seen = [list(counts) for _ in requests]
+        chosen: list[tuple[float, int, int]] = []
+        left = list(range(len(requests)))
+        while left:
+            wants: list[tuple[float, int, int]] = []
+            for j in left:
+                ch = self._choice(ctx, src[j], cands[j], startable[j],
+                                  budget >= take[j] - 1e-9)
+                if ch is not None:
+                    wants.append((ch[0], j, ch[1]))
+            taken = []
+            for key, j, c in sorted(wants, key=lambda w: -w[0]):
+                sc, i = src[j]
+                cols = sc.row(i).cols
+                if budget[c] < take[j, c] - 1e-9 or not self._fits(c, cols, ctx.now_s):
+                    continue   # an earlier take this round filled it: choose again
+                self._account(c, cols, ctx.now_s)
+                budget[c] -= take[j, c]
+                taken.append((key, j, c))
+                pending[c].append((float(requests[j].prompt_tokens),
+                                   float(np.rint(sc.outlooks[i].decode_tokens[c])),
+                                   ctx.now_s))
+            if not taken:
+                break
+            chosen += taken
+            done = {j for _, j, _ in taken}
+            left = [j for j in left if j not in done]
+            if not left or not (budget > 1e-9).any():
+                break
+            extra = tuple(self._pending_with(ctx, g, pending[g]) for g in range(len(snaps)))
+            again = self._score(replace(ctx, pending=extra), [requests[j] for j in left])
+            for i, j in enumerate(left):
+                src[j] = (again, i)
+        return [(j, c) for _, j, c in chosen]
 
-        def choice(j: int) -> tuple[float, int, int] | None:
+    def _slot_budget(self, requests: Sequence[Request]) -> tuple[FloatArray, FloatArray]:
+        """(b_g per instance, what each request takes of it (N, G)): the prefill tokens
+        an instance can start in one slot, ``reward.compute_budget``; a request takes its
+        prompt, at most the whole budget (a prompt longer than b_g still starts alone)."""
+        prompts = np.array([r.prompt_tokens for r in requests], dtype=np.float64)
+        return self._budget.copy(), np.minimum(prompts[:, None], self._budget[None, :])
+
+    def _startable(self, snaps: tuple[EngineSnapshot, ...], requests: Sequence[Request]
+                   ) -> npt.NDArray[np.bool_]:
+        """(N, G) ``can_start_now`` of each request on each instance's snapshot: the
+        instance's part once, the prompt's KV blocks per request."""
+        room = np.array([can_start_now(snap, 0, spec.block_size, spec.max_num_seqs,
+                                       self._adm.max_waiting)
+                         for snap, spec in zip(snaps, self._specs, strict=True)])
+        free = np.array([snap.num_free_blocks for snap in snaps])
+        block = np.array([spec.block_size for spec in self._specs])
+        prompts = np.array([r.prompt_tokens for r in requests])
+        result: npt.NDArray[np.bool_] = room & (free >= -(-prompts[:, None] // block))
+        return result
+
+    def _choice(self, ctx: RoutingContext, src: tuple[_Scores, int],
+                cands: npt.NDArray[np.int64], startable: npt.NDArray[np.bool_],
+                open_: npt.NDArray[np.bool_]) -> tuple[float, int] | None:
+        """(key, instance): the request's first instance in its own ranking with a
+        positive score (on time under ``constrained``) that can start it, has budget
+        left (``open_``) and holds its predicted usage; None when there is none."""
+        sc, i = src
+        row = sc.row(i)
+        score, order = self._ranking(cands, row.lagrangian, row.net, row.on_time,
+                                     row.finite_ttft)
+        for c in order.tolist():
+            if score[c] <= 0:
+                return None
+            if (not startable[c] or not open_[c]
+                    or (self._form == "constrained" and not row.on_time[c])
+                    or not self._fits(c, row.cols, ctx.now_s)):
+                continue
+            key = float(score[c])
+            if self._release == "density":
+                key /= max(float(sc.mass[i, c]), 1e-12)
+            return key, c
+        return None
+
+    def _assign_exact(self, ctx: RoutingContext, requests: Sequence[Request],
+                      src: list[tuple[_Scores, int]], cands: list[npt.NDArray[np.int64]]
+                      ) -> list[tuple[int, int]]:
+        """The joint pass as an exact assignment (``release: assignment``): the set of
+        (request, instance) dispatches with the largest sum of scores such that each
+        request goes at most once, only where ``decide`` could send it alone (a positive
+        score, on time under ``constrained``, an instance that can start it and whose
+        free batch slots and KV hold it), and together they fit each instance's prefill
+        budget this slot (``_slot_budget``) and its free batch slots and KV in every slot
+        (``reward.HARD``): a 0/1 program (``_best_subset``). Scores are the slot's (no
+        one is scored again behind the pass's dispatches). Dispatched in order of
+        score."""
+        snaps = ctx.snapshots
+        assert snaps is not None
+        budget, take = self._slot_budget(requests)
+        startable = self._startable(snaps, requests)
+        pairs: list[tuple[int, int, float]] = []
+        windows: list[tuple[slice, FloatArray] | None] = []
+        for j in range(len(requests)):
             row = src[j][0].row(src[j][1])
             score, order = self._ranking(cands[j], row.lagrangian, row.net, row.on_time,
                                          row.finite_ttft)
-            if self._form == "constrained":
-                order = order[row.on_time[order]]
-            c = self._first_startable(replace(ctx, request=requests[j]), snaps, order, score,
-                                      row.cols)
-            if c is None:
-                return None
-            key = float(score[c])
-            if self._release == "density":
-                one = Columns(*(np.asarray(getattr(row.cols, f))[c:c + 1]
-                                for f in COLUMN_FIELDS))
-                key /= max(float(column_mass(one)[0]), 1e-12)
-            return -key, j, c
-
-        heap = [h for h in map(choice, range(len(requests))) if h is not None]
-        heapq.heapify(heap)
-        chosen: list[tuple[int, int]] = []
-        while heap:
-            _, j, c = heapq.heappop(heap)
-            if counts[c] != seen[j][c]:
-                # dispatches joined c since j was scored: score j again behind them
-                extra = tuple(self._pending_with(ctx, g, pending[g]) for g in range(len(snaps)))
-                src[j] = (self._score(replace(ctx, request=requests[j], pending=extra),
-                                      (requests[j],)), 0)
-                seen[j] = list(counts)
-                again = choice(j)
-                if again is not None:
-                    heapq.heappush(heap, again)
-                continue
-            sc, i = src[j]
-            self._account(c, sc.row(i).cols, ctx.now_s)
-            chosen.append((j, c))
-            pending[c].append((float(requests[j].prompt_tokens),
-                               float(np.rint(sc.outlooks[i].decode_tokens[c])), ctx.now_s))
-            counts[c] += 1
-        return chosen
+            for g in order.tolist():
+                if score[g] <= 0:
+                    break
+                if (startable[j, g] and (self._form != "constrained" or row.on_time[g])
+                        and self._fits(g, row.cols, ctx.now_s)):
+                    pairs.append((j, g, float(score[g])))
+                    windows.append(self._window(g, row.cols, ctx.now_s))
+        if not pairs:
+            return []
+        x = _best_subset(pairs, windows, len(requests), self._free,
+                         [float(take[j, g]) for j, g, _ in pairs], budget)
+        chosen = sorted((p for p, on in zip(pairs, x, strict=True) if on), key=lambda p: -p[2])
+        for j, g, _ in chosen:
+            self._account(g, src[j][0].row(src[j][1]).cols, ctx.now_s)
+        return [(j, g) for j, g, _ in chosen]
 
     @staticmethod
     def _pending_with(ctx: RoutingContext, g: int, rows: list[tuple[float, float, float]]
@@ -440,11 +525,10 @@ class BidPrice(Policy):
     def _fits(self, g: int, cols: Columns, now_s: float) -> bool:
         """Does the request's predicted usage on g fit under g's free batch slots and KV
         (as of the last tick, less the router's own dispatches since; ``reward.HARD``)?"""
-        win = self._window(g, cols, now_s)
-        if win is None or self._free is None:
+        if self._free is None:
             return True
-        span, usage = win
-        return bool((self._free[g, span, HARD] - usage[:, HARD]).min() >= 0.0)
+        return fits_under(self._free[g], column_at(cols, g),
+                          slots_since(now_s, self._free_time_s, self._slot_s), self._horizon)
 
     def _account(self, g: int, cols: Columns, now_s: float) -> None:
         """Immediate accounting: the dispatch holds capacity before the next snapshot."""
@@ -487,6 +571,68 @@ class BidPrice(Policy):
 
     def price_view(self) -> PriceView:
         return self.book.view()
+
+
+def _best_subset(pairs: Sequence[tuple[int, int, float]],
+                 windows: Sequence[tuple[slice, FloatArray] | None], num_requests: int,
+                 free: FloatArray | None, takes: Sequence[float] | None = None,
+                 budget: FloatArray | None = None, time_limit_s: float = 0.05
+                 ) -> list[bool]:
+    """Which of the (request, instance, score) pairs to take: max the sum of scores, each
+    request at most once, the taken pairs' usage (``windows``: the slots each covers on
+    its instance's free-capacity curve and its use there) within ``free`` (G, H, 3) in
+    the batch and KV rows (no curve before the first tick), and what they ``takes`` of
+    each instance's ``budget`` within it. HiGHS (scipy's ``milp``) stops at
+    ``time_limit_s`` with the best set it has (none found: nothing taken)."""
+    from scipy.optimize import LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    n = len(pairs)
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    lower: list[float] = []
+    upper: list[float] = []
+    for p, (j, _, _) in enumerate(pairs):
+        rows.append(j)
+        cols.append(p)
+        vals.append(1.0)
+    lower += [0.0] * num_requests
+    upper += [1.0] * num_requests
+    if free is not None:
+        total = np.zeros((*free.shape[:2], 2))
+        for (_, g, _), win in zip(pairs, windows, strict=True):
+            if win is not None:
+                total[g, win[0]] += win[1][:, HARD]
+        binding = total > free[:, :, HARD] + 1e-12
+        index = np.full(binding.shape, -1, dtype=np.int64)
+        index[binding] = num_requests + np.arange(int(binding.sum()))
+        for p, ((_, g, _), win) in enumerate(zip(pairs, windows, strict=True)):
+            if win is None:
+                continue
+            at = index[g, win[0]]
+            k, r = np.nonzero(at >= 0)
+            rows += at[k, r].tolist()
+            cols += [p] * len(k)
+            vals += win[1][:, HARD][k, r].tolist()
+        lower += [-np.inf] * int(binding.sum())
+        upper += free[:, :, HARD][binding].tolist()
+    if takes is not None and budget is not None:
+        for g in range(len(budget)):
+            on = [p for p, (_, h, _) in enumerate(pairs) if h == g]
+            if sum(takes[p] for p in on) > budget[g] + 1e-9:
+                rows += [len(lower)] * len(on)
+                cols += on
+                vals += [takes[p] for p in on]
+                lower.append(-np.inf)
+                upper.append(float(budget[g]))
+    a = coo_matrix((vals, (rows, cols)), shape=(len(lower), n)).tocsr()
+    res = milp(c=-np.array([p[2] for p in pairs]), integrality=np.ones(n),
+               bounds=(0, 1), constraints=LinearConstraint(a, lower, upper),
+               options={"time_limit": time_limit_s})
+    if res.x is None:   # no solution within the time limit: take nothing this slot
+        return [False] * n
+    return [bool(v > 0.5) for v in res.x]
 
 
 @REGISTRY.register("bid_price", BidPriceParams, disaggregated=True)

@@ -8,6 +8,10 @@ decided again every slot, within bounds that keep the event loop responsive.
   for the next slot. A request whose patience has run out is always decided (the policy
   then sheds or defers it), so nothing outstays its patience by more than a slot or two.
 - A request whose client has gone is dropped at once, unscored, and the policy forgets it.
+- A policy that decides its held requests together (``joint_release``) gets them all in
+  one call per slot (``DecideHeld``: the expired first, then the others from the cursor);
+  the call is not cut by the budget (its cost per buffer size is measured in
+  ``bench/bench_prices.py``) and the buffer is capped by ``max_held``.
 
 The simulator re-scores every held request every slot (decisions take no simulated time);
 here a decision costs loop time, so the budget is what bounds the loop's lag.
@@ -17,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from olproute.types import Decision, Request
 
 Decide = Callable[[Request, frozenset[int]], Decision]
+DecideHeld = Callable[[Sequence[tuple[Request, frozenset[int]]]], Iterator[Decision]]
 
 
 @dataclass(slots=True)
@@ -68,29 +73,34 @@ class HoldQueue:
         return len(self._held) >= self.max_held
 
     async def wait(self, request: Request, exclude: frozenset[int], patience_s: float,
-                   decide: Decide, client_gone: Callable[[], bool]) -> Decision | None:
+                   decide: Decide, client_gone: Callable[[], bool],
+                   decide_held: DecideHeld | None = None) -> Decision | None:
         """Hold ``request`` until the policy dispatches or sheds it (its decision), or its
-        client leaves (None). The caller checks ``full()`` first."""
+        client leaves (None). The caller checks ``full()`` first. ``decide_held``: for a
+        policy that decides the held requests together (else one by one, ``decide``)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Decision | None] = loop.create_future()
         rid = request.request_id
         deadline = request.arrival_s + patience_s
         self._held[rid] = _Held(request, exclude, deadline, fut, client_gone)
-        self._ensure_running(decide)
+        self._ensure_running(decide, decide_held)
         try:
             return await fut
         finally:
             self._held.pop(rid, None)
 
-    def _ensure_running(self, decide: Decide) -> None:
+    def _ensure_running(self, decide: Decide, decide_held: DecideHeld | None) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(decide))
+            self._task = asyncio.create_task(self._run(decide, decide_held))
 
-    async def _run(self, decide: Decide) -> None:
+    async def _run(self, decide: Decide, decide_held: DecideHeld | None) -> None:
         """Re-score every slot while anything is held; end when the buffer empties."""
         while self._held:
             await asyncio.sleep(self.slot_s)
-            await self.rescore(decide)
+            if decide_held is None:
+                await self.rescore(decide)
+            else:
+                await self.rescore_together(decide_held)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -126,6 +136,37 @@ class HoldQueue:
             done_waiting += 1
         self.stats.deferred += len(waiting) - done_waiting
         self._cursor = start + done_waiting
+        self.stats.slot_seconds.append(self._clock() - t0)
+        del self.stats.slot_seconds[:-256]
+
+    async def rescore_together(self, decide_held: DecideHeld) -> None:
+        """One slot's pass for a policy that decides the held requests together: drop
+        the abandoned, then one ``decide_held`` call over the rest (the expired first);
+        after each dispatch the loop runs the request's handler up to its first wait."""
+        t0 = self._clock()
+        now = self._now()
+        live: list[_Held] = []
+        for h in self._held.values():
+            if h.future.done():
+                continue
+            if h.client_gone():
+                self.stats.dropped += 1
+                h.future.set_result(None)
+                continue
+            live.append(h)
+        if not live:
+            return
+        live.sort(key=lambda h: h.deadline_s > now)   # stable: the expired first
+        by_id = {h.request.request_id: h for h in live}
+        for d in decide_held([(h.request, h.exclude) for h in live]):
+            self.stats.rescored += 1
+            h = by_id[d.request_id]
+            if h.future.done():   # its client left while the pass ran
+                continue
+            if d.action != "hold":
+                h.future.set_result(d)
+            if d.action == "dispatch":
+                await asyncio.sleep(0)
         self.stats.slot_seconds.append(self._clock() - t0)
         del self.stats.slot_seconds[:-256]
 

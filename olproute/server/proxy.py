@@ -132,7 +132,8 @@ async def decide_until_dispatch(st: ServerState, req: Request, client: web.Reque
     held: Decision | None = None
     try:
         held = await holding.wait(req, exclude, patience_s(st.loaded.config.admission, req),
-                                  st.decide, lambda: client_gone(client))
+                                  st.decide, lambda: client_gone(client),
+                                  st.decide_held if st.router.policy.joint_release else None)
     finally:
         st.metrics.held.dec()
         # None, or cancelled (aiohttp cancels the handler of a client that leaves): its

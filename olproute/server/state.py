@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,30 @@ class ServerState:
         name = "" if d.instance is None else self.loaded.specs[d.instance].name
         self.metrics.decisions.labels(d.action, name).inc()
         return d
+
+    def decide_held(self, held: Sequence[tuple[Request, frozenset[int]]]
+                    ) -> Iterator[Decision]:
+        """One pass over held requests (``request``, ``exclude``) for a policy with
+        ``joint_release``: decided together on one context, each counted; ``exclude``
+        marks backends as unhealthy for that request only."""
+        now = self.now()
+        base = self.tracker.healthy()
+        excludes = {r.request_id: ex for r, ex in held}
+
+        def healthy(rid: int) -> list[bool]:
+            ex = excludes.get(rid, frozenset())
+            return [ok and g not in ex for g, ok in enumerate(base)]
+
+        inbound = self.tracker.inbound_rows() if self.router.pools.disaggregated else None
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        for d in self.router.decide_held([r for r, _ in held], now, self.tracker.loads(now),
+                                         self.snapshots(now), healthy, inbound):
+            self.metrics.decision_seconds.observe(loop.time() - t)
+            name = "" if d.instance is None else self.loaded.specs[d.instance].name
+            self.metrics.decisions.labels(d.action, name).inc()
+            yield d
+            t = loop.time()
 
     def certifying(self) -> bool:
         """Is the live certificate on: a certifier, a period, and bid_price on mixed

@@ -30,12 +30,13 @@ NEVER_FITS = " ".join(["word"] * 3000)
 
 
 def _config(tmp_path: Path, admission: dict[str, Any] | None = None,
-            server: dict[str, Any] | None = None) -> Path:
+            server: dict[str, Any] | None = None, router: dict[str, Any] | None = None
+            ) -> Path:
     data: dict[str, Any] = {
         "profiles": str(PROFILES),
         "instances": [{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 2,
                        "kv_capacity_tokens": 2048}],
-        "router": {"policy": "bid_price", "slot_ms": 20},
+        "router": {"policy": "bid_price", "slot_ms": 20, **(router or {})},
         "prices": {"period_slots": 5, "window": 200, "minibatch": 32},
         "admission": {"mode": "shed", **(admission or {})},
         "server": {"health_period_s": 0.1, "scrape_period_s": 0.2, **(server or {})},
@@ -136,6 +137,38 @@ def test_patience_is_capped_whatever_the_header_asks(tmp_path: Path) -> None:
                                        headers={"x-slo-ttft-ms": "3600000"})
         assert status == 429 and "retry-after" in headers
         assert "shed after" in json.loads(raw)["error"]["message"]
+        _healthy(s)
+    finally:
+        s.close()
+
+
+def test_held_requests_decided_together_are_shed_at_patience_and_others_served(
+        tmp_path: Path) -> None:
+    """bid_price deciding its held requests together (release: density): three requests
+    that can never start, held at once, are each refused after their patience by the
+    joint pass (one call per slot); a request that fits is served; no backend saw the
+    three."""
+    s = _stack(tmp_path, admission={"max_patience_s": 0.3},
+               router={"policy_params": {"bid_price": {"release": "density"}}})
+    try:
+        st = s.app[STATE]
+        assert st.router.policy.joint_release
+        socks = _open_held(s.url, 3)
+        for sock in socks:
+            answer = b""
+            while b"shed after" not in answer:
+                chunk = sock.recv(4096)   # the socket's timeout catches a hang
+                assert chunk, f"connection closed after {answer!r}"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 429")
+            sock.close()
+        holding = st.holding
+        assert holding is not None
+        assert s.call(lambda: holding.stats.rescored) >= 3
+        assert sum(f.requests for f in s.fakes) == 0
+        status, _, raw = request(s.url, "POST", "/v1/completions",
+                                 {"prompt": "hello there", "max_tokens": 4})
+        assert status == 200 and json.loads(raw)["choices"]
         _healthy(s)
     finally:
         s.close()

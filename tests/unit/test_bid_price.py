@@ -31,12 +31,14 @@ from olproute.reward import (
     decode_slots,
     dense,
     first_token_slot,
+    fits_under,
     free_capacity,
     prefill_span,
     price_prefix,
     resident_usage,
     reward_terms,
     sample_extent,
+    shifted_usage,
     slots_since,
     usage_columns,
 )
@@ -95,6 +97,23 @@ def test_column_price_by_prefix_sums_equals_dense_dot(start: int, length: int, a
     p0, p1 = price_prefix(p)
     fast = column_price(cols, p0, p1)[0]
     assert fast == pytest.approx(float((dense(cols, H)[0] * p[0]).sum()), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(s=st.integers(0, 30), d=st.integers(0, 12), p=st.integers(0, 5), k=st.integers(-8, 8),
+       ba=st.floats(0, 1), ka=st.floats(0, 1), kb=st.floats(0, 0.2), seed=st.integers(0, 99))
+def test_fits_under_is_the_usage_test_without_the_usage(s: int, d: int, p: int, k: int,
+                                                        ba: float, ka: float, kb: float,
+                                                        seed: int) -> None:
+    """fits_under answers exactly as (free - usage).min() >= 0 over shifted_usage's
+    slots, on curves with slack, tight spots and over-committed (negative) slots."""
+    h = 32
+    free = np.random.default_rng(seed).choice([-0.1, 0.0, 0.3, 0.9, 1.0], size=(h, 3))
+    e = min(s + d, h)
+    col = (s, e, ba, ka, kb, max(s - p, 0), s, 0.5)
+    win = shifted_usage(col, k, h)
+    want = True if win is None else bool((free[win[0], :2] - win[1][:, :2]).min() >= 0.0)
+    assert fits_under(free, col, k, h) == want
 
 
 def test_reward_terms_by_hand() -> None:
@@ -640,11 +659,12 @@ def _held_pass(release: str) -> dict[int, tuple[str, float]]:
 
 def test_a_joint_release_beats_arrival_order_on_a_hand_built_buffer() -> None:
     """Arrival order gives the one place to the long request that came first; the joint
-    pass (by density and by score alike) gives it to the short one, whose score is
-    higher, and the long one stays held (its patience has not run out)."""
+    pass (greedy by density or by score, or the exact assignment) gives it to the short
+    one, whose score is higher, and the long one stays held (its patience has not run
+    out)."""
     in_order = _held_pass("in_order")
     assert in_order[1][0] == "dispatch" and in_order[2][0] == "hold"
-    for release in ("density", "score"):
+    for release in ("density", "score", "assignment"):
         joint = _held_pass(release)
         assert joint[2][0] == "dispatch" and joint[1][0] == "hold", release
         assert joint[2][1] > in_order[1][1] > 0
@@ -652,23 +672,68 @@ def test_a_joint_release_beats_arrival_order_on_a_hand_built_buffer() -> None:
     assert _held_pass("density")[1][1] == pytest.approx(in_order[1][1])
 
 
-def test_a_joint_release_scores_a_request_again_behind_the_pass_dispatches() -> None:
-    """Two short requests and room for both on one instance: the second is scored again
-    behind the first (its TTFT estimate grows), and both go."""
-    policy = _policy(g=1, release="density")
-    policy._free, policy._free_time_s = np.ones((1, H, 3)), 0.1
-    snaps = (_snap(n_running=1),)
-    reqs = [Request(request_id=i, arrival_s=0.0, prompt_tokens=300, decode_tokens=20,
-                    predicted_decode_tokens=20, ttft_target_s=5.0) for i in (1, 2)]
-    alone = policy.decide(RoutingContext(request=replace(reqs[0], request_id=9), now_s=0.1,
-                                         instances=(), specs=(SPEC,), snapshots=snaps))
-    policy._free = np.ones((1, H, 3))
+@pytest.mark.parametrize("release", ["density", "score", "assignment"])
+def test_a_joint_pass_starts_no_more_prefill_than_a_slot_holds(release: str) -> None:
+    """One instance, prefill budget 1,000 tokens a slot (20,000 tokens/s x 50 ms), room
+    for everything else: of three 400-token prompts a pass starts two (800) and holds
+    the third; a 1,500-token prompt, longer than the budget, still starts, alone."""
+    def pass_(prompts: list[int]) -> list[str]:
+        policy = _policy(g=1, release=release)
+        policy._free, policy._free_time_s = np.ones((1, H, 3)), 0.1
+        reqs = [Request(request_id=i, arrival_s=0.0, prompt_tokens=s, decode_tokens=20,
+                        predicted_decode_tokens=20, ttft_target_s=5.0)
+                for i, s in enumerate(prompts)]
+        snaps = (_snap(n_running=0),)
+        out = {d.request_id: d.action for d in policy.decide_held(
+            reqs, lambda r: RoutingContext(request=r, now_s=0.1, instances=(),
+                                           specs=(SPEC,), snapshots=snaps))}
+        return [out[i] for i in range(len(prompts))]
+
+    assert sorted(pass_([400, 400, 400])) == ["dispatch", "dispatch", "hold"]
+    assert pass_([1500]) == ["dispatch"]
+    assert sorted(pass_([1500, 300])) == ["dispatch", "hold"]
+
+
+def test_the_exact_assignment_takes_the_best_set_not_the_best_first() -> None:
+    """Batch room 1.0 in each of 3 slots of one instance: one request of score 3 using
+    0.8, two of score 2 using 0.5 each. Greedy by score takes the first alone (3); the
+    exact assignment takes the other two (4). A request with pairs on two instances is
+    taken at most once, on the better one when both fit."""
+    from olproute.policies.bid_price import _best_subset
+
+    def win(use: float) -> tuple[slice, np.ndarray]:
+        usage = np.zeros((3, 3))
+        usage[:, 0] = use
+        return slice(0, 3), usage
+
+    free = np.ones((2, 3, 3))
+    pairs = [(0, 0, 3.0), (1, 0, 2.0), (2, 0, 2.0)]
+    assert _best_subset(pairs, [win(0.8), win(0.5), win(0.5)], 3, free) == [
+        False, True, True]
+    twice = [(0, 0, 1.0), (0, 1, 1.5)]
+    assert _best_subset(twice, [win(0.5), win(0.5)], 1, free) == [False, True]
+    # before the first tick there is no curve: each request's best pair
+    assert _best_subset(pairs, [None] * 3, 3, None) == [True, True, True]
+
+
+def test_a_joint_release_scores_the_requests_left_again_behind_each_round() -> None:
+    """Two instances, the first idle and the second busy; three 600-token prompts, a
+    prefill budget of 1,000 tokens a slot each. Round 1: all choose the idle one, which
+    takes one. Round 2, scored again behind it (its TTFT there has grown): the busy one
+    takes one. The third is held: neither has 600 tokens of budget left."""
+    policy = _policy(g=2, release="density")
+    policy._free, policy._free_time_s = np.ones((2, H, 3)), 0.1
+    snaps = (_snap(n_running=0), _snap(n_running=3))
+    reqs = [Request(request_id=i, arrival_s=0.0, prompt_tokens=600, decode_tokens=20,
+                    predicted_decode_tokens=20, ttft_target_s=5.0) for i in (1, 2, 3)]
     out = list(policy.decide_held(reqs, lambda r: RoutingContext(
-        request=r, now_s=0.1, instances=(), specs=(SPEC,), snapshots=snaps)))
-    assert [d.action for d in out] == ["dispatch", "dispatch"]
-    assert out[0].explanation["ttft_s"][0] == pytest.approx(alone.explanation["ttft_s"][0])
-    assert out[1].explanation["ttft_s"][0] > out[0].explanation["ttft_s"][0]
-    assert "released 2 of 2 held, by density" in out[1].reason
+        request=r, now_s=0.1, instances=(), specs=(SPEC,) * 2, snapshots=snaps)))
+    assert [(d.action, d.instance) for d in out] == [
+        ("dispatch", 0), ("dispatch", 1), ("hold", None)]
+    first, second = out[0].explanation["ttft_s"], out[1].explanation["ttft_s"]
+    assert first[0] < first[1]                 # the idle instance was the better one
+    assert second[0] > first[0]                # scored again behind the first dispatch
+    assert "released 2 of 3 held, by density" in out[1].reason
 
 
 def test_the_admission_check_holds_a_request_to_batch_and_kv_not_compute() -> None:

@@ -113,3 +113,43 @@ def test_full_is_the_cap() -> None:
         assert await asyncio.gather(*tasks) == [None, None]
         assert len(q) == 0
     asyncio.run(main())
+
+
+def test_a_joint_pass_gets_every_live_request_at_once_the_expired_first() -> None:
+    """For a policy that decides the held requests together: one call per slot with every
+    request still waiting (the abandoned dropped unscored, the expired first), whatever
+    the budget; its dispatches and sheds leave the buffer, its holds stay."""
+    async def main() -> None:
+        clock = Clock(cost_s=0.004)
+        q = clock.queue(max_held=100, budget_s=0.001)
+        gone = {2}
+        tasks = [asyncio.create_task(q.wait(_request(i), frozenset({i % 2}),
+                                            10.0 if i != 4 else 0.5, clock.decide,
+                                            lambda i=i: i in gone))  # type: ignore[misc]
+                 for i in range(6)]
+        await asyncio.sleep(0)
+        calls: list[list[tuple[int, frozenset[int]]]] = []
+
+        def together(held):  # type: ignore[no-untyped-def]
+            calls.append([(r.request_id, ex) for r, ex in held])
+            for r, _ in held:
+                if r.request_id == 1:
+                    yield Decision(1, "dispatch", 0, "released")
+                elif r.request_id == 4:
+                    yield Decision(4, "shed", None, "patience")
+                else:
+                    yield Decision(r.request_id, "hold", None, "held")
+
+        clock.now_s = 1.0                       # request 4's patience (0.5 s) has run out
+        await q.rescore_together(together)
+        await asyncio.sleep(0)
+        assert calls == [[(4, frozenset({0})), (0, frozenset({0})), (1, frozenset({1})),
+                          (3, frozenset({1})), (5, frozenset({1}))]]
+        assert clock.decided == Counter()       # nothing went through the one-by-one path
+        assert tasks[1].result().action == "dispatch"  # type: ignore[union-attr]
+        assert tasks[4].result().action == "shed"  # type: ignore[union-attr]
+        assert tasks[2].result() is None and q.stats.dropped == 1
+        assert len(q) == 3 and q.stats.rescored == 5
+        await q.close()
+        await asyncio.gather(*tasks)
+    asyncio.run(main())
