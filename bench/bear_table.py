@@ -200,11 +200,12 @@ BID_PRICE_CHOICE: dict[str, Any] = {"delta": 60.0, "zeta2": 0.0, "omega": 10.0,
 # is swept (the Lagrangian sweep found 8, 16 and 32 alike), beside the Lagrangian choice.
 BID_PRICE_FORM_GRID = tuple(dict(BID_PRICE_CHOICE, form="constrained", max_waiting=m)
                             for m in (8, 0, 16))
-# The held requests' release (``--tune-form`` too): together, by density or by score,
-# against one by one in arrival order, under each form (constrained at max_waiting 8).
+# The held requests' release (``--tune-form`` too): together (greedy by density or by
+# score, or the exact assignment) against one by one in arrival order, under each form
+# (constrained at max_waiting 8).
 BID_PRICE_RELEASE_GRID = tuple(dict(BID_PRICE_CHOICE, form=f, release=r)
                                for f in ("lagrangian", "constrained")
-                               for r in ("density", "score"))
+                               for r in ("density", "score", "assignment"))
 BID_PRICE_PROFILE = bid_price_profile(**BID_PRICE_CHOICE)
 BASELINE_PARAMS = {"score": SCORE_PARAMS, "route_balance": ROUTE_BALANCE_PARAMS}
 

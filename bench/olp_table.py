@@ -30,8 +30,8 @@ to a queue after the default patience (their TTFT target). It refuses nothing
 (each request's TTFT target) instead of 60 s, the step rule of before issue 14 (a
 constant 2.0, no averaging) instead of adagrad with averaged prices, prices off
 (``prices.enabled: false``; the start-and-fit checks still run every tick), and the held
-requests decided together at each slot boundary (``release: density`` or ``score``)
-instead of one by one in arrival order.
+requests decided together at each slot boundary (``release: density``, ``score`` or
+``assignment``) instead of one by one in arrival order.
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
         "router": {"policy_params": {"bid_price": {"release": "density"}}}},
     "bid_price, release by score": {
         "router": {"policy_params": {"bid_price": {"release": "score"}}}},
+    "bid_price, release by assignment": {
+        "router": {"policy_params": {"bid_price": {"release": "assignment"}}}},
 }
 
 
