@@ -642,6 +642,10 @@ def bid_price(env: PolicyEnv, params: BidPriceParams) -> Policy:
     :class:`~olproute.policies.bid_price_pools.PoolBidPrice`, which prices pairs of a
     prefill and a decode instance and takes the two pool-only parameters."""
     if Pools.of(env.specs).disaggregated:
+        if "release" in params.model_fields_set and params.release != "in_order":
+            raise PolicyError("policy 'bid_price' takes release on mixed instances only: on "
+                              "disaggregated prefill/decode pools it decides held requests "
+                              "one by one (release: in_order)")
         return PoolBidPrice(env, backend=params.backend, decode_slack=params.decode_slack,
                             kv_headroom=params.kv_headroom, form=params.form)
     given = sorted(set(params.model_fields_set) & set(POOL_ONLY))
