@@ -116,9 +116,9 @@ snapshot_programs = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
-@given(p=snapshot_programs)
-def test_compiled_replay_matches_python_reference(p: dict) -> None:  # type: ignore[type-arg]
+def _program_snapshot(p: dict) -> EngineSnapshot:  # type: ignore[type-arg]
+    """The engine a snapshot program leaves: its requests added, its steps run, its
+    batch in flight (or none) at 1.0 s, started at 0.999 s."""
     core = BatchCore(p["blocks"], p["block"], p["seqs"], p["budget"])
     predicted = np.zeros(core.capacity, dtype=np.int64)
     for prompt, out, err in p["reqs"]:
@@ -134,9 +134,17 @@ def test_compiled_replay_matches_python_reference(p: dict) -> None:  # type: ign
     table, _ids, n_run, free, inflight = core.snapshot(predicted, np.arange(core.capacity))
     if not busy:
         inflight = inflight[:0]
-    snap = EngineSnapshot(time_s=1.0, table=table, num_running=n_run, num_free_blocks=free,
+    return EngineSnapshot(time_s=1.0, table=table, num_running=n_run, num_free_blocks=free,
                           inflight=inflight, inflight_start_s=0.999,
                           request_ids=np.arange(len(table), dtype=np.int64))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(p=snapshot_programs)
+def test_compiled_replay_matches_python_reference(p: dict) -> None:  # type: ignore[type-arg]
+    snap = _program_snapshot(p)
+    table, n_run, free, inflight = snap.table, snap.num_running, snap.num_free_blocks, \
+        snap.inflight
     ext = sorted(p["extras"], key=lambda e: e[2])
     extras = np.array(ext, dtype=np.float64).reshape(len(ext), 3)
     limits = np.array([[p["blocks"], p["block"], p["seqs"], p["budget"]]], dtype=np.int64)
@@ -161,24 +169,7 @@ def test_many_new_requests_replay_as_each_alone(p: dict, news: list) -> None:  #
     """replay_ttft_many replays each instance to now once and each new request from a
     copy of that state: every row equals replay_ttft for that request alone, on two
     instances (one busy as the program left it, one idle)."""
-    core = BatchCore(p["blocks"], p["block"], p["seqs"], p["budget"])
-    predicted = np.zeros(core.capacity, dtype=np.int64)
-    for prompt, out, err in p["reqs"]:
-        if math.ceil((prompt + out) / p["block"]) <= p["blocks"]:
-            predicted[core.add_request(prompt, out)] = max(out + err, 1)
-    for _ in range(p["steps"]):
-        core.schedule()
-        core.commit()
-        for slot, flags in core.event_list():
-            if flags & 2:
-                core.release_slot(slot)
-    busy = p["inflight"] and core.schedule()[0] > 0
-    table, _ids, n_run, free, inflight = core.snapshot(predicted, np.arange(core.capacity))
-    if not busy:
-        inflight = inflight[:0]
-    snaps = [EngineSnapshot(time_s=1.0, table=table, num_running=n_run, num_free_blocks=free,
-                            inflight=inflight, inflight_start_s=0.999,
-                            request_ids=np.arange(len(table), dtype=np.int64)),
+    snaps = [_program_snapshot(p),
              EngineSnapshot(time_s=1.0, table=np.zeros((0, 5), dtype=np.int64),
                             num_running=0, num_free_blocks=p["blocks"],
                             inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=0.0,
