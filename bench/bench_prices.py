@@ -18,6 +18,9 @@
    separate the predictor's share (its featurisation grows with the prompt: the
    synthetic document prompts run to thousands of tokens). Price updates run off the
    request path and are not in these times.
+4. One slot's pass over a buffer of 64 held requests on the same 8 instances, per
+   ``release`` (``buffer_pass_times``; issue 16's goal: 2 ms, 4% of a 50 ms slot); the
+   JSON's ``buffer_slot_ms`` is the median pass of the greedy by density.
 """
 
 from __future__ import annotations
