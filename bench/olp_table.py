@@ -31,7 +31,8 @@ to a queue after the default patience (their TTFT target). It refuses nothing
 constant 2.0, no averaging) instead of adagrad with averaged prices, prices off
 (``prices.enabled: false``; the start-and-fit checks still run every tick), and the held
 requests decided together at each slot boundary (``release: density``, ``score`` or
-``assignment``) instead of one by one in arrival order.
+``assignment``) instead of one by one in arrival order, and BEAR's constrained form
+(``form: constrained``) instead of the Lagrangian.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
         "router": {"policy_params": {"bid_price": {"release": "score"}}}},
     "bid_price, release by assignment": {
         "router": {"policy_params": {"bid_price": {"release": "assignment"}}}},
+    # BEAR's constrained form (issue 16): the on-time instances only, ranked by r - a.p
+    "bid_price, constrained form": {
+        "router": {"policy_params": {"bid_price": {"form": "constrained"}}}},
 }
 
 
