@@ -350,14 +350,14 @@ def run_all(tasks: Sequence[tuple[Point, Sequence[Variant]]], workers: int,
 
 def vs_best_other(table: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """Per policy: mean over rates of (its value / the best other policy's - 1). The
-    ablation rows (``BID_PRICE_ABLATIONS``) are bid_price, not other policies: none of
-    them, and not bid_price, is another policy to bid_price or to them."""
+    ablation rows (``BID_PRICE_ABLATIONS``) are bid_price, not other policies: they are
+    no one's other policy, and bid_price is not theirs."""
     names = list(table)
     values = np.array([table[n] for n in names], dtype=np.float64)  # (policies, rates)
     out = {}
     for i, n in enumerate(names):
-        others = [k for k, m in enumerate(names) if k != i and not (
-            _bid_price_family(m) and _bid_price_family(n))]
+        others = [k for k, m in enumerate(names) if k != i and m not in BID_PRICE_ABLATIONS
+                  and not (m == "bid_price" and n in BID_PRICE_ABLATIONS)]
         best_other = values[others].max(axis=0)
         out[n] = float(np.mean(values[i] / best_other - 1.0))
     return out
