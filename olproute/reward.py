@@ -144,6 +144,20 @@ def fits_under(free: FloatArray, col: Column, k: int, horizon: int) -> bool:
     return bool((mid[:, 0] - ba).min() >= 0.0 and (mid[:, 1] - kv).min() >= 0.0)
 
 
+def take_column(free: FloatArray, col: Column, k: int, horizon: int) -> None:
+    """Subtract a column, on a capacity curve computed k slots ago (``shifted_usage``),
+    from that curve in place (one instance's (H, 3)): the same as ``free[span] -= usage``
+    over ``shifted_usage``'s slots, without building the usage."""
+    s, e, ba, ka, kb, ps, pe, ca = col
+    ds, de = max(s + k, 0), min(e + k, horizon)
+    if ds < de:
+        free[ds:de, BATCH] -= ba
+        free[ds:de, KV] -= ka + kb * (np.arange(ds, de) - (s + k))
+    qs, qe = max(ps + k, 0), min(pe + k, horizon)
+    if qs < qe:
+        free[qs:qe, COMPUTE] -= ca
+
+
 def slots_since(now_s: float, then_s: float, slot_s: float) -> int:
     """Whole slots elapsed from then to now (0 if now is earlier), with a tolerance for
     rounding: 0.5 s is 10 slots of 0.05 s (``0.5 // 0.05`` is 9.0 in floating point)."""

@@ -58,6 +58,7 @@ from olproute.reward import (
     sample_extent,
     shifted_usage,
     slots_since,
+    take_column,
     usage_columns,
 )
 from olproute.types import Decision, EngineSnapshot, Outcome, Request, RoutingContext
@@ -107,7 +108,8 @@ class _Row:
 @dataclass(frozen=True, slots=True)
 class _Scores:
     """What a decision reads for N requests on G instances: (N, G) arrays (``waited``
-    (N,): seconds each has been held), from one context."""
+    (N,): seconds each has been held; the columns' per-instance fields stay (G,)), from
+    one context."""
 
     outlooks: list[Outlook]
     ttft: FloatArray
@@ -120,7 +122,7 @@ class _Scores:
     on_time: npt.NDArray[np.bool_]
     finite_ttft: FloatArray
     waited: FloatArray
-    mass: FloatArray                  # reward.column_mass of each column
+    mass: FloatArray | None           # reward.column_mass of each column (density only)
     rows: list[_Row | None] = field(default_factory=list)   # row(j), built once
 
     def row(self, j: int) -> _Row:
@@ -129,8 +131,9 @@ class _Scores:
         row = self.rows[j]
         if row is None:
             row = self.rows[j] = _Row(
-                self.ttft[j], self.tpot[j],
-                Columns(*(getattr(self.cols, f)[j] for f in COLUMN_FIELDS)),
+                self.ttft[j], self.tpot[j], Columns(*(
+                    v[j] if v.ndim == 2 else v   # per instance only: the same each row
+                    for v in (getattr(self.cols, f) for f in COLUMN_FIELDS))),
                 self.reward[j], self.lagrangian[j], self.reward[j] - self.price[j],
                 self.on_time[j], self.finite_ttft[j])
         return row
@@ -178,9 +181,9 @@ class BidPrice(Policy):
         if snaps is None:
             raise ValueError("bid_price needs instance snapshots in the context")
         outs = [self._outlook(r) for r in requests]
-        decode = np.stack([o.decode_tokens for o in outs])
-        out = Outlook(decode_tokens=decode, quality=np.stack([o.quality for o in outs]),
-                      cost_musd=np.stack([o.cost_musd for o in outs]))
+        out = Outlook(*(_rows_of([getattr(o, f) for o in outs])
+                        for f in ("decode_tokens", "quality", "cost_musd")))
+        decode = out.decode_tokens
         prompt = np.array([r.prompt_tokens for r in requests], dtype=np.int64)
         ttft = self._bea.estimate_many(ctx, prompt, np.rint(decode).astype(np.int64)).ttft_s
         # time per output token at each instance's current decode load
@@ -195,9 +198,10 @@ class BidPrice(Policy):
         reward = terms.total
         price = self.book.price(cols, ctx.now_s)
         finite_ttft = np.where(np.isfinite(ttft), ttft, 1e9)
-        return _Scores(outs, ttft, tpot, cols.broadcast(ttft.shape), terms, reward, price,
+        return _Scores(outs, ttft, tpot, cols, terms, reward, price,
                        reward - self._w.delta * finite_ttft - price, ttft + waited <= target,
-                       finite_ttft, waited[:, 0], column_mass(cols))
+                       finite_ttft, waited[:, 0],
+                       column_mass(cols) if self._release == "density" else None)
 
     def decide(self, ctx: RoutingContext) -> Decision:
         req = ctx.request
@@ -343,7 +347,7 @@ class BidPrice(Policy):
                     or not self._fits(c, row.cols, ctx.now_s)):
                 continue
             key = float(score[c])
-            if self._release == "density":
+            if sc.mass is not None:   # release: density
                 key /= max(float(sc.mass[i, c]), 1e-12)
             return key, c
         return None
@@ -532,10 +536,9 @@ class BidPrice(Policy):
 
     def _account(self, g: int, cols: Columns, now_s: float) -> None:
         """Immediate accounting: the dispatch holds capacity before the next snapshot."""
-        win = self._window(g, cols, now_s)
-        if win is not None and self._free is not None:
-            span, usage = win
-            self._free[g, span] -= usage
+        if self._free is not None:
+            take_column(self._free[g], column_at(cols, g),
+                        slots_since(now_s, self._free_time_s, self._slot_s), self._horizon)
 
     def _candidates(self) -> npt.NDArray[np.int64]:
         g = len(self._specs)
@@ -571,6 +574,11 @@ class BidPrice(Policy):
 
     def price_view(self) -> PriceView:
         return self.book.view()
+
+
+def _rows_of(arrays: list[FloatArray]) -> FloatArray:
+    """(N, G) from N arrays of (G,) (a view for one)."""
+    return arrays[0][None, :] if len(arrays) == 1 else np.stack(arrays)
 
 
 def _best_subset(pairs: Sequence[tuple[int, int, float]],

@@ -40,6 +40,7 @@ from olproute.reward import (
     sample_extent,
     shifted_usage,
     slots_since,
+    take_column,
     usage_columns,
 )
 from olproute.sim import metrics
@@ -102,11 +103,12 @@ def test_column_price_by_prefix_sums_equals_dense_dot(start: int, length: int, a
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(s=st.integers(0, 30), d=st.integers(0, 12), p=st.integers(0, 5), k=st.integers(-8, 8),
        ba=st.floats(0, 1), ka=st.floats(0, 1), kb=st.floats(0, 0.2), seed=st.integers(0, 99))
-def test_fits_under_is_the_usage_test_without_the_usage(s: int, d: int, p: int, k: int,
+def test_fits_under_and_take_column_are_the_usage_without_the_usage(s: int, d: int, p: int, k: int,
                                                         ba: float, ka: float, kb: float,
                                                         seed: int) -> None:
     """fits_under answers exactly as (free - usage).min() >= 0 over shifted_usage's
-    slots, on curves with slack, tight spots and over-committed (negative) slots."""
+    slots, and take_column leaves the curve as free[span] -= usage does, on curves with
+    slack, tight spots and over-committed (negative) slots."""
     h = 32
     free = np.random.default_rng(seed).choice([-0.1, 0.0, 0.3, 0.9, 1.0], size=(h, 3))
     e = min(s + d, h)
@@ -114,6 +116,12 @@ def test_fits_under_is_the_usage_test_without_the_usage(s: int, d: int, p: int, 
     win = shifted_usage(col, k, h)
     want = True if win is None else bool((free[win[0], :2] - win[1][:, :2]).min() >= 0.0)
     assert fits_under(free, col, k, h) == want
+    # and take_column subtracts exactly what shifted_usage builds
+    taken, expected = free.copy(), free.copy()
+    take_column(taken, col, k, h)
+    if win is not None:
+        expected[win[0]] -= win[1]
+    np.testing.assert_array_equal(taken, expected)
 
 
 def test_reward_terms_by_hand() -> None:
