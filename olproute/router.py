@@ -83,19 +83,21 @@ class Router:
                     inbound: tuple[npt.NDArray[np.float64] | None, ...] | None = None
                     ) -> Iterator[Decision]:
         """One pass of the policy's ``decide_held`` over held requests, on one context
-        (for a policy with ``joint_release``); each dispatch is moved off unhealthy
-        backends as in ``decide`` (``healthy(request_id)``: per backend, for that
-        request), and one that no healthy backend can take is shed (the policy forgets
-        it)."""
-        for d in self.policy.decide_held(
-                requests, lambda r: self.context(r, now_s, loads, snapshots, inbound)):
-            ok = healthy(d.request_id)
-            refused = self._no_backend(d.request_id, ok) if d.action == "dispatch" else None
-            if refused is not None:
-                self.policy.forget(d.request_id)
-                yield refused
+        (for a policy with ``joint_release``). A request no healthy backend can take
+        (``healthy(request_id)``: per backend, for that request) is shed first, as
+        ``decide`` sheds it, without asking the policy (which forgets it); each dispatch
+        of the rest is moved off unhealthy backends as in ``decide``."""
+        servable = []
+        for r in requests:
+            refused = self._no_backend(r.request_id, healthy(r.request_id))
+            if refused is None:
+                servable.append(r)
             else:
-                yield self._healthy(d, loads, ok)
+                self.policy.forget(r.request_id)
+                yield refused
+        for d in self.policy.decide_held(
+                servable, lambda r: self.context(r, now_s, loads, snapshots, inbound)):
+            yield self._healthy(d, loads, healthy(d.request_id))
 
     def context(self, request: Request, now_s: float, loads: tuple[InstanceLoad, ...],
                 snapshots: tuple[EngineSnapshot, ...] | None,

@@ -38,7 +38,7 @@ from pydantic import Field
 from olproute.bea import BeaEstimator, decode_step_times_s
 from olproute.disagg import Pools
 from olproute.outlook import Outlook
-from olproute.policies.admission import can_start_now, hold_shed_or_defer
+from olproute.policies.admission import can_start_now, hold_shed_or_defer, still_patient
 from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, PolicyParams
 from olproute.policies.bid_price_pools import PoolBidPrice
 from olproute.prices import PriceBook, PriceView
@@ -61,7 +61,14 @@ from olproute.reward import (
     take_column,
     usage_columns,
 )
-from olproute.types import Decision, EngineSnapshot, Outcome, Request, RoutingContext
+from olproute.types import (
+    Decision,
+    EngineSnapshot,
+    InstanceSpec,
+    Outcome,
+    Request,
+    RoutingContext,
+)
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -140,6 +147,8 @@ class _Scores:
 
 
 POOL_ONLY = ("decode_slack", "kv_headroom")
+LOST_PLACE = ("an instance could take it, but this slot's place there went to held "
+              "requests ranked higher")
 
 
 class BidPrice(Policy):
@@ -238,9 +247,10 @@ class BidPrice(Policy):
                 self._sample(req, sc, j, ctx.now_s)
         cands = [self._candidates() for _ in requests]
         src: list[tuple[_Scores, int]] = [(sc, j) for j in range(len(requests))]
-        chosen = (self._assign_exact(ctx, requests, src, cands)
-                  if self._release == "assignment" else self._assign(ctx, requests, src, cands))
-        done = [j for j, _ in chosen]
+        chosen, had = (self._assign_exact(ctx, requests, src, cands)
+                       if self._release == "assignment"
+                       else self._assign(ctx, requests, src, cands))
+        done = {j for j, _ in chosen}
         for rank, (j, c) in enumerate(chosen, 1):
             req = requests[j]
             row = src[j][0].row(src[j][1])
@@ -257,40 +267,49 @@ class BidPrice(Policy):
             score, order = self._ranking(cands[j], row.lagrangian, row.net, row.on_time,
                                          row.finite_ttft)
             yield self._not_now(replace(ctx, request=req), row, int(order[0]), score,
-                                cands[j], self._explain(req, *src[j], score, cands[j]))
+                                cands[j], self._explain(req, *src[j], score, cands[j]),
+                                LOST_PLACE if j in had else None)
 
     def _assign(self, ctx: RoutingContext, requests: Sequence[Request],
                 src: list[tuple[_Scores, int]], cands: list[npt.NDArray[np.int64]]
-                ) -> list[tuple[int, int]]:
+                ) -> tuple[list[tuple[int, int]], set[int]]:
         """The joint pass, greedy: (request index, instance) dispatches in the order
-        chosen. In rounds: each request's choice is its own first startable instance (as
+        chosen, and the requests that had an instance to go to in some round. In rounds:
+        each request's choice is its own first startable instance (as
         ``decide`` picks it, with this pass's dispatches accounted) among those with
         prefill budget left this slot (``_slot_budget``); each instance takes the
         requests that chose it in order of key — score per use (``density``:
         ``reward.column_mass``) or score (``score``) — while its budget lasts and each
         still fits; then the requests left are scored again at once behind the round's
-        dispatches (their ``src`` entries replaced), until a round takes none."""
+        dispatches (their ``src`` entries replaced), until a round takes none. A request
+        whose patience has run out goes before the others of its round."""
         snaps = ctx.snapshots
         assert snaps is not None
         budget, take = self._slot_budget(requests)
-        startable = self._startable(snaps, requests)
+        starts = _Starts(snaps, self._specs, requests, self._adm.max_waiting)
+        expired = [not still_patient(self._adm, r, ctx.now_s - r.arrival_s) for r in requests]
         pending: list[list[tuple[float, float, float]]] = [[] for _ in snaps]
         chosen: list[tuple[float, int, int]] = []
+        had: set[int] = set()
         left = list(range(len(requests)))
         while left:
             wants: list[tuple[float, int, int]] = []
             for j in left:
-                ch = self._choice(ctx, src[j], cands[j], startable[j],
+                ch = self._choice(ctx, src[j], cands[j], starts.row(j),
                                   budget >= take[j] - 1e-9)
                 if ch is not None:
                     wants.append((ch[0], j, ch[1]))
+                    had.add(j)
             taken = []
-            for key, j, c in sorted(wants, key=lambda w: -w[0]):
+            # a request whose patience has run out first: it is shed or deferred otherwise
+            for key, j, c in sorted(wants, key=lambda w: (not expired[w[1]], -w[0])):
                 sc, i = src[j]
                 cols = sc.row(i).cols
-                if budget[c] < take[j, c] - 1e-9 or not self._fits(c, cols, ctx.now_s):
+                if (budget[c] < take[j, c] - 1e-9 or not starts.ok(j, c)
+                        or not self._fits(c, cols, ctx.now_s)):
                     continue   # an earlier take this round filled it: choose again
                 self._account(c, cols, ctx.now_s)
+                starts.take(j, c)
                 budget[c] -= take[j, c]
                 taken.append((key, j, c))
                 pending[c].append((float(requests[j].prompt_tokens),
@@ -307,7 +326,7 @@ class BidPrice(Policy):
             again = self._score(replace(ctx, pending=extra), [requests[j] for j in left])
             for i, j in enumerate(left):
                 src[j] = (again, i)
-        return [(j, c) for _, j, c in chosen]
+        return [(j, c) for _, j, c in chosen], had
 
     def _slot_budget(self, requests: Sequence[Request]) -> tuple[FloatArray, FloatArray]:
         """(b_g per instance, what each request takes of it (N, G)): the prefill tokens
@@ -315,19 +334,6 @@ class BidPrice(Policy):
         prompt, at most the whole budget (a prompt longer than b_g still starts alone)."""
         prompts = np.array([r.prompt_tokens for r in requests], dtype=np.float64)
         return self._budget.copy(), np.minimum(prompts[:, None], self._budget[None, :])
-
-    def _startable(self, snaps: tuple[EngineSnapshot, ...], requests: Sequence[Request]
-                   ) -> npt.NDArray[np.bool_]:
-        """(N, G) ``can_start_now`` of each request on each instance's snapshot: the
-        instance's part once, the prompt's KV blocks per request."""
-        room = np.array([can_start_now(snap, 0, spec.block_size, spec.max_num_seqs,
-                                       self._adm.max_waiting)
-                         for snap, spec in zip(snaps, self._specs, strict=True)])
-        free = np.array([snap.num_free_blocks for snap in snaps])
-        block = np.array([spec.block_size for spec in self._specs])
-        prompts = np.array([r.prompt_tokens for r in requests])
-        result: npt.NDArray[np.bool_] = room & (free >= -(-prompts[:, None] // block))
-        return result
 
     def _choice(self, ctx: RoutingContext, src: tuple[_Scores, int],
                 cands: npt.NDArray[np.int64], startable: npt.NDArray[np.bool_],
@@ -354,20 +360,21 @@ class BidPrice(Policy):
 
     def _assign_exact(self, ctx: RoutingContext, requests: Sequence[Request],
                       src: list[tuple[_Scores, int]], cands: list[npt.NDArray[np.int64]]
-                      ) -> list[tuple[int, int]]:
+                      ) -> tuple[list[tuple[int, int]], set[int]]:
         """The joint pass as an exact assignment (``release: assignment``): the set of
         (request, instance) dispatches with the largest sum of scores such that each
         request goes at most once, only where ``decide`` could send it alone (a positive
         score, on time under ``constrained``, an instance that can start it and whose
         free batch slots and KV hold it), and together they fit each instance's prefill
-        budget this slot (``_slot_budget``) and its free batch slots and KV in every slot
-        (``reward.HARD``): a 0/1 program (``_best_subset``). Scores are the slot's (no
+        budget this slot (``_slot_budget``), its queue and free KV blocks (``_Starts``)
+        and its free batch slots and KV in every slot (``reward.HARD``): a 0/1 program
+        (``_best_subset``). Scores are the slot's (no
         one is scored again behind the pass's dispatches). Dispatched in order of
         score."""
         snaps = ctx.snapshots
         assert snaps is not None
         budget, take = self._slot_budget(requests)
-        startable = self._startable(snaps, requests)
+        starts = _Starts(snaps, self._specs, requests, self._adm.max_waiting)
         pairs: list[tuple[int, int, float]] = []
         windows: list[tuple[slice, FloatArray] | None] = []
         for j in range(len(requests)):
@@ -377,18 +384,20 @@ class BidPrice(Policy):
             for g in order.tolist():
                 if score[g] <= 0:
                     break
-                if (startable[j, g] and (self._form != "constrained" or row.on_time[g])
+                if (starts.ok(j, g) and (self._form != "constrained" or row.on_time[g])
                         and self._fits(g, row.cols, ctx.now_s)):
                     pairs.append((j, g, float(score[g])))
                     windows.append(self._window(g, row.cols, ctx.now_s))
         if not pairs:
-            return []
-        x = _best_subset(pairs, windows, len(requests), self._free,
-                         [float(take[j, g]) for j, g, _ in pairs], budget)
+            return [], set()
+        x = _best_subset(pairs, windows, len(requests), self._free, (
+            ([float(take[j, g]) for j, g, _ in pairs], budget),
+            ([1.0] * len(pairs), starts.queue_room()),
+            ([float(starts.need[j, g]) for j, g, _ in pairs], starts.free.astype(float))))
         chosen = sorted((p for p, on in zip(pairs, x, strict=True) if on), key=lambda p: -p[2])
         for j, g, _ in chosen:
             self._account(g, src[j][0].row(src[j][1]).cols, ctx.now_s)
-        return [(j, g) for j, g, _ in chosen]
+        return [(j, g) for j, g, _ in chosen], {j for j, _, _ in pairs}
 
     @staticmethod
     def _pending_with(ctx: RoutingContext, g: int, rows: list[tuple[float, float, float]]
@@ -576,6 +585,43 @@ class BidPrice(Policy):
         return self.book.view()
 
 
+class _Starts:
+    """``can_start_now`` through a joint pass: each instance's snapshot with this pass's
+    dispatches counted as it goes (each joins the queue and takes its prompt's KV
+    blocks), as ``decide`` one by one would see them in the next request's snapshot."""
+
+    def __init__(self, snaps: Sequence[EngineSnapshot], specs: Sequence[InstanceSpec],
+                 requests: Sequence[Request], max_waiting: int) -> None:
+        self.room = np.array([s.num_running < spec.max_num_seqs
+                              for s, spec in zip(snaps, specs, strict=True)])
+        self.waiting = np.array([s.num_resident - s.num_running for s in snaps])
+        self.free = np.array([s.num_free_blocks for s in snaps])
+        block = np.array([spec.block_size for spec in specs])
+        prompts = np.array([r.prompt_tokens for r in requests])
+        self.need = -(-prompts[:, None] // block)
+        self.max_waiting = max_waiting
+
+    def row(self, j: int) -> npt.NDArray[np.bool_]:
+        result: npt.NDArray[np.bool_] = (self.room & (self.waiting <= self.max_waiting)
+                                         & (self.free >= self.need[j]))
+        return result
+
+    def ok(self, j: int, g: int) -> bool:
+        return bool(self.room[g] and self.waiting[g] <= self.max_waiting
+                    and self.free[g] >= self.need[j, g])
+
+    def queue_room(self) -> FloatArray:
+        """Per instance, how many more requests may join its queue (0 without a free
+        batch slot)."""
+        result: FloatArray = np.where(
+            self.room, np.maximum(self.max_waiting - self.waiting + 1, 0), 0).astype(float)
+        return result
+
+    def take(self, j: int, g: int) -> None:
+        self.waiting[g] += 1
+        self.free[g] -= self.need[j, g]
+
+
 def _rows_of(arrays: list[FloatArray]) -> FloatArray:
     """(N, G) from N arrays of (G,) (a view for one)."""
     return arrays[0][None, :] if len(arrays) == 1 else np.stack(arrays)
@@ -583,14 +629,15 @@ def _rows_of(arrays: list[FloatArray]) -> FloatArray:
 
 def _best_subset(pairs: Sequence[tuple[int, int, float]],
                  windows: Sequence[tuple[slice, FloatArray] | None], num_requests: int,
-                 free: FloatArray | None, takes: Sequence[float] | None = None,
-                 budget: FloatArray | None = None, time_limit_s: float = 0.05
-                 ) -> list[bool]:
+                 free: FloatArray | None,
+                 limits: Sequence[tuple[Sequence[float], FloatArray]] = (),
+                 time_limit_s: float = 0.05) -> list[bool]:
     """Which of the (request, instance, score) pairs to take: max the sum of scores, each
     request at most once, the taken pairs' usage (``windows``: the slots each covers on
     its instance's free-capacity curve and its use there) within ``free`` (G, H, 3) in
-    the batch and KV rows (no curve before the first tick), and what they ``takes`` of
-    each instance's ``budget`` within it. HiGHS (scipy's ``milp``) stops at
+    the batch and KV rows (no curve before the first tick), and for each of ``limits``
+    (what each pair takes, what each instance has) the taken pairs' sum within each
+    instance's. HiGHS (scipy's ``milp``) stops at
     ``time_limit_s`` with the best set it has (none found: nothing taken)."""
     from scipy.optimize import LinearConstraint, milp
     from scipy.sparse import coo_matrix
@@ -625,15 +672,15 @@ def _best_subset(pairs: Sequence[tuple[int, int, float]],
             vals += win[1][:, HARD][k, r].tolist()
         lower += [-np.inf] * int(binding.sum())
         upper += free[:, :, HARD][binding].tolist()
-    if takes is not None and budget is not None:
-        for g in range(len(budget)):
+    for takes, have in limits:
+        for g in range(len(have)):
             on = [p for p, (_, h, _) in enumerate(pairs) if h == g]
-            if sum(takes[p] for p in on) > budget[g] + 1e-9:
+            if sum(takes[p] for p in on) > have[g] + 1e-9:
                 rows += [len(lower)] * len(on)
                 cols += on
                 vals += [takes[p] for p in on]
                 lower.append(-np.inf)
-                upper.append(float(budget[g]))
+                upper.append(float(have[g]))
     a = coo_matrix((vals, (rows, cols)), shape=(len(lower), n)).tocsr()
     res = milp(c=-np.array([p[2] for p in pairs]), integrality=np.ones(n),
                bounds=(0, 1), constraints=LinearConstraint(a, lower, upper),

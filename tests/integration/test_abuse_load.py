@@ -153,6 +153,14 @@ def test_held_requests_decided_together_are_shed_at_patience_and_others_served(
     try:
         st = s.app[STATE]
         assert st.router.policy.joint_release
+        passes: list[int] = []
+        inner = st.router.decide_held
+
+        def counted(requests, *args):  # type: ignore[no-untyped-def]
+            passes.append(len(requests))
+            return inner(requests, *args)
+
+        s.call(lambda: setattr(st.router, "decide_held", counted))
         socks = _open_held(s.url, 3)
         for sock in socks:
             answer = b""
@@ -165,6 +173,7 @@ def test_held_requests_decided_together_are_shed_at_patience_and_others_served(
         holding = st.holding
         assert holding is not None
         assert s.call(lambda: holding.stats.rescored) >= 3
+        assert passes and max(passes) >= 2   # the buffer went to the router in one call
         assert sum(f.requests for f in s.fakes) == 0
         status, _, raw = request(s.url, "POST", "/v1/completions",
                                  {"prompt": "hello there", "max_tokens": 4})

@@ -4,6 +4,7 @@ dynamics, and the bid-price policy's decisions and central buffer."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -683,10 +684,11 @@ def test_a_joint_release_beats_arrival_order_on_a_hand_built_buffer() -> None:
 @pytest.mark.parametrize("release", ["density", "score", "assignment"])
 def test_a_joint_pass_starts_no_more_prefill_than_a_slot_holds(release: str) -> None:
     """One instance, prefill budget 1,000 tokens a slot (20,000 tokens/s x 50 ms), room
-    for everything else: of three 400-token prompts a pass starts two (800) and holds
-    the third; a 1,500-token prompt, longer than the budget, still starts, alone."""
+    for everything else (a queue of 8 allowed): of three 400-token prompts a pass starts
+    two (800) and holds the third; a 1,500-token prompt, longer than the budget, still
+    starts, alone."""
     def pass_(prompts: list[int]) -> list[str]:
-        policy = _policy(g=1, release=release)
+        policy = _policy(g=1, release=release, admission=AdmissionConfig(max_waiting=8))
         policy._free, policy._free_time_s = np.ones((1, H, 3)), 0.1
         reqs = [Request(request_id=i, arrival_s=0.0, prompt_tokens=s, decode_tokens=20,
                         predicted_decode_tokens=20, ttft_target_s=5.0)
@@ -700,6 +702,48 @@ def test_a_joint_pass_starts_no_more_prefill_than_a_slot_holds(release: str) -> 
     assert sorted(pass_([400, 400, 400])) == ["dispatch", "dispatch", "hold"]
     assert pass_([1500]) == ["dispatch"]
     assert sorted(pass_([1500, 300])) == ["dispatch", "hold"]
+
+
+@pytest.mark.parametrize("release", ["density", "score", "assignment"])
+def test_a_joint_pass_counts_its_own_dispatches_as_decide_would(release: str) -> None:
+    """Two short requests, one idle instance with room for both: with no queue allowed
+    (admission.max_waiting 0) the first dispatch queues there and the second is held,
+    saying it lost its place, as one by one the second would see the first in its
+    snapshot; with a queue of one allowed both go."""
+    def pass_(max_waiting: int) -> list[Any]:
+        policy = _policy(g=1, release=release,
+                         admission=AdmissionConfig(max_waiting=max_waiting))
+        policy._free, policy._free_time_s = np.ones((1, H, 3)), 0.1
+        reqs = [Request(request_id=i, arrival_s=0.0, prompt_tokens=100, decode_tokens=20,
+                        predicted_decode_tokens=20, ttft_target_s=5.0) for i in (1, 2)]
+        snaps = (_snap(n_running=0),)
+        return list(policy.decide_held(reqs, lambda r: RoutingContext(
+            request=r, now_s=0.1, instances=(), specs=(SPEC,), snapshots=snaps)))
+
+    none = pass_(0)
+    assert sorted(d.action for d in none) == ["dispatch", "hold"]
+    assert "place there went to held requests ranked higher" in next(
+        d.reason for d in none if d.action == "hold")
+    assert [d.action for d in pass_(1)] == ["dispatch", "dispatch"]
+
+
+def test_a_request_out_of_patience_goes_first_in_a_joint_pass() -> None:
+    """One place (no queue allowed), two requests: the one whose patience has run out
+    takes it although its score per use is lower (a long output); the other, still
+    patient, is held. One by one in arrival order it would be the same here only
+    because it came first; by density alone the short one would win."""
+    policy = _policy(g=1, release="density",
+                     admission=AdmissionConfig(mode="shed", patience_s=0.5))
+    policy._free, policy._free_time_s = np.ones((1, H, 3)), 1.0
+    late = Request(request_id=1, arrival_s=0.0, prompt_tokens=100, decode_tokens=400,
+                   predicted_decode_tokens=400, ttft_target_s=5.0)
+    fresh = replace(late, request_id=2, arrival_s=0.9, decode_tokens=10,
+                    predicted_decode_tokens=10)
+    snaps = (_snap(n_running=0),)
+    out = {d.request_id: d.action for d in policy.decide_held(
+        [late, fresh], lambda r: RoutingContext(request=r, now_s=1.0, instances=(),
+                                                specs=(SPEC,), snapshots=snaps))}
+    assert out == {1: "dispatch", 2: "hold"}
 
 
 def test_the_exact_assignment_takes_the_best_set_not_the_best_first() -> None:

@@ -185,6 +185,30 @@ def test_router_moves_an_unhealthy_pick_within_its_own_pool(tmp_path: Path) -> N
         assert d.action == "shed" and d.reason == reason
 
 
+def test_router_pass_over_held_requests_sheds_those_no_healthy_backend_takes(
+        tmp_path: Path) -> None:
+    """Router.decide_held: a request with no healthy prefill backend (its own exclusions)
+    is shed before the policy sees it, and the policy forgets it; the others are decided
+    by the policy's pass and moved off unhealthy backends as in decide."""
+    router = _pools_router(tmp_path)
+    tracker = Tracker(router.specs, ["http://x"] * 4)
+    reqs = [router.new_request(0.0, 10, 4, 1.0) for _ in range(2)]
+    seen: list[int] = []
+    forgotten: list[int] = []
+    inner = router.policy.decide
+    router.policy.decide = lambda ctx: (seen.append(ctx.request.request_id),  # type: ignore[method-assign]
+                                        inner(ctx))[1]
+    router.policy.forget = forgotten.append  # type: ignore[method-assign]
+    healthy = {reqs[0].request_id: [False, False, True, True],
+               reqs[1].request_id: [True, False, True, True]}
+    out = list(router.decide_held(reqs, 0.0, tracker.loads(0.0), None, healthy.__getitem__,
+                                  tracker.inbound_rows()))
+    assert (out[0].request_id, out[0].action, out[0].reason) == (
+        reqs[0].request_id, "shed", "no healthy prefill backend")
+    assert forgotten == [reqs[0].request_id] and seen == [reqs[1].request_id]
+    assert out[1].action == "dispatch" and out[1].instance == 0   # moved off p-1 if picked
+
+
 # -- emulator protocol -------------------------------------------------------------------------
 @pytest.mark.parametrize("params, flags", [
     (None, (False, False, None)),
