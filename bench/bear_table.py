@@ -226,8 +226,11 @@ BID_PRICE_CHOICE: dict[str, Any] = dict(BID_PRICE_LAGRANGIAN, release="score")
 BID_PRICE_PROFILE = bid_price_profile(**BID_PRICE_CHOICE)
 # ``--ablations``: bid_price with one mechanism changed at a time, rows beside the table's
 # (never counted as another policy in "vs best other")
+_OTHER_RELEASE = ("in_order" if BID_PRICE_CHOICE.get("release", "in_order") != "in_order"
+                  else "density")
 BID_PRICE_ABLATIONS: dict[str, dict[str, Any]] = {
-    "bid_price, release in order": bid_price_profile(**BID_PRICE_LAGRANGIAN),
+    f"bid_price, release {_OTHER_RELEASE.replace('_', ' ')}": bid_price_profile(
+        **dict(BID_PRICE_CHOICE, release=_OTHER_RELEASE)),
     "bid_price, constrained form": bid_price_profile(
         **dict(BID_PRICE_CHOICE, form="constrained")),
     "bid_price, prices off": {**BID_PRICE_PROFILE, "prices": {"enabled": False}},
