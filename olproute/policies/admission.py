@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from olproute.config_schema import AdmissionConfig
 from olproute.types import Decision, EngineSnapshot, Request, RoutingContext
@@ -16,10 +17,18 @@ from olproute.types import Decision, EngineSnapshot, Request, RoutingContext
 def can_start_now(snap: EngineSnapshot, prompt_tokens: int, block_size: int,
                   max_num_seqs: int, max_waiting: int) -> bool:
     """A free batch slot, free KV blocks for the prompt, and a short enough queue."""
-    waiting = snap.num_resident - snap.num_running
-    need = math.ceil(prompt_tokens / block_size)
-    return (snap.num_running < max_num_seqs and waiting <= max_waiting
-            and snap.num_free_blocks >= need)
+    return bool(room_to_start(snap.num_running, snap.num_resident - snap.num_running,
+                              snap.num_free_blocks, math.ceil(prompt_tokens / block_size),
+                              max_num_seqs, max_waiting))
+
+
+def room_to_start(num_running: Any, waiting: Any, free_blocks: Any, need_blocks: Any,
+                  max_num_seqs: Any, max_waiting: int) -> Any:
+    """``can_start_now`` on counts (numbers, or NumPy arrays over instances alike): a
+    free batch slot, a queue of at most ``max_waiting``, and ``need_blocks`` free KV
+    blocks."""
+    return ((num_running < max_num_seqs) & (waiting <= max_waiting)
+            & (free_blocks >= need_blocks))
 
 
 def patience_s(adm: AdmissionConfig, request: Request) -> float:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -38,7 +39,12 @@ from pydantic import Field
 from olproute.bea import BeaEstimator, decode_step_times_s
 from olproute.disagg import Pools
 from olproute.outlook import Outlook
-from olproute.policies.admission import can_start_now, hold_shed_or_defer, still_patient
+from olproute.policies.admission import (
+    can_start_now,
+    hold_shed_or_defer,
+    room_to_start,
+    still_patient,
+)
 from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, PolicyParams
 from olproute.policies.bid_price_pools import PoolBidPrice
 from olproute.prices import PriceBook, PriceView
@@ -223,9 +229,11 @@ class BidPrice(Policy):
                                      row.finite_ttft)
         g = int(order[0])
         explanation = self._explain(req, sc, 0, score, candidates)
-        eligible = order[row.on_time[order]] if self._form == "constrained" else order
-        assert ctx.snapshots is not None
-        c = self._first_startable(ctx, ctx.snapshots, eligible, score, row.cols)
+        snaps = ctx.snapshots
+        assert snaps is not None
+        c = next(self._startable_in(self._eligible(order, row), score, lambda c: can_start_now(
+            snaps[c], req.prompt_tokens, self._specs[c].block_size,
+            self._specs[c].max_num_seqs, self._adm.max_waiting), row.cols, ctx.now_s), None)
         if c is not None:
             self._account(c, row.cols, ctx.now_s)
             return self._dispatch(req, c, g, score, row.on_time, candidates, explanation)
@@ -253,9 +261,7 @@ class BidPrice(Policy):
         done = {j for j, _ in chosen}
         for rank, (j, c) in enumerate(chosen, 1):
             req = requests[j]
-            row = src[j][0].row(src[j][1])
-            score, order = self._ranking(cands[j], row.lagrangian, row.net, row.on_time,
-                                         row.finite_ttft)
+            row, score, order = self._ranked(src[j], cands[j])
             yield self._dispatch(req, c, int(order[0]), score, row.on_time, cands[j],
                                  self._explain(req, *src[j], score, cands[j]),
                                  f" (released {rank} of {len(requests)} held, by "
@@ -263,9 +269,7 @@ class BidPrice(Policy):
         for j, req in enumerate(requests):
             if j in done:
                 continue
-            row = src[j][0].row(src[j][1])
-            score, order = self._ranking(cands[j], row.lagrangian, row.net, row.on_time,
-                                         row.finite_ttft)
+            row, score, order = self._ranked(src[j], cands[j])
             yield self._not_now(replace(ctx, request=req), row, int(order[0]), score,
                                 cands[j], self._explain(req, *src[j], score, cands[j]),
                                 LOST_PLACE if j in had else None)
@@ -342,21 +346,16 @@ class BidPrice(Policy):
         positive score (on time under ``constrained``) that can start it, has budget
         left (``open_``) and holds its predicted usage; None when there is none."""
         sc, i = src
-        row = sc.row(i)
-        score, order = self._ranking(cands, row.lagrangian, row.net, row.on_time,
-                                     row.finite_ttft)
-        for c in order.tolist():
-            if score[c] <= 0:
-                return None
-            if (not startable[c] or not open_[c]
-                    or (self._form == "constrained" and not row.on_time[c])
-                    or not self._fits(c, row.cols, ctx.now_s)):
-                continue
-            key = float(score[c])
-            if sc.mass is not None:   # release: density
-                key /= max(float(sc.mass[i, c]), 1e-12)
-            return key, c
-        return None
+        row, score, order = self._ranked(src, cands)
+        c = next(self._startable_in(self._eligible(order, row), score,
+                                    lambda c: bool(startable[c] and open_[c]), row.cols,
+                                    ctx.now_s), None)
+        if c is None:
+            return None
+        key = float(score[c])
+        if sc.mass is not None:   # release: density
+            key /= max(float(sc.mass[i, c]), 1e-12)
+        return key, c
 
     def _assign_exact(self, ctx: RoutingContext, requests: Sequence[Request],
                       src: list[tuple[_Scores, int]], cands: list[npt.NDArray[np.int64]]
@@ -378,16 +377,11 @@ class BidPrice(Policy):
         pairs: list[tuple[int, int, float]] = []
         windows: list[tuple[slice, FloatArray] | None] = []
         for j in range(len(requests)):
-            row = src[j][0].row(src[j][1])
-            score, order = self._ranking(cands[j], row.lagrangian, row.net, row.on_time,
-                                         row.finite_ttft)
-            for g in order.tolist():
-                if score[g] <= 0:
-                    break
-                if (starts.ok(j, g) and (self._form != "constrained" or row.on_time[g])
-                        and self._fits(g, row.cols, ctx.now_s)):
-                    pairs.append((j, g, float(score[g])))
-                    windows.append(self._window(g, row.cols, ctx.now_s))
+            row, score, order = self._ranked(src[j], cands[j])
+            for g in self._startable_in(self._eligible(order, row), score,
+                                        partial(starts.ok, j), row.cols, ctx.now_s):
+                pairs.append((j, g, float(score[g])))
+                windows.append(self._window(g, row.cols, ctx.now_s))
         if not pairs:
             return [], set()
         x = _best_subset(pairs, windows, len(requests), self._free, (
@@ -507,23 +501,30 @@ class BidPrice(Policy):
             return net, candidates[order]
         return lagrangian, candidates[np.argsort(-lagrangian[candidates], kind="stable")]
 
-    def _first_startable(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...],
-                         order: npt.NDArray[np.int64], score: FloatArray,
-                         cols: Columns) -> int | None:
-        """The first instance of ``order`` (best first) with a positive score that can
+    def _startable_in(self, order: npt.NDArray[np.int64], score: FloatArray,
+                      can_start: Callable[[int], bool], cols: Columns,
+                      now_s: float) -> Iterator[int]:
+        """The instances of ``order`` (best first), up to the first score <= 0, that can
         start the request now and hold it as predicted: a lower-scoring free instance
-        beats waiting for a busy better one."""
-        req = ctx.request
-        for c in order:
-            c = int(c)
+        beats waiting for a busy better one (``decide`` takes the first of them)."""
+        for c in order.tolist():
             if score[c] <= 0:
-                break
-            cspec = self._specs[c]
-            if (can_start_now(snaps[c], req.prompt_tokens, cspec.block_size,
-                              cspec.max_num_seqs, self._adm.max_waiting)
-                    and self._fits(c, cols, ctx.now_s)):
-                return c
-        return None
+                return
+            if can_start(c) and self._fits(c, cols, now_s):
+                yield c
+
+    def _eligible(self, order: npt.NDArray[np.int64], row: _Row) -> npt.NDArray[np.int64]:
+        """The ranking's instances a request may go to: under ``constrained``, only
+        those predicted on time."""
+        return order[row.on_time[order]] if self._form == "constrained" else order
+
+    def _ranked(self, src: tuple[_Scores, int], cands: npt.NDArray[np.int64]
+                ) -> tuple[_Row, FloatArray, npt.NDArray[np.int64]]:
+        """A request's row of scores, and its score and ranking by the policy's form."""
+        row = src[0].row(src[1])
+        score, order = self._ranking(cands, row.lagrangian, row.net, row.on_time,
+                                     row.finite_ttft)
+        return row, score, order
 
     def _window(self, g: int, cols: Columns, now_s: float) -> tuple[slice, FloatArray] | None:
         """The slots of g's free-capacity curve the request's column covers (the curve is
@@ -592,8 +593,8 @@ class _Starts:
 
     def __init__(self, snaps: Sequence[EngineSnapshot], specs: Sequence[InstanceSpec],
                  requests: Sequence[Request], max_waiting: int) -> None:
-        self.room = np.array([s.num_running < spec.max_num_seqs
-                              for s, spec in zip(snaps, specs, strict=True)])
+        self.running = np.array([s.num_running for s in snaps])
+        self.max_num_seqs = np.array([spec.max_num_seqs for spec in specs])
         self.waiting = np.array([s.num_resident - s.num_running for s in snaps])
         self.free = np.array([s.num_free_blocks for s in snaps])
         block = np.array([spec.block_size for spec in specs])
@@ -602,19 +603,20 @@ class _Starts:
         self.max_waiting = max_waiting
 
     def row(self, j: int) -> npt.NDArray[np.bool_]:
-        result: npt.NDArray[np.bool_] = (self.room & (self.waiting <= self.max_waiting)
-                                         & (self.free >= self.need[j]))
+        result: npt.NDArray[np.bool_] = room_to_start(
+            self.running, self.waiting, self.free, self.need[j], self.max_num_seqs,
+            self.max_waiting)
         return result
 
     def ok(self, j: int, g: int) -> bool:
-        return bool(self.room[g] and self.waiting[g] <= self.max_waiting
-                    and self.free[g] >= self.need[j, g])
+        return bool(self.row(j)[g])
 
     def queue_room(self) -> FloatArray:
         """Per instance, how many more requests may join its queue (0 without a free
         batch slot)."""
         result: FloatArray = np.where(
-            self.room, np.maximum(self.max_waiting - self.waiting + 1, 0), 0).astype(float)
+            self.running < self.max_num_seqs,
+            np.maximum(self.max_waiting - self.waiting + 1, 0), 0).astype(float)
         return result
 
     def take(self, j: int, g: int) -> None:
