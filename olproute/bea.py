@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from olproute._core import replay_ttft, replay_ttft_many
+from olproute._core import replay_ttft_many
 from olproute.calibration import InstanceCalibration
 from olproute.types import (
     SNAP_COMPUTED,
@@ -103,16 +103,10 @@ class BeaEstimator:
 
     def estimate(self, ctx: RoutingContext,
                  predicted_decode: IntArray | None = None) -> TtftEstimate:
-        snaps = _require_snapshots(ctx, self.name)
-        pending = None if ctx.pending is None else list(ctx.pending)
-        out = replay_ttft(list(snaps), self._limits, self._beta, ctx.request.prompt_tokens,
-                          _new_decode(ctx, predicted_decode), ctx.now_s, pending,
-                          self._max_batches)
-        ttft, wait = out[:, 0], out[:, 1]
-        # a request that never starts there has inf for both: its prefill time is inf too
-        prefill = np.subtract(ttft, wait, out=np.full_like(ttft, np.inf),
-                              where=np.isfinite(wait))
-        return TtftEstimate(ttft_s=ttft, wait_s=wait, prefill_s=prefill)
+        many = self.estimate_many(ctx, np.array([ctx.request.prompt_tokens]),
+                                  _new_decode(ctx, predicted_decode)[None, :])
+        return TtftEstimate(ttft_s=many.ttft_s[0], wait_s=many.wait_s[0],
+                            prefill_s=many.prefill_s[0])
 
     def estimate_many(self, ctx: RoutingContext, prompts: IntArray,
                       predicted_decode: IntArray) -> TtftEstimate:
@@ -126,6 +120,7 @@ class BeaEstimator:
                                np.ascontiguousarray(predicted_decode, dtype=np.int64),
                                ctx.now_s, pending, self._max_batches)
         ttft, wait = out[..., 0], out[..., 1]
+        # a request that never starts there has inf for both: its prefill time is inf too
         prefill = np.subtract(ttft, wait, out=np.full_like(ttft, np.inf),
                               where=np.isfinite(wait))
         return TtftEstimate(ttft_s=ttft, wait_s=wait, prefill_s=prefill)
