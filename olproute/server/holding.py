@@ -136,8 +136,7 @@ class HoldQueue:
             done_waiting += 1
         self.stats.deferred += len(waiting) - done_waiting
         self._cursor = start + done_waiting
-        self.stats.slot_seconds.append(self._clock() - t0)
-        del self.stats.slot_seconds[:-256]
+        self._slot_took(t0)
 
     async def rescore_together(self, decide_held: DecideHeld) -> None:
         """One slot's pass for a policy that decides the held requests together: drop
@@ -145,15 +144,7 @@ class HoldQueue:
         after each dispatch the loop runs the request's handler up to its first wait."""
         t0 = self._clock()
         now = self._now()
-        live: list[_Held] = []
-        for h in self._held.values():
-            if h.future.done():
-                continue
-            if h.client_gone():
-                self.stats.dropped += 1
-                h.future.set_result(None)
-                continue
-            live.append(h)
+        live = [h for h in list(self._held.values()) if not self._gone(h)]
         if not live:
             return
         live.sort(key=lambda h: h.deadline_s > now)   # stable: the expired first
@@ -167,16 +158,27 @@ class HoldQueue:
                 h.future.set_result(d)
             if d.action == "dispatch":
                 await asyncio.sleep(0)
+        self._slot_took(t0)
+
+    def _slot_took(self, t0: float) -> None:
+        """Record a slot's pass: its loop time since ``t0`` (the last 256 kept)."""
         self.stats.slot_seconds.append(self._clock() - t0)
         del self.stats.slot_seconds[:-256]
 
-    def _one(self, h: _Held, decide: Decide) -> bool:
-        """Decide one held request; True if it was dispatched."""
+    def _gone(self, h: _Held) -> bool:
+        """Is the request already decided, or has its client left (then it is dropped,
+        unscored)?"""
         if h.future.done():
-            return False
+            return True
         if h.client_gone():
             self.stats.dropped += 1
             h.future.set_result(None)
+            return True
+        return False
+
+    def _one(self, h: _Held, decide: Decide) -> bool:
+        """Decide one held request; True if it was dispatched."""
+        if self._gone(h):
             return False
         self.stats.rescored += 1
         d = decide(h.request, h.exclude)
