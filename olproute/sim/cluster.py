@@ -309,14 +309,19 @@ class _Run:
                 del held[rid]
                 self._carry_out(now, rid, decision)
         if held:
-            self._next_retry(now, -1)
+            self._next_pass(now)
 
     def _next_retry(self, now: float, rid: int) -> None:
         """The request's next decision: a slot from now, or with ``joint_release`` the
         pass at the next slot boundary after now (one for all)."""
-        if not self.cluster.joint_release:
+        if self.cluster.joint_release:
+            self._next_pass(now)
+        else:
             self.push(now + self.cluster.slot_s, _RETRY, _RETRY, rid)
-        elif self.release_at is None:
+
+    def _next_pass(self, now: float) -> None:
+        """The pass over the held requests at the next slot boundary after now (once)."""
+        if self.release_at is None:
             slot = self.cluster.slot_s
             self.release_at = (math.floor(now / slot + 1e-9) + 1) * slot
             self.push(self.release_at, _RETRY, _RELEASE, 0)
