@@ -60,14 +60,10 @@ class ServerState:
         """One decision now, timed and counted; ``exclude`` marks backends as unhealthy
         for this decision only (a retry after a failure)."""
         now = self.now()
-        healthy = [ok and g not in exclude for g, ok in enumerate(self.tracker.healthy())]
         t = asyncio.get_running_loop().time()
-        inbound = self.tracker.inbound_rows() if self.router.pools.disaggregated else None
         d = self.router.decide(request, now, self.tracker.loads(now), self.snapshots(now),
-                               healthy, inbound)
-        self.metrics.decision_seconds.observe(asyncio.get_running_loop().time() - t)
-        name = "" if d.instance is None else self.loaded.specs[d.instance].name
-        self.metrics.decisions.labels(d.action, name).inc()
+                               _healthy_but(self.tracker.healthy(), exclude), self._inbound())
+        self._counted(d, t)
         return d
 
     def decide_held(self, held: Sequence[tuple[Request, frozenset[int]]]
@@ -78,21 +74,23 @@ class ServerState:
         now = self.now()
         base = self.tracker.healthy()
         excludes = {r.request_id: ex for r, ex in held}
-
-        def healthy(rid: int) -> list[bool]:
-            ex = excludes.get(rid, frozenset())
-            return [ok and g not in ex for g, ok in enumerate(base)]
-
-        inbound = self.tracker.inbound_rows() if self.router.pools.disaggregated else None
-        loop = asyncio.get_running_loop()
-        t = loop.time()
-        for d in self.router.decide_held([r for r, _ in held], now, self.tracker.loads(now),
-                                         self.snapshots(now), healthy, inbound):
-            self.metrics.decision_seconds.observe(loop.time() - t)
-            name = "" if d.instance is None else self.loaded.specs[d.instance].name
-            self.metrics.decisions.labels(d.action, name).inc()
+        t = asyncio.get_running_loop().time()
+        for d in self.router.decide_held(
+                [r for r, _ in held], now, self.tracker.loads(now), self.snapshots(now),
+                lambda rid: _healthy_but(base, excludes.get(rid, frozenset())),
+                self._inbound()):
+            self._counted(d, t)
             yield d
-            t = loop.time()
+            t = asyncio.get_running_loop().time()
+
+    def _inbound(self) -> tuple[Any, ...] | None:
+        return self.tracker.inbound_rows() if self.router.pools.disaggregated else None
+
+    def _counted(self, d: Decision, t0: float) -> None:
+        """A decision's time since ``t0`` and its action in the metrics."""
+        self.metrics.decision_seconds.observe(asyncio.get_running_loop().time() - t0)
+        name = "" if d.instance is None else self.loaded.specs[d.instance].name
+        self.metrics.decisions.labels(d.action, name).inc()
 
     def certifying(self) -> bool:
         """Is the live certificate on: a certifier, a period, and bid_price on mixed
@@ -120,6 +118,11 @@ class ServerState:
         self.router.forget(request_id)
         if self.live is not None:
             self.live.capture.dropped(request_id)
+
+
+def _healthy_but(healthy: Sequence[bool], exclude: frozenset[int]) -> list[bool]:
+    """Per backend: healthy and not excluded for this request."""
+    return [ok and g not in exclude for g, ok in enumerate(healthy)]
 
 
 STATE = web.AppKey("olproute_state", ServerState)
