@@ -7,7 +7,7 @@ simulator's (or server's) clock unless a name says otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -183,6 +183,42 @@ class RoutingContext:
     inbound: tuple[npt.NDArray[np.float64] | None, ...] | None = None
 
 
+class Explanation(Mapping[str, tuple[float, ...]]):
+    """A decision's explanation built when first read: the policy hands over the function
+    that builds it, so a decision nobody audits (a proxied request without the explain
+    header, a simulator run that records nothing) costs nothing for it. Reads are those of
+    the dict ``build`` returns, which is built once."""
+
+    __slots__ = ("_build", "_data")
+
+    def __init__(self, build: Callable[[], dict[str, tuple[float, ...]]]) -> None:
+        self._build: Callable[[], dict[str, tuple[float, ...]]] | None = build
+        self._data: dict[str, tuple[float, ...]] | None = None
+
+    @property
+    def built(self) -> bool:
+        """Has anything read it yet?"""
+        return self._data is not None
+
+    def _dict(self) -> dict[str, tuple[float, ...]]:
+        if self._data is None:
+            assert self._build is not None
+            self._data, self._build = self._build(), None
+        return self._data
+
+    def __getitem__(self, key: str) -> tuple[float, ...]:
+        return self._dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+    def __repr__(self) -> str:
+        return f"Explanation({self._dict()!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A policy's answer for one request.
@@ -192,7 +228,7 @@ class Decision:
     instance and ``decode_instance`` the decode instance the KV cache moves to; it is None
     for a mixed instance, which serves both phases. ``explanation`` carries the
     per-instance figures the policy used (scores, estimates), keyed by a short name, so a
-    decision can be audited.
+    decision can be audited (an ``Explanation`` builds them when first read).
     """
 
     request_id: int

@@ -7,7 +7,7 @@ while patient; then shed, or deferred to the instance the policy names).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from olproute.config_schema import AdmissionConfig
@@ -44,7 +44,7 @@ def still_patient(adm: AdmissionConfig, request: Request, waited_s: float) -> bo
 
 
 def hold_shed_or_defer(ctx: RoutingContext, adm: AdmissionConfig, why: str,
-                       explanation: dict[str, tuple[float, ...]],
+                       explanation: Mapping[str, tuple[float, ...]],
                        forget: Callable[[int], None],
                        defer: Callable[[float], Decision]) -> Decision:
     """No instance takes the request now (``why``): hold it while it is patient. Once its

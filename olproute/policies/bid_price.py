@@ -27,6 +27,7 @@ Parameter ``form`` (BEAR's two forms, with the prices):
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -70,6 +71,7 @@ from olproute.reward import (
 from olproute.types import (
     Decision,
     EngineSnapshot,
+    Explanation,
     InstanceSpec,
     Outcome,
     Request,
@@ -185,6 +187,9 @@ class BidPrice(Policy):
         self._release = params.release
         self.joint_release = params.release != "in_order"
         self._seen: set[int] = set()
+        # first sights whose demand samples the next tick adds (appended on the request
+        # path, taken in the server's tick thread: a deque's append and popleft are atomic)
+        self._unsampled: deque[tuple[Request, _Scores, int, float]] = deque()
         # free capacity (G, H, 2) as of the last tick, less the dispatches since
         self._free: FloatArray | None = None
         self._free_time_s = 0.0
@@ -228,7 +233,7 @@ class BidPrice(Policy):
         score, order = self._ranking(candidates, row.lagrangian, row.net, row.on_time,
                                      row.finite_ttft)
         g = int(order[0])
-        explanation = self._explain(req, sc, 0, score, candidates)
+        explanation = Explanation(partial(self._explain, req, sc, 0, score, candidates))
         snaps = ctx.snapshots
         assert snaps is not None
         c = next(self._startable_in(self._eligible(order, row), score, lambda c: can_start_now(
@@ -263,7 +268,8 @@ class BidPrice(Policy):
             req = requests[j]
             row, score, order = self._ranked(src[j], cands[j])
             yield self._dispatch(req, c, int(order[0]), score, row.on_time, cands[j],
-                                 self._explain(req, *src[j], score, cands[j]),
+                                 Explanation(partial(self._explain, req, *src[j], score,
+                                                     cands[j])),
                                  f" (released {rank} of {len(requests)} held, by "
                                  f"{self._release})")
         for j, req in enumerate(requests):
@@ -271,7 +277,8 @@ class BidPrice(Policy):
                 continue
             row, score, order = self._ranked(src[j], cands[j])
             yield self._not_now(replace(ctx, request=req), row, int(order[0]), score,
-                                cands[j], self._explain(req, *src[j], score, cands[j]),
+                                cands[j], Explanation(partial(self._explain, req, *src[j],
+                                                              score, cands[j])),
                                 LOST_PLACE if j in had else None)
 
     def _assign(self, ctx: RoutingContext, requests: Sequence[Request],
@@ -405,7 +412,7 @@ class BidPrice(Policy):
 
     def _dispatch(self, req: Request, c: int, best: int, score: FloatArray,
                   on_time: npt.NDArray[np.bool_], candidates: npt.NDArray[np.int64],
-                  explanation: dict[str, tuple[float, ...]], joint: str = "") -> Decision:
+                  explanation: Explanation, joint: str = "") -> Decision:
         among = (f" of the {int(on_time[candidates].sum())} on time"
                  if self._form == "constrained" else "")
         rank = ("best score" if c == best else
@@ -415,7 +422,7 @@ class BidPrice(Policy):
 
     def _not_now(self, ctx: RoutingContext, row: _Row, g: int, score: FloatArray,
                  candidates: npt.NDArray[np.int64],
-                 explanation: dict[str, tuple[float, ...]], why: str | None = None
+                 explanation: Explanation, why: str | None = None
                  ) -> Decision:
         """No instance takes the request now: hold, shed or defer it (``admission``)."""
         req = ctx.request
@@ -434,8 +441,22 @@ class BidPrice(Policy):
         return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
 
     def _sample(self, req: Request, sc: _Scores, j: int, now_s: float) -> None:
-        """A request's first sight: a sample of demand for the price step."""
+        """A request's first sight: a sample of demand for the price step, kept as the
+        decision's figures and built into the price book off the request path, at the
+        next tick before its update (nothing reads the samples in between: the decisions
+        read the prices, which only the update changes), or here once ``prices.window``
+        of them wait (a policy nobody ticks keeps no more)."""
         self._seen.add(req.request_id)
+        self._unsampled.append((req, sc, j, now_s))
+        if len(self._unsampled) > self.book.cfg.window:
+            self._add_samples()
+
+    def _add_samples(self) -> None:
+        """The demand samples of the requests first seen since the last call, in order."""
+        while self._unsampled:
+            self._add_sample(*self._unsampled.popleft())
+
+    def _add_sample(self, req: Request, sc: _Scores, j: int, now_s: float) -> None:
         self.book.observe_arrival(now_s)
         row = sc.row(j)
         out = sc.outlooks[j]
@@ -567,6 +588,7 @@ class BidPrice(Policy):
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
         """Off the request path: free capacity from the snapshots (residents at their
         instance's current decode speed), then K dual steps (when prices are learned)."""
+        self._add_samples()
         tpot = decode_step_times_s(snapshots, self._specs, self._bea.beta, 0)
         free = free_capacity(snapshots, self._specs, tpot, self._budget, self._slot_s,
                              self._horizon)

@@ -843,9 +843,14 @@ def test_free_capacity_is_refreshed_with_prices_off() -> None:
 def test_a_demand_sample_carries_the_reward_of_each_later_start() -> None:
     """The sample bid_price adds at a request's first sight holds, per instance, the
     reward of starting now and of each of the book's delays later: exactly the reward
-    terms with the TTFT estimate plus that many slots (the LP's columns d = 0..)."""
+    terms with the TTFT estimate plus that many slots (the LP's columns d = 0..). It is
+    built off the request path: the book has it after the next tick, not before."""
     policy = _policy(g=2)
-    d = policy.decide(_ctx((_snap(n_running=1), _snap()), now=0.0))
+    snaps = (_snap(n_running=1), _snap())
+    d = policy.decide(_ctx(snaps, now=0.0))
+    assert policy.book.num_samples == 0
+    policy.tick(0.0, snaps)
+    assert policy.book.num_samples == 1
     smp, delays = policy.book.samples, policy.book.delays
     assert len(delays) > 1 and delays[0] == 0
     out = Outlook(decode_tokens=np.array(d.explanation["decode_tokens"]),
@@ -855,3 +860,30 @@ def test_a_demand_sample_carries_the_reward_of_each_later_start() -> None:
         want = reward_terms(300, 0.5, out, ttft + delay * SLOT, tpot, RewardConfig(), SLOT, H)
         np.testing.assert_allclose(smp.reward[0, :, li], want.total, rtol=1e-12)
     assert smp.reward[0, :, 0].tolist() == list(d.explanation["reward"])
+
+
+def test_demand_samples_wait_for_the_tick_but_never_more_than_a_window() -> None:
+    """First sights queue their samples for the next tick; a policy nobody ticks adds them
+    once a window's worth (``prices.window``, 100 here) waits, so the queue is bounded."""
+    policy = _policy(g=2)
+    snaps = (_snap(), _snap())
+    for rid in range(100):
+        policy.decide(_ctx(snaps, now=rid * 1e-3, arrival=rid * 1e-3, rid=rid))
+    assert policy.book.num_samples == 0
+    policy.decide(_ctx(snaps, now=0.2, arrival=0.2, rid=100))
+    assert policy.book.num_samples == 100   # the window's worth: the ring holds 100
+    assert policy.book.arrival_rate_per_s(0.2) > 0
+
+
+def test_an_explanation_is_built_only_when_read() -> None:
+    """bid_price's decision carries an explanation that builds its per-instance figures
+    when first read, and reads as the dict it builds."""
+    from olproute.types import Explanation
+
+    policy = _policy(g=3)
+    d = policy.decide(_ctx((_snap(), _snap(n_running=2), _snap())))
+    assert isinstance(d.explanation, Explanation) and not d.explanation.built
+    score = d.explanation["score"]
+    assert d.explanation.built
+    assert len(score) == 3 and set(d.explanation) >= {"ttft_s", "reward", "price_cost"}
+    assert dict(d.explanation)["score"] == score
