@@ -96,6 +96,12 @@ class BeaEstimator:
     def beta(self) -> FloatArray:
         return self._beta.copy()
 
+    @property
+    def beta_view(self) -> FloatArray:
+        """The batch-time coefficients (G, 4) as the replay reads them, not copied: for
+        readers on the request path, which must not write to it."""
+        return self._beta
+
     def set_beta(self, instance: int, beta: Sequence[float]) -> None:
         if len(beta) != 4 or min(beta) < 0:
             raise ValueError("beta must be 4 coefficients >= 0")
@@ -109,21 +115,43 @@ class BeaEstimator:
                             prefill_s=many.prefill_s[0])
 
     def estimate_many(self, ctx: RoutingContext, prompts: IntArray,
-                      predicted_decode: IntArray) -> TtftEstimate:
+                      predicted_decode: IntArray,
+                      instances: IntArray | None = None) -> TtftEstimate:
         """``estimate`` for N requests at once (prompts (N,), predicted outputs (N, G)),
         each as if it alone joined now: (N, G) arrays. Each instance is replayed up to
-        now once for all of them."""
-        snaps = _require_snapshots(ctx, self.name)
-        pending = None if ctx.pending is None else list(ctx.pending)
-        out = replay_ttft_many(list(snaps), self._limits, self._beta,
-                               np.ascontiguousarray(prompts, dtype=np.int64),
-                               np.ascontiguousarray(predicted_decode, dtype=np.int64),
-                               ctx.now_s, pending, self._max_batches)
+        now once for all of them. With ``instances`` (d indices), only those are
+        replayed: ``predicted_decode`` and the result are (N, d), in their order."""
+        out = self._replay(ctx, prompts, predicted_decode, instances)
         ttft, wait = out[..., 0], out[..., 1]
         # a request that never starts there has inf for both: its prefill time is inf too
         prefill = np.subtract(ttft, wait, out=np.full_like(ttft, np.inf),
                               where=np.isfinite(wait))
         return TtftEstimate(ttft_s=ttft, wait_s=wait, prefill_s=prefill)
+
+    def ttft_many(self, ctx: RoutingContext, prompts: IntArray, predicted_decode: IntArray,
+                  instances: IntArray | None = None) -> FloatArray:
+        """``estimate_many``'s TTFT alone (a strided view), for the request path."""
+        result: FloatArray = self._replay(ctx, prompts, predicted_decode, instances)[..., 0]
+        return result
+
+    def _replay(self, ctx: RoutingContext, prompts: IntArray, predicted_decode: IntArray,
+                instances: IntArray | None) -> FloatArray:
+        """``replay_ttft_many``'s (N, G or d, 3) for ``estimate_many``."""
+        snaps = _require_snapshots(ctx, self.name)
+        pending = None if ctx.pending is None else list(ctx.pending)
+        limits, beta = self._limits, self._beta
+        if instances is None:
+            replayed = list(snaps)
+        else:
+            order = instances.tolist()
+            replayed = [snaps[g] for g in order]
+            pending = None if pending is None else [pending[g] for g in order]
+            limits, beta = limits[instances], beta[instances]
+        out = replay_ttft_many(replayed, limits, beta,
+                               np.ascontiguousarray(prompts, dtype=np.int64),
+                               np.ascontiguousarray(predicted_decode, dtype=np.int64),
+                               ctx.now_s, pending, self._max_batches)
+        return out
 
     def observe_dispatch(self, instance: int, now_s: float) -> None:
         """Dispatches reach the replay through the snapshot and ctx.pending."""
@@ -387,7 +415,7 @@ def decode_step_times_s(snapshots: Sequence[EngineSnapshot], specs: Sequence[Ins
     to an instance count as residents after the others. With ``prompt_tokens`` of
     shape (N,), one row per prompt: (N, G)."""
     g_count = len(snapshots)
-    fixed = np.empty(g_count)
+    fixed = np.empty(g_count)      # the residents counted
     resident = np.empty(g_count)
     for g, (snap, spec) in enumerate(zip(snapshots, specs, strict=True)):
         t = snap.table
@@ -397,7 +425,15 @@ def decode_step_times_s(snapshots: Sequence[EngineSnapshot], specs: Sequence[Ins
             contexts = np.concatenate([contexts, rows[:, 0]])
         n = min(contexts.shape[0], spec.max_num_seqs - 1)
         resident[g] = float(contexts[:n].sum())
-        fixed[g] = beta[g, 0] + beta[g, 1] * (n + 1)
+        fixed[g] = n
+    return decode_step_time(beta, fixed, resident, np.asarray(prompt_tokens))
+
+
+def decode_step_time(beta: FloatArray, num_resident: FloatArray, resident_context: FloatArray,
+                     prompt_tokens: FloatArray | IntArray) -> FloatArray:
+    """``decode_step_times_s`` from each instance's residents counted (G,): their number
+    and their contexts' sum (``_score.decode_loads`` counts them compiled)."""
+    fixed = beta[:, 0] + beta[:, 1] * (num_resident + 1)
     prompt = np.asarray(prompt_tokens, dtype=np.float64)[..., None]
-    out: FloatArray = fixed + beta[:, 2] * (resident + prompt)
+    out: FloatArray = fixed + beta[:, 2] * (resident_context + prompt)
     return out

@@ -479,6 +479,14 @@ class PriceBook:
                                                              self.slot_s)
         return column_price(shift_columns(cols, shift, self.horizon), self._p0, self._p1)
 
+    def prefix(self, now_s: float) -> tuple[FloatArray, FloatArray, int]:
+        """What ``price`` reads: the prices' prefix sums (``reward.price_prefix``) and the
+        slots elapsed from their slot 0 to now (the compiled decision kernel prices from
+        these)."""
+        shift = 0 if self._origin_s is None else slots_since(now_s, self._origin_s,
+                                                             self.slot_s)
+        return self._p0, self._p1, shift
+
     def observe_arrival(self, now_s: float) -> None:
         """Count an arrival for the rate estimate behind N_H (exponential decay)."""
         if self._first_arrival_s is None:

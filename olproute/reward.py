@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from olproute.bea import remaining_decode_tokens, remaining_prefill_tokens
+from olproute.bea import decode_step_time, remaining_decode_tokens, remaining_prefill_tokens
 from olproute.calibration import InstanceCalibration
 from olproute.config_schema import RewardConfig
 from olproute.outlook import Outlook
@@ -447,3 +447,56 @@ def free_capacity(snapshots: Sequence[EngineSnapshot], specs: Sequence[InstanceS
                      for g, s in enumerate(snapshots)])
     result: FloatArray = np.maximum(free, 0.0)
     return result
+
+
+def reward_weights(w: RewardConfig) -> FloatArray:
+    """The weights as the compiled decision kernel reads them (``_score.W_*``; no TTFT
+    threshold: NaN, each request's own target)."""
+    return np.array([w.sigma, w.alpha, w.token_norm, w.beta, w.gamma, w.zeta1,
+                     w.eel_threshold_s, w.zeta2,
+                     math.nan if w.ttft_threshold_s is None else w.ttft_threshold_s,
+                     w.omega, w.delta], dtype=np.float64)
+
+
+def score_reference(prompt: FloatArray, decode: FloatArray, utility: FloatArray,
+                    ttft: FloatArray, num_resident: FloatArray, resident_context: FloatArray,
+                    beta: FloatArray, waited: FloatArray, target: FloatArray,
+                    batch_cap: FloatArray, kv_cap: FloatArray, budget: FloatArray,
+                    slot_s: float, horizon: int, w: RewardConfig, p0: FloatArray,
+                    p1: FloatArray, shift: int, idx: IntArray, num_instances: int
+                    ) -> tuple[FloatArray, IntArray, npt.NDArray[np.bool_]]:
+    """The NumPy twin of ``_score.score_columns`` (same arguments, but the weights as a
+    ``RewardConfig``; same results), built from the functions the price step and the LP
+    read: ``bea.decode_step_time``, ``usage_columns``, ``reward_terms`` and
+    ``column_price``. For tests; bid_price runs the kernel."""
+    from olproute import _score as k
+
+    n = prompt.shape[0]
+    s = prompt[:, None]
+    tpot = decode_step_time(beta[idx], num_resident, resident_context, prompt)
+    cols = usage_columns(s, decode, ttft, tpot, batch_cap[idx], kv_cap[idx], budget[idx],
+                         slot_s, horizon)
+    out = Outlook(decode, utility, np.zeros_like(utility))
+    terms = reward_terms(s, target[:, None], out, ttft, tpot, w.model_copy(
+        update={"cost_lambda": 0.0}), slot_s, horizon, waited_s=waited[:, None])
+    price = column_price(shift_columns(cols, shift, horizon), p0[idx], p1[idx])
+    finite = np.where(np.isfinite(ttft), ttft, 1e9)
+    f = np.full((k.NUM_F, n, num_instances), np.nan)
+    f[k.F_TTFT], f[k.F_REWARD], f[k.F_LAGRANGIAN] = np.inf, -np.inf, -np.inf
+    f[k.F_FINITE_TTFT] = 1e9
+    rows = {k.F_TTFT: ttft, k.F_TPOT: tpot, k.F_KV_A: cols.kv_a, k.F_KV_B: cols.kv_b,
+            k.F_COMPUTE_A: cols.compute_a, k.F_QPS: terms.qps,
+            k.F_THROUGHPUT: terms.throughput, k.F_EEL_SAVED: terms.eel_saved,
+            k.F_TTFT_SAVED: terms.ttft_saved, k.F_EEL_SLO: terms.eel_slo,
+            k.F_TTFT_SLO: terms.ttft_slo, k.F_UTILITY: terms.utility,
+            k.F_REWARD: terms.total, k.F_PRICE: price,
+            k.F_LAGRANGIAN: terms.total - w.delta * finite - price, k.F_FINITE_TTFT: finite}
+    for r, v in rows.items():
+        f[r][:, idx] = v
+    i = np.full((4, n, num_instances), horizon, dtype=np.int64)
+    for r, v in ((k.I_START, cols.start), (k.I_END, cols.end),
+                 (k.I_PRE_START, cols.pre_start), (k.I_PRE_END, cols.pre_end)):
+        i[r][:, idx] = v
+    on_time = np.zeros((n, num_instances), dtype=bool)
+    on_time[:, idx] = ttft + waited[:, None] <= target[:, None]
+    return f, i, on_time

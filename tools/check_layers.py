@@ -36,8 +36,9 @@ from pathlib import Path
 LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # the package's own __init__ (exactly), and the messages every layer speaks
     (("=olproute", "olproute.types"),),
-    # the batch-formation kernel and its Python twin
-    (("olproute._core", "olproute.core_ref"),),
+    # the compiled kernels (batch formation, with its Python twin; a decision's arithmetic,
+    # whose twin is reward.score_reference)
+    (("olproute._core", "olproute.core_ref", "olproute._score"),),
     # batch-time calibration (NNLS beta, online refit)
     (("olproute.calibration",),),
     # TTFT estimators, predictors, the config schema and what needs only it (reading

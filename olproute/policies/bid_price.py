@@ -37,6 +37,32 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import Field
 
+from olproute._score import (
+    F_COMPUTE_A,
+    F_EEL_SAVED,
+    F_EEL_SLO,
+    F_FINITE_TTFT,
+    F_KV_A,
+    F_KV_B,
+    F_LAGRANGIAN,
+    F_PRICE,
+    F_QPS,
+    F_REWARD,
+    F_THROUGHPUT,
+    F_TPOT,
+    F_TTFT,
+    F_TTFT_SAVED,
+    F_TTFT_SLO,
+    F_UTILITY,
+    I_END,
+    I_PRE_END,
+    I_PRE_START,
+    I_START,
+    decode_loads,
+    fits_column,
+    score_columns,
+    subtract_column,
+)
 from olproute.bea import BeaEstimator, decode_step_times_s
 from olproute.disagg import Pools
 from olproute.outlook import Outlook
@@ -59,14 +85,12 @@ from olproute.reward import (
     column_at,
     column_mass,
     compute_budget,
-    fits_under,
     free_capacity,
     reward_terms,
+    reward_weights,
     sample_extent,
     shifted_usage,
     slots_since,
-    take_column,
-    usage_columns,
 )
 from olproute.types import (
     Decision,
@@ -138,6 +162,7 @@ class _Scores:
     finite_ttft: FloatArray
     waited: FloatArray
     mass: FloatArray | None           # reward.column_mass of each column (density only)
+    complete: bool                    # every instance scored (else a sample of them)
     rows: list[_Row | None] = field(default_factory=list)   # row(j), built once
 
     def row(self, j: int) -> _Row:
@@ -174,6 +199,10 @@ class BidPrice(Policy):
         self._slot_s = env.slot_s
         self._horizon = env.horizon_slots
         self._batch_cap, self._kv_cap = capacities(env.specs)
+        self._batch_a = 1.0 / self._batch_cap
+        self._max_num_seqs = np.array([s.max_num_seqs for s in env.specs], dtype=np.int64)
+        self._all = np.arange(len(env.specs), dtype=np.int64)
+        self._weights = reward_weights(env.reward)
         self._budget = compute_budget(self._cal, env.slot_s)
         self._theta = np.array([c.prefill_tokens_per_s for c in self._cal])
         self._rng = env.rng
@@ -189,47 +218,58 @@ class BidPrice(Policy):
         self._seen: set[int] = set()
         # first sights whose demand samples the next tick adds (appended on the request
         # path, taken in the server's tick thread: a deque's append and popleft are atomic)
-        self._unsampled: deque[tuple[Request, _Scores, int, float]] = deque()
+        self._unsampled: deque[tuple[Request, _Scores, int, RoutingContext]] = deque()
         # free capacity (G, H, 2) as of the last tick, less the dispatches since
         self._free: FloatArray | None = None
         self._free_time_s = 0.0
 
-    def _score(self, ctx: RoutingContext, requests: Sequence[Request]) -> _Scores:
+    def _score(self, ctx: RoutingContext, requests: Sequence[Request],
+               instances: npt.NDArray[np.int64] | None = None) -> _Scores:
         """Every figure a decision reads, for N requests deciding on the same context,
-        each as if it alone joined now: (N, G) arrays (one BEA call for all of them)."""
+        each as if it alone joined now: (N, G) arrays, from one BEA call and one call of
+        the compiled kernel (``_score.score_columns``; its twin is
+        ``reward.score_reference``). With ``instances``, only those are estimated and
+        scored; the others read as never started there (``complete`` is then False)."""
         snaps = ctx.snapshots
         if snaps is None:
             raise ValueError("bid_price needs instance snapshots in the context")
         outs = [self._outlook(r) for r in requests]
         out = Outlook(*(_rows_of([getattr(o, f) for o in outs])
                         for f in ("decode_tokens", "quality", "cost_musd")))
-        decode = out.decode_tokens
+        complete = instances is None
+        idx = self._all if instances is None else instances
+        decode = out.decode_tokens if complete else out.decode_tokens[:, idx]
+        utility = out.utility(self._w.cost_lambda)
         prompt = np.array([r.prompt_tokens for r in requests], dtype=np.int64)
-        ttft = self._bea.estimate_many(ctx, prompt, np.rint(decode).astype(np.int64)).ttft_s
-        # time per output token at each instance's current decode load
-        tpot = decode_step_times_s(snaps, self._specs, self._bea.beta, prompt)
-        s = prompt[:, None].astype(np.float64)
-        cols = usage_columns(s, decode, ttft, tpot, self._batch_cap, self._kv_cap,
-                             self._budget, self._slot_s, self._horizon)
-        waited = np.array([ctx.now_s - r.arrival_s for r in requests])[:, None]
-        target = np.array([r.ttft_target_s for r in requests])[:, None]
-        terms = reward_terms(s, target, out, ttft, tpot, self._w, self._slot_s,
-                             self._horizon, waited_s=waited)
-        reward = terms.total
-        price = self.book.price(cols, ctx.now_s)
-        finite_ttft = np.where(np.isfinite(ttft), ttft, 1e9)
-        return _Scores(outs, ttft, tpot, cols, terms, reward, price,
-                       reward - self._w.delta * finite_ttft - price, ttft + waited <= target,
-                       finite_ttft, waited[:, 0],
-                       column_mass(cols) if self._release == "density" else None)
+        ttft = self._bea.ttft_many(ctx, prompt, np.rint(decode).astype(np.int64),
+                                   None if complete else idx)
+        num_resident, context = decode_loads(list(snaps), idx, self._max_num_seqs)
+        waited = np.array([ctx.now_s - r.arrival_s for r in requests])
+        target = np.array([r.ttft_target_s for r in requests])
+        p0, p1, shift = self.book.prefix(ctx.now_s)
+        f, i, on_time = score_columns(
+            prompt.astype(np.float64), decode,
+            utility if complete else utility[:, idx], ttft,
+            num_resident, context, self._bea.beta_view, waited, target, self._batch_cap,
+            self._kv_cap, self._budget, self._slot_s, self._horizon, self._weights, p0, p1,
+            shift, idx, len(self._specs))
+        cols = Columns(start=i[I_START], end=i[I_END], batch_a=self._batch_a,
+                       kv_a=f[F_KV_A], kv_b=f[F_KV_B], pre_start=i[I_PRE_START],
+                       pre_end=i[I_PRE_END], compute_a=f[F_COMPUTE_A])
+        terms = RewardTerms(*(f[r] for r in (F_QPS, F_THROUGHPUT, F_EEL_SAVED, F_TTFT_SAVED,
+                                              F_EEL_SLO, F_TTFT_SLO, F_UTILITY)))
+        return _Scores(outs, f[F_TTFT], f[F_TPOT], cols, terms, f[F_REWARD], f[F_PRICE],
+                       f[F_LAGRANGIAN], on_time, f[F_FINITE_TTFT], waited,
+                       column_mass(cols) if self._release == "density" else None,
+                       complete)
 
     def decide(self, ctx: RoutingContext) -> Decision:
         req = ctx.request
-        sc = self._score(ctx, (req,))
+        candidates = self._candidates()
+        sc = self._score(ctx, (req,), None if candidates is self._all else candidates)
         row = sc.row(0)
         if req.request_id not in self._seen:  # first sight: a sample of demand
-            self._sample(req, sc, 0, ctx.now_s)
-        candidates = self._candidates()
+            self._sample(req, sc, 0, ctx)
         score, order = self._ranking(candidates, row.lagrangian, row.net, row.on_time,
                                      row.finite_ttft)
         g = int(order[0])
@@ -257,7 +297,7 @@ class BidPrice(Policy):
         sc = self._score(ctx, requests)
         for j, req in enumerate(requests):
             if req.request_id not in self._seen:
-                self._sample(req, sc, j, ctx.now_s)
+                self._sample(req, sc, j, ctx)
         cands = [self._candidates() for _ in requests]
         src: list[tuple[_Scores, int]] = [(sc, j) for j in range(len(requests))]
         chosen, had = (self._assign_exact(ctx, requests, src, cands)
@@ -440,14 +480,14 @@ class BidPrice(Policy):
 
         return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
 
-    def _sample(self, req: Request, sc: _Scores, j: int, now_s: float) -> None:
+    def _sample(self, req: Request, sc: _Scores, j: int, ctx: RoutingContext) -> None:
         """A request's first sight: a sample of demand for the price step, kept as the
         decision's figures and built into the price book off the request path, at the
         next tick before its update (nothing reads the samples in between: the decisions
         read the prices, which only the update changes), or here once ``prices.window``
         of them wait (a policy nobody ticks keeps no more)."""
         self._seen.add(req.request_id)
-        self._unsampled.append((req, sc, j, now_s))
+        self._unsampled.append((req, sc, j, ctx))
         if len(self._unsampled) > self.book.cfg.window:
             self._add_samples()
 
@@ -456,7 +496,12 @@ class BidPrice(Policy):
         while self._unsampled:
             self._add_sample(*self._unsampled.popleft())
 
-    def _add_sample(self, req: Request, sc: _Scores, j: int, now_s: float) -> None:
+    def _add_sample(self, req: Request, sc: _Scores, j: int, ctx: RoutingContext) -> None:
+        """A sample prices every instance: a decision that scored a sample of them
+        (``admission.candidates``) is scored again here on all of them."""
+        if not sc.complete:
+            sc, j = self._score(ctx, (req,)), 0
+        now_s = ctx.now_s
         self.book.observe_arrival(now_s)
         row = sc.row(j)
         out = sc.outlooks[j]
@@ -520,6 +565,8 @@ class BidPrice(Policy):
         if self._form == "constrained":
             order = np.lexsort((ttft[candidates], -net[candidates], ~on_time[candidates]))
             return net, candidates[order]
+        if candidates is self._all:
+            return lagrangian, np.argsort(-lagrangian, kind="stable")
         return lagrangian, candidates[np.argsort(-lagrangian[candidates], kind="stable")]
 
     def _startable_in(self, order: npt.NDArray[np.int64], score: FloatArray,
@@ -559,23 +606,26 @@ class BidPrice(Policy):
 
     def _fits(self, g: int, cols: Columns, now_s: float) -> bool:
         """Does the request's predicted usage on g fit under g's free batch slots and KV
-        (as of the last tick, less the router's own dispatches since; ``reward.HARD``)?"""
+        (as of the last tick, less the router's own dispatches since; ``reward.HARD``)?
+        (``reward.fits_under``, compiled.)"""
         if self._free is None:
             return True
-        return fits_under(self._free[g], column_at(cols, g),
-                          slots_since(now_s, self._free_time_s, self._slot_s), self._horizon)
+        st, e, ba, ka, kb, ps, pe, _ = column_at(cols, g)
+        return fits_column(self._free[g], st, e, ba, ka, kb, ps, pe,
+                           slots_since(now_s, self._free_time_s, self._slot_s), self._horizon)
 
     def _account(self, g: int, cols: Columns, now_s: float) -> None:
-        """Immediate accounting: the dispatch holds capacity before the next snapshot."""
+        """Immediate accounting: the dispatch holds capacity before the next snapshot
+        (``reward.take_column``, compiled)."""
         if self._free is not None:
-            take_column(self._free[g], column_at(cols, g),
+            subtract_column(self._free[g], *column_at(cols, g),
                         slots_since(now_s, self._free_time_s, self._slot_s), self._horizon)
 
     def _candidates(self) -> npt.NDArray[np.int64]:
         g = len(self._specs)
         d = self._adm.candidates
         if d is None or d >= g:
-            return np.arange(g)
+            return self._all
         return np.sort(self._rng.choice(g, size=d, replace=False)).astype(np.int64)
 
     def observe(self, outcome: Outcome) -> None:

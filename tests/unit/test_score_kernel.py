@@ -1,0 +1,126 @@
+"""The compiled decision kernel (``olproute._score``) against its NumPy twin
+(``reward.score_reference``) and ``bea.decode_step_times_s``: the same doubles."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from olproute import _score
+from olproute.bea import decode_step_times_s
+from olproute.config_schema import RewardConfig
+from olproute.reward import price_prefix, reward_weights, score_reference
+from olproute.types import EngineSnapshot, InstanceSpec
+
+H = 40
+SLOT = 0.05
+
+
+def _spec(max_num_seqs: int) -> InstanceSpec:
+    return InstanceSpec(name="a", model="m", gpu="g", tensor_parallel=1,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=512, block_size=16,
+                        num_kv_blocks=4000)
+
+
+def _snapshot(rng: np.random.Generator, rows: int) -> EngineSnapshot:
+    table = np.zeros((rows, 5), dtype=np.int64)
+    table[:, 0] = rng.integers(1, 4000, rows)
+    table[:, 1] = rng.integers(0, 900, rows)
+    return EngineSnapshot(time_s=0.0, table=table, num_running=rows,
+                          num_free_blocks=100, inflight=np.zeros((0, 2), dtype=np.int64),
+                          inflight_start_s=0.0, request_ids=np.arange(rows))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5), g=st.integers(1, 9),
+       sampled=st.booleans(), shift=st.integers(0, H + 3), threshold=st.booleans(),
+       zeta=st.floats(0, 3))
+def test_the_kernel_gives_the_twins_numbers(seed: int, n: int, g: int, sampled: bool,
+                                            shift: int, threshold: bool,
+                                            zeta: float) -> None:
+    """Random requests, instances, prices and weights (TTFTs past the horizon and
+    infinite ones included; every instance or a sample of them): every float and integer
+    output equal, and the step times equal ``decode_step_times_s``."""
+    rng = np.random.default_rng(seed)
+    specs = [_spec(int(rng.integers(2, 12))) for _ in range(g)]
+    snaps = [_snapshot(rng, int(rng.integers(0, 14))) for _ in range(g)]
+    idx = (np.sort(rng.choice(g, size=int(rng.integers(1, g + 1)), replace=False))
+           if sampled else np.arange(g)).astype(np.int64)
+    d = idx.size
+    prompt = rng.integers(1, 6000, n).astype(np.float64)
+    decode = rng.uniform(1, 900, (n, d))
+    utility = rng.uniform(-2, 2, (n, d))
+    ttft = rng.choice([0.0, 0.013, 0.5, 1.7, 2.0, 2.5, 7.3, np.inf], (n, d)) \
+        + rng.uniform(0, 0.3, (n, d))
+    waited = rng.uniform(0, 1.5, n)
+    target = rng.uniform(0.1, 3.0, n)
+    beta = rng.uniform(0, 1e-3, (g, 4))
+    batch_cap = rng.integers(2, 256, g).astype(np.float64)
+    kv_cap = rng.uniform(1e3, 2e5, g)
+    budget = rng.uniform(50, 3000, g)
+    w = RewardConfig(sigma=float(rng.uniform(0, 2)), alpha=float(rng.uniform(0, 2)),
+                     beta=float(rng.uniform(0, 0.05)), gamma=float(rng.uniform(0, 0.05)),
+                     zeta1=zeta, zeta2=zeta / 2, omega=float(rng.uniform(0, 2)),
+                     eel_threshold_s=float(rng.uniform(1, 20)),
+                     ttft_threshold_s=1.0 if threshold else None,
+                     delta=float(rng.uniform(0, 3)))
+    p0, p1 = price_prefix(rng.uniform(0, 1, (g, H, 3)) * (rng.uniform(0, 1, (g, H, 3)) > 0.5))
+    max_seqs = np.array([s.max_num_seqs for s in specs], dtype=np.int64)
+    n_res, ctx = _score.decode_loads(snaps, idx, max_seqs)
+    args = (prompt, decode, utility, ttft, n_res, ctx, beta, waited, target, batch_cap,
+            kv_cap, budget, SLOT, H)
+    got_f, got_i, got_on = _score.score_columns(*args, reward_weights(w), p0, p1, shift, idx,
+                                                g)
+    want_f, want_i, want_on = score_reference(*args, w, p0, p1, shift, idx, g)
+    np.testing.assert_array_equal(got_f, want_f)
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_on, want_on)
+    tpot = decode_step_times_s([snaps[i] for i in idx], [specs[i] for i in idx], beta[idx],
+                               prompt.astype(np.int64))
+    np.testing.assert_array_equal(got_f[_score.F_TPOT][:, idx], tpot)
+
+
+def test_instances_not_sampled_read_as_never_started() -> None:
+    """Outside ``idx``: TTFT infinite, score and reward -inf, columns empty at the
+    horizon, not on time."""
+    g, idx = 3, np.array([1], dtype=np.int64)
+    p0, p1 = price_prefix(np.zeros((g, H, 3)))
+    snaps = [_snapshot(np.random.default_rng(0), 2) for _ in range(g)]
+    n_res, ctx = _score.decode_loads(snaps, idx, np.full(g, 8, dtype=np.int64))
+    f, i, on = _score.score_columns(
+        np.array([100.0]), np.array([[50.0]]), np.zeros((1, 1)), np.array([[0.2]]), n_res,
+        ctx, np.full((g, 4), 1e-4), np.zeros(1), np.ones(1), np.full(g, 8.0),
+        np.full(g, 1e4), np.full(g, 500.0), SLOT, H, reward_weights(RewardConfig()), p0, p1,
+        0, idx, g)
+    assert np.isfinite(f[_score.F_LAGRANGIAN, 0, 1])
+    for other in (0, 2):
+        assert f[_score.F_TTFT, 0, other] == np.inf
+        assert f[_score.F_LAGRANGIAN, 0, other] == -np.inf
+        assert (i[:, 0, other] == H).all() and not on[0, other]
+    assert on[0, 1]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(-3, H + 3))
+def test_fits_and_take_compiled_as_their_twins(seed: int, k: int) -> None:
+    """``_score.fits_column`` and ``_score.subtract_column`` against ``reward.fits_under`` and
+    ``reward.take_column`` on random curves (some slots already over-committed) and
+    columns (empty, cut at the horizon, prefill only), shifted k slots."""
+    from olproute import reward
+
+    rng = np.random.default_rng(seed)
+    free = rng.uniform(-0.05, 1.0, (H, 3))
+    s = int(rng.integers(0, H + 1))
+    e = int(rng.integers(s, H + 1)) if rng.uniform() < 0.8 else s
+    ps = int(rng.integers(0, H + 1))
+    pe = int(rng.integers(ps, H + 1))
+    col = (s, e, float(rng.uniform(0, 0.2)), float(rng.uniform(0, 0.3)),
+           float(rng.uniform(0, 0.02)), ps, pe, float(rng.uniform(0, 1)))
+    s_, e_, ba, ka, kb, ps_, pe_, ca = col
+    assert _score.fits_column(free, s_, e_, ba, ka, kb, ps_, pe_, k, H) == reward.fits_under(
+        free, col, k, H)
+    mine, theirs = free.copy(), free.copy()
+    _score.subtract_column(mine, s_, e_, ba, ka, kb, ps_, pe_, ca, k, H)
+    reward.take_column(theirs, col, k, H)
+    np.testing.assert_array_equal(mine, theirs)
