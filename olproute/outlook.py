@@ -55,6 +55,9 @@ class OutlookSource:
         if mode == "predictor" and predictor is None:
             raise ValueError("prediction mode 'predictor' needs a loaded predictor")
         self._models = [s.model for s in specs]
+        self._distinct = list(dict.fromkeys(self._models))
+        self._model_of = np.array([self._distinct.index(m) for m in self._models],
+                                  dtype=np.int64)
         self._price_in = np.array([profiles.models[m].price_input_per_mtok
                                    for m in self._models])
         self._price_out = np.array([profiles.models[m].price_output_per_mtok
@@ -79,11 +82,11 @@ class OutlookSource:
             pred = self._predictor.predict(r, models)
             decode = np.maximum(np.asarray(pred.decode_tokens, dtype=np.float64), 1.0)
             quality = np.asarray(pred.quality, dtype=np.float64)
-        else:
-            decode = np.array([r.predicted_decode_tokens_for(m) for m in models],
-                              dtype=np.float64)
-            quality = np.array([_or_zero(r.predicted_quality_for(m)) for m in models],
-                               dtype=np.float64)
+        else:   # per distinct model, then one row per instance
+            decode = np.array([r.predicted_decode_tokens_for(m) for m in self._distinct],
+                              dtype=np.float64)[self._model_of]
+            quality = np.array([_or_zero(r.predicted_quality_for(m)) for m in self._distinct],
+                               dtype=np.float64)[self._model_of]
         cost = r.prompt_tokens * self._price_in + decode * self._price_out
         return Outlook(decode_tokens=decode, quality=quality, cost_musd=cost)
 
