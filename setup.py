@@ -1,4 +1,5 @@
-"""Build only: the Cython kernels (batch formation; a decision's arithmetic). Metadata lives in pyproject.toml."""
+"""Build only: the Cython kernels (batch formation; a decision's arithmetic).
+Metadata lives in pyproject.toml."""
 
 import numpy as np
 from Cython.Build import cythonize

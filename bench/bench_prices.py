@@ -14,13 +14,22 @@
    8 Qwen3-8B / H100 instances under a synthetic workload at about 60% load, the
    LightGBM predictor trained here on synthetic prompts (prediction mode ``predictor``),
    every ``decide`` call timed with perf_counter (the simulator calls it exactly as the
-   server will); and the same with the lengths given (``noisy`` mode, no predictor), to
+   server will; the predictor runs inside each decision, as in the server); and the
+   same with the lengths given (``noisy`` mode, no predictor), to
    separate the predictor's share (its featurisation grows with the prompt: the
    synthetic document prompts run to thousands of tokens). Price updates run off the
    request path and are not in these times.
+   least_outstanding's decisions are timed the same way in the same run; the ratio is
+   reported on short prompts and on 2k-token ones, the worse of the two (issue 19's
+   goals: <= 10x at p50 and <= 20x at p99 with the predictor, <= 5x with lengths given).
 4. One slot's pass over a buffer of 64 held requests on the same 8 instances, per
    ``release`` (``buffer_pass_times``; issue 16's goal: 2 ms, 4% of a 50 ms slot); the
    JSON's ``buffer_slot_ms`` is the median pass of the greedy by density.
+5. Decision time by fleet size: 4, 16, 64 and 128 Llama-2-7B / A100 instances under
+   Poisson arrivals at 4.25 req/s per instance, least_outstanding and bid_price in the
+   same run (JSON ``scaling``); at 128, bid_price with ``admission.candidates`` d = 4, 8
+   and 16 too, and what sampling costs in mean EEL and TTFT attainment against d = 128
+   (JSON ``sampling_quality``).
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from olproute.config import Config, LoadedConfig, load_profiles
 from olproute.config_schema import PriceConfig
@@ -137,7 +148,17 @@ def update_times(repeats: int) -> dict[str, float]:
     return {"update_ms": med * 1e3, "core_share": med / period}
 
 
-def decision_times(quick: bool, use_predictor: bool) -> dict[str, float]:
+SHORT_MAX, LONG_RANGE = 256, (1500, 2500)   # prompt tokens: "short" and "2k-token" decisions
+
+
+def decision_times(quick: bool, use_predictor: bool,
+                   policy_name: str = "bid_price") -> dict[str, float]:
+    """Decision times of one policy on the 8 Qwen3-8B / H100 instances (part 3), overall
+    and for the decisions on short prompts (<= 256 tokens) and on prompts of about 2k
+    tokens (1,500 to 2,500). With the predictor, it runs inside each decision (as in the
+    server), not once over the workload."""
+    from dataclasses import replace
+
     from olproute.predict import TrainConfig, train_and_evaluate
     from olproute.sim.prompts import generate_prompts, training_data
     from olproute.sim.scenario import (
@@ -166,21 +187,126 @@ def decision_times(quick: bool, use_predictor: bool) -> dict[str, float]:
                               profiles)
         cal = CalibrationSource(loaded)
         cal()
-        policy = make_policy(loaded, "bid_price", calibration=cal)
-        times: list[float] = []
-        inner = policy.decide
-
-        def timed(ctx):  # type: ignore[no-untyped-def]
-            t0 = time.perf_counter()
-            d = inner(ctx)
-            times.append(time.perf_counter() - t0)
-            return d
-
-        policy.decide = timed  # type: ignore[method-assign]
-        make_cluster(loaded, policy).run(build_requests(loaded))
+        policy = make_policy(loaded, policy_name, calibration=cal)
+        times, lengths = _timed(policy)
+        requests = build_requests(loaded)
+        if use_predictor:
+            # the simulator predicts a whole workload at once when it builds it; the
+            # server predicts each request as it decides: drop the batch's predictions
+            # so that the predictor runs inside every decision, as it does there
+            requests = [replace(r, predicted_decode_by_model=None,
+                                predicted_quality_by_model=None) for r in requests]
+        make_cluster(loaded, policy).run(requests)
     arr = np.array(times) * 1e6
-    return {"decisions": float(len(arr)), "p50_us": float(np.percentile(arr, 50)),
-            "p90_us": float(np.percentile(arr, 90)), "p99_us": float(np.percentile(arr, 99))}
+    size = np.array(lengths)
+    out = {"decisions": float(len(arr)), **_quantiles(arr)}
+    for label, inside in (("short", size <= SHORT_MAX),
+                          ("long", (size >= LONG_RANGE[0]) & (size <= LONG_RANGE[1]))):
+        q = _quantiles(arr[inside])
+        out.update({f"{label}_{k}": v for k, v in q.items()}, **{f"{label}_decisions":
+                                                                  float(inside.sum())})
+    return out
+
+
+def _timed(policy: Any) -> tuple[list[float], list[int]]:
+    """Wrap ``policy.decide`` to record each call's time and the request's prompt."""
+    times: list[float] = []
+    lengths: list[int] = []
+    inner = policy.decide
+
+    def timed(ctx):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        d = inner(ctx)
+        times.append(time.perf_counter() - t0)
+        lengths.append(ctx.request.prompt_tokens)
+        return d
+
+    policy.decide = timed
+    return times, lengths
+
+
+def _quantiles(us: npt.NDArray[np.float64]) -> dict[str, float]:
+    if us.size == 0:
+        return {"p50_us": float("nan"), "p90_us": float("nan"), "p99_us": float("nan")}
+    return {"p50_us": float(np.percentile(us, 50)), "p90_us": float(np.percentile(us, 90)),
+            "p99_us": float(np.percentile(us, 99))}
+
+
+def ratios_to_lor(bid: dict[str, float], lor: dict[str, float]) -> dict[str, float]:
+    """bid_price's decision time over least_outstanding's (same run, same workload), on
+    short and on 2k-token prompts: the worse of the two."""
+    def worse(q: str) -> float:
+        return max(bid[f"short_{q}"], bid[f"long_{q}"]) / lor[q]
+    return {"p50": worse("p50_us"), "p99": worse("p99_us")}
+
+
+SCALING = (4, 16, 64, 128)
+SAMPLED = (4, 8, 16)      # admission.candidates at the largest fleet
+
+
+def fleet_run(instances: int, policy_name: str, candidates: int | None,
+              quick: bool) -> dict[str, float]:
+    """One policy on ``instances`` Llama-2-7B / A100 engines under Poisson arrivals at
+    4.25 req/s per instance (the Splitwise conversation lengths, noisy predictions):
+    its decision times and what it delivered (mean EEL, TTFT attainment, served)."""
+    from olproute.sim.metrics import summarize, ttft_s
+    from olproute.sim.scenario import (
+        CalibrationSource,
+        build_requests,
+        make_cluster,
+        make_policy,
+    )
+
+    per = 25 if quick else 40
+    data: dict[str, object] = {
+        "instances": [{"name": "l7", "model": "llama-2-7b", "gpu": "a100-80gb",
+                       "replicas": instances}],
+        "workload": {"kind": "poisson", "rate_per_s": 4.25 * instances,
+                     "num_requests": max(per * instances, 400),
+                     "lengths_path": str(REPO / "data" / "traces" / "splitwise_conv.csv")},
+        "prediction": {"mode": "noisy"},
+    }
+    if candidates is not None:
+        data["admission"] = {"candidates": candidates}
+    loaded = LoadedConfig(REPO / "configs" / "default.yaml", Config.model_validate(data),
+                          load_profiles(REPO / "configs" / "profiles.yaml"))
+    cal = CalibrationSource(loaded)
+    cal()
+    requests = build_requests(loaded)
+    policy = make_policy(loaded, policy_name, calibration=cal)
+    times, _ = _timed(policy)
+    res = make_cluster(loaded, policy).run(requests)
+    summary = summarize(res)
+    target = np.array([r.ttft_target_s for r in requests])
+    on_time = np.nan_to_num(ttft_s(res), nan=np.inf) <= target
+    return {**_quantiles(np.array(times) * 1e6), "mean_eel_s": summary.eel_mean_s,
+            "ttft_attainment": float(on_time.mean()),
+            "served_fraction": summary.served_fraction}
+
+
+def scaling(quick: bool) -> tuple[list[dict[str, float | None]], list[dict[str, float]]]:
+    """Decision time by fleet size, least_outstanding and bid_price in the same run (the
+    issue's ``scaling`` rows, one more at the largest fleet per sampled d), and what
+    sampling d instances costs in quality there against scoring all of them."""
+    rows: list[dict[str, float | None]] = []
+    quality: list[dict[str, float]] = []
+    for g in SCALING:
+        lor = fleet_run(g, "least_outstanding", None, quick)
+        bid = fleet_run(g, "bid_price", None, quick)
+        rows.append({"instances": g, "lor_p50_us": lor["p50_us"],
+                     "bid_price_p50_us": bid["p50_us"], "bid_price_p99_us": bid["p99_us"],
+                     "candidates": None})
+        print(f"  scaling: {g} instances done", flush=True)
+    top = SCALING[-1]
+    everyone = bid
+    quality.append({"candidates": float(top), **everyone})
+    for d in SAMPLED:
+        run = fleet_run(top, "bid_price", d, quick)
+        rows.append({"instances": top, "lor_p50_us": lor["p50_us"],
+                     "bid_price_p50_us": run["p50_us"], "bid_price_p99_us": run["p99_us"],
+                     "candidates": d})
+        quality.append({"candidates": float(d), **run})
+    return rows, quality
 
 
 BUFFER = 64  # held requests in one pass (issue 16: 64 x 8 instances within 2 ms)
@@ -285,7 +411,14 @@ def main() -> None:
     upd = update_times(20 if args.quick else 100)
     dec = decision_times(args.quick, use_predictor=True)
     bare = decision_times(args.quick, use_predictor=False)
+    lor_pred = decision_times(args.quick, use_predictor=True, policy_name="least_outstanding")
+    lor_bare = decision_times(args.quick, use_predictor=False,
+                              policy_name="least_outstanding")
+    with_pred, given = ratios_to_lor(dec, lor_pred), ratios_to_lor(bare, lor_bare)
+    ratio = {"predictor_p50": with_pred["p50"], "predictor_p99": with_pred["p99"],
+             "lengths_p50": given["p50"]}
     passes = buffer_pass_times(args.quick)
+    scale, quality = scaling(args.quick)
     rows = [
         ("dual step, NumPy (us)", f"{step['numpy_us']:.0f}"),
         ("dual step, JAX, K = 5 per call (us/step)", f"{step['jax_K5_us']:.0f}"),
@@ -301,6 +434,18 @@ def main() -> None:
         ("decision p50 / p90 / p99 (us), lengths given",
          f"{bare['p50_us']:.0f} / {bare['p90_us']:.0f} / {bare['p99_us']:.0f}"),
         ("goal p50 / p99 (us)", "200 / 400"),
+        ("least_outstanding p50 (us), predictor / lengths given",
+         f"{lor_pred['p50_us']:.1f} / {lor_bare['p50_us']:.1f}"),
+        ("bid_price p50 on short / 2k-token prompts (us), predictor",
+         f"{dec['short_p50_us']:.0f} / {dec['long_p50_us']:.0f}"),
+        ("bid_price p50 on short / 2k-token prompts (us), lengths given",
+         f"{bare['short_p50_us']:.0f} / {bare['long_p50_us']:.0f}"),
+        ("bid_price / least_outstanding p50, predictor (worse prompt size)",
+         f"{ratio['predictor_p50']:.1f}x   (goal <= 10x)"),
+        ("bid_price / least_outstanding p99, predictor (worse prompt size)",
+         f"{ratio['predictor_p99']:.1f}x   (goal <= 20x)"),
+        ("bid_price / least_outstanding p50, lengths given (worse prompt size)",
+         f"{ratio['lengths_p50']:.1f}x   (goal <= 5x)"),
         *((f"pass over {BUFFER} held x {G} instances, {name}: p50 / p99 (ms)",
            f"{f['p50_ms']:.2f} / {f['p99_ms']:.2f} ({f['passes']:.0f} passes)")
           for name, f in passes.items()),
@@ -311,10 +456,28 @@ def main() -> None:
     print(f"{'-' * width}  {'-' * 16}")
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    print()
+    print("decision time by fleet size (Llama-2-7B / A100, 4.25 req/s per instance; "
+          "goal: bid_price p50 <= 10x least_outstanding's)")
+    print(f"{'instances':>9}  {'candidates':>10}  {'LOR p50 us':>10}  {'bid p50 us':>10}  "
+          f"{'bid p99 us':>10}  {'ratio p50':>9}")
+    for r in scale:
+        print(f"{r['instances']:>9}  {r['candidates'] or 'all':>10}  {r['lor_p50_us']:>10.1f}  "
+              f"{r['bid_price_p50_us']:>10.1f}  {r['bid_price_p99_us']:>10.1f}  "
+              f"{r['bid_price_p50_us'] / r['lor_p50_us']:>8.1f}x")  # type: ignore[operator]
+    print()
+    print(f"sampling d of {SCALING[-1]} instances: what it costs in quality")
+    print(f"{'d':>5}  {'mean EEL s':>10}  {'TTFT attainment':>15}  {'served':>7}")
+    for q in quality:
+        print(f"{q['candidates']:>5.0f}  {q['mean_eel_s']:>10.3f}  "
+              f"{q['ttft_attainment']:>15.3f}  {q['served_fraction']:>7.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"dual_step": step, "price_update": upd, "decision_with_predictor": dec,
-             "decision_lengths_given": bare,
+             "decision_lengths_given": bare, "lor_with_predictor": lor_pred,
+             "lor_lengths_given": lor_bare, "decision_ratio_to_lor": ratio,
+             "period_ms": upd["update_ms"], "price_core_fraction": upd["core_share"],
+             "scaling": scale, "sampling_quality": quality,
              "buffer_slot_ms": passes[DEFAULT_JOINT]["p50_ms"], "buffer_pass": passes},
             indent=2) + "\n")
 
