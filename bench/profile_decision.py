@@ -1,0 +1,91 @@
+"""Where a bid_price decision's time goes: each part timed inside the decisions.
+
+    python bench/profile_decision.py [--instances G] [--predictor] [--out PATH]
+
+Runs the simulator (G Llama-2-7B / A100 instances, Poisson at 4.25 req/s per instance,
+noisy lengths; with ``--predictor``, 8 Qwen3-8B / H100 instances on synthetic prompts
+with the LightGBM predictor inside each decision) with bid_price's parts wrapped in
+perf_counter timers: the outlook (the predictor, when on), the BEA replay, the counts
+for the step times, the compiled scoring kernel, the fit check and the accounting; and
+the whole ``decide``. Prints each part's median per decision and its share of the
+median decision; ``--out`` writes the same text to a file (docs/profile-decision.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_prices
+
+from olproute import bea, outlook
+from olproute.policies import bid_price as bp
+
+PARTS: tuple[tuple[str, Any, str], ...] = (
+    ("outlook (predictions, cost)", outlook.OutlookSource, "__call__"),
+    ("BEA replay (compiled)", bea.BeaEstimator, "ttft_many"),
+    ("resident counts (compiled)", bp, "decode_loads"),
+    ("scoring kernel (compiled)", bp, "score_columns"),
+    ("fit check", bp.BidPrice, "_fits"),
+    ("accounting", bp.BidPrice, "_account"),
+    ("the whole decide", bp.BidPrice, "decide"),
+)
+
+
+def _wrap(owner: Any, name: str, into: list[float]) -> Callable[[], None]:
+    inner = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        into.append(time.perf_counter() - t0)
+        return out
+
+    setattr(owner, name, timed)
+    return lambda: setattr(owner, name, inner)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--instances", type=int, default=8)
+    ap.add_argument("--predictor", action="store_true")
+    ap.add_argument("--out", metavar="PATH")
+    args = ap.parse_args()
+    times: dict[str, list[float]] = {label: [] for label, _, _ in PARTS}
+    undo = [_wrap(owner, name, times[label]) for label, owner, name in PARTS]
+    try:
+        if args.predictor:
+            bench_prices.decision_times(False, use_predictor=True)
+            setup = "8 Qwen3-8B / H100 instances, LightGBM predictor in each decision"
+        else:
+            bench_prices.fleet_run(args.instances, "bid_price", None, False)
+            setup = f"{args.instances} Llama-2-7B / A100 instances, lengths given"
+    finally:
+        for u in undo:
+            u()
+    decisions = len(times["the whole decide"])
+    whole = float(np.median(times["the whole decide"])) * 1e6
+    lines = [f"# python bench/profile_decision.py --instances {args.instances}"
+             f"{' --predictor' if args.predictor else ''}",
+             f"# {setup}; {decisions} decisions",
+             f"{'part':<30} {'calls/decision':>14} {'p50 us':>8} {'x calls / p50':>14}"]
+    for label, _, _ in PARTS:
+        ts = np.array(times[label]) * 1e6
+        per = len(ts) / max(decisions, 1)
+        p50 = float(np.median(ts)) if ts.size else 0.0
+        lines.append(f"{label:<30} {per:>14.2f} {p50:>8.1f} {per * p50 / whole:>13.0%}")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
