@@ -1983,6 +1983,7 @@ static CYTHON_INLINE __pyx_t_long_double_complex __pyx_t_long_double_complex_fro
 /* #### Code section: type_declarations ### */
 
 /*--- Type declarations ---*/
+struct __pyx_obj_8olproute_6_score_Scorer;
 struct __pyx_array_obj;
 struct __pyx_MemviewEnum_obj;
 struct __pyx_memoryview_obj;
@@ -1999,6 +2000,26 @@ enum  {
   __pyx_e_8olproute_6_score_SNAP_PROMPT = 0,
   __pyx_e_8olproute_6_score_SNAP_OUTPUT = 1
 };
+
+/* "olproute/_score.pyx":88
+ * 
+ * 
+ * cdef class Scorer:             # <<<<<<<<<<<<<<
+ *     """``score_columns`` with the per-instance constants bound once (one policy's): a
+ *     decision passes only what changes. ``beta`` is read where it lies, so a recalibration
+*/
+struct __pyx_obj_8olproute_6_score_Scorer {
+  PyObject_HEAD
+  __Pyx_memviewslice beta;
+  __Pyx_memviewslice max_num_seqs;
+  __Pyx_memviewslice batch_cap;
+  __Pyx_memviewslice kv_cap;
+  __Pyx_memviewslice budget;
+  __Pyx_memviewslice w;
+  double slot_s;
+  int64_t horizon;
+};
+
 
 /* "View.MemoryView":128
  * 
@@ -2999,6 +3020,12 @@ static PyObject * __Pyx_CallTpnewAsVectorcall(__Pyx_tpnewvectorcallfunc f, PyTyp
 static PyObject *__Pyx_CallNewInitFromVectorcall(PyTypeObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 #endif
 
+/* CallSlotAsVectorcall.proto */
+#if CYTHON_VECTORCALL_TPNEW
+typedef int (*__Pyx_tpinitvectorcallfunc)(PyObject* o, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+static int __Pyx_CallTpinitAsVectorcall(__Pyx_tpinitvectorcallfunc f, PyObject* o, PyObject *a, PyObject *k);
+#endif
+
 /* DeallocKeepAlive.proto */
 #if CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
 #define __Pyx_DeallocKeepAliveBegin(o) do {\
@@ -3013,24 +3040,11 @@ static PyObject *__Pyx_CallNewInitFromVectorcall(PyTypeObject *t, PyObject *cons
 #define __Pyx_DeallocKeepAliveEnd(o)   Py_SET_REFCNT(o, Py_REFCNT(o) - 1)
 #endif
 
-/* CallSlotAsVectorcall.proto */
-#if CYTHON_VECTORCALL_TPNEW
-typedef int (*__Pyx_tpinitvectorcallfunc)(PyObject* o, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-static int __Pyx_CallTpinitAsVectorcall(__Pyx_tpinitvectorcallfunc f, PyObject* o, PyObject *a, PyObject *k);
-#endif
-
 /* CallTypeTraverse.proto */
 #if !CYTHON_USE_TYPE_SPECS
 #define __Pyx_call_type_traverse(o, always_call, visit, arg) 0
 #else
 static int __Pyx_call_type_traverse(PyObject *o, int always_call, visitproc visit, void *arg);
-#endif
-
-/* ApplySequenceOrMappingFlag.proto */
-#if CYTHON_COMPILING_IN_LIMITED_API || CYTHON_COMPILING_IN_PYPY
-int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence);
-#else
-#define __Pyx_ApplySequenceOrMappingFlag(tp, is_sequence) (0)
 #endif
 
 /* PyObjectCallMethod0.proto (used by PyType_Ready) */
@@ -3048,15 +3062,6 @@ static int __Pyx_validate_bases_tuple(const char *type_name, int has_dictoffset,
 
 /* PyType_Ready.export */
 CYTHON_UNUSED static int __Pyx_PyType_Ready(PyTypeObject *t);
-
-/* GetVTable.proto (used by MergeVTables) */
-static int __Pyx_GetVtable(PyTypeObject *type, void** table);
-
-/* MergeVTables.proto (used by SetVTable) */
-static int __Pyx_MergeVtables(PyTypeObject *type);
-
-/* SetVTable.export */
-static int __Pyx_SetVtable(PyTypeObject* typeptr , void* vtable);
 
 /* LimitedApiGetTypeTypeDict.proto (used by DelItemOnTypeDict) */
 #if CYTHON_COMPILING_IN_LIMITED_API
@@ -3077,6 +3082,22 @@ static int __Pyx__SetItemOnTypeDict(PyTypeObject *tp, PyObject *k, PyObject *v);
 
 /* SetupReduce.export */
 static int __Pyx_setup_reduce(PyObject* type_obj);
+
+/* ApplySequenceOrMappingFlag.proto */
+#if CYTHON_COMPILING_IN_LIMITED_API || CYTHON_COMPILING_IN_PYPY
+int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence);
+#else
+#define __Pyx_ApplySequenceOrMappingFlag(tp, is_sequence) (0)
+#endif
+
+/* GetVTable.proto (used by MergeVTables) */
+static int __Pyx_GetVtable(PyTypeObject *type, void** table);
+
+/* MergeVTables.proto (used by SetVTable) */
+static int __Pyx_MergeVtables(PyTypeObject *type);
+
+/* SetVTable.export */
+static int __Pyx_SetVtable(PyTypeObject* typeptr , void* vtable);
 
 /* TypeImport.proto */
 #ifndef __PYX_HAVE_RT_ImportType_proto_3_3_1
@@ -3340,6 +3361,9 @@ static CYTHON_INLINE int __pyx_memoryview_slice_memviewslice(
         int have_start, int have_stop, int have_step,
         int is_slice);
 
+/* MemviewDtypeToObject.proto */
+static CYTHON_INLINE PyObject *__pyx_memview_get_double__const__(const char *itemp);
+
 /* IsLittleEndian.proto (used by BufferFormatCheck) */
 static CYTHON_INLINE int __Pyx_Is_Little_Endian(void);
 
@@ -3364,16 +3388,25 @@ static int __Pyx_ValidateAndInit_memviewslice(
                 PyObject *original_obj);
 
 /* ObjectToMemviewSlice.proto */
-static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(PyObject *, int writable_flag);
-
-/* ObjectToMemviewSlice.proto */
 static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(PyObject *, int writable_flag);
 
 /* ObjectToMemviewSlice.proto */
-static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(PyObject *, int writable_flag);
+static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(PyObject *, int writable_flag);
+
+/* MemviewDtypeToObject.proto */
+static CYTHON_INLINE PyObject *__pyx_memview_get_nn_int64_t__const__(const char *itemp);
 
 /* ObjectToMemviewSlice.proto */
-static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(PyObject *, int writable_flag);
+static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(PyObject *, int writable_flag);
+
+/* PyObjectCallMethod1.proto */
+static CYTHON_INLINE PyObject* __Pyx_PyObject_CallMethod1(PyObject* obj, PyObject* method_name, PyObject* arg);
+
+/* CheckUnpickleChecksumError.export */
+static void __Pyx_RaiseUnpickleChecksumError(long checksum, long checksum1, long checksum2, long checksum3, const char *members);
+
+/* ObjectToMemviewSlice.proto */
+static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(PyObject *, int writable_flag);
 
 /* ObjectToMemviewSlice.proto */
 static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(PyObject *, int writable_flag);
@@ -3539,9 +3572,6 @@ __pyx_memoryview_copy_new_contig(const __Pyx_memviewslice *from_mvs,
                                  Py_ssize_t sizeof_dtype, int contig_flag,
                                  int dtype_is_object);
 
-/* CIntFromPy.proto */
-static CYTHON_INLINE int64_t __Pyx_PyLong_As_int64_t(PyObject *);
-
 /* PyObjectVectorcallMethodKwds.proto (used by CIntToPy) */
 #if CYTHON_VECTORCALL
 #define __Pyx_Object_VectorcallMethodKwds PyObject_VectorcallMethod
@@ -3552,29 +3582,26 @@ static PyObject *__Pyx_Object_VectorcallMethodKwds(PyObject *name, PyObject *con
 /* CIntToPy.proto */
 static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int64_t(int64_t value);
 
-/* PyObjectCallMethod1.proto (used by UpdateUnpickledDict) */
-static CYTHON_INLINE PyObject* __Pyx_PyObject_CallMethod1(PyObject* obj, PyObject* method_name, PyObject* arg);
+/* CIntFromPy.proto */
+static CYTHON_INLINE int64_t __Pyx_PyLong_As_int64_t(PyObject *);
 
 /* UpdateUnpickledDict.export */
 static int __Pyx_UpdateUnpickledDict(PyObject *obj, PyObject *state, Py_ssize_t index);
-
-/* CheckUnpickleChecksumError.export */
-static void __Pyx_RaiseUnpickleChecksumError(long checksum, long checksum1, long checksum2, long checksum3, const char *members);
 
 /* CheckUnpickleChecksum.proto */
 static CYTHON_INLINE int __Pyx_CheckUnpickleChecksum(long checksum, long checksum1, long checksum2, long checksum3, const char *members);
 
 /* CIntFromPy.proto */
-static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *);
-
-/* CIntFromPy.proto */
 static CYTHON_INLINE long __Pyx_PyLong_As_long(PyObject *);
 
 /* CIntToPy.proto */
-static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value);
+static CYTHON_INLINE PyObject* __Pyx_PyLong_From_long(long value);
+
+/* CIntFromPy.proto */
+static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *);
 
 /* CIntToPy.proto */
-static CYTHON_INLINE PyObject* __Pyx_PyLong_From_long(long value);
+static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value);
 
 /* CIntFromPy.proto */
 static CYTHON_INLINE char __Pyx_PyLong_As_char(PyObject *);
@@ -3736,6 +3763,11 @@ static int __pyx_memoryview_thread_locks_used;
 static PyThread_type_lock __pyx_memoryview_thread_locks[8];
 static CYTHON_INLINE int64_t __pyx_f_8olproute_6_score__first_slot(double, double, int64_t); /*proto*/
 static CYTHON_INLINE int64_t __pyx_f_8olproute_6_score__decode_slots(double, double, double); /*proto*/
+static void __pyx_f_8olproute_6_score__count_loads(PyObject *, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice); /*proto*/
+static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, Py_ssize_t); /*proto*/
+static void __pyx_f_8olproute_6_score__check_idx(__Pyx_memviewslice, Py_ssize_t); /*proto*/
+static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, double, int64_t, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, int64_t, __Pyx_memviewslice, Py_ssize_t); /*proto*/
+static PyObject *__pyx_f_8olproute_6_score___pyx_unpickle_Scorer__set_state(struct __pyx_obj_8olproute_6_score_Scorer *, PyObject *); /*proto*/
 static int __pyx_array_allocate_buffer(struct __pyx_array_obj *); /*proto*/
 static struct __pyx_array_obj *__pyx_array_new(PyObject *, Py_ssize_t, char *, char const *, char *); /*proto*/
 static PyObject *__pyx_memoryview_new(PyObject *, int, int, __Pyx_TypeInfo const *); /*proto*/
@@ -3774,8 +3806,8 @@ static void __pyx_memoryview_slice_assign_scalar(__Pyx_memviewslice *, int, size
 static void __pyx_memoryview__slice_assign_scalar(char *, Py_ssize_t *, Py_ssize_t *, int, size_t, void *); /*proto*/
 static PyObject *__pyx_unpickle_Enum__set_state(struct __pyx_MemviewEnum_obj *, PyObject *); /*proto*/
 /* #### Code section: typeinfo ### */
-static const __Pyx_TypeInfo __Pyx_TypeInfo_nn_int64_t__const__ = { "const int64_t", NULL, sizeof(int64_t const ), { 0 }, 0, __PYX_IS_UNSIGNED(int64_t const ) ? 'U' : 'I', __PYX_IS_UNSIGNED(int64_t const ), 0 };
 static const __Pyx_TypeInfo __Pyx_TypeInfo_double__const__ = { "const double", NULL, sizeof(double const ), { 0 }, 0, 'R', 0, 0 };
+static const __Pyx_TypeInfo __Pyx_TypeInfo_nn_int64_t__const__ = { "const int64_t", NULL, sizeof(int64_t const ), { 0 }, 0, __PYX_IS_UNSIGNED(int64_t const ) ? 'U' : 'I', __PYX_IS_UNSIGNED(int64_t const ), 0 };
 static const __Pyx_TypeInfo __Pyx_TypeInfo_double = { "double", NULL, sizeof(double), { 0 }, 0, 'R', 0, 0 };
 static const __Pyx_TypeInfo __Pyx_TypeInfo_nn_int64_t = { "int64_t", NULL, sizeof(int64_t), { 0 }, 0, __PYX_IS_UNSIGNED(int64_t) ? 'U' : 'I', __PYX_IS_UNSIGNED(int64_t), 0 };
 static const __Pyx_TypeInfo __Pyx_TypeInfo_nn_uint8_t = { "uint8_t", NULL, sizeof(uint8_t), { 0 }, 0, __PYX_IS_UNSIGNED(uint8_t) ? 'U' : 'I', __PYX_IS_UNSIGNED(uint8_t), 0 };
@@ -3806,6 +3838,7 @@ static const char __pyx_k_Empty_shape_tuple_for_cython_arr[] = "Empty shape tupl
 static const char __pyx_k_Indirect_dimensions_not_supporte[] = "Indirect dimensions not supported";
 static const char __pyx_k_Out_of_bounds_on_buffer_access_a[] = "Out of bounds on buffer access (axis %zd)";
 static const char __pyx_k_Unable_to_convert_item_to_object[] = "Unable to convert item to object";
+static const char __pyx_k_batch_cap_beta_budget_horizon_kv[] = "batch_cap, beta, budget, horizon, kv_cap, max_num_seqs, slot_s, w";
 static const char __pyx_k_got_differing_extents_in_dimensi[] = "got differing extents in dimension %d (got %zd and %zd)";
 /* #### Code section: decls ### */
 static int __pyx_array___pyx_pf_15View_dot_MemoryView_5array___cinit__(struct __pyx_array_obj *__pyx_v_self, PyObject *__pyx_v_shape, Py_ssize_t __pyx_v_itemsize, PyObject *__pyx_v_format, PyObject *__pyx_v_mode, int __pyx_v_allocate_buffer); /* proto */
@@ -3850,9 +3883,43 @@ static PyObject *__pyx_pf___pyx_memoryviewslice___reduce_cython__(CYTHON_UNUSED 
 static PyObject *__pyx_pf___pyx_memoryviewslice_2__setstate_cython__(CYTHON_UNUSED struct __pyx_memoryviewslice_obj *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state); /* proto */
 static PyObject *__pyx_pf_15View_dot_MemoryView___pyx_unpickle_Enum(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v___pyx_type, long __pyx_v___pyx_checksum, PyObject *__pyx_v___pyx_state); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_decode_loads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_snapshots, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_max_num_seqs); /* proto */
+static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_max_num_seqs, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, __Pyx_memviewslice __pyx_v_w, double __pyx_v_slot_s, int64_t __pyx_v_horizon); /* proto */
+static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, PyObject *__pyx_v_snapshots, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift); /* proto */
+static PyObject *__pyx_pf_8olproute_6_score_6Scorer_4__reduce_cython__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_8olproute_6_score_6Scorer_6__setstate_cython__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, PyObject *__pyx_v___pyx_state); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_free, int64_t __pyx_v_s, int64_t __pyx_v_e, double __pyx_v_ba, double __pyx_v_ka, double __pyx_v_kb, int64_t __pyx_v_ps, int64_t __pyx_v_pe, int64_t __pyx_v_k, int64_t __pyx_v_horizon); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_free, int64_t __pyx_v_s, int64_t __pyx_v_e, double __pyx_v_ba, double __pyx_v_ka, double __pyx_v_kb, int64_t __pyx_v_ps, int64_t __pyx_v_pe, double __pyx_v_ca, int64_t __pyx_v_k, int64_t __pyx_v_horizon); /* proto */
+static PyObject *__pyx_pf_8olproute_6_score_8__pyx_unpickle_Scorer(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v___pyx_type, long __pyx_v___pyx_checksum, PyObject *__pyx_v___pyx_state); /* proto */
+static PyObject *__pyx_tp_new__initialisation_8olproute_6_score_Scorer(PyObject *o, 
+#if CYTHON_VECTORCALL_TPNEW
+    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
+#else
+    PyObject *a, PyObject *k
+#endif
+); /*proto*/
+static PyObject *__pyx_tp_new_vectorcall_8olproute_6_score_Scorer(PyTypeObject *t, 
+#if CYTHON_VECTORCALL_TPNEW
+    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
+#else
+    PyObject *a, PyObject *k
+#endif
+); /*proto*/
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_new_8olproute_6_score_Scorer(PyTypeObject *t, PyObject *a, PyObject *k); /*proto*/
+#endif
+#if !CYTHON_VECTORCALL_TPNEW
+#define __pyx_tp_new_8olproute_6_score_Scorer __pyx_tp_new_vectorcall_8olproute_6_score_Scorer
+#endif
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_vectorcall_8olproute_6_score_Scorer(PyObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames); /*proto*/
+#endif
+#if CYTHON_VECTORCALL_TPNEW
+static int __pyx_tp_init_8olproute_6_score_Scorer(PyObject *o, PyObject *args, PyObject *kwds); /*proto*/
+#endif
+#if !CYTHON_VECTORCALL_TPNEW
+#define __pyx_tp_init_8olproute_6_score_Scorer __pyx_pw_8olproute_6_score_6Scorer_1__init__
+#endif
 static PyObject *__pyx_tp_new__initialisation_array(PyObject *o, 
 #if CYTHON_VECTORCALL_TPNEW
     PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
@@ -3990,10 +4057,12 @@ namespace {
     PyTypeObject *__pyx_ptype_5numpy_flexible;
     PyTypeObject *__pyx_ptype_5numpy_character;
     PyTypeObject *__pyx_ptype_5numpy_ufunc;
+    PyObject *__pyx_type_8olproute_6_score_Scorer;
     PyObject *__pyx_type___pyx_array;
     PyObject *__pyx_type___pyx_MemviewEnum;
     PyObject *__pyx_type___pyx_memoryview;
     PyObject *__pyx_type___pyx_memoryviewslice;
+    PyTypeObject *__pyx_ptype_8olproute_6_score_Scorer;
     PyTypeObject *__pyx_array_type;
     PyTypeObject *__pyx_MemviewEnum_type;
     PyTypeObject *__pyx_memoryview_type;
@@ -4003,9 +4072,9 @@ namespace {
     __Pyx_CachedCFunction __pyx_umethod_PyDict_Type_values;
     PyObject *__pyx_slice[1];
     PyObject *__pyx_tuple[3];
-    PyObject *__pyx_codeobj_tab[4];
-    PyObject *__pyx_string_tab[259];
-    PyObject *__pyx_number_tab[6];
+    PyObject *__pyx_codeobj_tab[8];
+    PyObject *__pyx_string_tab[222];
+    PyObject *__pyx_number_tab[7];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
 #if CYTHON_COMPILING_IN_LIMITED_API
@@ -4057,268 +4126,232 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_kp_u_at_0x __pyx_string_tab[0]
 #define __pyx_kp_u_object __pyx_string_tab[1]
 #define __pyx_kp_u_weights __pyx_string_tab[2]
-#define __pyx_kp_u__3 __pyx_string_tab[3]
-#define __pyx_kp_u__2 __pyx_string_tab[4]
-#define __pyx_kp_u_MemoryView_of __pyx_string_tab[5]
-#define __pyx_kp_u_contiguous_and_direct __pyx_string_tab[6]
-#define __pyx_kp_u_contiguous_and_indirect __pyx_string_tab[7]
-#define __pyx_kp_u_strided_and_direct_or_indirect __pyx_string_tab[8]
-#define __pyx_kp_u_strided_and_direct __pyx_string_tab[9]
-#define __pyx_kp_u_strided_and_indirect __pyx_string_tab[10]
-#define __pyx_kp_u__4 __pyx_string_tab[11]
-#define __pyx_kp_u_ __pyx_string_tab[12]
-#define __pyx_kp_u_Cannot_assign_to_read_only_memor __pyx_string_tab[13]
-#define __pyx_kp_u_Invalid_mode_expected_c_or_fortr __pyx_string_tab[14]
-#define __pyx_kp_u_Invalid_shape_in_axis __pyx_string_tab[15]
-#define __pyx_kp_u_Note_that_Cython_is_deliberately __pyx_string_tab[16]
-#define __pyx_kp_u_add_note __pyx_string_tab[17]
-#define __pyx_kp_u_beta_batch_cap_kv_cap_and_budget __pyx_string_tab[18]
-#define __pyx_kp_u_collections_abc __pyx_string_tab[19]
-#define __pyx_kp_u_decode_utility_and_ttft_need_sha __pyx_string_tab[20]
-#define __pyx_kp_u_disable __pyx_string_tab[21]
-#define __pyx_kp_u_enable __pyx_string_tab[22]
-#define __pyx_kp_u_free_needs_shape_H_3 __pyx_string_tab[23]
-#define __pyx_kp_u_gc __pyx_string_tab[24]
-#define __pyx_kp_u_idx_out_of_range __pyx_string_tab[25]
-#define __pyx_kp_u_isenabled __pyx_string_tab[26]
-#define __pyx_kp_u_no_default___reduce___due_to_non __pyx_string_tab[27]
-#define __pyx_kp_u_num_resident_and_resident_contex __pyx_string_tab[28]
-#define __pyx_kp_u_numpy__core_multiarray_failed_to __pyx_string_tab[29]
-#define __pyx_kp_u_numpy__core_umath_failed_to_impo __pyx_string_tab[30]
-#define __pyx_kp_u_olproute__score_pyx __pyx_string_tab[31]
-#define __pyx_kp_u_p0_and_p1_need_shape_G_H_1_3 __pyx_string_tab[32]
-#define __pyx_kp_u_shift_must_be_0 __pyx_string_tab[33]
-#define __pyx_kp_u_unable_to_allocate_array_data __pyx_string_tab[34]
-#define __pyx_kp_u_unable_to_allocate_shape_and_str __pyx_string_tab[35]
-#define __pyx_kp_u_w_needs __pyx_string_tab[36]
-#define __pyx_kp_u_waited_and_target_need_one_entry __pyx_string_tab[37]
-#define __pyx_n_u_ASCII __pyx_string_tab[38]
-#define __pyx_n_u_Ellipsis __pyx_string_tab[39]
-#define __pyx_n_u_F_COMPUTE_A __pyx_string_tab[40]
-#define __pyx_n_u_F_EEL_SAVED __pyx_string_tab[41]
-#define __pyx_n_u_F_EEL_SLO __pyx_string_tab[42]
-#define __pyx_n_u_F_FINITE_TTFT __pyx_string_tab[43]
-#define __pyx_n_u_F_KV_A __pyx_string_tab[44]
-#define __pyx_n_u_F_KV_B __pyx_string_tab[45]
-#define __pyx_n_u_F_LAGRANGIAN __pyx_string_tab[46]
-#define __pyx_n_u_F_PRICE __pyx_string_tab[47]
-#define __pyx_n_u_F_QPS __pyx_string_tab[48]
-#define __pyx_n_u_F_REWARD __pyx_string_tab[49]
-#define __pyx_n_u_F_THROUGHPUT __pyx_string_tab[50]
-#define __pyx_n_u_F_TPOT __pyx_string_tab[51]
-#define __pyx_n_u_F_TTFT __pyx_string_tab[52]
-#define __pyx_n_u_F_TTFT_SAVED __pyx_string_tab[53]
-#define __pyx_n_u_F_TTFT_SLO __pyx_string_tab[54]
-#define __pyx_n_u_F_UTILITY __pyx_string_tab[55]
-#define __pyx_n_u_G __pyx_string_tab[56]
-#define __pyx_n_u_I_END __pyx_string_tab[57]
-#define __pyx_n_u_I_PRE_END __pyx_string_tab[58]
-#define __pyx_n_u_I_PRE_START __pyx_string_tab[59]
-#define __pyx_n_u_I_START __pyx_string_tab[60]
-#define __pyx_n_u_N __pyx_string_tab[61]
-#define __pyx_n_u_NUM_F __pyx_string_tab[62]
-#define __pyx_n_u_NUM_W __pyx_string_tab[63]
-#define __pyx_n_u_Sequence __pyx_string_tab[64]
-#define __pyx_n_u_View_MemoryView __pyx_string_tab[65]
-#define __pyx_n_u_W_ALPHA __pyx_string_tab[66]
-#define __pyx_n_u_W_BETA __pyx_string_tab[67]
-#define __pyx_n_u_W_DELTA __pyx_string_tab[68]
-#define __pyx_n_u_W_EEL_THRESHOLD __pyx_string_tab[69]
-#define __pyx_n_u_W_GAMMA __pyx_string_tab[70]
-#define __pyx_n_u_W_OMEGA __pyx_string_tab[71]
-#define __pyx_n_u_W_SIGMA __pyx_string_tab[72]
-#define __pyx_n_u_W_TOKEN_NORM __pyx_string_tab[73]
-#define __pyx_n_u_W_TTFT_THRESHOLD __pyx_string_tab[74]
-#define __pyx_n_u_W_ZETA1 __pyx_string_tab[75]
-#define __pyx_n_u_W_ZETA2 __pyx_string_tab[76]
-#define __pyx_n_u_Pyx_PyDict_NextRef __pyx_string_tab[77]
-#define __pyx_n_u_annotate __pyx_string_tab[78]
-#define __pyx_n_u_class __pyx_string_tab[79]
-#define __pyx_n_u_class_getitem __pyx_string_tab[80]
-#define __pyx_n_u_dict __pyx_string_tab[81]
-#define __pyx_n_u_func __pyx_string_tab[82]
-#define __pyx_n_u_getstate __pyx_string_tab[83]
-#define __pyx_n_u_import __pyx_string_tab[84]
-#define __pyx_n_u_main __pyx_string_tab[85]
-#define __pyx_n_u_module __pyx_string_tab[86]
-#define __pyx_n_u_name_2 __pyx_string_tab[87]
-#define __pyx_n_u_new __pyx_string_tab[88]
-#define __pyx_n_u_pyx_checksum __pyx_string_tab[89]
-#define __pyx_n_u_pyx_state __pyx_string_tab[90]
-#define __pyx_n_u_pyx_type __pyx_string_tab[91]
-#define __pyx_n_u_pyx_unpickle_Enum __pyx_string_tab[92]
-#define __pyx_n_u_pyx_vtable __pyx_string_tab[93]
-#define __pyx_n_u_qualname __pyx_string_tab[94]
-#define __pyx_n_u_reduce __pyx_string_tab[95]
-#define __pyx_n_u_reduce_cython __pyx_string_tab[96]
-#define __pyx_n_u_reduce_ex __pyx_string_tab[97]
-#define __pyx_n_u_set_name __pyx_string_tab[98]
-#define __pyx_n_u_setstate __pyx_string_tab[99]
-#define __pyx_n_u_setstate_cython __pyx_string_tab[100]
-#define __pyx_n_u_test __pyx_string_tab[101]
-#define __pyx_n_u_is_coroutine __pyx_string_tab[102]
-#define __pyx_n_u_abc __pyx_string_tab[103]
-#define __pyx_n_u_allocate_buffer __pyx_string_tab[104]
-#define __pyx_n_u_alpha __pyx_string_tab[105]
-#define __pyx_n_u_asyncio_coroutines __pyx_string_tab[106]
-#define __pyx_n_u_ba __pyx_string_tab[107]
-#define __pyx_n_u_base __pyx_string_tab[108]
-#define __pyx_n_u_batch_a __pyx_string_tab[109]
-#define __pyx_n_u_batch_cap __pyx_string_tab[110]
-#define __pyx_n_u_beta __pyx_string_tab[111]
-#define __pyx_n_u_bool __pyx_string_tab[112]
-#define __pyx_n_u_budget __pyx_string_tab[113]
-#define __pyx_n_u_c __pyx_string_tab[114]
-#define __pyx_n_u_ca __pyx_string_tab[115]
-#define __pyx_n_u_cline_in_traceback __pyx_string_tab[116]
-#define __pyx_n_u_count __pyx_string_tab[117]
-#define __pyx_n_u_ctx_np __pyx_string_tab[118]
-#define __pyx_n_u_ctx_out __pyx_string_tab[119]
-#define __pyx_n_u_d __pyx_string_tab[120]
-#define __pyx_n_u_de __pyx_string_tab[121]
-#define __pyx_n_u_decode __pyx_string_tab[122]
-#define __pyx_n_u_decode_in_h __pyx_string_tab[123]
-#define __pyx_n_u_decode_loads __pyx_string_tab[124]
-#define __pyx_n_u_delta __pyx_string_tab[125]
-#define __pyx_n_u_ds __pyx_string_tab[126]
-#define __pyx_n_u_dtype __pyx_string_tab[127]
-#define __pyx_n_u_dtype_is_object __pyx_string_tab[128]
-#define __pyx_n_u_dw __pyx_string_tab[129]
-#define __pyx_n_u_e __pyx_string_tab[130]
-#define __pyx_n_u_e0 __pyx_string_tab[131]
-#define __pyx_n_u_eel __pyx_string_tab[132]
-#define __pyx_n_u_eel_saved __pyx_string_tab[133]
-#define __pyx_n_u_eel_slo __pyx_string_tab[134]
-#define __pyx_n_u_eel_thr __pyx_string_tab[135]
-#define __pyx_n_u_empty __pyx_string_tab[136]
-#define __pyx_n_u_encode __pyx_string_tab[137]
-#define __pyx_n_u_end __pyx_string_tab[138]
-#define __pyx_n_u_enumerate __pyx_string_tab[139]
-#define __pyx_n_u_error __pyx_string_tab[140]
-#define __pyx_n_u_f __pyx_string_tab[141]
-#define __pyx_n_u_f_np __pyx_string_tab[142]
-#define __pyx_n_u_fin __pyx_string_tab[143]
-#define __pyx_n_u_fits_column __pyx_string_tab[144]
-#define __pyx_n_u_flags __pyx_string_tab[145]
-#define __pyx_n_u_float64 __pyx_string_tab[146]
-#define __pyx_n_u_format __pyx_string_tab[147]
-#define __pyx_n_u_fortran __pyx_string_tab[148]
-#define __pyx_n_u_free __pyx_string_tab[149]
-#define __pyx_n_u_g __pyx_string_tab[150]
-#define __pyx_n_u_gamma __pyx_string_tab[151]
-#define __pyx_n_u_hi __pyx_string_tab[152]
-#define __pyx_n_u_horizon __pyx_string_tab[153]
-#define __pyx_n_u_i __pyx_string_tab[154]
-#define __pyx_n_u_i_np __pyx_string_tab[155]
-#define __pyx_n_u_id __pyx_string_tab[156]
-#define __pyx_n_u_idx __pyx_string_tab[157]
-#define __pyx_n_u_index __pyx_string_tab[158]
-#define __pyx_n_u_int64 __pyx_string_tab[159]
-#define __pyx_n_u_items __pyx_string_tab[160]
-#define __pyx_n_u_itemsize __pyx_string_tab[161]
-#define __pyx_n_u_iv __pyx_string_tab[162]
-#define __pyx_n_u_j __pyx_string_tab[163]
-#define __pyx_n_u_k __pyx_string_tab[164]
-#define __pyx_n_u_k0 __pyx_string_tab[165]
-#define __pyx_n_u_ka __pyx_string_tab[166]
-#define __pyx_n_u_kb __pyx_string_tab[167]
-#define __pyx_n_u_kept __pyx_string_tab[168]
-#define __pyx_n_u_kv_a __pyx_string_tab[169]
-#define __pyx_n_u_kv_b __pyx_string_tab[170]
-#define __pyx_n_u_kv_cap __pyx_string_tab[171]
-#define __pyx_n_u_kw __pyx_string_tab[172]
-#define __pyx_n_u_lo __pyx_string_tab[173]
-#define __pyx_n_u_max_num_seqs __pyx_string_tab[174]
-#define __pyx_n_u_memview __pyx_string_tab[175]
-#define __pyx_n_u_mode __pyx_string_tab[176]
-#define __pyx_n_u_n __pyx_string_tab[177]
-#define __pyx_n_u_n_np __pyx_string_tab[178]
-#define __pyx_n_u_n_out __pyx_string_tab[179]
-#define __pyx_n_u_n_slots __pyx_string_tab[180]
-#define __pyx_n_u_name __pyx_string_tab[181]
-#define __pyx_n_u_ndim __pyx_string_tab[182]
-#define __pyx_n_u_np __pyx_string_tab[183]
-#define __pyx_n_u_num_instances __pyx_string_tab[184]
-#define __pyx_n_u_num_resident __pyx_string_tab[185]
-#define __pyx_n_u_numpy __pyx_string_tab[186]
-#define __pyx_n_u_o __pyx_string_tab[187]
-#define __pyx_n_u_obj __pyx_string_tab[188]
-#define __pyx_n_u_olproute__score __pyx_string_tab[189]
-#define __pyx_n_u_omega __pyx_string_tab[190]
-#define __pyx_n_u_on __pyx_string_tab[191]
-#define __pyx_n_u_on_np __pyx_string_tab[192]
-#define __pyx_n_u_p0 __pyx_string_tab[193]
-#define __pyx_n_u_p1 __pyx_string_tab[194]
-#define __pyx_n_u_pack __pyx_string_tab[195]
-#define __pyx_n_u_pe __pyx_string_tab[196]
-#define __pyx_n_u_pe0 __pyx_string_tab[197]
-#define __pyx_n_u_pop __pyx_string_tab[198]
-#define __pyx_n_u_price __pyx_string_tab[199]
-#define __pyx_n_u_prompt __pyx_string_tab[200]
-#define __pyx_n_u_ps __pyx_string_tab[201]
-#define __pyx_n_u_ps0 __pyx_string_tab[202]
-#define __pyx_n_u_qe __pyx_string_tab[203]
-#define __pyx_n_u_qps __pyx_string_tab[204]
-#define __pyx_n_u_qs __pyx_string_tab[205]
-#define __pyx_n_u_r __pyx_string_tab[206]
-#define __pyx_n_u_register __pyx_string_tab[207]
-#define __pyx_n_u_resident_context __pyx_string_tab[208]
-#define __pyx_n_u_reward __pyx_string_tab[209]
-#define __pyx_n_u_s __pyx_string_tab[210]
-#define __pyx_n_u_s0 __pyx_string_tab[211]
-#define __pyx_n_u_score_columns __pyx_string_tab[212]
-#define __pyx_n_u_setdefault __pyx_string_tab[213]
-#define __pyx_n_u_shape __pyx_string_tab[214]
-#define __pyx_n_u_shift __pyx_string_tab[215]
-#define __pyx_n_u_sigma __pyx_string_tab[216]
-#define __pyx_n_u_size __pyx_string_tab[217]
-#define __pyx_n_u_slot_s __pyx_string_tab[218]
-#define __pyx_n_u_snapshots __pyx_string_tab[219]
-#define __pyx_n_u_start __pyx_string_tab[220]
-#define __pyx_n_u_step __pyx_string_tab[221]
-#define __pyx_n_u_stop __pyx_string_tab[222]
-#define __pyx_n_u_struct __pyx_string_tab[223]
-#define __pyx_n_u_subtract_column __pyx_string_tab[224]
-#define __pyx_n_u_t __pyx_string_tab[225]
-#define __pyx_n_u_t2 __pyx_string_tab[226]
-#define __pyx_n_u_table __pyx_string_tab[227]
-#define __pyx_n_u_target __pyx_string_tab[228]
-#define __pyx_n_u_thr __pyx_string_tab[229]
-#define __pyx_n_u_token_norm __pyx_string_tab[230]
-#define __pyx_n_u_tokens __pyx_string_tab[231]
-#define __pyx_n_u_total __pyx_string_tab[232]
-#define __pyx_n_u_tp __pyx_string_tab[233]
-#define __pyx_n_u_ttft __pyx_string_tab[234]
-#define __pyx_n_u_ttft_saved __pyx_string_tab[235]
-#define __pyx_n_u_ttft_slo __pyx_string_tab[236]
-#define __pyx_n_u_ttft_thr __pyx_string_tab[237]
-#define __pyx_n_u_tw __pyx_string_tab[238]
-#define __pyx_n_u_uint8 __pyx_string_tab[239]
-#define __pyx_n_u_unpack __pyx_string_tab[240]
-#define __pyx_n_u_update __pyx_string_tab[241]
-#define __pyx_n_u_util __pyx_string_tab[242]
-#define __pyx_n_u_utility __pyx_string_tab[243]
-#define __pyx_n_u_values __pyx_string_tab[244]
-#define __pyx_n_u_view __pyx_string_tab[245]
-#define __pyx_n_u_w __pyx_string_tab[246]
-#define __pyx_n_u_waited __pyx_string_tab[247]
-#define __pyx_n_u_wbeta __pyx_string_tab[248]
-#define __pyx_n_u_work __pyx_string_tab[249]
-#define __pyx_n_u_x __pyx_string_tab[250]
-#define __pyx_n_u_zeros __pyx_string_tab[251]
-#define __pyx_n_u_zeta1 __pyx_string_tab[252]
-#define __pyx_n_u_zeta2 __pyx_string_tab[253]
-#define __pyx_n_b_O __pyx_string_tab[254]
-#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_b_Bhc_83b_s_A_Q __pyx_string_tab[255]
-#define __pyx_kp_b_iso88591_6_2V1CvRq_RvQc_r_Q_q_U_1_Cq_A_E __pyx_string_tab[256]
-#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_r_7_c_89Ba_V3b_B __pyx_string_tab[257]
-#define __pyx_kp_b_iso88591_fAQ_6_vV1Cs_CvV1Cs_CwfAS_1_wfAS __pyx_string_tab[258]
+#define __pyx_kp_u_tree_fragment __pyx_string_tab[3]
+#define __pyx_kp_u__3 __pyx_string_tab[4]
+#define __pyx_kp_u__2 __pyx_string_tab[5]
+#define __pyx_kp_u_MemoryView_of __pyx_string_tab[6]
+#define __pyx_kp_u_contiguous_and_direct __pyx_string_tab[7]
+#define __pyx_kp_u_contiguous_and_indirect __pyx_string_tab[8]
+#define __pyx_kp_u_strided_and_direct_or_indirect __pyx_string_tab[9]
+#define __pyx_kp_u_strided_and_direct __pyx_string_tab[10]
+#define __pyx_kp_u_strided_and_indirect __pyx_string_tab[11]
+#define __pyx_kp_u__4 __pyx_string_tab[12]
+#define __pyx_kp_u_ __pyx_string_tab[13]
+#define __pyx_kp_u_Cannot_assign_to_read_only_memor __pyx_string_tab[14]
+#define __pyx_kp_u_Invalid_mode_expected_c_or_fortr __pyx_string_tab[15]
+#define __pyx_kp_u_Invalid_shape_in_axis __pyx_string_tab[16]
+#define __pyx_kp_u_Note_that_Cython_is_deliberately __pyx_string_tab[17]
+#define __pyx_kp_u_add_note __pyx_string_tab[18]
+#define __pyx_kp_u_beta_batch_cap_kv_cap_and_budget __pyx_string_tab[19]
+#define __pyx_kp_u_collections_abc __pyx_string_tab[20]
+#define __pyx_kp_u_decode_utility_and_ttft_need_sha __pyx_string_tab[21]
+#define __pyx_kp_u_disable __pyx_string_tab[22]
+#define __pyx_kp_u_enable __pyx_string_tab[23]
+#define __pyx_kp_u_free_needs_shape_H_3 __pyx_string_tab[24]
+#define __pyx_kp_u_gc __pyx_string_tab[25]
+#define __pyx_kp_u_idx_out_of_range __pyx_string_tab[26]
+#define __pyx_kp_u_isenabled __pyx_string_tab[27]
+#define __pyx_kp_u_max_num_seqs_needs_one_entry_per __pyx_string_tab[28]
+#define __pyx_kp_u_no_default___reduce___due_to_non __pyx_string_tab[29]
+#define __pyx_kp_u_num_resident_and_resident_contex __pyx_string_tab[30]
+#define __pyx_kp_u_numpy__core_multiarray_failed_to __pyx_string_tab[31]
+#define __pyx_kp_u_numpy__core_umath_failed_to_impo __pyx_string_tab[32]
+#define __pyx_kp_u_olproute__score_pyx __pyx_string_tab[33]
+#define __pyx_kp_u_p0_and_p1_need_shape_G_H_1_3 __pyx_string_tab[34]
+#define __pyx_kp_u_shift_must_be_0 __pyx_string_tab[35]
+#define __pyx_kp_u_snapshots_needs_one_entry_per_in __pyx_string_tab[36]
+#define __pyx_kp_u_unable_to_allocate_array_data __pyx_string_tab[37]
+#define __pyx_kp_u_unable_to_allocate_shape_and_str __pyx_string_tab[38]
+#define __pyx_kp_u_w_needs __pyx_string_tab[39]
+#define __pyx_kp_u_waited_and_target_need_one_entry __pyx_string_tab[40]
+#define __pyx_n_u_ASCII __pyx_string_tab[41]
+#define __pyx_n_u_Ellipsis __pyx_string_tab[42]
+#define __pyx_n_u_F_COMPUTE_A __pyx_string_tab[43]
+#define __pyx_n_u_F_EEL_SAVED __pyx_string_tab[44]
+#define __pyx_n_u_F_EEL_SLO __pyx_string_tab[45]
+#define __pyx_n_u_F_FINITE_TTFT __pyx_string_tab[46]
+#define __pyx_n_u_F_KV_A __pyx_string_tab[47]
+#define __pyx_n_u_F_KV_B __pyx_string_tab[48]
+#define __pyx_n_u_F_LAGRANGIAN __pyx_string_tab[49]
+#define __pyx_n_u_F_PRICE __pyx_string_tab[50]
+#define __pyx_n_u_F_QPS __pyx_string_tab[51]
+#define __pyx_n_u_F_REWARD __pyx_string_tab[52]
+#define __pyx_n_u_F_THROUGHPUT __pyx_string_tab[53]
+#define __pyx_n_u_F_TPOT __pyx_string_tab[54]
+#define __pyx_n_u_F_TTFT __pyx_string_tab[55]
+#define __pyx_n_u_F_TTFT_SAVED __pyx_string_tab[56]
+#define __pyx_n_u_F_TTFT_SLO __pyx_string_tab[57]
+#define __pyx_n_u_F_UTILITY __pyx_string_tab[58]
+#define __pyx_n_u_G __pyx_string_tab[59]
+#define __pyx_n_u_I_END __pyx_string_tab[60]
+#define __pyx_n_u_I_PRE_END __pyx_string_tab[61]
+#define __pyx_n_u_I_PRE_START __pyx_string_tab[62]
+#define __pyx_n_u_I_START __pyx_string_tab[63]
+#define __pyx_n_u_NUM_F __pyx_string_tab[64]
+#define __pyx_n_u_NUM_W __pyx_string_tab[65]
+#define __pyx_n_u_Scorer __pyx_string_tab[66]
+#define __pyx_n_u_Scorer___reduce_cython __pyx_string_tab[67]
+#define __pyx_n_u_Scorer___setstate_cython __pyx_string_tab[68]
+#define __pyx_n_u_Scorer_score __pyx_string_tab[69]
+#define __pyx_n_u_Sequence __pyx_string_tab[70]
+#define __pyx_n_u_View_MemoryView __pyx_string_tab[71]
+#define __pyx_n_u_W_ALPHA __pyx_string_tab[72]
+#define __pyx_n_u_W_BETA __pyx_string_tab[73]
+#define __pyx_n_u_W_DELTA __pyx_string_tab[74]
+#define __pyx_n_u_W_EEL_THRESHOLD __pyx_string_tab[75]
+#define __pyx_n_u_W_GAMMA __pyx_string_tab[76]
+#define __pyx_n_u_W_OMEGA __pyx_string_tab[77]
+#define __pyx_n_u_W_SIGMA __pyx_string_tab[78]
+#define __pyx_n_u_W_TOKEN_NORM __pyx_string_tab[79]
+#define __pyx_n_u_W_TTFT_THRESHOLD __pyx_string_tab[80]
+#define __pyx_n_u_W_ZETA1 __pyx_string_tab[81]
+#define __pyx_n_u_W_ZETA2 __pyx_string_tab[82]
+#define __pyx_n_u_Pyx_PyDict_NextRef __pyx_string_tab[83]
+#define __pyx_n_u_annotate __pyx_string_tab[84]
+#define __pyx_n_u_class __pyx_string_tab[85]
+#define __pyx_n_u_class_getitem __pyx_string_tab[86]
+#define __pyx_n_u_dict __pyx_string_tab[87]
+#define __pyx_n_u_func __pyx_string_tab[88]
+#define __pyx_n_u_getstate __pyx_string_tab[89]
+#define __pyx_n_u_import __pyx_string_tab[90]
+#define __pyx_n_u_main __pyx_string_tab[91]
+#define __pyx_n_u_module __pyx_string_tab[92]
+#define __pyx_n_u_name_2 __pyx_string_tab[93]
+#define __pyx_n_u_new __pyx_string_tab[94]
+#define __pyx_n_u_pyx_checksum __pyx_string_tab[95]
+#define __pyx_n_u_pyx_result __pyx_string_tab[96]
+#define __pyx_n_u_pyx_state __pyx_string_tab[97]
+#define __pyx_n_u_pyx_type __pyx_string_tab[98]
+#define __pyx_n_u_pyx_unpickle_Enum __pyx_string_tab[99]
+#define __pyx_n_u_pyx_unpickle_Scorer __pyx_string_tab[100]
+#define __pyx_n_u_pyx_vtable __pyx_string_tab[101]
+#define __pyx_n_u_qualname __pyx_string_tab[102]
+#define __pyx_n_u_reduce __pyx_string_tab[103]
+#define __pyx_n_u_reduce_cython __pyx_string_tab[104]
+#define __pyx_n_u_reduce_ex __pyx_string_tab[105]
+#define __pyx_n_u_set_name __pyx_string_tab[106]
+#define __pyx_n_u_setstate __pyx_string_tab[107]
+#define __pyx_n_u_setstate_cython __pyx_string_tab[108]
+#define __pyx_n_u_test __pyx_string_tab[109]
+#define __pyx_n_u_dict_2 __pyx_string_tab[110]
+#define __pyx_n_u_is_coroutine __pyx_string_tab[111]
+#define __pyx_n_u_abc __pyx_string_tab[112]
+#define __pyx_n_u_allocate_buffer __pyx_string_tab[113]
+#define __pyx_n_u_asyncio_coroutines __pyx_string_tab[114]
+#define __pyx_n_u_ba __pyx_string_tab[115]
+#define __pyx_n_u_base __pyx_string_tab[116]
+#define __pyx_n_u_batch_cap __pyx_string_tab[117]
+#define __pyx_n_u_beta __pyx_string_tab[118]
+#define __pyx_n_u_bool __pyx_string_tab[119]
+#define __pyx_n_u_budget __pyx_string_tab[120]
+#define __pyx_n_u_c __pyx_string_tab[121]
+#define __pyx_n_u_ca __pyx_string_tab[122]
+#define __pyx_n_u_cline_in_traceback __pyx_string_tab[123]
+#define __pyx_n_u_context __pyx_string_tab[124]
+#define __pyx_n_u_count __pyx_string_tab[125]
+#define __pyx_n_u_ctx_np __pyx_string_tab[126]
+#define __pyx_n_u_d __pyx_string_tab[127]
+#define __pyx_n_u_de __pyx_string_tab[128]
+#define __pyx_n_u_decode __pyx_string_tab[129]
+#define __pyx_n_u_decode_loads __pyx_string_tab[130]
+#define __pyx_n_u_ds __pyx_string_tab[131]
+#define __pyx_n_u_dtype __pyx_string_tab[132]
+#define __pyx_n_u_dtype_is_object __pyx_string_tab[133]
+#define __pyx_n_u_e __pyx_string_tab[134]
+#define __pyx_n_u_empty __pyx_string_tab[135]
+#define __pyx_n_u_encode __pyx_string_tab[136]
+#define __pyx_n_u_enumerate __pyx_string_tab[137]
+#define __pyx_n_u_error __pyx_string_tab[138]
+#define __pyx_n_u_fits_column __pyx_string_tab[139]
+#define __pyx_n_u_flags __pyx_string_tab[140]
+#define __pyx_n_u_float64 __pyx_string_tab[141]
+#define __pyx_n_u_format __pyx_string_tab[142]
+#define __pyx_n_u_fortran __pyx_string_tab[143]
+#define __pyx_n_u_free __pyx_string_tab[144]
+#define __pyx_n_u_hi __pyx_string_tab[145]
+#define __pyx_n_u_horizon __pyx_string_tab[146]
+#define __pyx_n_u_id __pyx_string_tab[147]
+#define __pyx_n_u_idx __pyx_string_tab[148]
+#define __pyx_n_u_index __pyx_string_tab[149]
+#define __pyx_n_u_int64 __pyx_string_tab[150]
+#define __pyx_n_u_items __pyx_string_tab[151]
+#define __pyx_n_u_itemsize __pyx_string_tab[152]
+#define __pyx_n_u_k __pyx_string_tab[153]
+#define __pyx_n_u_ka __pyx_string_tab[154]
+#define __pyx_n_u_kb __pyx_string_tab[155]
+#define __pyx_n_u_kv_cap __pyx_string_tab[156]
+#define __pyx_n_u_lo __pyx_string_tab[157]
+#define __pyx_n_u_max_num_seqs __pyx_string_tab[158]
+#define __pyx_n_u_memview __pyx_string_tab[159]
+#define __pyx_n_u_mode __pyx_string_tab[160]
+#define __pyx_n_u_n_np __pyx_string_tab[161]
+#define __pyx_n_u_n_res __pyx_string_tab[162]
+#define __pyx_n_u_name __pyx_string_tab[163]
+#define __pyx_n_u_ndim __pyx_string_tab[164]
+#define __pyx_n_u_np __pyx_string_tab[165]
+#define __pyx_n_u_num_instances __pyx_string_tab[166]
+#define __pyx_n_u_num_resident __pyx_string_tab[167]
+#define __pyx_n_u_numpy __pyx_string_tab[168]
+#define __pyx_n_u_obj __pyx_string_tab[169]
+#define __pyx_n_u_olproute__score __pyx_string_tab[170]
+#define __pyx_n_u_p0 __pyx_string_tab[171]
+#define __pyx_n_u_p1 __pyx_string_tab[172]
+#define __pyx_n_u_pack __pyx_string_tab[173]
+#define __pyx_n_u_pe __pyx_string_tab[174]
+#define __pyx_n_u_pop __pyx_string_tab[175]
+#define __pyx_n_u_prompt __pyx_string_tab[176]
+#define __pyx_n_u_ps __pyx_string_tab[177]
+#define __pyx_n_u_qe __pyx_string_tab[178]
+#define __pyx_n_u_qs __pyx_string_tab[179]
+#define __pyx_n_u_register __pyx_string_tab[180]
+#define __pyx_n_u_resident_context __pyx_string_tab[181]
+#define __pyx_n_u_s __pyx_string_tab[182]
+#define __pyx_n_u_score __pyx_string_tab[183]
+#define __pyx_n_u_score_columns __pyx_string_tab[184]
+#define __pyx_n_u_self __pyx_string_tab[185]
+#define __pyx_n_u_setdefault __pyx_string_tab[186]
+#define __pyx_n_u_shape __pyx_string_tab[187]
+#define __pyx_n_u_shift __pyx_string_tab[188]
+#define __pyx_n_u_size __pyx_string_tab[189]
+#define __pyx_n_u_slot_s __pyx_string_tab[190]
+#define __pyx_n_u_snapshots __pyx_string_tab[191]
+#define __pyx_n_u_start __pyx_string_tab[192]
+#define __pyx_n_u_state __pyx_string_tab[193]
+#define __pyx_n_u_step __pyx_string_tab[194]
+#define __pyx_n_u_stop __pyx_string_tab[195]
+#define __pyx_n_u_struct __pyx_string_tab[196]
+#define __pyx_n_u_subtract_column __pyx_string_tab[197]
+#define __pyx_n_u_t __pyx_string_tab[198]
+#define __pyx_n_u_table __pyx_string_tab[199]
+#define __pyx_n_u_target __pyx_string_tab[200]
+#define __pyx_n_u_ttft __pyx_string_tab[201]
+#define __pyx_n_u_uint8 __pyx_string_tab[202]
+#define __pyx_n_u_unpack __pyx_string_tab[203]
+#define __pyx_n_u_update __pyx_string_tab[204]
+#define __pyx_n_u_use_setstate __pyx_string_tab[205]
+#define __pyx_n_u_utility __pyx_string_tab[206]
+#define __pyx_n_u_values __pyx_string_tab[207]
+#define __pyx_n_u_view __pyx_string_tab[208]
+#define __pyx_n_u_w __pyx_string_tab[209]
+#define __pyx_n_u_waited __pyx_string_tab[210]
+#define __pyx_n_u_x __pyx_string_tab[211]
+#define __pyx_n_u_zeros __pyx_string_tab[212]
+#define __pyx_n_b_O __pyx_string_tab[213]
+#define __pyx_kp_b_iso88591_AV1 __pyx_string_tab[214]
+#define __pyx_kp_b_iso88591_q_0_kQR_6_7_1 __pyx_string_tab[215]
+#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_b_Bhc_83b_s_A_Q __pyx_string_tab[216]
+#define __pyx_kp_b_iso88591_6_2V1CvRq_RvQc_r_E_vQ_6 __pyx_string_tab[217]
+#define __pyx_kp_b_iso88591_WD_Zt9TXXggkkttxxy_q_l_vWE_Q_q __pyx_string_tab[218]
+#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_r_7_c_89Ba_V3b_B __pyx_string_tab[219]
+#define __pyx_kp_b_iso88591_AV_hhc_auA_6_6_QQR_XXXYcQUUV_a __pyx_string_tab[220]
+#define __pyx_kp_b_iso88591_A_D_V1A_3a_Q_AQ_5_CvQa_6_V2Q_2V1 __pyx_string_tab[221]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_neg_1 __pyx_number_tab[1]
 #define __pyx_int_4 __pyx_number_tab[2]
 #define __pyx_int_11 __pyx_number_tab[3]
 #define __pyx_int_16 __pyx_number_tab[4]
-#define __pyx_int_136983863 __pyx_number_tab[5]
+#define __pyx_int_113568208 __pyx_number_tab[5]
+#define __pyx_int_136983863 __pyx_number_tab[6]
 /* #### Code section: module_state_clear ### */
 #if CYTHON_USE_MODULE_STATE
 static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
@@ -4349,6 +4382,8 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   Py_CLEAR(clear_module_state->__pyx_ptype_5numpy_flexible);
   Py_CLEAR(clear_module_state->__pyx_ptype_5numpy_character);
   Py_CLEAR(clear_module_state->__pyx_ptype_5numpy_ufunc);
+  Py_CLEAR(clear_module_state->__pyx_ptype_8olproute_6_score_Scorer);
+  Py_CLEAR(clear_module_state->__pyx_type_8olproute_6_score_Scorer);
   Py_CLEAR(clear_module_state->__pyx_array_type);
   Py_CLEAR(clear_module_state->__pyx_type___pyx_array);
   Py_CLEAR(clear_module_state->__pyx_MemviewEnum_type);
@@ -4362,9 +4397,9 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   Py_CLEAR(clear_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_slice[i]); }
   for (int i=0; i<3; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<259; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
-  for (int i=0; i<6; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
+  for (int i=0; i<8; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<222; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<7; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
 Py_CLEAR(clear_module_state->__pyx_CommonTypesMetaclassType);
@@ -4403,6 +4438,8 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   Py_VISIT(traverse_module_state->__pyx_ptype_5numpy_flexible);
   Py_VISIT(traverse_module_state->__pyx_ptype_5numpy_character);
   Py_VISIT(traverse_module_state->__pyx_ptype_5numpy_ufunc);
+  Py_VISIT(traverse_module_state->__pyx_ptype_8olproute_6_score_Scorer);
+  Py_VISIT(traverse_module_state->__pyx_type_8olproute_6_score_Scorer);
   Py_VISIT(traverse_module_state->__pyx_array_type);
   Py_VISIT(traverse_module_state->__pyx_type___pyx_array);
   Py_VISIT(traverse_module_state->__pyx_MemviewEnum_type);
@@ -4416,9 +4453,9 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   Py_VISIT(traverse_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_slice[i]); }
   for (int i=0; i<3; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<259; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
-  for (int i=0; i<6; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
+  for (int i=0; i<8; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<222; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<7; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
 Py_VISIT(traverse_module_state->__pyx_CommonTypesMetaclassType);
@@ -20809,14 +20846,6 @@ static PyObject *__pyx_pf_8olproute_6_score_decode_loads(CYTHON_UNUSED PyObject 
   Py_ssize_t __pyx_v_d;
   PyObject *__pyx_v_n_np = NULL;
   PyObject *__pyx_v_ctx_np = NULL;
-  __Pyx_memviewslice __pyx_v_n_out = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_v_ctx_out = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_v_table = { 0, 0, { 0 }, { 0 }, { 0 } };
-  Py_ssize_t __pyx_v_k;
-  Py_ssize_t __pyx_v_i;
-  Py_ssize_t __pyx_v_n;
-  int64_t __pyx_v_g;
-  int64_t __pyx_v_total;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -20827,18 +20856,7 @@ static PyObject *__pyx_pf_8olproute_6_score_decode_loads(CYTHON_UNUSED PyObject 
   PyObject *__pyx_t_6 = NULL;
   size_t __pyx_t_7;
   __Pyx_memviewslice __pyx_t_8 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  Py_ssize_t __pyx_t_9;
-  Py_ssize_t __pyx_t_10;
-  Py_ssize_t __pyx_t_11;
-  Py_ssize_t __pyx_t_12;
-  __Pyx_memviewslice __pyx_t_13 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  int __pyx_t_14;
-  Py_ssize_t __pyx_t_15;
-  Py_ssize_t __pyx_t_16;
-  Py_ssize_t __pyx_t_17;
-  Py_ssize_t __pyx_t_18;
-  Py_ssize_t __pyx_t_19;
-  Py_ssize_t __pyx_t_20;
+  __Pyx_memviewslice __pyx_t_9 = { 0, 0, { 0 }, { 0 }, { 0 } };
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
@@ -20858,7 +20876,7 @@ static PyObject *__pyx_pf_8olproute_6_score_decode_loads(CYTHON_UNUSED PyObject 
  *     cdef Py_ssize_t d = idx.shape[0]
  *     n_np = np.empty(d, dtype=np.float64)             # <<<<<<<<<<<<<<
  *     ctx_np = np.empty(d, dtype=np.float64)
- *     cdef double[::1] n_out = n_np
+ *     _count_loads(snapshots, idx, max_num_seqs, n_np, ctx_np)
 */
   __pyx_t_2 = NULL;
   __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 61, __pyx_L1_error)
@@ -20919,8 +20937,8 @@ static PyObject *__pyx_pf_8olproute_6_score_decode_loads(CYTHON_UNUSED PyObject 
  *     cdef Py_ssize_t d = idx.shape[0]
  *     n_np = np.empty(d, dtype=np.float64)
  *     ctx_np = np.empty(d, dtype=np.float64)             # <<<<<<<<<<<<<<
- *     cdef double[::1] n_out = n_np
- *     cdef double[::1] ctx_out = ctx_np
+ *     _count_loads(snapshots, idx, max_num_seqs, n_np, ctx_np)
+ *     return n_np, ctx_np
 */
   __pyx_t_4 = NULL;
   __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 62, __pyx_L1_error)
@@ -20980,217 +20998,31 @@ static PyObject *__pyx_pf_8olproute_6_score_decode_loads(CYTHON_UNUSED PyObject 
   /* "olproute/_score.pyx":63
  *     n_np = np.empty(d, dtype=np.float64)
  *     ctx_np = np.empty(d, dtype=np.float64)
- *     cdef double[::1] n_out = n_np             # <<<<<<<<<<<<<<
- *     cdef double[::1] ctx_out = ctx_np
- *     cdef const int64_t[:, ::1] table
-*/
-  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_dc_double(__pyx_v_n_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 63, __pyx_L1_error)
-  __pyx_v_n_out = __pyx_t_8;
-  __pyx_t_8.memview = NULL;
-  __pyx_t_8.data = NULL;
-
-  /* "olproute/_score.pyx":64
- *     ctx_np = np.empty(d, dtype=np.float64)
- *     cdef double[::1] n_out = n_np
- *     cdef double[::1] ctx_out = ctx_np             # <<<<<<<<<<<<<<
- *     cdef const int64_t[:, ::1] table
- *     cdef Py_ssize_t k, i, n
-*/
-  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_dc_double(__pyx_v_ctx_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 64, __pyx_L1_error)
-  __pyx_v_ctx_out = __pyx_t_8;
-  __pyx_t_8.memview = NULL;
-  __pyx_t_8.data = NULL;
-
-  /* "olproute/_score.pyx":68
- *     cdef Py_ssize_t k, i, n
- *     cdef int64_t g, total
- *     for k in range(d):             # <<<<<<<<<<<<<<
- *         g = idx[k]
- *         table = snapshots[g].table
-*/
-
-  __pyx_t_9 = __pyx_v_d;
-  __pyx_t_10 = __pyx_t_9;
-
-  for (__pyx_t_11 = 0; __pyx_t_11 < __pyx_t_10; __pyx_t_11+=1) {
-    __pyx_v_k = __pyx_t_11;
-
-    /* "olproute/_score.pyx":69
- *     cdef int64_t g, total
- *     for k in range(d):
- *         g = idx[k]             # <<<<<<<<<<<<<<
- *         table = snapshots[g].table
- *         n = table.shape[0]
-*/
-    __pyx_t_12 = __pyx_v_k;
-    __pyx_v_g = (*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_idx.data) + __pyx_t_12)) )));
-
-    /* "olproute/_score.pyx":70
- *     for k in range(d):
- *         g = idx[k]
- *         table = snapshots[g].table             # <<<<<<<<<<<<<<
- *         n = table.shape[0]
- *         if n > max_num_seqs[g] - 1:
-*/
-    if (unlikely(__pyx_v_snapshots == Py_None)) {
-      PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-      __PYX_ERR(0, 70, __pyx_L1_error)
-    }
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__Pyx_PyList_GET_ITEM(__pyx_v_snapshots, __pyx_v_g), __pyx_mstate_global->__pyx_n_u_table); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 70, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_13 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_int64_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_13.memview)) __PYX_ERR(0, 70, __pyx_L1_error)
-    __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_XCLEAR_MEMVIEW(&__pyx_v_table, 1);
-    __pyx_v_table = __pyx_t_13;
-    __pyx_t_13.memview = NULL;
-    __pyx_t_13.data = NULL;
-
-    /* "olproute/_score.pyx":71
- *         g = idx[k]
- *         table = snapshots[g].table
- *         n = table.shape[0]             # <<<<<<<<<<<<<<
- *         if n > max_num_seqs[g] - 1:
- *             n = max_num_seqs[g] - 1
-*/
-    __pyx_v_n = (__pyx_v_table.shape[0]);
-
-    /* "olproute/_score.pyx":72
- *         table = snapshots[g].table
- *         n = table.shape[0]
- *         if n > max_num_seqs[g] - 1:             # <<<<<<<<<<<<<<
- *             n = max_num_seqs[g] - 1
- *         if n < 0:
-*/
-    __pyx_t_12 = __pyx_v_g;
-    __pyx_t_14 = (__pyx_v_n > ((*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_max_num_seqs.data) + __pyx_t_12)) ))) - 1));
-
-    if (__pyx_t_14) {
-
-
-      /* "olproute/_score.pyx":73
- *         n = table.shape[0]
- *         if n > max_num_seqs[g] - 1:
- *             n = max_num_seqs[g] - 1             # <<<<<<<<<<<<<<
- *         if n < 0:
- *             n = 0
-*/
-      __pyx_t_12 = __pyx_v_g;
-      __pyx_v_n = ((*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_max_num_seqs.data) + __pyx_t_12)) ))) - 1);
-
-      /* "olproute/_score.pyx":72
- *         table = snapshots[g].table
- *         n = table.shape[0]
- *         if n > max_num_seqs[g] - 1:             # <<<<<<<<<<<<<<
- *             n = max_num_seqs[g] - 1
- *         if n < 0:
-*/
-    }
-
-    /* "olproute/_score.pyx":74
- *         if n > max_num_seqs[g] - 1:
- *             n = max_num_seqs[g] - 1
- *         if n < 0:             # <<<<<<<<<<<<<<
- *             n = 0
- *         total = 0
-*/
-    __pyx_t_14 = (__pyx_v_n < 0);
-
-    if (__pyx_t_14) {
-
-
-      /* "olproute/_score.pyx":75
- *             n = max_num_seqs[g] - 1
- *         if n < 0:
- *             n = 0             # <<<<<<<<<<<<<<
- *         total = 0
- *         for i in range(n):
-*/
-      __pyx_v_n = 0;
-
-      /* "olproute/_score.pyx":74
- *         if n > max_num_seqs[g] - 1:
- *             n = max_num_seqs[g] - 1
- *         if n < 0:             # <<<<<<<<<<<<<<
- *             n = 0
- *         total = 0
-*/
-    }
-
-    /* "olproute/_score.pyx":76
- *         if n < 0:
- *             n = 0
- *         total = 0             # <<<<<<<<<<<<<<
- *         for i in range(n):
- *             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]
-*/
-    __pyx_v_total = 0;
-
-    /* "olproute/_score.pyx":77
- *             n = 0
- *         total = 0
- *         for i in range(n):             # <<<<<<<<<<<<<<
- *             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]
- *         n_out[k] = <double>n
-*/
-
-    __pyx_t_15 = __pyx_v_n;
-    __pyx_t_16 = __pyx_t_15;
-
-    for (__pyx_t_17 = 0; __pyx_t_17 < __pyx_t_16; __pyx_t_17+=1) {
-      __pyx_v_i = __pyx_t_17;
-
-      /* "olproute/_score.pyx":78
- *         total = 0
- *         for i in range(n):
- *             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]             # <<<<<<<<<<<<<<
- *         n_out[k] = <double>n
- *         ctx_out[k] = <double>total
-*/
-      __pyx_t_12 = __pyx_v_i;
-      __pyx_t_18 = __pyx_e_8olproute_6_score_SNAP_PROMPT;
-      __pyx_t_19 = __pyx_v_i;
-      __pyx_t_20 = __pyx_e_8olproute_6_score_SNAP_OUTPUT;
-      __pyx_v_total = (__pyx_v_total + ((*((int64_t const  *) ( /* dim=1 */ ((char *) (((int64_t const  *) ( /* dim=0 */ (__pyx_v_table.data + __pyx_t_12 * __pyx_v_table.strides[0]) )) + __pyx_t_18)) ))) + (*((int64_t const  *) ( /* dim=1 */ ((char *) (((int64_t const  *) ( /* dim=0 */ (__pyx_v_table.data + __pyx_t_19 * __pyx_v_table.strides[0]) )) + __pyx_t_20)) )))));
-    }
-
-
-    /* "olproute/_score.pyx":79
- *         for i in range(n):
- *             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]
- *         n_out[k] = <double>n             # <<<<<<<<<<<<<<
- *         ctx_out[k] = <double>total
- *     return n_np, ctx_np
-*/
-    __pyx_t_20 = __pyx_v_k;
-    *((double *) ( /* dim=0 */ ((char *) (((double *) __pyx_v_n_out.data) + __pyx_t_20)) )) = ((double)__pyx_v_n);
-
-    /* "olproute/_score.pyx":80
- *             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]
- *         n_out[k] = <double>n
- *         ctx_out[k] = <double>total             # <<<<<<<<<<<<<<
+ *     _count_loads(snapshots, idx, max_num_seqs, n_np, ctx_np)             # <<<<<<<<<<<<<<
  *     return n_np, ctx_np
  * 
 */
-    __pyx_t_20 = __pyx_v_k;
-    *((double *) ( /* dim=0 */ ((char *) (((double *) __pyx_v_ctx_out.data) + __pyx_t_20)) )) = ((double)__pyx_v_total);
-  }
+  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_dc_double(__pyx_v_n_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 63, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyObject_to_MemoryviewSlice_dc_double(__pyx_v_ctx_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_9.memview)) __PYX_ERR(0, 63, __pyx_L1_error)
+  __pyx_f_8olproute_6_score__count_loads(__pyx_v_snapshots, __pyx_v_idx, __pyx_v_max_num_seqs, __pyx_t_8, __pyx_t_9); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 63, __pyx_L1_error)
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_8, 1);; __pyx_t_8.memview = NULL; __pyx_t_8.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_9, 1);; __pyx_t_9.memview = NULL; __pyx_t_9.data = NULL;
 
-
-  /* "olproute/_score.pyx":81
- *         n_out[k] = <double>n
- *         ctx_out[k] = <double>total
+  /* "olproute/_score.pyx":64
+ *     ctx_np = np.empty(d, dtype=np.float64)
+ *     _count_loads(snapshots, idx, max_num_seqs, n_np, ctx_np)
  *     return n_np, ctx_np             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = PyTuple_New(2); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 81, __pyx_L1_error)
+  __pyx_t_1 = PyTuple_New(2); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 64, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_INCREF(__pyx_v_n_np);
   __Pyx_GIVEREF(__pyx_v_n_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 0, __pyx_v_n_np) != (0)) __PYX_ERR(0, 81, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 0, __pyx_v_n_np) != (0)) __PYX_ERR(0, 64, __pyx_L1_error);
   __Pyx_INCREF(__pyx_v_ctx_np);
   __Pyx_GIVEREF(__pyx_v_ctx_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 1, __pyx_v_ctx_np) != (0)) __PYX_ERR(0, 81, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 1, __pyx_v_ctx_np) != (0)) __PYX_ERR(0, 64, __pyx_L1_error);
   {
     PyObject *__pyx_temp;
     {
@@ -21219,27 +21051,1923 @@ static PyObject *__pyx_pf_8olproute_6_score_decode_loads(CYTHON_UNUSED PyObject 
   __Pyx_XDECREF(__pyx_t_5);
   __Pyx_XDECREF(__pyx_t_6);
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_8, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_13, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_9, 1);
   __Pyx_AddTraceback("olproute._score.decode_loads", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __pyx_r = NULL;
   __pyx_L0:;
 
   __Pyx_XDECREF(__pyx_v_n_np);
   __Pyx_XDECREF(__pyx_v_ctx_np);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_n_out, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_ctx_out, 1);
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "olproute/_score.pyx":67
+ * 
+ * 
+ * cdef void _count_loads(list snapshots, const int64_t[::1] idx,             # <<<<<<<<<<<<<<
+ *                        const int64_t[::1] max_num_seqs, double[::1] n_out,
+ *                        double[::1] ctx_out) except *:
+*/
+
+static void __pyx_f_8olproute_6_score__count_loads(PyObject *__pyx_v_snapshots, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_max_num_seqs, __Pyx_memviewslice __pyx_v_n_out, __Pyx_memviewslice __pyx_v_ctx_out) {
+  __Pyx_memviewslice __pyx_v_table = { 0, 0, { 0 }, { 0 }, { 0 } };
+  Py_ssize_t __pyx_v_k;
+  Py_ssize_t __pyx_v_i;
+  Py_ssize_t __pyx_v_n;
+  int64_t __pyx_v_g;
+  int64_t __pyx_v_total;
+  __Pyx_RefNannyDeclarations
+  Py_ssize_t __pyx_t_1;
+  Py_ssize_t __pyx_t_2;
+  Py_ssize_t __pyx_t_3;
+  Py_ssize_t __pyx_t_4;
+  PyObject *__pyx_t_5 = NULL;
+  __Pyx_memviewslice __pyx_t_6 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  int __pyx_t_7;
+  Py_ssize_t __pyx_t_8;
+  Py_ssize_t __pyx_t_9;
+  Py_ssize_t __pyx_t_10;
+  Py_ssize_t __pyx_t_11;
+  Py_ssize_t __pyx_t_12;
+  Py_ssize_t __pyx_t_13;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("_count_loads", 0);
+
+  /* "olproute/_score.pyx":73
+ *     cdef Py_ssize_t k, i, n
+ *     cdef int64_t g, total
+ *     for k in range(idx.shape[0]):             # <<<<<<<<<<<<<<
+ *         g = idx[k]
+ *         table = snapshots[g].table
+*/
+
+  __pyx_t_1 = (__pyx_v_idx.shape[0]);
+  __pyx_t_2 = __pyx_t_1;
+
+  for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
+    __pyx_v_k = __pyx_t_3;
+
+    /* "olproute/_score.pyx":74
+ *     cdef int64_t g, total
+ *     for k in range(idx.shape[0]):
+ *         g = idx[k]             # <<<<<<<<<<<<<<
+ *         table = snapshots[g].table
+ *         n = table.shape[0]
+*/
+    __pyx_t_4 = __pyx_v_k;
+    __pyx_v_g = (*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_idx.data) + __pyx_t_4)) )));
+
+    /* "olproute/_score.pyx":75
+ *     for k in range(idx.shape[0]):
+ *         g = idx[k]
+ *         table = snapshots[g].table             # <<<<<<<<<<<<<<
+ *         n = table.shape[0]
+ *         if n > max_num_seqs[g] - 1:
+*/
+    if (unlikely(__pyx_v_snapshots == Py_None)) {
+      PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
+      __PYX_ERR(0, 75, __pyx_L1_error)
+    }
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__Pyx_PyList_GET_ITEM(__pyx_v_snapshots, __pyx_v_g), __pyx_mstate_global->__pyx_n_u_table); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 75, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_5);
+    __pyx_t_6 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_int64_t__const__(__pyx_t_5, 0); if (unlikely(!__pyx_t_6.memview)) __PYX_ERR(0, 75, __pyx_L1_error)
+    __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
+    __PYX_XCLEAR_MEMVIEW(&__pyx_v_table, 1);
+    __pyx_v_table = __pyx_t_6;
+    __pyx_t_6.memview = NULL;
+    __pyx_t_6.data = NULL;
+
+    /* "olproute/_score.pyx":76
+ *         g = idx[k]
+ *         table = snapshots[g].table
+ *         n = table.shape[0]             # <<<<<<<<<<<<<<
+ *         if n > max_num_seqs[g] - 1:
+ *             n = max_num_seqs[g] - 1
+*/
+    __pyx_v_n = (__pyx_v_table.shape[0]);
+
+    /* "olproute/_score.pyx":77
+ *         table = snapshots[g].table
+ *         n = table.shape[0]
+ *         if n > max_num_seqs[g] - 1:             # <<<<<<<<<<<<<<
+ *             n = max_num_seqs[g] - 1
+ *         if n < 0:
+*/
+    __pyx_t_4 = __pyx_v_g;
+    __pyx_t_7 = (__pyx_v_n > ((*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_max_num_seqs.data) + __pyx_t_4)) ))) - 1));
+
+    if (__pyx_t_7) {
+
+
+      /* "olproute/_score.pyx":78
+ *         n = table.shape[0]
+ *         if n > max_num_seqs[g] - 1:
+ *             n = max_num_seqs[g] - 1             # <<<<<<<<<<<<<<
+ *         if n < 0:
+ *             n = 0
+*/
+      __pyx_t_4 = __pyx_v_g;
+      __pyx_v_n = ((*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_max_num_seqs.data) + __pyx_t_4)) ))) - 1);
+
+      /* "olproute/_score.pyx":77
+ *         table = snapshots[g].table
+ *         n = table.shape[0]
+ *         if n > max_num_seqs[g] - 1:             # <<<<<<<<<<<<<<
+ *             n = max_num_seqs[g] - 1
+ *         if n < 0:
+*/
+    }
+
+    /* "olproute/_score.pyx":79
+ *         if n > max_num_seqs[g] - 1:
+ *             n = max_num_seqs[g] - 1
+ *         if n < 0:             # <<<<<<<<<<<<<<
+ *             n = 0
+ *         total = 0
+*/
+    __pyx_t_7 = (__pyx_v_n < 0);
+
+    if (__pyx_t_7) {
+
+
+      /* "olproute/_score.pyx":80
+ *             n = max_num_seqs[g] - 1
+ *         if n < 0:
+ *             n = 0             # <<<<<<<<<<<<<<
+ *         total = 0
+ *         for i in range(n):
+*/
+      __pyx_v_n = 0;
+
+      /* "olproute/_score.pyx":79
+ *         if n > max_num_seqs[g] - 1:
+ *             n = max_num_seqs[g] - 1
+ *         if n < 0:             # <<<<<<<<<<<<<<
+ *             n = 0
+ *         total = 0
+*/
+    }
+
+    /* "olproute/_score.pyx":81
+ *         if n < 0:
+ *             n = 0
+ *         total = 0             # <<<<<<<<<<<<<<
+ *         for i in range(n):
+ *             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]
+*/
+    __pyx_v_total = 0;
+
+    /* "olproute/_score.pyx":82
+ *             n = 0
+ *         total = 0
+ *         for i in range(n):             # <<<<<<<<<<<<<<
+ *             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]
+ *         n_out[k] = <double>n
+*/
+
+    __pyx_t_8 = __pyx_v_n;
+    __pyx_t_9 = __pyx_t_8;
+
+    for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
+      __pyx_v_i = __pyx_t_10;
+
+      /* "olproute/_score.pyx":83
+ *         total = 0
+ *         for i in range(n):
+ *             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]             # <<<<<<<<<<<<<<
+ *         n_out[k] = <double>n
+ *         ctx_out[k] = <double>total
+*/
+      __pyx_t_4 = __pyx_v_i;
+      __pyx_t_11 = __pyx_e_8olproute_6_score_SNAP_PROMPT;
+      __pyx_t_12 = __pyx_v_i;
+      __pyx_t_13 = __pyx_e_8olproute_6_score_SNAP_OUTPUT;
+      __pyx_v_total = (__pyx_v_total + ((*((int64_t const  *) ( /* dim=1 */ ((char *) (((int64_t const  *) ( /* dim=0 */ (__pyx_v_table.data + __pyx_t_4 * __pyx_v_table.strides[0]) )) + __pyx_t_11)) ))) + (*((int64_t const  *) ( /* dim=1 */ ((char *) (((int64_t const  *) ( /* dim=0 */ (__pyx_v_table.data + __pyx_t_12 * __pyx_v_table.strides[0]) )) + __pyx_t_13)) )))));
+    }
+
+
+    /* "olproute/_score.pyx":84
+ *         for i in range(n):
+ *             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]
+ *         n_out[k] = <double>n             # <<<<<<<<<<<<<<
+ *         ctx_out[k] = <double>total
+ * 
+*/
+    __pyx_t_13 = __pyx_v_k;
+    *((double *) ( /* dim=0 */ ((char *) (((double *) __pyx_v_n_out.data) + __pyx_t_13)) )) = ((double)__pyx_v_n);
+
+    /* "olproute/_score.pyx":85
+ *             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]
+ *         n_out[k] = <double>n
+ *         ctx_out[k] = <double>total             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+    __pyx_t_13 = __pyx_v_k;
+    *((double *) ( /* dim=0 */ ((char *) (((double *) __pyx_v_ctx_out.data) + __pyx_t_13)) )) = ((double)__pyx_v_total);
+  }
+
+
+  /* "olproute/_score.pyx":67
+ * 
+ * 
+ * cdef void _count_loads(list snapshots, const int64_t[::1] idx,             # <<<<<<<<<<<<<<
+ *                        const int64_t[::1] max_num_seqs, double[::1] n_out,
+ *                        double[::1] ctx_out) except *:
+*/
+
+  /* function exit code */
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_5);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_6, 1);
+  __Pyx_AddTraceback("olproute._score._count_loads", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_L0:;
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_table, 1);
 
 
 
 
 
+
+  __Pyx_RefNannyFinishContext();
+}
+
+/* "olproute/_score.pyx":103
+ *     cdef int64_t horizon
+ * 
+ *     def __init__(self, const double[:, ::1] beta, const int64_t[::1] max_num_seqs,             # <<<<<<<<<<<<<<
+ *                  const double[::1] batch_cap, const double[::1] kv_cap,
+ *                  const double[::1] budget, const double[::1] w, double slot_s,
+*/
+
+/* Python wrapper */
+static int __pyx_pw_8olproute_6_score_6Scorer_1__init__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL_TPNEW
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+static int __pyx_pw_8olproute_6_score_6Scorer_1__init__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL_TPNEW
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  __Pyx_memviewslice __pyx_v_beta = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_max_num_seqs = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_batch_cap = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_kv_cap = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_budget = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_w = { 0, 0, { 0 }, { 0 }, { 0 } };
+  double __pyx_v_slot_s;
+  int64_t __pyx_v_horizon;
+  #if !CYTHON_VECTORCALL_TPNEW
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[8] = {0,0,0,0,0,0,0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  int __pyx_r;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("__init__ (wrapper)", 0);
+  #if !CYTHON_VECTORCALL_TPNEW
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return -1;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL_TPNEW(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_beta,&__pyx_mstate_global->__pyx_n_u_max_num_seqs,&__pyx_mstate_global->__pyx_n_u_batch_cap,&__pyx_mstate_global->__pyx_n_u_kv_cap,&__pyx_mstate_global->__pyx_n_u_budget,&__pyx_mstate_global->__pyx_n_u_w,&__pyx_mstate_global->__pyx_n_u_slot_s,&__pyx_mstate_global->__pyx_n_u_horizon,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL_TPNEW(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 103, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  8:
+        values[7] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 7);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 103, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  7:
+        values[6] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 6);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 103, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  6:
+        values[5] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 5);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 103, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  5:
+        values[4] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 4);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 103, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  4:
+        values[3] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 3);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 103, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  3:
+        values[2] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 2);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 103, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 103, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 103, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__init__", 0) < (0)) __PYX_ERR(0, 103, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 8; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__init__", 1, 8, 8, i); __PYX_ERR(0, 103, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 8)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 103, __pyx_L3_error)
+      values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 103, __pyx_L3_error)
+      values[2] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 2);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 103, __pyx_L3_error)
+      values[3] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 3);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 103, __pyx_L3_error)
+      values[4] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 4);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 103, __pyx_L3_error)
+      values[5] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 5);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 103, __pyx_L3_error)
+      values[6] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 6);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 103, __pyx_L3_error)
+      values[7] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 7);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 103, __pyx_L3_error)
+    }
+    __pyx_v_beta = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_beta.memview)) __PYX_ERR(0, 103, __pyx_L3_error)
+    __pyx_v_max_num_seqs = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_max_num_seqs.memview)) __PYX_ERR(0, 103, __pyx_L3_error)
+    __pyx_v_batch_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[2], 0); if (unlikely(!__pyx_v_batch_cap.memview)) __PYX_ERR(0, 104, __pyx_L3_error)
+    __pyx_v_kv_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[3], 0); if (unlikely(!__pyx_v_kv_cap.memview)) __PYX_ERR(0, 104, __pyx_L3_error)
+    __pyx_v_budget = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[4], 0); if (unlikely(!__pyx_v_budget.memview)) __PYX_ERR(0, 105, __pyx_L3_error)
+    __pyx_v_w = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[5], 0); if (unlikely(!__pyx_v_w.memview)) __PYX_ERR(0, 105, __pyx_L3_error)
+    __pyx_v_slot_s = __Pyx_PyFloat_AsDouble(values[6]); if (unlikely((__pyx_v_slot_s == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 105, __pyx_L3_error)
+    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 106, __pyx_L3_error)
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("__init__", 1, 8, 8, __pyx_nargs); __PYX_ERR(0, 103, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_beta, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_max_num_seqs, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_batch_cap, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_kv_cap, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_budget, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_w, 1);
+  __Pyx_AddTraceback("olproute._score.Scorer.__init__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return -1;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_8olproute_6_score_6Scorer___init__(((struct __pyx_obj_8olproute_6_score_Scorer *)__pyx_v_self), __pyx_v_beta, __pyx_v_max_num_seqs, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_w, __pyx_v_slot_s, __pyx_v_horizon);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_beta, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_max_num_seqs, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_batch_cap, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_kv_cap, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_budget, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_w, 1);
+
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_max_num_seqs, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, __Pyx_memviewslice __pyx_v_w, double __pyx_v_slot_s, int64_t __pyx_v_horizon) {
+  Py_ssize_t __pyx_v_G;
+  int __pyx_r;
+  __Pyx_RefNannyDeclarations
+  int __pyx_t_1;
+  PyObject *__pyx_t_2 = NULL;
+  PyObject *__pyx_t_3 = NULL;
+  size_t __pyx_t_4;
+  __Pyx_memviewslice __pyx_t_5 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_6 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_7 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_8 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_9 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_10 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  double __pyx_t_11;
+  int64_t __pyx_t_12;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("__init__", 0);
+
+  /* "olproute/_score.pyx":107
+ *                  const double[::1] budget, const double[::1] w, double slot_s,
+ *                  int64_t horizon):
+ *         cdef Py_ssize_t G = beta.shape[0]             # <<<<<<<<<<<<<<
+ *         if max_num_seqs.shape[0] != G:
+ *             raise ValueError("max_num_seqs needs one entry per instance")
+*/
+  __pyx_v_G = (__pyx_v_beta.shape[0]);
+
+  /* "olproute/_score.pyx":108
+ *                  int64_t horizon):
+ *         cdef Py_ssize_t G = beta.shape[0]
+ *         if max_num_seqs.shape[0] != G:             # <<<<<<<<<<<<<<
+ *             raise ValueError("max_num_seqs needs one entry per instance")
+ *         _check_instances(beta, batch_cap, kv_cap, budget, w, G)
+*/
+  __pyx_t_1 = ((__pyx_v_max_num_seqs.shape[0]) != __pyx_v_G);
+
+  if (unlikely(__pyx_t_1)) {
+
+
+    /* "olproute/_score.pyx":109
+ *         cdef Py_ssize_t G = beta.shape[0]
+ *         if max_num_seqs.shape[0] != G:
+ *             raise ValueError("max_num_seqs needs one entry per instance")             # <<<<<<<<<<<<<<
+ *         _check_instances(beta, batch_cap, kv_cap, budget, w, G)
+ *         self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w
+*/
+    __pyx_t_3 = NULL;
+    __pyx_t_4 = 1;
+    {
+      PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_max_num_seqs_needs_one_entry_per};
+      __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 109, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_2);
+    }
+    __Pyx_Raise(__pyx_t_2, 0, 0, 0);
+    __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
+    __PYX_ERR(0, 109, __pyx_L1_error)
+
+    /* "olproute/_score.pyx":108
+ *                  int64_t horizon):
+ *         cdef Py_ssize_t G = beta.shape[0]
+ *         if max_num_seqs.shape[0] != G:             # <<<<<<<<<<<<<<
+ *             raise ValueError("max_num_seqs needs one entry per instance")
+ *         _check_instances(beta, batch_cap, kv_cap, budget, w, G)
+*/
+  }
+
+  /* "olproute/_score.pyx":110
+ *         if max_num_seqs.shape[0] != G:
+ *             raise ValueError("max_num_seqs needs one entry per instance")
+ *         _check_instances(beta, batch_cap, kv_cap, budget, w, G)             # <<<<<<<<<<<<<<
+ *         self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w
+ *         self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget
+*/
+  __pyx_f_8olproute_6_score__check_instances(__pyx_v_beta, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_w, __pyx_v_G); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 110, __pyx_L1_error)
+
+  /* "olproute/_score.pyx":111
+ *             raise ValueError("max_num_seqs needs one entry per instance")
+ *         _check_instances(beta, batch_cap, kv_cap, budget, w, G)
+ *         self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w             # <<<<<<<<<<<<<<
+ *         self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget
+ *         self.slot_s, self.horizon = slot_s, horizon
+*/
+  __pyx_t_5 = __pyx_v_beta;
+  __PYX_INC_MEMVIEW(&__pyx_t_5, 1);
+  __pyx_t_6 = __pyx_v_max_num_seqs;
+  __PYX_INC_MEMVIEW(&__pyx_t_6, 1);
+  __pyx_t_7 = __pyx_v_w;
+  __PYX_INC_MEMVIEW(&__pyx_t_7, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_self->beta, 0);
+  __pyx_v_self->beta = __pyx_t_5;
+  __pyx_t_5.memview = NULL;
+  __pyx_t_5.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_self->max_num_seqs, 0);
+  __pyx_v_self->max_num_seqs = __pyx_t_6;
+  __pyx_t_6.memview = NULL;
+  __pyx_t_6.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_self->w, 0);
+  __pyx_v_self->w = __pyx_t_7;
+  __pyx_t_7.memview = NULL;
+  __pyx_t_7.data = NULL;
+
+  /* "olproute/_score.pyx":112
+ *         _check_instances(beta, batch_cap, kv_cap, budget, w, G)
+ *         self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w
+ *         self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget             # <<<<<<<<<<<<<<
+ *         self.slot_s, self.horizon = slot_s, horizon
+ * 
+*/
+  __pyx_t_8 = __pyx_v_batch_cap;
+  __PYX_INC_MEMVIEW(&__pyx_t_8, 1);
+  __pyx_t_9 = __pyx_v_kv_cap;
+  __PYX_INC_MEMVIEW(&__pyx_t_9, 1);
+  __pyx_t_10 = __pyx_v_budget;
+  __PYX_INC_MEMVIEW(&__pyx_t_10, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_self->batch_cap, 0);
+  __pyx_v_self->batch_cap = __pyx_t_8;
+  __pyx_t_8.memview = NULL;
+  __pyx_t_8.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_self->kv_cap, 0);
+  __pyx_v_self->kv_cap = __pyx_t_9;
+  __pyx_t_9.memview = NULL;
+  __pyx_t_9.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_self->budget, 0);
+  __pyx_v_self->budget = __pyx_t_10;
+  __pyx_t_10.memview = NULL;
+  __pyx_t_10.data = NULL;
+
+  /* "olproute/_score.pyx":113
+ *         self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w
+ *         self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget
+ *         self.slot_s, self.horizon = slot_s, horizon             # <<<<<<<<<<<<<<
+ * 
+ *     def score(self, list snapshots, const int64_t[::1] idx, const double[::1] prompt,
+*/
+  __pyx_t_11 = __pyx_v_slot_s;
+
+  __pyx_t_12 = __pyx_v_horizon;
+
+  __pyx_v_self->slot_s = __pyx_t_11;
+  __pyx_v_self->horizon = __pyx_t_12;
+
+  /* "olproute/_score.pyx":103
+ *     cdef int64_t horizon
+ * 
+ *     def __init__(self, const double[:, ::1] beta, const int64_t[::1] max_num_seqs,             # <<<<<<<<<<<<<<
+ *                  const double[::1] batch_cap, const double[::1] kv_cap,
+ *                  const double[::1] budget, const double[::1] w, double slot_s,
+*/
+
+  /* function exit code */
+  __pyx_r = 0;
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_XDECREF(__pyx_t_3);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_5, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_6, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_7, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_8, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_9, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_10, 1);
+  __Pyx_AddTraceback("olproute._score.Scorer.__init__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = -1;
+  __pyx_L0:;
+
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "olproute/_score.pyx":115
+ *         self.slot_s, self.horizon = slot_s, horizon
+ * 
+ *     def score(self, list snapshots, const int64_t[::1] idx, const double[::1] prompt,             # <<<<<<<<<<<<<<
+ *               const double[:, :] decode, const double[:, :] utility,
+ *               const double[:, :] ttft, const double[::1] waited, const double[::1] target,
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_8olproute_6_score_6Scorer_3score(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_8olproute_6_score_6Scorer_2score, "``score_columns`` for the instances ``idx`` of ``snapshots`` (all G of them).");
+static PyMethodDef __pyx_mdef_8olproute_6_score_6Scorer_3score = {"score", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_8olproute_6_score_6Scorer_3score, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_8olproute_6_score_6Scorer_2score};
+static PyObject *__pyx_pw_8olproute_6_score_6Scorer_3score(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  PyObject *__pyx_v_snapshots = 0;
+  __Pyx_memviewslice __pyx_v_idx = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_prompt = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_decode = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_utility = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_ttft = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_waited = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_target = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_p0 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_p1 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  int64_t __pyx_v_shift;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[11] = {0,0,0,0,0,0,0,0,0,0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("score (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_snapshots,&__pyx_mstate_global->__pyx_n_u_idx,&__pyx_mstate_global->__pyx_n_u_prompt,&__pyx_mstate_global->__pyx_n_u_decode,&__pyx_mstate_global->__pyx_n_u_utility,&__pyx_mstate_global->__pyx_n_u_ttft,&__pyx_mstate_global->__pyx_n_u_waited,&__pyx_mstate_global->__pyx_n_u_target,&__pyx_mstate_global->__pyx_n_u_p0,&__pyx_mstate_global->__pyx_n_u_p1,&__pyx_mstate_global->__pyx_n_u_shift,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 115, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case 11:
+        values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 10:
+        values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  9:
+        values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  8:
+        values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  7:
+        values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  6:
+        values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  5:
+        values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  4:
+        values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  3:
+        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 115, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "score", 0) < (0)) __PYX_ERR(0, 115, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 11; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score", 1, 11, 11, i); __PYX_ERR(0, 115, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 11)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 115, __pyx_L3_error)
+      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 115, __pyx_L3_error)
+      values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 115, __pyx_L3_error)
+      values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 115, __pyx_L3_error)
+      values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 115, __pyx_L3_error)
+      values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 115, __pyx_L3_error)
+      values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 115, __pyx_L3_error)
+      values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 115, __pyx_L3_error)
+      values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 115, __pyx_L3_error)
+      values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 115, __pyx_L3_error)
+      values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 115, __pyx_L3_error)
+    }
+    __pyx_v_snapshots = ((PyObject*)values[0]);
+    __pyx_v_idx = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_idx.memview)) __PYX_ERR(0, 115, __pyx_L3_error)
+    __pyx_v_prompt = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[2], 0); if (unlikely(!__pyx_v_prompt.memview)) __PYX_ERR(0, 115, __pyx_L3_error)
+    __pyx_v_decode = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[3], 0); if (unlikely(!__pyx_v_decode.memview)) __PYX_ERR(0, 116, __pyx_L3_error)
+    __pyx_v_utility = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[4], 0); if (unlikely(!__pyx_v_utility.memview)) __PYX_ERR(0, 116, __pyx_L3_error)
+    __pyx_v_ttft = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[5], 0); if (unlikely(!__pyx_v_ttft.memview)) __PYX_ERR(0, 117, __pyx_L3_error)
+    __pyx_v_waited = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[6], 0); if (unlikely(!__pyx_v_waited.memview)) __PYX_ERR(0, 117, __pyx_L3_error)
+    __pyx_v_target = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[7], 0); if (unlikely(!__pyx_v_target.memview)) __PYX_ERR(0, 117, __pyx_L3_error)
+    __pyx_v_p0 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[8], 0); if (unlikely(!__pyx_v_p0.memview)) __PYX_ERR(0, 118, __pyx_L3_error)
+    __pyx_v_p1 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[9], 0); if (unlikely(!__pyx_v_p1.memview)) __PYX_ERR(0, 118, __pyx_L3_error)
+    __pyx_v_shift = __Pyx_PyLong_As_int64_t(values[10]); if (unlikely((__pyx_v_shift == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 118, __pyx_L3_error)
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("score", 1, 11, 11, __pyx_nargs); __PYX_ERR(0, 115, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_idx, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_prompt, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_decode, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_utility, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_ttft, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_waited, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_target, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p0, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p1, 1);
+  __Pyx_AddTraceback("olproute._score.Scorer.score", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_snapshots), (&PyList_Type), 1, "snapshots", 1))) __PYX_ERR(0, 115, __pyx_L1_error)
+  __pyx_r = __pyx_pf_8olproute_6_score_6Scorer_2score(((struct __pyx_obj_8olproute_6_score_Scorer *)__pyx_v_self), __pyx_v_snapshots, __pyx_v_idx, __pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_waited, __pyx_v_target, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift);
+
+  /* function exit code */
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __pyx_r = NULL;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  goto __pyx_L7_cleaned_up;
+  __pyx_L0:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __pyx_L7_cleaned_up:;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_idx, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_prompt, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_decode, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_utility, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_ttft, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_waited, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_target, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p0, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p1, 1);
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, PyObject *__pyx_v_snapshots, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift) {
+  Py_ssize_t __pyx_v_G;
+  Py_ssize_t __pyx_v_d;
+  __Pyx_memviewslice __pyx_v_n_res = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_context = { 0, 0, { 0 }, { 0 }, { 0 } };
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  Py_ssize_t __pyx_t_1;
+  int __pyx_t_2;
+  PyObject *__pyx_t_3 = NULL;
+  PyObject *__pyx_t_4 = NULL;
+  size_t __pyx_t_5;
+  PyObject *__pyx_t_6 = NULL;
+  PyObject *__pyx_t_7 = NULL;
+  PyObject *__pyx_t_8 = NULL;
+  PyObject *__pyx_t_9 = NULL;
+  __Pyx_memviewslice __pyx_t_10 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("score", 0);
+
+  /* "olproute/_score.pyx":120
+ *               const double[:, :, ::1] p0, const double[:, :, ::1] p1, int64_t shift):
+ *         """``score_columns`` for the instances ``idx`` of ``snapshots`` (all G of them)."""
+ *         cdef Py_ssize_t G = self.beta.shape[0]             # <<<<<<<<<<<<<<
+ *         if len(snapshots) != G:
+ *             raise ValueError("snapshots needs one entry per instance")
+*/
+  __pyx_v_G = (__pyx_v_self->beta.shape[0]);
+
+  /* "olproute/_score.pyx":121
+ *         """``score_columns`` for the instances ``idx`` of ``snapshots`` (all G of them)."""
+ *         cdef Py_ssize_t G = self.beta.shape[0]
+ *         if len(snapshots) != G:             # <<<<<<<<<<<<<<
+ *             raise ValueError("snapshots needs one entry per instance")
+ *         _check_idx(idx, G)
+*/
+  if (unlikely(__pyx_v_snapshots == Py_None)) {
+    PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
+    __PYX_ERR(0, 121, __pyx_L1_error)
+  }
+  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_snapshots); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 121, __pyx_L1_error)
+  __pyx_t_2 = (__pyx_t_1 != __pyx_v_G);
+
+
+  if (unlikely(__pyx_t_2)) {
+
+
+    /* "olproute/_score.pyx":122
+ *         cdef Py_ssize_t G = self.beta.shape[0]
+ *         if len(snapshots) != G:
+ *             raise ValueError("snapshots needs one entry per instance")             # <<<<<<<<<<<<<<
+ *         _check_idx(idx, G)
+ *         cdef Py_ssize_t d = idx.shape[0]
+*/
+    __pyx_t_4 = NULL;
+    __pyx_t_5 = 1;
+    {
+      PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_snapshots_needs_one_entry_per_in};
+      __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 122, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+    }
+    __Pyx_Raise(__pyx_t_3, 0, 0, 0);
+    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+    __PYX_ERR(0, 122, __pyx_L1_error)
+
+    /* "olproute/_score.pyx":121
+ *         """``score_columns`` for the instances ``idx`` of ``snapshots`` (all G of them)."""
+ *         cdef Py_ssize_t G = self.beta.shape[0]
+ *         if len(snapshots) != G:             # <<<<<<<<<<<<<<
+ *             raise ValueError("snapshots needs one entry per instance")
+ *         _check_idx(idx, G)
+*/
+  }
+
+  /* "olproute/_score.pyx":123
+ *         if len(snapshots) != G:
+ *             raise ValueError("snapshots needs one entry per instance")
+ *         _check_idx(idx, G)             # <<<<<<<<<<<<<<
+ *         cdef Py_ssize_t d = idx.shape[0]
+ *         cdef double[::1] n_res = np.empty(d, dtype=np.float64)
+*/
+  __pyx_f_8olproute_6_score__check_idx(__pyx_v_idx, __pyx_v_G); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 123, __pyx_L1_error)
+
+  /* "olproute/_score.pyx":124
+ *             raise ValueError("snapshots needs one entry per instance")
+ *         _check_idx(idx, G)
+ *         cdef Py_ssize_t d = idx.shape[0]             # <<<<<<<<<<<<<<
+ *         cdef double[::1] n_res = np.empty(d, dtype=np.float64)
+ *         cdef double[::1] context = np.empty(d, dtype=np.float64)
+*/
+  __pyx_v_d = (__pyx_v_idx.shape[0]);
+
+  /* "olproute/_score.pyx":125
+ *         _check_idx(idx, G)
+ *         cdef Py_ssize_t d = idx.shape[0]
+ *         cdef double[::1] n_res = np.empty(d, dtype=np.float64)             # <<<<<<<<<<<<<<
+ *         cdef double[::1] context = np.empty(d, dtype=np.float64)
+ *         _count_loads(snapshots, idx, self.max_num_seqs, n_res, context)
+*/
+  __pyx_t_4 = NULL;
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 125, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_6);
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 125, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_7);
+  __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+  __pyx_t_6 = PyLong_FromSsize_t(__pyx_v_d); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 125, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_6);
+  __Pyx_GetModuleGlobalName(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 125, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_8);
+  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 125, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_9);
+  __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
+  #if CYTHON_VECTORCALL
+  #endif
+  __pyx_t_5 = 1;
+  #if CYTHON_UNPACK_METHODS
+  if (unlikely(PyMethod_Check(__pyx_t_7))) {
+    __pyx_t_4 = PyMethod_GET_SELF(__pyx_t_7);
+    assert(__pyx_t_4);
+    PyObject* __pyx__function = PyMethod_GET_FUNCTION(__pyx_t_7);
+    __Pyx_INCREF(__pyx_t_4);
+    __Pyx_INCREF(__pyx__function);
+    __Pyx_DECREF_SET(__pyx_t_7, __pyx__function);
+    __pyx_t_5 = 0;
+  }
+  #endif
+  {
+    PyObject *__pyx_callargs[3] = {__pyx_t_4, __pyx_t_6, __pyx_t_9};
+    #if CYTHON_VECTORCALL
+    __pyx_t_8 = __pyx_mstate_global->__pyx_tuple[2];
+    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 125, __pyx_L1_error)
+    __Pyx_INCREF(__pyx_t_8);
+    #else
+    {
+      PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
+      __pyx_t_8 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
+      if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 125, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_8);
+    }
+    #endif
+    __pyx_t_3 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_7, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_8);
+    __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+    #if CYTHON_VECTORCALL
+    #endif
+    __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
+    __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
+    __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 125, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_3);
+  }
+  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_double(__pyx_t_3, PyBUF_WRITABLE); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 125, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_v_n_res = __pyx_t_10;
+  __pyx_t_10.memview = NULL;
+  __pyx_t_10.data = NULL;
+
+  /* "olproute/_score.pyx":126
+ *         cdef Py_ssize_t d = idx.shape[0]
+ *         cdef double[::1] n_res = np.empty(d, dtype=np.float64)
+ *         cdef double[::1] context = np.empty(d, dtype=np.float64)             # <<<<<<<<<<<<<<
+ *         _count_loads(snapshots, idx, self.max_num_seqs, n_res, context)
+ *         return _score(prompt, decode, utility, ttft, n_res, context, self.beta, waited,
+*/
+  __pyx_t_7 = NULL;
+  __Pyx_GetModuleGlobalName(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 126, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_8);
+  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 126, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_9);
+  __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
+  __pyx_t_8 = PyLong_FromSsize_t(__pyx_v_d); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 126, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_8);
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 126, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_6);
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 126, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+  #if CYTHON_VECTORCALL
+  #endif
+  __pyx_t_5 = 1;
+  #if CYTHON_UNPACK_METHODS
+  if (unlikely(PyMethod_Check(__pyx_t_9))) {
+    __pyx_t_7 = PyMethod_GET_SELF(__pyx_t_9);
+    assert(__pyx_t_7);
+    PyObject* __pyx__function = PyMethod_GET_FUNCTION(__pyx_t_9);
+    __Pyx_INCREF(__pyx_t_7);
+    __Pyx_INCREF(__pyx__function);
+    __Pyx_DECREF_SET(__pyx_t_9, __pyx__function);
+    __pyx_t_5 = 0;
+  }
+  #endif
+  {
+    PyObject *__pyx_callargs[3] = {__pyx_t_7, __pyx_t_8, __pyx_t_4};
+    #if CYTHON_VECTORCALL
+    __pyx_t_6 = __pyx_mstate_global->__pyx_tuple[2];
+    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 126, __pyx_L1_error)
+    __Pyx_INCREF(__pyx_t_6);
+    #else
+    {
+      PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
+      __pyx_t_6 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
+      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 126, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_6);
+    }
+    #endif
+    __pyx_t_3 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_9, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_6);
+    __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
+    __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
+    #if CYTHON_VECTORCALL
+    #endif
+    __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+    __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 126, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_3);
+  }
+  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_double(__pyx_t_3, PyBUF_WRITABLE); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 126, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_v_context = __pyx_t_10;
+  __pyx_t_10.memview = NULL;
+  __pyx_t_10.data = NULL;
+
+  /* "olproute/_score.pyx":127
+ *         cdef double[::1] n_res = np.empty(d, dtype=np.float64)
+ *         cdef double[::1] context = np.empty(d, dtype=np.float64)
+ *         _count_loads(snapshots, idx, self.max_num_seqs, n_res, context)             # <<<<<<<<<<<<<<
+ *         return _score(prompt, decode, utility, ttft, n_res, context, self.beta, waited,
+ *                       target, self.batch_cap, self.kv_cap, self.budget, self.slot_s,
+*/
+  __pyx_f_8olproute_6_score__count_loads(__pyx_v_snapshots, __pyx_v_idx, __pyx_v_self->max_num_seqs, __pyx_v_n_res, __pyx_v_context); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 127, __pyx_L1_error)
+
+  /* "olproute/_score.pyx":128
+ *         cdef double[::1] context = np.empty(d, dtype=np.float64)
+ *         _count_loads(snapshots, idx, self.max_num_seqs, n_res, context)
+ *         return _score(prompt, decode, utility, ttft, n_res, context, self.beta, waited,             # <<<<<<<<<<<<<<
+ *                       target, self.batch_cap, self.kv_cap, self.budget, self.slot_s,
+ *                       self.horizon, self.w, p0, p1, shift, idx, G)
+*/
+  __pyx_t_3 = __pyx_f_8olproute_6_score__score(__pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_n_res, __pyx_v_context, __pyx_v_self->beta, __pyx_v_waited, __pyx_v_target, __pyx_v_self->batch_cap, __pyx_v_self->kv_cap, __pyx_v_self->budget, __pyx_v_self->slot_s, __pyx_v_self->horizon, __pyx_v_self->w, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift, __pyx_v_idx, __pyx_v_G); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 128, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  {
+    PyObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __pyx_r = __pyx_t_3;
+    }
+    __Pyx_XDECREF(__pyx_temp);
+  }
+  __pyx_t_3 = 0;
+  goto __pyx_L0;
+
+  /* "olproute/_score.pyx":115
+ *         self.slot_s, self.horizon = slot_s, horizon
+ * 
+ *     def score(self, list snapshots, const int64_t[::1] idx, const double[::1] prompt,             # <<<<<<<<<<<<<<
+ *               const double[:, :] decode, const double[:, :] utility,
+ *               const double[:, :] ttft, const double[::1] waited, const double[::1] target,
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_3);
+  __Pyx_XDECREF(__pyx_t_4);
+  __Pyx_XDECREF(__pyx_t_6);
+  __Pyx_XDECREF(__pyx_t_7);
+  __Pyx_XDECREF(__pyx_t_8);
+  __Pyx_XDECREF(__pyx_t_9);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_10, 1);
+  __Pyx_AddTraceback("olproute._score.Scorer.score", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+
+
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_n_res, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_context, 1);
   __Pyx_XGIVEREF(__pyx_r);
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":84
+/* "(tree fragment)":1
+ * def __reduce_cython__(self):             # <<<<<<<<<<<<<<
+ *     cdef tuple state
+ *     cdef object _dict
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_8olproute_6_score_6Scorer_5__reduce_cython__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+static PyMethodDef __pyx_mdef_8olproute_6_score_6Scorer_5__reduce_cython__ = {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_8olproute_6_score_6Scorer_5__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_8olproute_6_score_6Scorer_5__reduce_cython__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("__reduce_cython__ (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  if (unlikely(__pyx_nargs > 0)) { __Pyx_RaiseArgtupleInvalid("__reduce_cython__", 1, 0, 0, __pyx_nargs); return NULL; }
+  const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+  if (unlikely(__pyx_kwds_len < 0)) return NULL;
+  if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__reduce_cython__", __pyx_kwds); return NULL;}
+  __pyx_r = __pyx_pf_8olproute_6_score_6Scorer_4__reduce_cython__(((struct __pyx_obj_8olproute_6_score_Scorer *)__pyx_v_self));
+
+  /* function exit code */
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_8olproute_6_score_6Scorer_4__reduce_cython__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self) {
+  PyObject *__pyx_v_state = 0;
+  PyObject *__pyx_v__dict = 0;
+  int __pyx_v_use_setstate;
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  PyObject *__pyx_t_2 = NULL;
+  PyObject *__pyx_t_3 = NULL;
+  PyObject *__pyx_t_4 = NULL;
+  PyObject *__pyx_t_5 = NULL;
+  PyObject *__pyx_t_6 = NULL;
+  PyObject *__pyx_t_7 = NULL;
+  PyObject *__pyx_t_8 = NULL;
+  PyObject *__pyx_t_9 = NULL;
+  PyObject *__pyx_t_10 = NULL;
+  int __pyx_t_11;
+  int __pyx_t_12;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("__reduce_cython__", 0);
+
+  /* "(tree fragment)":5
+ *     cdef object _dict
+ *     cdef bint use_setstate
+ *     with CRITICAL_SECTION(self):             # <<<<<<<<<<<<<<
+ *         state = (self.batch_cap, self.beta, self.budget, self.horizon, self.kv_cap, self.max_num_seqs, self.slot_s, self.w)
+ *         _dict = getattr(self, '__dict__', None)
+*/
+  {
+      __Pyx_PyCriticalSection __pyx_cs;
+      __pyx_t_1 = ((PyObject *)__pyx_v_self);
+      __Pyx_INCREF(__pyx_t_1);
+      __Pyx_PyCriticalSection_Begin(&__pyx_cs, (PyObject*)__pyx_t_1);
+      /*try:*/ {
+
+        /* "(tree fragment)":6
+ *     cdef bint use_setstate
+ *     with CRITICAL_SECTION(self):
+ *         state = (self.batch_cap, self.beta, self.budget, self.horizon, self.kv_cap, self.max_num_seqs, self.slot_s, self.w)             # <<<<<<<<<<<<<<
+ *         _dict = getattr(self, '__dict__', None)
+ *     if _dict is not None and _dict:
+*/
+        __pyx_t_2 = __pyx_memoryview_fromslice(__pyx_v_self->batch_cap, 1, (PyObject *(*)(char *)) __pyx_memview_get_double__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 6, __pyx_L4_error)
+        __Pyx_GOTREF(__pyx_t_2);
+        __pyx_t_3 = __pyx_memoryview_fromslice(__pyx_v_self->beta, 2, (PyObject *(*)(char *)) __pyx_memview_get_double__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_3)) __PYX_ERR(1, 6, __pyx_L4_error)
+        __Pyx_GOTREF(__pyx_t_3);
+        __pyx_t_4 = __pyx_memoryview_fromslice(__pyx_v_self->budget, 1, (PyObject *(*)(char *)) __pyx_memview_get_double__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_4)) __PYX_ERR(1, 6, __pyx_L4_error)
+        __Pyx_GOTREF(__pyx_t_4);
+        __pyx_t_5 = __Pyx_PyLong_From_int64_t(__pyx_v_self->horizon); if (unlikely(!__pyx_t_5)) __PYX_ERR(1, 6, __pyx_L4_error)
+        __Pyx_GOTREF(__pyx_t_5);
+        __pyx_t_6 = __pyx_memoryview_fromslice(__pyx_v_self->kv_cap, 1, (PyObject *(*)(char *)) __pyx_memview_get_double__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_6)) __PYX_ERR(1, 6, __pyx_L4_error)
+        __Pyx_GOTREF(__pyx_t_6);
+        __pyx_t_7 = __pyx_memoryview_fromslice(__pyx_v_self->max_num_seqs, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn_int64_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_7)) __PYX_ERR(1, 6, __pyx_L4_error)
+        __Pyx_GOTREF(__pyx_t_7);
+        __pyx_t_8 = PyFloat_FromDouble(__pyx_v_self->slot_s); if (unlikely(!__pyx_t_8)) __PYX_ERR(1, 6, __pyx_L4_error)
+        __Pyx_GOTREF(__pyx_t_8);
+        __pyx_t_9 = __pyx_memoryview_fromslice(__pyx_v_self->w, 1, (PyObject *(*)(char *)) __pyx_memview_get_double__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_9)) __PYX_ERR(1, 6, __pyx_L4_error)
+        __Pyx_GOTREF(__pyx_t_9);
+        __pyx_t_10 = PyTuple_New(8); if (unlikely(!__pyx_t_10)) __PYX_ERR(1, 6, __pyx_L4_error)
+        __Pyx_GOTREF(__pyx_t_10);
+        __Pyx_GIVEREF(__pyx_t_2);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_2) != (0)) __PYX_ERR(1, 6, __pyx_L4_error);
+        __Pyx_GIVEREF(__pyx_t_3);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_3) != (0)) __PYX_ERR(1, 6, __pyx_L4_error);
+        __Pyx_GIVEREF(__pyx_t_4);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 2, __pyx_t_4) != (0)) __PYX_ERR(1, 6, __pyx_L4_error);
+        __Pyx_GIVEREF(__pyx_t_5);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 3, __pyx_t_5) != (0)) __PYX_ERR(1, 6, __pyx_L4_error);
+        __Pyx_GIVEREF(__pyx_t_6);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 4, __pyx_t_6) != (0)) __PYX_ERR(1, 6, __pyx_L4_error);
+        __Pyx_GIVEREF(__pyx_t_7);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 5, __pyx_t_7) != (0)) __PYX_ERR(1, 6, __pyx_L4_error);
+        __Pyx_GIVEREF(__pyx_t_8);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 6, __pyx_t_8) != (0)) __PYX_ERR(1, 6, __pyx_L4_error);
+        __Pyx_GIVEREF(__pyx_t_9);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 7, __pyx_t_9) != (0)) __PYX_ERR(1, 6, __pyx_L4_error);
+        __pyx_t_2 = 0;
+        __pyx_t_3 = 0;
+        __pyx_t_4 = 0;
+        __pyx_t_5 = 0;
+        __pyx_t_6 = 0;
+        __pyx_t_7 = 0;
+        __pyx_t_8 = 0;
+        __pyx_t_9 = 0;
+        __pyx_v_state = ((PyObject*)__pyx_t_10);
+        __pyx_t_10 = 0;
+
+        /* "(tree fragment)":7
+ *     with CRITICAL_SECTION(self):
+ *         state = (self.batch_cap, self.beta, self.budget, self.horizon, self.kv_cap, self.max_num_seqs, self.slot_s, self.w)
+ *         _dict = getattr(self, '__dict__', None)             # <<<<<<<<<<<<<<
+ *     if _dict is not None and _dict:
+ *         state += (_dict,)
+*/
+        __pyx_t_10 = __Pyx_GetAttr3(((PyObject *)__pyx_v_self), __pyx_mstate_global->__pyx_n_u_dict, Py_None); if (unlikely(!__pyx_t_10)) __PYX_ERR(1, 7, __pyx_L4_error)
+        __Pyx_GOTREF(__pyx_t_10);
+        __pyx_v__dict = __pyx_t_10;
+        __pyx_t_10 = 0;
+      }
+
+      /* "(tree fragment)":5
+ *     cdef object _dict
+ *     cdef bint use_setstate
+ *     with CRITICAL_SECTION(self):             # <<<<<<<<<<<<<<
+ *         state = (self.batch_cap, self.beta, self.budget, self.horizon, self.kv_cap, self.max_num_seqs, self.slot_s, self.w)
+ *         _dict = getattr(self, '__dict__', None)
+*/
+      /*finally:*/ {
+        /*normal exit:*/{
+          __Pyx_PyCriticalSection_End(&__pyx_cs);
+          goto __pyx_L5;
+        }
+        __pyx_L4_error: {
+          __Pyx_PyCriticalSection_End(&__pyx_cs);
+          goto __pyx_L1_error;
+        }
+        __pyx_L5:;
+      }
+      __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+  }
+
+  /* "(tree fragment)":8
+ *         state = (self.batch_cap, self.beta, self.budget, self.horizon, self.kv_cap, self.max_num_seqs, self.slot_s, self.w)
+ *         _dict = getattr(self, '__dict__', None)
+ *     if _dict is not None and _dict:             # <<<<<<<<<<<<<<
+ *         state += (_dict,)
+ *         use_setstate = True
+*/
+  __pyx_t_12 = (__pyx_v__dict != Py_None);
+  if (__pyx_t_12) {
+
+  } else {
+
+    __pyx_t_11 = __pyx_t_12;
+
+    goto __pyx_L7_bool_binop_done;
+  }
+  __pyx_t_12 = __Pyx_PyObject_IsTrue(__pyx_v__dict); if (unlikely((__pyx_t_12 < 0))) __PYX_ERR(1, 8, __pyx_L1_error)
+
+  __pyx_t_11 = __pyx_t_12;
+
+  __pyx_L7_bool_binop_done:;
+  if (__pyx_t_11) {
+
+
+    /* "(tree fragment)":9
+ *         _dict = getattr(self, '__dict__', None)
+ *     if _dict is not None and _dict:
+ *         state += (_dict,)             # <<<<<<<<<<<<<<
+ *         use_setstate = True
+ *     else:
+*/
+    __pyx_t_1 = PyTuple_New(1); if (unlikely(!__pyx_t_1)) __PYX_ERR(1, 9, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_1);
+    __Pyx_INCREF(__pyx_v__dict);
+    __Pyx_GIVEREF(__pyx_v__dict);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 0, __pyx_v__dict) != (0)) __PYX_ERR(1, 9, __pyx_L1_error);
+    __pyx_t_10 = PyNumber_InPlaceAdd(__pyx_v_state, __pyx_t_1); if (unlikely(!__pyx_t_10)) __PYX_ERR(1, 9, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_10);
+    __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+    __Pyx_DECREF_SET(__pyx_v_state, ((PyObject*)__pyx_t_10));
+    __pyx_t_10 = 0;
+
+    /* "(tree fragment)":10
+ *     if _dict is not None and _dict:
+ *         state += (_dict,)
+ *         use_setstate = True             # <<<<<<<<<<<<<<
+ *     else:
+ *         use_setstate = False
+*/
+    __pyx_v_use_setstate = 1;
+
+    /* "(tree fragment)":8
+ *         state = (self.batch_cap, self.beta, self.budget, self.horizon, self.kv_cap, self.max_num_seqs, self.slot_s, self.w)
+ *         _dict = getattr(self, '__dict__', None)
+ *     if _dict is not None and _dict:             # <<<<<<<<<<<<<<
+ *         state += (_dict,)
+ *         use_setstate = True
+*/
+    goto __pyx_L6;
+  }
+
+  /* "(tree fragment)":12
+ *         use_setstate = True
+ *     else:
+ *         use_setstate = False             # <<<<<<<<<<<<<<
+ *     if use_setstate:
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, None), state
+*/
+  /*else*/ {
+    __pyx_v_use_setstate = 0;
+  }
+  __pyx_L6:;
+
+  /* "(tree fragment)":13
+ *     else:
+ *         use_setstate = False
+ *     if use_setstate:             # <<<<<<<<<<<<<<
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, None), state
+ *     else:
+*/
+  if (__pyx_v_use_setstate) {
+
+    /* "(tree fragment)":14
+ *         use_setstate = False
+ *     if use_setstate:
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, None), state             # <<<<<<<<<<<<<<
+ *     else:
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, state)
+*/
+    __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_pyx_unpickle_Scorer); if (unlikely(!__pyx_t_10)) __PYX_ERR(1, 14, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_10);
+    __pyx_t_1 = PyTuple_New(3); if (unlikely(!__pyx_t_1)) __PYX_ERR(1, 14, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_1);
+    __Pyx_INCREF(((PyObject *)Py_TYPE(((PyObject *)__pyx_v_self))));
+    __Pyx_GIVEREF(((PyObject *)Py_TYPE(((PyObject *)__pyx_v_self))));
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 0, ((PyObject *)Py_TYPE(((PyObject *)__pyx_v_self)))) != (0)) __PYX_ERR(1, 14, __pyx_L1_error);
+    __Pyx_INCREF(__pyx_mstate_global->__pyx_int_113568208);
+    __Pyx_GIVEREF(__pyx_mstate_global->__pyx_int_113568208);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 1, __pyx_mstate_global->__pyx_int_113568208) != (0)) __PYX_ERR(1, 14, __pyx_L1_error);
+    __Pyx_INCREF(Py_None);
+    __Pyx_GIVEREF(Py_None);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 2, Py_None) != (0)) __PYX_ERR(1, 14, __pyx_L1_error);
+    __pyx_t_9 = PyTuple_New(3); if (unlikely(!__pyx_t_9)) __PYX_ERR(1, 14, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_9);
+    __Pyx_GIVEREF(__pyx_t_10);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 0, __pyx_t_10) != (0)) __PYX_ERR(1, 14, __pyx_L1_error);
+    __Pyx_GIVEREF(__pyx_t_1);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 1, __pyx_t_1) != (0)) __PYX_ERR(1, 14, __pyx_L1_error);
+    __Pyx_INCREF(__pyx_v_state);
+    __Pyx_GIVEREF(__pyx_v_state);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 2, __pyx_v_state) != (0)) __PYX_ERR(1, 14, __pyx_L1_error);
+    __pyx_t_10 = 0;
+    __pyx_t_1 = 0;
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = __pyx_t_9;
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    __pyx_t_9 = 0;
+    goto __pyx_L0;
+
+    /* "(tree fragment)":13
+ *     else:
+ *         use_setstate = False
+ *     if use_setstate:             # <<<<<<<<<<<<<<
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, None), state
+ *     else:
+*/
+  }
+
+  /* "(tree fragment)":16
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, None), state
+ *     else:
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, state)             # <<<<<<<<<<<<<<
+ * def __setstate_cython__(self, __pyx_state):
+ *     __pyx_unpickle_Scorer__set_state(self, __pyx_state)
+*/
+  /*else*/ {
+    __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_pyx_unpickle_Scorer); if (unlikely(!__pyx_t_9)) __PYX_ERR(1, 16, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_9);
+    __pyx_t_1 = PyTuple_New(3); if (unlikely(!__pyx_t_1)) __PYX_ERR(1, 16, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_1);
+    __Pyx_INCREF(((PyObject *)Py_TYPE(((PyObject *)__pyx_v_self))));
+    __Pyx_GIVEREF(((PyObject *)Py_TYPE(((PyObject *)__pyx_v_self))));
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 0, ((PyObject *)Py_TYPE(((PyObject *)__pyx_v_self)))) != (0)) __PYX_ERR(1, 16, __pyx_L1_error);
+    __Pyx_INCREF(__pyx_mstate_global->__pyx_int_113568208);
+    __Pyx_GIVEREF(__pyx_mstate_global->__pyx_int_113568208);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 1, __pyx_mstate_global->__pyx_int_113568208) != (0)) __PYX_ERR(1, 16, __pyx_L1_error);
+    __Pyx_INCREF(__pyx_v_state);
+    __Pyx_GIVEREF(__pyx_v_state);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 2, __pyx_v_state) != (0)) __PYX_ERR(1, 16, __pyx_L1_error);
+    __pyx_t_10 = PyTuple_New(2); if (unlikely(!__pyx_t_10)) __PYX_ERR(1, 16, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_10);
+    __Pyx_GIVEREF(__pyx_t_9);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_9) != (0)) __PYX_ERR(1, 16, __pyx_L1_error);
+    __Pyx_GIVEREF(__pyx_t_1);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_1) != (0)) __PYX_ERR(1, 16, __pyx_L1_error);
+    __pyx_t_9 = 0;
+    __pyx_t_1 = 0;
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = __pyx_t_10;
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    __pyx_t_10 = 0;
+    goto __pyx_L0;
+  }
+
+  /* "(tree fragment)":1
+ * def __reduce_cython__(self):             # <<<<<<<<<<<<<<
+ *     cdef tuple state
+ *     cdef object _dict
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_XDECREF(__pyx_t_3);
+  __Pyx_XDECREF(__pyx_t_4);
+  __Pyx_XDECREF(__pyx_t_5);
+  __Pyx_XDECREF(__pyx_t_6);
+  __Pyx_XDECREF(__pyx_t_7);
+  __Pyx_XDECREF(__pyx_t_8);
+  __Pyx_XDECREF(__pyx_t_9);
+  __Pyx_XDECREF(__pyx_t_10);
+  __Pyx_AddTraceback("olproute._score.Scorer.__reduce_cython__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XDECREF(__pyx_v_state);
+  __Pyx_XDECREF(__pyx_v__dict);
+
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "(tree fragment)":17
+ *     else:
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, state)
+ * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
+ *     __pyx_unpickle_Scorer__set_state(self, __pyx_state)
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_8olproute_6_score_6Scorer_7__setstate_cython__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+static PyMethodDef __pyx_mdef_8olproute_6_score_6Scorer_7__setstate_cython__ = {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_8olproute_6_score_6Scorer_7__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_8olproute_6_score_6Scorer_7__setstate_cython__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  PyObject *__pyx_v___pyx_state = 0;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[1] = {0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("__setstate_cython__ (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_pyx_state,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(1, 17, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(1, 17, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__setstate_cython__", 0) < (0)) __PYX_ERR(1, 17, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__setstate_cython__", 1, 1, 1, i); __PYX_ERR(1, 17, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 1)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(1, 17, __pyx_L3_error)
+    }
+    __pyx_v___pyx_state = values[0];
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("__setstate_cython__", 1, 1, 1, __pyx_nargs); __PYX_ERR(1, 17, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("olproute._score.Scorer.__setstate_cython__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_8olproute_6_score_6Scorer_6__setstate_cython__(((struct __pyx_obj_8olproute_6_score_Scorer *)__pyx_v_self), __pyx_v___pyx_state);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_8olproute_6_score_6Scorer_6__setstate_cython__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, PyObject *__pyx_v___pyx_state) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  PyObject *__pyx_t_2 = NULL;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("__setstate_cython__", 0);
+
+  /* "(tree fragment)":18
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, state)
+ * def __setstate_cython__(self, __pyx_state):
+ *     __pyx_unpickle_Scorer__set_state(self, __pyx_state)             # <<<<<<<<<<<<<<
+*/
+  __pyx_t_1 = __pyx_v___pyx_state;
+  __Pyx_INCREF(__pyx_t_1);
+  if (!(likely(PyTuple_CheckExact(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("tuple", __pyx_t_1))) __PYX_ERR(1, 18, __pyx_L1_error)
+  if (unlikely(__pyx_t_1 == Py_None)) {
+    PyErr_SetString(PyExc_TypeError, "cannot pass None into a C function argument that is declared \047not None\047");
+    __PYX_ERR(1, 18, __pyx_L1_error)
+  }
+  __pyx_t_2 = __pyx_f_8olproute_6_score___pyx_unpickle_Scorer__set_state(__pyx_v_self, ((PyObject*)__pyx_t_1)); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 18, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_2);
+  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
+
+  /* "(tree fragment)":17
+ *     else:
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, state)
+ * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
+ *     __pyx_unpickle_Scorer__set_state(self, __pyx_state)
+*/
+
+  /* function exit code */
+  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_AddTraceback("olproute._score.Scorer.__setstate_cython__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "olproute/_score.pyx":133
+ * 
+ * 
+ * cdef void _check_instances(const double[:, ::1] beta, const double[::1] batch_cap,             # <<<<<<<<<<<<<<
+ *                            const double[::1] kv_cap, const double[::1] budget,
+ *                            const double[::1] w, Py_ssize_t G) except *:
+*/
+
+static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, __Pyx_memviewslice __pyx_v_w, Py_ssize_t __pyx_v_G) {
+  __Pyx_RefNannyDeclarations
+  int __pyx_t_1;
+  int __pyx_t_2;
+  PyObject *__pyx_t_3 = NULL;
+  PyObject *__pyx_t_4 = NULL;
+  size_t __pyx_t_5;
+  PyObject *__pyx_t_6 = NULL;
+  PyObject *__pyx_t_7 = NULL;
+  PyObject *__pyx_t_8[3];
+  Py_ssize_t __pyx_t_9;
+  int __pyx_t_10;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("_check_instances", 0);
+
+  /* "olproute/_score.pyx":136
+ *                            const double[::1] kv_cap, const double[::1] budget,
+ *                            const double[::1] w, Py_ssize_t G) except *:
+ *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \             # <<<<<<<<<<<<<<
+ *             or kv_cap.shape[0] != G or budget.shape[0] != G:
+ *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+*/
+  __pyx_t_2 = ((__pyx_v_beta.shape[0]) != __pyx_v_G);
+
+  if (!__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L4_bool_binop_done;
+  }
+  __pyx_t_2 = ((__pyx_v_beta.shape[1]) != 4);
+
+  if (!__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L4_bool_binop_done;
+  }
+
+  /* "olproute/_score.pyx":137
+ *                            const double[::1] w, Py_ssize_t G) except *:
+ *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
+ *             or kv_cap.shape[0] != G or budget.shape[0] != G:             # <<<<<<<<<<<<<<
+ *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+ *     if w.shape[0] != NUM_W:
+*/
+  __pyx_t_2 = ((__pyx_v_batch_cap.shape[0]) != __pyx_v_G);
+
+  if (!__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L4_bool_binop_done;
+  }
+  __pyx_t_2 = ((__pyx_v_kv_cap.shape[0]) != __pyx_v_G);
+
+  if (!__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L4_bool_binop_done;
+  }
+  __pyx_t_2 = ((__pyx_v_budget.shape[0]) != __pyx_v_G);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L4_bool_binop_done:;
+
+  /* "olproute/_score.pyx":136
+ *                            const double[::1] kv_cap, const double[::1] budget,
+ *                            const double[::1] w, Py_ssize_t G) except *:
+ *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \             # <<<<<<<<<<<<<<
+ *             or kv_cap.shape[0] != G or budget.shape[0] != G:
+ *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+*/
+  if (unlikely(__pyx_t_1)) {
+
+
+    /* "olproute/_score.pyx":138
+ *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
+ *             or kv_cap.shape[0] != G or budget.shape[0] != G:
+ *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")             # <<<<<<<<<<<<<<
+ *     if w.shape[0] != NUM_W:
+ *         raise ValueError(f"w needs {NUM_W} weights")
+*/
+    __pyx_t_4 = NULL;
+    __pyx_t_5 = 1;
+    {
+      PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_beta_batch_cap_kv_cap_and_budget};
+      __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 138, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+    }
+    __Pyx_Raise(__pyx_t_3, 0, 0, 0);
+    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+    __PYX_ERR(0, 138, __pyx_L1_error)
+
+    /* "olproute/_score.pyx":136
+ *                            const double[::1] kv_cap, const double[::1] budget,
+ *                            const double[::1] w, Py_ssize_t G) except *:
+ *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \             # <<<<<<<<<<<<<<
+ *             or kv_cap.shape[0] != G or budget.shape[0] != G:
+ *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+*/
+  }
+
+  /* "olproute/_score.pyx":139
+ *             or kv_cap.shape[0] != G or budget.shape[0] != G:
+ *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+ *     if w.shape[0] != NUM_W:             # <<<<<<<<<<<<<<
+ *         raise ValueError(f"w needs {NUM_W} weights")
+ * 
+*/
+  __pyx_t_3 = PyLong_FromSsize_t((__pyx_v_w.shape[0])); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 139, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_NUM_W); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 139, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  __pyx_t_1 = __Pyx_PyObject_CompareBoolNe_int_object(__pyx_t_3, __pyx_t_4, Py_NE); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 139, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+  if (unlikely(__pyx_t_1)) {
+
+
+    /* "olproute/_score.pyx":140
+ *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+ *     if w.shape[0] != NUM_W:
+ *         raise ValueError(f"w needs {NUM_W} weights")             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+    __pyx_t_3 = NULL;
+    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_NUM_W); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 140, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_6);
+    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 140, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_7);
+    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+    __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_w_needs;
+    __pyx_t_8[1] = __pyx_t_7;
+    __pyx_t_8[2] = __pyx_mstate_global->__pyx_kp_u_weights;
+    __pyx_t_9 = 16;
+    #if __Pyx_PyUnicode_Join_CAN_USE_KIND_AND_LENGTH
+    __pyx_t_9 += __Pyx_PyUnicode_GET_LENGTH(__pyx_t_8[1]);
+    #endif
+    __pyx_t_10 = 0;
+    #if __Pyx_PyUnicode_Join_CAN_USE_KIND_AND_LENGTH
+    __pyx_t_10 |= __Pyx_PyUnicode_KIND_04(__pyx_t_8[1]);
+    #endif
+    __pyx_t_6 = __Pyx_PyUnicode_Join(__pyx_t_8, 3, __pyx_t_9, __pyx_t_10);
+    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 140, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_6);
+    __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
+    __pyx_t_5 = 1;
+    {
+      PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_t_6};
+      __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 140, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_4);
+    }
+    __Pyx_Raise(__pyx_t_4, 0, 0, 0);
+    __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+    __PYX_ERR(0, 140, __pyx_L1_error)
+
+    /* "olproute/_score.pyx":139
+ *             or kv_cap.shape[0] != G or budget.shape[0] != G:
+ *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+ *     if w.shape[0] != NUM_W:             # <<<<<<<<<<<<<<
+ *         raise ValueError(f"w needs {NUM_W} weights")
+ * 
+*/
+  }
+
+  /* "olproute/_score.pyx":133
+ * 
+ * 
+ * cdef void _check_instances(const double[:, ::1] beta, const double[::1] batch_cap,             # <<<<<<<<<<<<<<
+ *                            const double[::1] kv_cap, const double[::1] budget,
+ *                            const double[::1] w, Py_ssize_t G) except *:
+*/
+
+  /* function exit code */
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_3);
+  __Pyx_XDECREF(__pyx_t_4);
+  __Pyx_XDECREF(__pyx_t_6);
+  __Pyx_XDECREF(__pyx_t_7);
+  __Pyx_AddTraceback("olproute._score._check_instances", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_L0:;
+
+  __Pyx_RefNannyFinishContext();
+}
+
+/* "olproute/_score.pyx":143
+ * 
+ * 
+ * cdef void _check_idx(const int64_t[::1] idx, Py_ssize_t G) except *:             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t k
+ *     for k in range(idx.shape[0]):
+*/
+
+static void __pyx_f_8olproute_6_score__check_idx(__Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_G) {
+  Py_ssize_t __pyx_v_k;
+  __Pyx_RefNannyDeclarations
+  Py_ssize_t __pyx_t_1;
+  Py_ssize_t __pyx_t_2;
+  Py_ssize_t __pyx_t_3;
+  int __pyx_t_4;
+  Py_ssize_t __pyx_t_5;
+  int __pyx_t_6;
+  PyObject *__pyx_t_7 = NULL;
+  PyObject *__pyx_t_8 = NULL;
+  size_t __pyx_t_9;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("_check_idx", 0);
+
+  /* "olproute/_score.pyx":145
+ * cdef void _check_idx(const int64_t[::1] idx, Py_ssize_t G) except *:
+ *     cdef Py_ssize_t k
+ *     for k in range(idx.shape[0]):             # <<<<<<<<<<<<<<
+ *         if idx[k] < 0 or idx[k] >= G:
+ *             raise ValueError("idx out of range")
+*/
+
+  __pyx_t_1 = (__pyx_v_idx.shape[0]);
+  __pyx_t_2 = __pyx_t_1;
+
+  for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
+    __pyx_v_k = __pyx_t_3;
+
+    /* "olproute/_score.pyx":146
+ *     cdef Py_ssize_t k
+ *     for k in range(idx.shape[0]):
+ *         if idx[k] < 0 or idx[k] >= G:             # <<<<<<<<<<<<<<
+ *             raise ValueError("idx out of range")
+ * 
+*/
+    __pyx_t_5 = __pyx_v_k;
+    __pyx_t_6 = ((*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_idx.data) + __pyx_t_5)) ))) < 0);
+
+    if (!__pyx_t_6) {
+
+    } else {
+
+      __pyx_t_4 = __pyx_t_6;
+
+      goto __pyx_L6_bool_binop_done;
+    }
+    __pyx_t_5 = __pyx_v_k;
+    __pyx_t_6 = ((*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_idx.data) + __pyx_t_5)) ))) >= __pyx_v_G);
+
+
+    __pyx_t_4 = __pyx_t_6;
+
+    __pyx_L6_bool_binop_done:;
+    if (unlikely(__pyx_t_4)) {
+
+
+      /* "olproute/_score.pyx":147
+ *     for k in range(idx.shape[0]):
+ *         if idx[k] < 0 or idx[k] >= G:
+ *             raise ValueError("idx out of range")             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+      __pyx_t_8 = NULL;
+      __pyx_t_9 = 1;
+      {
+        PyObject *__pyx_callargs[2] = {__pyx_t_8, __pyx_mstate_global->__pyx_kp_u_idx_out_of_range};
+        __pyx_t_7 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_9, (2-__pyx_t_9) | (__pyx_t_9*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+        __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
+        if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 147, __pyx_L1_error)
+        __Pyx_GOTREF(__pyx_t_7);
+      }
+      __Pyx_Raise(__pyx_t_7, 0, 0, 0);
+      __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
+      __PYX_ERR(0, 147, __pyx_L1_error)
+
+      /* "olproute/_score.pyx":146
+ *     cdef Py_ssize_t k
+ *     for k in range(idx.shape[0]):
+ *         if idx[k] < 0 or idx[k] >= G:             # <<<<<<<<<<<<<<
+ *             raise ValueError("idx out of range")
+ * 
+*/
+    }
+  }
+
+
+  /* "olproute/_score.pyx":143
+ * 
+ * 
+ * cdef void _check_idx(const int64_t[::1] idx, Py_ssize_t G) except *:             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t k
+ *     for k in range(idx.shape[0]):
+*/
+
+  /* function exit code */
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_7);
+  __Pyx_XDECREF(__pyx_t_8);
+  __Pyx_AddTraceback("olproute._score._check_idx", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_L0:;
+
+
+  __Pyx_RefNannyFinishContext();
+}
+
+/* "olproute/_score.pyx":150
  * 
  * 
  * def score_columns(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
@@ -21306,165 +23034,165 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_prompt,&__pyx_mstate_global->__pyx_n_u_decode,&__pyx_mstate_global->__pyx_n_u_utility,&__pyx_mstate_global->__pyx_n_u_ttft,&__pyx_mstate_global->__pyx_n_u_num_resident,&__pyx_mstate_global->__pyx_n_u_resident_context,&__pyx_mstate_global->__pyx_n_u_beta,&__pyx_mstate_global->__pyx_n_u_waited,&__pyx_mstate_global->__pyx_n_u_target,&__pyx_mstate_global->__pyx_n_u_batch_cap,&__pyx_mstate_global->__pyx_n_u_kv_cap,&__pyx_mstate_global->__pyx_n_u_budget,&__pyx_mstate_global->__pyx_n_u_slot_s,&__pyx_mstate_global->__pyx_n_u_horizon,&__pyx_mstate_global->__pyx_n_u_w,&__pyx_mstate_global->__pyx_n_u_p0,&__pyx_mstate_global->__pyx_n_u_p1,&__pyx_mstate_global->__pyx_n_u_shift,&__pyx_mstate_global->__pyx_n_u_idx,&__pyx_mstate_global->__pyx_n_u_num_instances,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 84, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 150, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 20:
         values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 19:
         values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 18:
         values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 17:
         values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 16:
         values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 84, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 150, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "score_columns", 0) < (0)) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "score_columns", 0) < (0)) __PYX_ERR(0, 150, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 20; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score_columns", 1, 20, 20, i); __PYX_ERR(0, 84, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score_columns", 1, 20, 20, i); __PYX_ERR(0, 150, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 20)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 150, __pyx_L3_error)
       values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 84, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 150, __pyx_L3_error)
     }
-    __pyx_v_prompt = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_prompt.memview)) __PYX_ERR(0, 84, __pyx_L3_error)
-    __pyx_v_decode = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[1], 0); if (unlikely(!__pyx_v_decode.memview)) __PYX_ERR(0, 84, __pyx_L3_error)
-    __pyx_v_utility = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[2], 0); if (unlikely(!__pyx_v_utility.memview)) __PYX_ERR(0, 85, __pyx_L3_error)
-    __pyx_v_ttft = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[3], 0); if (unlikely(!__pyx_v_ttft.memview)) __PYX_ERR(0, 85, __pyx_L3_error)
-    __pyx_v_num_resident = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[4], 0); if (unlikely(!__pyx_v_num_resident.memview)) __PYX_ERR(0, 86, __pyx_L3_error)
-    __pyx_v_resident_context = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[5], 0); if (unlikely(!__pyx_v_resident_context.memview)) __PYX_ERR(0, 86, __pyx_L3_error)
-    __pyx_v_beta = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[6], 0); if (unlikely(!__pyx_v_beta.memview)) __PYX_ERR(0, 87, __pyx_L3_error)
-    __pyx_v_waited = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[7], 0); if (unlikely(!__pyx_v_waited.memview)) __PYX_ERR(0, 87, __pyx_L3_error)
-    __pyx_v_target = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[8], 0); if (unlikely(!__pyx_v_target.memview)) __PYX_ERR(0, 88, __pyx_L3_error)
-    __pyx_v_batch_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[9], 0); if (unlikely(!__pyx_v_batch_cap.memview)) __PYX_ERR(0, 88, __pyx_L3_error)
-    __pyx_v_kv_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[10], 0); if (unlikely(!__pyx_v_kv_cap.memview)) __PYX_ERR(0, 89, __pyx_L3_error)
-    __pyx_v_budget = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[11], 0); if (unlikely(!__pyx_v_budget.memview)) __PYX_ERR(0, 89, __pyx_L3_error)
-    __pyx_v_slot_s = __Pyx_PyFloat_AsDouble(values[12]); if (unlikely((__pyx_v_slot_s == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 89, __pyx_L3_error)
-    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[13]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 90, __pyx_L3_error)
-    __pyx_v_w = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[14], 0); if (unlikely(!__pyx_v_w.memview)) __PYX_ERR(0, 90, __pyx_L3_error)
-    __pyx_v_p0 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[15], 0); if (unlikely(!__pyx_v_p0.memview)) __PYX_ERR(0, 90, __pyx_L3_error)
-    __pyx_v_p1 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[16], 0); if (unlikely(!__pyx_v_p1.memview)) __PYX_ERR(0, 91, __pyx_L3_error)
-    __pyx_v_shift = __Pyx_PyLong_As_int64_t(values[17]); if (unlikely((__pyx_v_shift == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 91, __pyx_L3_error)
-    __pyx_v_idx = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[18], 0); if (unlikely(!__pyx_v_idx.memview)) __PYX_ERR(0, 91, __pyx_L3_error)
-    __pyx_v_num_instances = __Pyx_PyIndex_AsSsize_t(values[19]); if (unlikely((__pyx_v_num_instances == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 92, __pyx_L3_error)
+    __pyx_v_prompt = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_prompt.memview)) __PYX_ERR(0, 150, __pyx_L3_error)
+    __pyx_v_decode = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[1], 0); if (unlikely(!__pyx_v_decode.memview)) __PYX_ERR(0, 150, __pyx_L3_error)
+    __pyx_v_utility = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[2], 0); if (unlikely(!__pyx_v_utility.memview)) __PYX_ERR(0, 151, __pyx_L3_error)
+    __pyx_v_ttft = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[3], 0); if (unlikely(!__pyx_v_ttft.memview)) __PYX_ERR(0, 151, __pyx_L3_error)
+    __pyx_v_num_resident = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[4], 0); if (unlikely(!__pyx_v_num_resident.memview)) __PYX_ERR(0, 152, __pyx_L3_error)
+    __pyx_v_resident_context = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[5], 0); if (unlikely(!__pyx_v_resident_context.memview)) __PYX_ERR(0, 152, __pyx_L3_error)
+    __pyx_v_beta = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[6], 0); if (unlikely(!__pyx_v_beta.memview)) __PYX_ERR(0, 153, __pyx_L3_error)
+    __pyx_v_waited = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[7], 0); if (unlikely(!__pyx_v_waited.memview)) __PYX_ERR(0, 153, __pyx_L3_error)
+    __pyx_v_target = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[8], 0); if (unlikely(!__pyx_v_target.memview)) __PYX_ERR(0, 154, __pyx_L3_error)
+    __pyx_v_batch_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[9], 0); if (unlikely(!__pyx_v_batch_cap.memview)) __PYX_ERR(0, 154, __pyx_L3_error)
+    __pyx_v_kv_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[10], 0); if (unlikely(!__pyx_v_kv_cap.memview)) __PYX_ERR(0, 155, __pyx_L3_error)
+    __pyx_v_budget = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[11], 0); if (unlikely(!__pyx_v_budget.memview)) __PYX_ERR(0, 155, __pyx_L3_error)
+    __pyx_v_slot_s = __Pyx_PyFloat_AsDouble(values[12]); if (unlikely((__pyx_v_slot_s == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 155, __pyx_L3_error)
+    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[13]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 156, __pyx_L3_error)
+    __pyx_v_w = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[14], 0); if (unlikely(!__pyx_v_w.memview)) __PYX_ERR(0, 156, __pyx_L3_error)
+    __pyx_v_p0 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[15], 0); if (unlikely(!__pyx_v_p0.memview)) __PYX_ERR(0, 156, __pyx_L3_error)
+    __pyx_v_p1 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[16], 0); if (unlikely(!__pyx_v_p1.memview)) __PYX_ERR(0, 157, __pyx_L3_error)
+    __pyx_v_shift = __Pyx_PyLong_As_int64_t(values[17]); if (unlikely((__pyx_v_shift == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 157, __pyx_L3_error)
+    __pyx_v_idx = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[18], 0); if (unlikely(!__pyx_v_idx.memview)) __PYX_ERR(0, 157, __pyx_L3_error)
+    __pyx_v_num_instances = __Pyx_PyIndex_AsSsize_t(values[19]); if (unlikely((__pyx_v_num_instances == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 158, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("score_columns", 1, 20, 20, __pyx_nargs); __PYX_ERR(0, 84, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("score_columns", 1, 20, 20, __pyx_nargs); __PYX_ERR(0, 150, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -21522,6 +23250,80 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 }
 
 static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("score_columns", 0);
+
+  /* "olproute/_score.pyx":167
+ *     now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time
+ *     (N, G) bool)."""
+ *     _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)             # <<<<<<<<<<<<<<
+ *     _check_idx(idx, num_instances)
+ *     return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,
+*/
+  __pyx_f_8olproute_6_score__check_instances(__pyx_v_beta, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_w, __pyx_v_num_instances); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 167, __pyx_L1_error)
+
+  /* "olproute/_score.pyx":168
+ *     (N, G) bool)."""
+ *     _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)
+ *     _check_idx(idx, num_instances)             # <<<<<<<<<<<<<<
+ *     return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,
+ *                   waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, p0, p1,
+*/
+  __pyx_f_8olproute_6_score__check_idx(__pyx_v_idx, __pyx_v_num_instances); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 168, __pyx_L1_error)
+
+  /* "olproute/_score.pyx":169
+ *     _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)
+ *     _check_idx(idx, num_instances)
+ *     return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,             # <<<<<<<<<<<<<<
+ *                   waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, p0, p1,
+ *                   shift, idx, num_instances)
+*/
+  __pyx_t_1 = __pyx_f_8olproute_6_score__score(__pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_num_resident, __pyx_v_resident_context, __pyx_v_beta, __pyx_v_waited, __pyx_v_target, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_slot_s, __pyx_v_horizon, __pyx_v_w, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift, __pyx_v_idx, __pyx_v_num_instances); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 169, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_1);
+  {
+    PyObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __pyx_r = __pyx_t_1;
+    }
+    __Pyx_XDECREF(__pyx_temp);
+  }
+  __pyx_t_1 = 0;
+  goto __pyx_L0;
+
+  /* "olproute/_score.pyx":150
+ * 
+ * 
+ * def score_columns(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
+ *                   const double[:, :] utility, const double[:, :] ttft,
+ *                   const double[::1] num_resident, const double[::1] resident_context,
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_AddTraceback("olproute._score.score_columns", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "olproute/_score.pyx":174
+ * 
+ * 
+ * cdef tuple _score(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
+ *                   const double[:, :] utility, const double[:, :] ttft,
+ *                   const double[::1] num_resident, const double[::1] resident_context,
+*/
+
+static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances) {
   Py_ssize_t __pyx_v_N;
   Py_ssize_t __pyx_v_d;
   Py_ssize_t __pyx_v_G;
@@ -21591,21 +23393,21 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   size_t __pyx_t_5;
   PyObject *__pyx_t_6 = NULL;
   PyObject *__pyx_t_7 = NULL;
-  PyObject *__pyx_t_8[3];
-  Py_ssize_t __pyx_t_9;
-  int __pyx_t_10;
-  Py_ssize_t __pyx_t_11;
-  Py_ssize_t __pyx_t_12;
-  Py_ssize_t __pyx_t_13;
-  PyObject *__pyx_t_14 = NULL;
-  PyObject *__pyx_t_15 = NULL;
-  PyObject *__pyx_t_16 = NULL;
-  __Pyx_memviewslice __pyx_t_17 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_t_18 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_t_19 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  PyObject *__pyx_t_8 = NULL;
+  PyObject *__pyx_t_9 = NULL;
+  PyObject *__pyx_t_10 = NULL;
+  __Pyx_memviewslice __pyx_t_11 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_12 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_13 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  Py_ssize_t __pyx_t_14;
+  Py_ssize_t __pyx_t_15;
+  Py_ssize_t __pyx_t_16;
+  Py_ssize_t __pyx_t_17;
+  Py_ssize_t __pyx_t_18;
+  int64_t __pyx_t_19;
   Py_ssize_t __pyx_t_20;
   Py_ssize_t __pyx_t_21;
-  int64_t __pyx_t_22;
+  Py_ssize_t __pyx_t_22;
   Py_ssize_t __pyx_t_23;
   Py_ssize_t __pyx_t_24;
   Py_ssize_t __pyx_t_25;
@@ -21614,9 +23416,9 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   Py_ssize_t __pyx_t_28;
   Py_ssize_t __pyx_t_29;
   Py_ssize_t __pyx_t_30;
-  Py_ssize_t __pyx_t_31;
+  double __pyx_t_31;
   Py_ssize_t __pyx_t_32;
-  double __pyx_t_33;
+  Py_ssize_t __pyx_t_33;
   Py_ssize_t __pyx_t_34;
   Py_ssize_t __pyx_t_35;
   Py_ssize_t __pyx_t_36;
@@ -21631,24 +23433,22 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   Py_ssize_t __pyx_t_45;
   Py_ssize_t __pyx_t_46;
   Py_ssize_t __pyx_t_47;
-  Py_ssize_t __pyx_t_48;
-  Py_ssize_t __pyx_t_49;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("score_columns", 0);
+  __Pyx_RefNannySetupContext("_score", 0);
 
-  /* "olproute/_score.pyx":101
- *     now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time
- *     (N, G) bool)."""
+  /* "olproute/_score.pyx":183
+ *                   const double[:, :, ::1] p1, int64_t shift, const int64_t[::1] idx,
+ *                   Py_ssize_t num_instances):
  *     cdef Py_ssize_t N = prompt.shape[0]             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
 */
   __pyx_v_N = (__pyx_v_prompt.shape[0]);
 
-  /* "olproute/_score.pyx":102
- *     (N, G) bool)."""
+  /* "olproute/_score.pyx":184
+ *                   Py_ssize_t num_instances):
  *     cdef Py_ssize_t N = prompt.shape[0]
  *     cdef Py_ssize_t d = idx.shape[0]             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t G = num_instances
@@ -21656,7 +23456,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
   __pyx_v_d = (__pyx_v_idx.shape[0]);
 
-  /* "olproute/_score.pyx":103
+  /* "olproute/_score.pyx":185
  *     cdef Py_ssize_t N = prompt.shape[0]
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances             # <<<<<<<<<<<<<<
@@ -21665,7 +23465,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
   __pyx_v_G = __pyx_v_num_instances;
 
-  /* "olproute/_score.pyx":104
+  /* "olproute/_score.pyx":186
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \             # <<<<<<<<<<<<<<
@@ -21693,7 +23493,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "olproute/_score.pyx":105
+  /* "olproute/_score.pyx":187
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:             # <<<<<<<<<<<<<<
@@ -21737,7 +23537,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
   __pyx_L4_bool_binop_done:;
 
-  /* "olproute/_score.pyx":104
+  /* "olproute/_score.pyx":186
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \             # <<<<<<<<<<<<<<
@@ -21747,7 +23547,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":106
+    /* "olproute/_score.pyx":188
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")             # <<<<<<<<<<<<<<
@@ -21760,14 +23560,14 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_decode_utility_and_ttft_need_sha};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 106, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 188, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 106, __pyx_L1_error)
+    __PYX_ERR(0, 188, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":104
+    /* "olproute/_score.pyx":186
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \             # <<<<<<<<<<<<<<
@@ -21776,7 +23576,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
   }
 
-  /* "olproute/_score.pyx":107
+  /* "olproute/_score.pyx":189
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")
  *     if waited.shape[0] != N or target.shape[0] != N:             # <<<<<<<<<<<<<<
@@ -21802,7 +23602,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":108
+    /* "olproute/_score.pyx":190
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")
  *     if waited.shape[0] != N or target.shape[0] != N:
  *         raise ValueError("waited and target need one entry per request")             # <<<<<<<<<<<<<<
@@ -21815,14 +23615,14 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_waited_and_target_need_one_entry};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 108, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 190, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 108, __pyx_L1_error)
+    __PYX_ERR(0, 190, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":107
+    /* "olproute/_score.pyx":189
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")
  *     if waited.shape[0] != N or target.shape[0] != N:             # <<<<<<<<<<<<<<
@@ -21831,12 +23631,12 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
   }
 
-  /* "olproute/_score.pyx":109
+  /* "olproute/_score.pyx":191
  *     if waited.shape[0] != N or target.shape[0] != N:
  *         raise ValueError("waited and target need one entry per request")
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:             # <<<<<<<<<<<<<<
  *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
+ *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
 */
   __pyx_t_2 = ((__pyx_v_num_resident.shape[0]) != __pyx_v_d);
 
@@ -21857,12 +23657,12 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":110
+    /* "olproute/_score.pyx":192
  *         raise ValueError("waited and target need one entry per request")
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
  *         raise ValueError("num_resident and resident_context need one entry per instance")             # <<<<<<<<<<<<<<
- *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
- *             or kv_cap.shape[0] != G or budget.shape[0] != G:
+ *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
+ *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
 */
     __pyx_t_4 = NULL;
     __pyx_t_5 = 1;
@@ -21870,126 +23670,25 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_num_resident_and_resident_contex};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 110, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 192, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 110, __pyx_L1_error)
+    __PYX_ERR(0, 192, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":109
+    /* "olproute/_score.pyx":191
  *     if waited.shape[0] != N or target.shape[0] != N:
  *         raise ValueError("waited and target need one entry per request")
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:             # <<<<<<<<<<<<<<
  *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
-*/
-  }
-
-  /* "olproute/_score.pyx":111
- *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
- *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \             # <<<<<<<<<<<<<<
- *             or kv_cap.shape[0] != G or budget.shape[0] != G:
- *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
-*/
-  __pyx_t_2 = ((__pyx_v_beta.shape[0]) != __pyx_v_G);
-
-  if (!__pyx_t_2) {
-
-  } else {
-
-    __pyx_t_1 = __pyx_t_2;
-
-    goto __pyx_L17_bool_binop_done;
-  }
-  __pyx_t_2 = ((__pyx_v_beta.shape[1]) != 4);
-
-  if (!__pyx_t_2) {
-
-  } else {
-
-    __pyx_t_1 = __pyx_t_2;
-
-    goto __pyx_L17_bool_binop_done;
-  }
-
-  /* "olproute/_score.pyx":112
- *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
- *             or kv_cap.shape[0] != G or budget.shape[0] != G:             # <<<<<<<<<<<<<<
- *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
 */
-  __pyx_t_2 = ((__pyx_v_batch_cap.shape[0]) != __pyx_v_G);
-
-  if (!__pyx_t_2) {
-
-  } else {
-
-    __pyx_t_1 = __pyx_t_2;
-
-    goto __pyx_L17_bool_binop_done;
   }
-  __pyx_t_2 = ((__pyx_v_kv_cap.shape[0]) != __pyx_v_G);
 
-  if (!__pyx_t_2) {
-
-  } else {
-
-    __pyx_t_1 = __pyx_t_2;
-
-    goto __pyx_L17_bool_binop_done;
-  }
-  __pyx_t_2 = ((__pyx_v_budget.shape[0]) != __pyx_v_G);
-
-
-  __pyx_t_1 = __pyx_t_2;
-
-  __pyx_L17_bool_binop_done:;
-
-  /* "olproute/_score.pyx":111
+  /* "olproute/_score.pyx":193
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
  *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \             # <<<<<<<<<<<<<<
- *             or kv_cap.shape[0] != G or budget.shape[0] != G:
- *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
-*/
-  if (unlikely(__pyx_t_1)) {
-
-
-    /* "olproute/_score.pyx":113
- *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
- *             or kv_cap.shape[0] != G or budget.shape[0] != G:
- *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")             # <<<<<<<<<<<<<<
- *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
- *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
-*/
-    __pyx_t_4 = NULL;
-    __pyx_t_5 = 1;
-    {
-      PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_beta_batch_cap_kv_cap_and_budget};
-      __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 113, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_3);
-    }
-    __Pyx_Raise(__pyx_t_3, 0, 0, 0);
-    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 113, __pyx_L1_error)
-
-    /* "olproute/_score.pyx":111
- *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
- *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \             # <<<<<<<<<<<<<<
- *             or kv_cap.shape[0] != G or budget.shape[0] != G:
- *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
-*/
-  }
-
-  /* "olproute/_score.pyx":114
- *             or kv_cap.shape[0] != G or budget.shape[0] != G:
- *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \             # <<<<<<<<<<<<<<
  *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
  *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
@@ -22002,7 +23701,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
     __pyx_t_1 = __pyx_t_2;
 
-    goto __pyx_L23_bool_binop_done;
+    goto __pyx_L17_bool_binop_done;
   }
   __pyx_t_2 = ((__pyx_v_p1.shape[0]) != __pyx_v_G);
 
@@ -22012,15 +23711,15 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
     __pyx_t_1 = __pyx_t_2;
 
-    goto __pyx_L23_bool_binop_done;
+    goto __pyx_L17_bool_binop_done;
   }
 
-  /* "olproute/_score.pyx":115
- *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+  /* "olproute/_score.pyx":194
+ *         raise ValueError("num_resident and resident_context need one entry per instance")
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
  *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:             # <<<<<<<<<<<<<<
  *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
- *     if w.shape[0] != NUM_W:
+ *     if shift < 0:
 */
   __pyx_t_2 = ((__pyx_v_p0.shape[1]) != (__pyx_v_horizon + 1));
 
@@ -22030,7 +23729,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
     __pyx_t_1 = __pyx_t_2;
 
-    goto __pyx_L23_bool_binop_done;
+    goto __pyx_L17_bool_binop_done;
   }
   __pyx_t_2 = ((__pyx_v_p1.shape[1]) != (__pyx_v_horizon + 1));
 
@@ -22040,7 +23739,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
     __pyx_t_1 = __pyx_t_2;
 
-    goto __pyx_L23_bool_binop_done;
+    goto __pyx_L17_bool_binop_done;
   }
   __pyx_t_2 = ((__pyx_v_p0.shape[2]) != 3);
 
@@ -22050,18 +23749,18 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
     __pyx_t_1 = __pyx_t_2;
 
-    goto __pyx_L23_bool_binop_done;
+    goto __pyx_L17_bool_binop_done;
   }
   __pyx_t_2 = ((__pyx_v_p1.shape[2]) != 3);
 
 
   __pyx_t_1 = __pyx_t_2;
 
-  __pyx_L23_bool_binop_done:;
+  __pyx_L17_bool_binop_done:;
 
-  /* "olproute/_score.pyx":114
- *             or kv_cap.shape[0] != G or budget.shape[0] != G:
- *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+  /* "olproute/_score.pyx":193
+ *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
+ *         raise ValueError("num_resident and resident_context need one entry per instance")
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \             # <<<<<<<<<<<<<<
  *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
  *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
@@ -22069,12 +23768,12 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":116
+    /* "olproute/_score.pyx":195
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
  *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
  *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")             # <<<<<<<<<<<<<<
- *     if w.shape[0] != NUM_W:
- *         raise ValueError(f"w needs {NUM_W} weights")
+ *     if shift < 0:
+ *         raise ValueError("shift must be >= 0")
 */
     __pyx_t_4 = NULL;
     __pyx_t_5 = 1;
@@ -22082,92 +23781,25 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_p0_and_p1_need_shape_G_H_1_3};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 116, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 195, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 116, __pyx_L1_error)
+    __PYX_ERR(0, 195, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":114
- *             or kv_cap.shape[0] != G or budget.shape[0] != G:
- *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+    /* "olproute/_score.pyx":193
+ *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
+ *         raise ValueError("num_resident and resident_context need one entry per instance")
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \             # <<<<<<<<<<<<<<
  *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
  *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
 */
   }
 
-  /* "olproute/_score.pyx":117
+  /* "olproute/_score.pyx":196
  *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
  *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
- *     if w.shape[0] != NUM_W:             # <<<<<<<<<<<<<<
- *         raise ValueError(f"w needs {NUM_W} weights")
- *     if shift < 0:
-*/
-  __pyx_t_3 = PyLong_FromSsize_t((__pyx_v_w.shape[0])); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 117, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_3);
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_NUM_W); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 117, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_1 = __Pyx_PyObject_CompareBoolNe_int_object(__pyx_t_3, __pyx_t_4, Py_NE); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 117, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  if (unlikely(__pyx_t_1)) {
-
-
-    /* "olproute/_score.pyx":118
- *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
- *     if w.shape[0] != NUM_W:
- *         raise ValueError(f"w needs {NUM_W} weights")             # <<<<<<<<<<<<<<
- *     if shift < 0:
- *         raise ValueError("shift must be >= 0")
-*/
-    __pyx_t_3 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_NUM_W); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 118, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 118, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_7);
-    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_w_needs;
-    __pyx_t_8[1] = __pyx_t_7;
-    __pyx_t_8[2] = __pyx_mstate_global->__pyx_kp_u_weights;
-    __pyx_t_9 = 16;
-    #if __Pyx_PyUnicode_Join_CAN_USE_KIND_AND_LENGTH
-    __pyx_t_9 += __Pyx_PyUnicode_GET_LENGTH(__pyx_t_8[1]);
-    #endif
-    __pyx_t_10 = 0;
-    #if __Pyx_PyUnicode_Join_CAN_USE_KIND_AND_LENGTH
-    __pyx_t_10 |= __Pyx_PyUnicode_KIND_04(__pyx_t_8[1]);
-    #endif
-    __pyx_t_6 = __Pyx_PyUnicode_Join(__pyx_t_8, 3, __pyx_t_9, __pyx_t_10);
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 118, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_6);
-    __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    __pyx_t_5 = 1;
-    {
-      PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_t_6};
-      __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-      __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 118, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-    }
-    __Pyx_Raise(__pyx_t_4, 0, 0, 0);
-    __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 118, __pyx_L1_error)
-
-    /* "olproute/_score.pyx":117
- *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
- *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
- *     if w.shape[0] != NUM_W:             # <<<<<<<<<<<<<<
- *         raise ValueError(f"w needs {NUM_W} weights")
- *     if shift < 0:
-*/
-  }
-
-  /* "olproute/_score.pyx":119
- *     if w.shape[0] != NUM_W:
- *         raise ValueError(f"w needs {NUM_W} weights")
  *     if shift < 0:             # <<<<<<<<<<<<<<
  *         raise ValueError("shift must be >= 0")
  *     cdef Py_ssize_t k, j
@@ -22177,186 +23809,113 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":120
- *         raise ValueError(f"w needs {NUM_W} weights")
+    /* "olproute/_score.pyx":197
+ *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
  *     if shift < 0:
  *         raise ValueError("shift must be >= 0")             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t k, j
  *     cdef int64_t g
 */
-    __pyx_t_6 = NULL;
+    __pyx_t_4 = NULL;
     __pyx_t_5 = 1;
     {
-      PyObject *__pyx_callargs[2] = {__pyx_t_6, __pyx_mstate_global->__pyx_kp_u_shift_must_be_0};
-      __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 120, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
+      PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_shift_must_be_0};
+      __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 197, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
     }
-    __Pyx_Raise(__pyx_t_4, 0, 0, 0);
-    __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 120, __pyx_L1_error)
+    __Pyx_Raise(__pyx_t_3, 0, 0, 0);
+    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+    __PYX_ERR(0, 197, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":119
- *     if w.shape[0] != NUM_W:
- *         raise ValueError(f"w needs {NUM_W} weights")
+    /* "olproute/_score.pyx":196
+ *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
+ *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
  *     if shift < 0:             # <<<<<<<<<<<<<<
  *         raise ValueError("shift must be >= 0")
  *     cdef Py_ssize_t k, j
 */
   }
 
-  /* "olproute/_score.pyx":123
- *     cdef Py_ssize_t k, j
+  /* "olproute/_score.pyx":201
  *     cdef int64_t g
- *     for k in range(d):             # <<<<<<<<<<<<<<
- *         if idx[k] < 0 or idx[k] >= G:
- *             raise ValueError("idx out of range")
-*/
-
-  __pyx_t_9 = __pyx_v_d;
-  __pyx_t_11 = __pyx_t_9;
-
-  for (__pyx_t_12 = 0; __pyx_t_12 < __pyx_t_11; __pyx_t_12+=1) {
-    __pyx_v_k = __pyx_t_12;
-
-    /* "olproute/_score.pyx":124
- *     cdef int64_t g
- *     for k in range(d):
- *         if idx[k] < 0 or idx[k] >= G:             # <<<<<<<<<<<<<<
- *             raise ValueError("idx out of range")
- * 
-*/
-    __pyx_t_13 = __pyx_v_k;
-    __pyx_t_2 = ((*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_idx.data) + __pyx_t_13)) ))) < 0);
-
-    if (!__pyx_t_2) {
-
-    } else {
-
-      __pyx_t_1 = __pyx_t_2;
-
-      goto __pyx_L34_bool_binop_done;
-    }
-    __pyx_t_13 = __pyx_v_k;
-    __pyx_t_2 = ((*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_idx.data) + __pyx_t_13)) ))) >= __pyx_v_G);
-
-
-    __pyx_t_1 = __pyx_t_2;
-
-    __pyx_L34_bool_binop_done:;
-    if (unlikely(__pyx_t_1)) {
-
-
-      /* "olproute/_score.pyx":125
- *     for k in range(d):
- *         if idx[k] < 0 or idx[k] >= G:
- *             raise ValueError("idx out of range")             # <<<<<<<<<<<<<<
- * 
- *     f_np = np.empty((NUM_F, N, G), dtype=np.float64)
-*/
-      __pyx_t_6 = NULL;
-      __pyx_t_5 = 1;
-      {
-        PyObject *__pyx_callargs[2] = {__pyx_t_6, __pyx_mstate_global->__pyx_kp_u_idx_out_of_range};
-        __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-        __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
-        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 125, __pyx_L1_error)
-        __Pyx_GOTREF(__pyx_t_4);
-      }
-      __Pyx_Raise(__pyx_t_4, 0, 0, 0);
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __PYX_ERR(0, 125, __pyx_L1_error)
-
-      /* "olproute/_score.pyx":124
- *     cdef int64_t g
- *     for k in range(d):
- *         if idx[k] < 0 or idx[k] >= G:             # <<<<<<<<<<<<<<
- *             raise ValueError("idx out of range")
- * 
-*/
-    }
-  }
-
-
-  /* "olproute/_score.pyx":127
- *             raise ValueError("idx out of range")
  * 
  *     f_np = np.empty((NUM_F, N, G), dtype=np.float64)             # <<<<<<<<<<<<<<
  *     i_np = np.empty((4, N, G), dtype=np.int64)
  *     on_np = np.zeros((N, G), dtype=np.bool_)
 */
-  __pyx_t_6 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 127, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 127, __pyx_L1_error)
+  __pyx_t_4 = NULL;
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_6);
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 201, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 127, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 127, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_14);
-  __pyx_t_15 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 127, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_15);
-  __pyx_t_16 = PyTuple_New(3); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 127, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_16);
-  __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_16, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 127, __pyx_L1_error);
-  __Pyx_GIVEREF(__pyx_t_14);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_16, 1, __pyx_t_14) != (0)) __PYX_ERR(0, 127, __pyx_L1_error);
-  __Pyx_GIVEREF(__pyx_t_15);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_16, 2, __pyx_t_15) != (0)) __PYX_ERR(0, 127, __pyx_L1_error);
-  __pyx_t_3 = 0;
-  __pyx_t_14 = 0;
-  __pyx_t_15 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_15, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 127, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_15);
-  __pyx_t_14 = __Pyx_PyObject_GetAttrStr(__pyx_t_15, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 127, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_14);
-  __Pyx_DECREF(__pyx_t_15); __pyx_t_15 = 0;
+  __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_6);
+  __pyx_t_8 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_8);
+  __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_9);
+  __pyx_t_10 = PyTuple_New(3); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_10);
+  __Pyx_GIVEREF(__pyx_t_6);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 201, __pyx_L1_error);
+  __Pyx_GIVEREF(__pyx_t_8);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 201, __pyx_L1_error);
+  __Pyx_GIVEREF(__pyx_t_9);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 201, __pyx_L1_error);
+  __pyx_t_6 = 0;
+  __pyx_t_8 = 0;
+  __pyx_t_9 = 0;
+  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_9);
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_8);
+  __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
   #if CYTHON_VECTORCALL
   #endif
   __pyx_t_5 = 1;
   #if CYTHON_UNPACK_METHODS
   if (unlikely(PyMethod_Check(__pyx_t_7))) {
-    __pyx_t_6 = PyMethod_GET_SELF(__pyx_t_7);
-    assert(__pyx_t_6);
+    __pyx_t_4 = PyMethod_GET_SELF(__pyx_t_7);
+    assert(__pyx_t_4);
     PyObject* __pyx__function = PyMethod_GET_FUNCTION(__pyx_t_7);
-    __Pyx_INCREF(__pyx_t_6);
+    __Pyx_INCREF(__pyx_t_4);
     __Pyx_INCREF(__pyx__function);
     __Pyx_DECREF_SET(__pyx_t_7, __pyx__function);
     __pyx_t_5 = 0;
   }
   #endif
   {
-    PyObject *__pyx_callargs[3] = {__pyx_t_6, __pyx_t_16, __pyx_t_14};
+    PyObject *__pyx_callargs[3] = {__pyx_t_4, __pyx_t_10, __pyx_t_8};
     #if CYTHON_VECTORCALL
-    __pyx_t_15 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 127, __pyx_L1_error)
-    __Pyx_INCREF(__pyx_t_15);
+    __pyx_t_9 = __pyx_mstate_global->__pyx_tuple[2];
+    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 201, __pyx_L1_error)
+    __Pyx_INCREF(__pyx_t_9);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
-      __pyx_t_15 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 127, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_15);
+      __pyx_t_9 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
+      if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 201, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_9);
     }
     #endif
-    __pyx_t_4 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_7, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_15);
-    __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __Pyx_DECREF(__pyx_t_16); __pyx_t_16 = 0;
+    __pyx_t_3 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_7, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_9);
+    __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+    __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
     #if CYTHON_VECTORCALL
     #endif
-    __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
-    __Pyx_DECREF(__pyx_t_15); __pyx_t_15 = 0;
+    __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
+    __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 127, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_4);
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 201, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_3);
   }
-  __pyx_v_f_np = __pyx_t_4;
-  __pyx_t_4 = 0;
+  __pyx_v_f_np = __pyx_t_3;
+  __pyx_t_3 = 0;
 
-  /* "olproute/_score.pyx":128
+  /* "olproute/_score.pyx":202
  * 
  *     f_np = np.empty((NUM_F, N, G), dtype=np.float64)
  *     i_np = np.empty((4, N, G), dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -22364,199 +23923,199 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
  *     cdef double[:, :, ::1] f = f_np
 */
   __pyx_t_7 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_15, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 128, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_15);
-  __pyx_t_14 = __Pyx_PyObject_GetAttrStr(__pyx_t_15, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 128, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_14);
-  __Pyx_DECREF(__pyx_t_15); __pyx_t_15 = 0;
-  __pyx_t_15 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 128, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_15);
-  __pyx_t_16 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 128, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_16);
-  __pyx_t_6 = PyTuple_New(3); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 128, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_6);
+  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_9);
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_8);
+  __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
+  __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_9);
+  __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_10);
+  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
   __Pyx_INCREF(__pyx_mstate_global->__pyx_int_4);
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_int_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_mstate_global->__pyx_int_4) != (0)) __PYX_ERR(0, 128, __pyx_L1_error);
-  __Pyx_GIVEREF(__pyx_t_15);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_15) != (0)) __PYX_ERR(0, 128, __pyx_L1_error);
-  __Pyx_GIVEREF(__pyx_t_16);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 2, __pyx_t_16) != (0)) __PYX_ERR(0, 128, __pyx_L1_error);
-  __pyx_t_15 = 0;
-  __pyx_t_16 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_16, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 128, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_16);
-  __pyx_t_15 = __Pyx_PyObject_GetAttrStr(__pyx_t_16, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 128, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_15);
-  __Pyx_DECREF(__pyx_t_16); __pyx_t_16 = 0;
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_mstate_global->__pyx_int_4) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
+  __Pyx_GIVEREF(__pyx_t_9);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_9) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
+  __Pyx_GIVEREF(__pyx_t_10);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_10) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
+  __pyx_t_9 = 0;
+  __pyx_t_10 = 0;
+  __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_10);
+  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_9);
+  __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
   #if CYTHON_VECTORCALL
   #endif
   __pyx_t_5 = 1;
   #if CYTHON_UNPACK_METHODS
-  if (unlikely(PyMethod_Check(__pyx_t_14))) {
-    __pyx_t_7 = PyMethod_GET_SELF(__pyx_t_14);
+  if (unlikely(PyMethod_Check(__pyx_t_8))) {
+    __pyx_t_7 = PyMethod_GET_SELF(__pyx_t_8);
     assert(__pyx_t_7);
-    PyObject* __pyx__function = PyMethod_GET_FUNCTION(__pyx_t_14);
+    PyObject* __pyx__function = PyMethod_GET_FUNCTION(__pyx_t_8);
     __Pyx_INCREF(__pyx_t_7);
     __Pyx_INCREF(__pyx__function);
-    __Pyx_DECREF_SET(__pyx_t_14, __pyx__function);
+    __Pyx_DECREF_SET(__pyx_t_8, __pyx__function);
     __pyx_t_5 = 0;
   }
   #endif
   {
-    PyObject *__pyx_callargs[3] = {__pyx_t_7, __pyx_t_6, __pyx_t_15};
+    PyObject *__pyx_callargs[3] = {__pyx_t_7, __pyx_t_4, __pyx_t_9};
     #if CYTHON_VECTORCALL
-    __pyx_t_16 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 128, __pyx_L1_error)
-    __Pyx_INCREF(__pyx_t_16);
+    __pyx_t_10 = __pyx_mstate_global->__pyx_tuple[2];
+    if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 202, __pyx_L1_error)
+    __Pyx_INCREF(__pyx_t_10);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
-      __pyx_t_16 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 128, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_16);
+      __pyx_t_10 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
+      if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 202, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_10);
     }
     #endif
-    __pyx_t_4 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_14, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_16);
+    __pyx_t_3 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_8, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_10);
     __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
-    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+    __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     #if CYTHON_VECTORCALL
     #endif
-    __Pyx_DECREF(__pyx_t_15); __pyx_t_15 = 0;
-    __Pyx_DECREF(__pyx_t_16); __pyx_t_16 = 0;
-    __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 128, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_4);
+    __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
+    __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
+    __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 202, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_3);
   }
-  __pyx_v_i_np = __pyx_t_4;
-  __pyx_t_4 = 0;
+  __pyx_v_i_np = __pyx_t_3;
+  __pyx_t_3 = 0;
 
-  /* "olproute/_score.pyx":129
+  /* "olproute/_score.pyx":203
  *     f_np = np.empty((NUM_F, N, G), dtype=np.float64)
  *     i_np = np.empty((4, N, G), dtype=np.int64)
  *     on_np = np.zeros((N, G), dtype=np.bool_)             # <<<<<<<<<<<<<<
  *     cdef double[:, :, ::1] f = f_np
  *     cdef int64_t[:, :, ::1] iv = i_np
 */
-  __pyx_t_14 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_16, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 129, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_16);
-  __pyx_t_15 = __Pyx_PyObject_GetAttrStr(__pyx_t_16, __pyx_mstate_global->__pyx_n_u_zeros); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 129, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_15);
-  __Pyx_DECREF(__pyx_t_16); __pyx_t_16 = 0;
-  __pyx_t_16 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 129, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_16);
-  __pyx_t_6 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 129, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 129, __pyx_L1_error)
+  __pyx_t_8 = NULL;
+  __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_10);
+  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_zeros); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_9);
+  __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
+  __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_10);
+  __pyx_t_4 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 203, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __Pyx_GIVEREF(__pyx_t_16);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_16) != (0)) __PYX_ERR(0, 129, __pyx_L1_error);
-  __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, __pyx_t_6) != (0)) __PYX_ERR(0, 129, __pyx_L1_error);
-  __pyx_t_16 = 0;
-  __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 129, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_16 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_bool); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 129, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_16);
-  __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+  __Pyx_GIVEREF(__pyx_t_10);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_10) != (0)) __PYX_ERR(0, 203, __pyx_L1_error);
+  __Pyx_GIVEREF(__pyx_t_4);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 203, __pyx_L1_error);
+  __pyx_t_10 = 0;
+  __pyx_t_4 = 0;
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_bool); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_10);
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   #if CYTHON_VECTORCALL
   #endif
   __pyx_t_5 = 1;
   #if CYTHON_UNPACK_METHODS
-  if (unlikely(PyMethod_Check(__pyx_t_15))) {
-    __pyx_t_14 = PyMethod_GET_SELF(__pyx_t_15);
-    assert(__pyx_t_14);
-    PyObject* __pyx__function = PyMethod_GET_FUNCTION(__pyx_t_15);
-    __Pyx_INCREF(__pyx_t_14);
+  if (unlikely(PyMethod_Check(__pyx_t_9))) {
+    __pyx_t_8 = PyMethod_GET_SELF(__pyx_t_9);
+    assert(__pyx_t_8);
+    PyObject* __pyx__function = PyMethod_GET_FUNCTION(__pyx_t_9);
+    __Pyx_INCREF(__pyx_t_8);
     __Pyx_INCREF(__pyx__function);
-    __Pyx_DECREF_SET(__pyx_t_15, __pyx__function);
+    __Pyx_DECREF_SET(__pyx_t_9, __pyx__function);
     __pyx_t_5 = 0;
   }
   #endif
   {
-    PyObject *__pyx_callargs[3] = {__pyx_t_14, __pyx_t_7, __pyx_t_16};
+    PyObject *__pyx_callargs[3] = {__pyx_t_8, __pyx_t_7, __pyx_t_10};
     #if CYTHON_VECTORCALL
-    __pyx_t_6 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 129, __pyx_L1_error)
-    __Pyx_INCREF(__pyx_t_6);
+    __pyx_t_4 = __pyx_mstate_global->__pyx_tuple[2];
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
+    __Pyx_INCREF(__pyx_t_4);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
-      __pyx_t_6 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 129, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_6);
+      __pyx_t_4 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_4);
     }
     #endif
-    __pyx_t_4 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_15, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_6);
-    __Pyx_XDECREF(__pyx_t_14); __pyx_t_14 = 0;
+    __pyx_t_3 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_9, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_4);
+    __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     #if CYTHON_VECTORCALL
     #endif
-    __Pyx_DECREF(__pyx_t_16); __pyx_t_16 = 0;
-    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __Pyx_DECREF(__pyx_t_15); __pyx_t_15 = 0;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 129, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_4);
+    __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
+    __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+    __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 203, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_3);
   }
-  __pyx_v_on_np = __pyx_t_4;
-  __pyx_t_4 = 0;
+  __pyx_v_on_np = __pyx_t_3;
+  __pyx_t_3 = 0;
 
-  /* "olproute/_score.pyx":130
+  /* "olproute/_score.pyx":204
  *     i_np = np.empty((4, N, G), dtype=np.int64)
  *     on_np = np.zeros((N, G), dtype=np.bool_)
  *     cdef double[:, :, ::1] f = f_np             # <<<<<<<<<<<<<<
  *     cdef int64_t[:, :, ::1] iv = i_np
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
 */
-  __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double(__pyx_v_f_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 130, __pyx_L1_error)
-  __pyx_v_f = __pyx_t_17;
-  __pyx_t_17.memview = NULL;
-  __pyx_t_17.data = NULL;
+  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double(__pyx_v_f_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 204, __pyx_L1_error)
+  __pyx_v_f = __pyx_t_11;
+  __pyx_t_11.memview = NULL;
+  __pyx_t_11.data = NULL;
 
-  /* "olproute/_score.pyx":131
+  /* "olproute/_score.pyx":205
  *     on_np = np.zeros((N, G), dtype=np.bool_)
  *     cdef double[:, :, ::1] f = f_np
  *     cdef int64_t[:, :, ::1] iv = i_np             # <<<<<<<<<<<<<<
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
  *     cdef Py_ssize_t r
 */
-  __pyx_t_18 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_nn_int64_t(__pyx_v_i_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_18.memview)) __PYX_ERR(0, 131, __pyx_L1_error)
-  __pyx_v_iv = __pyx_t_18;
-  __pyx_t_18.memview = NULL;
-  __pyx_t_18.data = NULL;
+  __pyx_t_12 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_nn_int64_t(__pyx_v_i_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_12.memview)) __PYX_ERR(0, 205, __pyx_L1_error)
+  __pyx_v_iv = __pyx_t_12;
+  __pyx_t_12.memview = NULL;
+  __pyx_t_12.data = NULL;
 
-  /* "olproute/_score.pyx":132
+  /* "olproute/_score.pyx":206
  *     cdef double[:, :, ::1] f = f_np
  *     cdef int64_t[:, :, ::1] iv = i_np
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t r
  *     if d < G:   # instances not looked at: never started there
 */
-  __pyx_t_15 = __pyx_v_on_np;
-  __Pyx_INCREF(__pyx_t_15);
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 132, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_16 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 132, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_16);
-  __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+  __pyx_t_9 = __pyx_v_on_np;
+  __Pyx_INCREF(__pyx_t_9);
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 206, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 206, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_10);
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   __pyx_t_5 = 0;
   {
-    PyObject *__pyx_callargs[2] = {__pyx_t_15, __pyx_t_16};
-    __pyx_t_4 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_view, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-    __Pyx_XDECREF(__pyx_t_15); __pyx_t_15 = 0;
-    __Pyx_DECREF(__pyx_t_16); __pyx_t_16 = 0;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 132, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_4);
+    PyObject *__pyx_callargs[2] = {__pyx_t_9, __pyx_t_10};
+    __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_view, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+    __Pyx_XDECREF(__pyx_t_9); __pyx_t_9 = 0;
+    __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 206, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_3);
   }
-  __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_uint8_t(__pyx_t_4, PyBUF_WRITABLE); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 132, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_v_on = __pyx_t_19;
-  __pyx_t_19.memview = NULL;
-  __pyx_t_19.data = NULL;
+  __pyx_t_13 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_uint8_t(__pyx_t_3, PyBUF_WRITABLE); if (unlikely(!__pyx_t_13.memview)) __PYX_ERR(0, 206, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_v_on = __pyx_t_13;
+  __pyx_t_13.memview = NULL;
+  __pyx_t_13.data = NULL;
 
-  /* "olproute/_score.pyx":134
+  /* "olproute/_score.pyx":208
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
  *     cdef Py_ssize_t r
  *     if d < G:   # instances not looked at: never started there             # <<<<<<<<<<<<<<
@@ -22568,7 +24127,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":135
+    /* "olproute/_score.pyx":209
  *     cdef Py_ssize_t r
  *     if d < G:   # instances not looked at: never started there
  *         for j in range(N):             # <<<<<<<<<<<<<<
@@ -22576,13 +24135,13 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
  *                 for r in range(NUM_F):
 */
 
-    __pyx_t_9 = __pyx_v_N;
-    __pyx_t_11 = __pyx_t_9;
+    __pyx_t_14 = __pyx_v_N;
+    __pyx_t_15 = __pyx_t_14;
 
-    for (__pyx_t_12 = 0; __pyx_t_12 < __pyx_t_11; __pyx_t_12+=1) {
-      __pyx_v_j = __pyx_t_12;
+    for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
+      __pyx_v_j = __pyx_t_16;
 
-      /* "olproute/_score.pyx":136
+      /* "olproute/_score.pyx":210
  *     if d < G:   # instances not looked at: never started there
  *         for j in range(N):
  *             for g in range(G):             # <<<<<<<<<<<<<<
@@ -22590,139 +24149,139 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
  *                     f[r, j, g] = NAN
 */
 
-      __pyx_t_20 = __pyx_v_G;
-      __pyx_t_21 = __pyx_t_20;
+      __pyx_t_17 = __pyx_v_G;
+      __pyx_t_18 = __pyx_t_17;
 
-      for (__pyx_t_22 = 0; __pyx_t_22 < __pyx_t_21; __pyx_t_22+=1) {
-        __pyx_v_g = __pyx_t_22;
+      for (__pyx_t_19 = 0; __pyx_t_19 < __pyx_t_18; __pyx_t_19+=1) {
+        __pyx_v_g = __pyx_t_19;
 
-        /* "olproute/_score.pyx":137
+        /* "olproute/_score.pyx":211
  *         for j in range(N):
  *             for g in range(G):
  *                 for r in range(NUM_F):             # <<<<<<<<<<<<<<
  *                     f[r, j, g] = NAN
  *                 f[F_TTFT, j, g] = INFINITY
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 137, __pyx_L1_error)
-        __Pyx_GOTREF(__pyx_t_4);
-        __pyx_t_23 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_23 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 137, __pyx_L1_error)
-        __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-        __pyx_t_24 = __pyx_t_23;
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 211, __pyx_L1_error)
+        __Pyx_GOTREF(__pyx_t_3);
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 211, __pyx_L1_error)
+        __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+        __pyx_t_21 = __pyx_t_20;
 
-        for (__pyx_t_25 = 0; __pyx_t_25 < __pyx_t_24; __pyx_t_25+=1) {
-          __pyx_v_r = __pyx_t_25;
+        for (__pyx_t_22 = 0; __pyx_t_22 < __pyx_t_21; __pyx_t_22+=1) {
+          __pyx_v_r = __pyx_t_22;
 
-          /* "olproute/_score.pyx":138
+          /* "olproute/_score.pyx":212
  *             for g in range(G):
  *                 for r in range(NUM_F):
  *                     f[r, j, g] = NAN             # <<<<<<<<<<<<<<
  *                 f[F_TTFT, j, g] = INFINITY
  *                 f[F_REWARD, j, g] = -INFINITY
 */
-          __pyx_t_13 = __pyx_v_r;
-          __pyx_t_26 = __pyx_v_j;
-          __pyx_t_27 = __pyx_v_g;
-          *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_13 * __pyx_v_f.strides[0]) ) + __pyx_t_26 * __pyx_v_f.strides[1]) )) + __pyx_t_27)) )) = NAN;
+          __pyx_t_23 = __pyx_v_r;
+          __pyx_t_24 = __pyx_v_j;
+          __pyx_t_25 = __pyx_v_g;
+          *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_23 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_25)) )) = NAN;
         }
 
 
 
-        /* "olproute/_score.pyx":139
+        /* "olproute/_score.pyx":213
  *                 for r in range(NUM_F):
  *                     f[r, j, g] = NAN
  *                 f[F_TTFT, j, g] = INFINITY             # <<<<<<<<<<<<<<
  *                 f[F_REWARD, j, g] = -INFINITY
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 139, __pyx_L1_error)
-        __Pyx_GOTREF(__pyx_t_4);
-        __pyx_t_23 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_23 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 139, __pyx_L1_error)
-        __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-        __pyx_t_27 = __pyx_t_23;
-        __pyx_t_26 = __pyx_v_j;
-        __pyx_t_13 = __pyx_v_g;
-        *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_27 * __pyx_v_f.strides[0]) ) + __pyx_t_26 * __pyx_v_f.strides[1]) )) + __pyx_t_13)) )) = INFINITY;
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 213, __pyx_L1_error)
+        __Pyx_GOTREF(__pyx_t_3);
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 213, __pyx_L1_error)
+        __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+        __pyx_t_25 = __pyx_t_20;
+        __pyx_t_24 = __pyx_v_j;
+        __pyx_t_23 = __pyx_v_g;
+        *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_25 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_23)) )) = INFINITY;
 
 
-        /* "olproute/_score.pyx":140
+        /* "olproute/_score.pyx":214
  *                     f[r, j, g] = NAN
  *                 f[F_TTFT, j, g] = INFINITY
  *                 f[F_REWARD, j, g] = -INFINITY             # <<<<<<<<<<<<<<
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
  *                 f[F_FINITE_TTFT, j, g] = 1e9
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 140, __pyx_L1_error)
-        __Pyx_GOTREF(__pyx_t_4);
-        __pyx_t_23 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_23 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 140, __pyx_L1_error)
-        __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-        __pyx_t_13 = __pyx_t_23;
-        __pyx_t_26 = __pyx_v_j;
-        __pyx_t_27 = __pyx_v_g;
-        *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_13 * __pyx_v_f.strides[0]) ) + __pyx_t_26 * __pyx_v_f.strides[1]) )) + __pyx_t_27)) )) = (-INFINITY);
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 214, __pyx_L1_error)
+        __Pyx_GOTREF(__pyx_t_3);
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 214, __pyx_L1_error)
+        __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+        __pyx_t_23 = __pyx_t_20;
+        __pyx_t_24 = __pyx_v_j;
+        __pyx_t_25 = __pyx_v_g;
+        *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_23 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_25)) )) = (-INFINITY);
 
 
-        /* "olproute/_score.pyx":141
+        /* "olproute/_score.pyx":215
  *                 f[F_TTFT, j, g] = INFINITY
  *                 f[F_REWARD, j, g] = -INFINITY
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY             # <<<<<<<<<<<<<<
  *                 f[F_FINITE_TTFT, j, g] = 1e9
  *                 for r in range(4):
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 141, __pyx_L1_error)
-        __Pyx_GOTREF(__pyx_t_4);
-        __pyx_t_23 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_23 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 141, __pyx_L1_error)
-        __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-        __pyx_t_27 = __pyx_t_23;
-        __pyx_t_26 = __pyx_v_j;
-        __pyx_t_13 = __pyx_v_g;
-        *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_27 * __pyx_v_f.strides[0]) ) + __pyx_t_26 * __pyx_v_f.strides[1]) )) + __pyx_t_13)) )) = (-INFINITY);
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 215, __pyx_L1_error)
+        __Pyx_GOTREF(__pyx_t_3);
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 215, __pyx_L1_error)
+        __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+        __pyx_t_25 = __pyx_t_20;
+        __pyx_t_24 = __pyx_v_j;
+        __pyx_t_23 = __pyx_v_g;
+        *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_25 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_23)) )) = (-INFINITY);
 
 
-        /* "olproute/_score.pyx":142
+        /* "olproute/_score.pyx":216
  *                 f[F_REWARD, j, g] = -INFINITY
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
  *                 f[F_FINITE_TTFT, j, g] = 1e9             # <<<<<<<<<<<<<<
  *                 for r in range(4):
  *                     iv[r, j, g] = horizon
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 142, __pyx_L1_error)
-        __Pyx_GOTREF(__pyx_t_4);
-        __pyx_t_23 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_23 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 142, __pyx_L1_error)
-        __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-        __pyx_t_13 = __pyx_t_23;
-        __pyx_t_26 = __pyx_v_j;
-        __pyx_t_27 = __pyx_v_g;
-        *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_13 * __pyx_v_f.strides[0]) ) + __pyx_t_26 * __pyx_v_f.strides[1]) )) + __pyx_t_27)) )) = 1e9;
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
+        __Pyx_GOTREF(__pyx_t_3);
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
+        __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+        __pyx_t_23 = __pyx_t_20;
+        __pyx_t_24 = __pyx_v_j;
+        __pyx_t_25 = __pyx_v_g;
+        *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_23 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_25)) )) = 1e9;
 
 
-        /* "olproute/_score.pyx":143
+        /* "olproute/_score.pyx":217
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
  *                 f[F_FINITE_TTFT, j, g] = 1e9
  *                 for r in range(4):             # <<<<<<<<<<<<<<
  *                     iv[r, j, g] = horizon
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]
 */
-        for (__pyx_t_23 = 0; __pyx_t_23 < 4; __pyx_t_23+=1) {
-          __pyx_v_r = __pyx_t_23;
+        for (__pyx_t_20 = 0; __pyx_t_20 < 4; __pyx_t_20+=1) {
+          __pyx_v_r = __pyx_t_20;
 
-          /* "olproute/_score.pyx":144
+          /* "olproute/_score.pyx":218
  *                 f[F_FINITE_TTFT, j, g] = 1e9
  *                 for r in range(4):
  *                     iv[r, j, g] = horizon             # <<<<<<<<<<<<<<
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
 */
-          __pyx_t_27 = __pyx_v_r;
-          __pyx_t_26 = __pyx_v_j;
-          __pyx_t_13 = __pyx_v_g;
-          *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_27 * __pyx_v_iv.strides[0]) ) + __pyx_t_26 * __pyx_v_iv.strides[1]) )) + __pyx_t_13)) )) = __pyx_v_horizon;
+          __pyx_t_25 = __pyx_v_r;
+          __pyx_t_24 = __pyx_v_j;
+          __pyx_t_23 = __pyx_v_g;
+          *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_25 * __pyx_v_iv.strides[0]) ) + __pyx_t_24 * __pyx_v_iv.strides[1]) )) + __pyx_t_23)) )) = __pyx_v_horizon;
         }
       }
 
     }
 
 
-    /* "olproute/_score.pyx":134
+    /* "olproute/_score.pyx":208
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
  *     cdef Py_ssize_t r
  *     if d < G:   # instances not looked at: never started there             # <<<<<<<<<<<<<<
@@ -22731,116 +24290,116 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
   }
 
-  /* "olproute/_score.pyx":145
+  /* "olproute/_score.pyx":219
  *                 for r in range(4):
  *                     iv[r, j, g] = horizon
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]             # <<<<<<<<<<<<<<
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_SIGMA); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 145, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 145, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_sigma = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_SIGMA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_sigma = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_ALPHA); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 145, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 145, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_alpha = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ALPHA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_alpha = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_TOKEN_NORM); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 145, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 145, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_token_norm = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_TOKEN_NORM); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_token_norm = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":146
+  /* "olproute/_score.pyx":220
  *                     iv[r, j, g] = horizon
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]             # <<<<<<<<<<<<<<
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]
  *     cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_BETA); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 146, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 146, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_wbeta = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_BETA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 220, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 220, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_wbeta = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_GAMMA); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 146, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 146, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_gamma = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_GAMMA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 220, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 220, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_gamma = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_ZETA1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 146, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 146, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_zeta1 = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ZETA1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 220, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 220, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_zeta1 = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":147
+  /* "olproute/_score.pyx":221
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]             # <<<<<<<<<<<<<<
  *     cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]
  *     cdef double s, o, t, tp, tw, kv_a, kv_b, ca, work, qps, thr, eel_saved, ttft_saved
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_EEL_THRESHOLD); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 147, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 147, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_eel_thr = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_EEL_THRESHOLD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 221, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 221, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_eel_thr = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_ZETA2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 147, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 147, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_zeta2 = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ZETA2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 221, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 221, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_zeta2 = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":148
+  /* "olproute/_score.pyx":222
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]
  *     cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]             # <<<<<<<<<<<<<<
  *     cdef double s, o, t, tp, tw, kv_a, kv_b, ca, work, qps, thr, eel_saved, ttft_saved
  *     cdef double eel_slo, ttft_slo, util, reward, decode_in_h, tokens, eel, t2, price
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_TTFT_THRESHOLD); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 148, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 148, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_ttft_thr = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_TTFT_THRESHOLD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 222, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 222, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_ttft_thr = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_OMEGA); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 148, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 148, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_omega = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_OMEGA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 222, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 222, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_omega = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_W_DELTA); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 148, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 148, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_13 = __pyx_t_9;
-  __pyx_v_delta = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_13)) )));
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_DELTA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 222, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 222, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+  __pyx_t_23 = __pyx_t_14;
+  __pyx_v_delta = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":153
+  /* "olproute/_score.pyx":227
  *     cdef double fin, batch_a
  *     cdef int64_t k0, end, n_slots, ps, pe, kw, dw, kept, s0, e0, ps0, pe0
  *     for k in range(d):             # <<<<<<<<<<<<<<
@@ -22848,33 +24407,33 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
  *         batch_a = 1.0 / batch_cap[g]
 */
 
-  __pyx_t_9 = __pyx_v_d;
-  __pyx_t_11 = __pyx_t_9;
+  __pyx_t_14 = __pyx_v_d;
+  __pyx_t_15 = __pyx_t_14;
 
-  for (__pyx_t_12 = 0; __pyx_t_12 < __pyx_t_11; __pyx_t_12+=1) {
-    __pyx_v_k = __pyx_t_12;
+  for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
+    __pyx_v_k = __pyx_t_16;
 
-    /* "olproute/_score.pyx":154
+    /* "olproute/_score.pyx":228
  *     cdef int64_t k0, end, n_slots, ps, pe, kw, dw, kept, s0, e0, ps0, pe0
  *     for k in range(d):
  *         g = idx[k]             # <<<<<<<<<<<<<<
  *         batch_a = 1.0 / batch_cap[g]
  *         for j in range(N):
 */
-    __pyx_t_13 = __pyx_v_k;
-    __pyx_v_g = (*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_idx.data) + __pyx_t_13)) )));
+    __pyx_t_23 = __pyx_v_k;
+    __pyx_v_g = (*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_idx.data) + __pyx_t_23)) )));
 
-    /* "olproute/_score.pyx":155
+    /* "olproute/_score.pyx":229
  *     for k in range(d):
  *         g = idx[k]
  *         batch_a = 1.0 / batch_cap[g]             # <<<<<<<<<<<<<<
  *         for j in range(N):
  *             s = prompt[j]
 */
-    __pyx_t_13 = __pyx_v_g;
-    __pyx_v_batch_a = (1.0 / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_batch_cap.data) + __pyx_t_13)) )))));
+    __pyx_t_23 = __pyx_v_g;
+    __pyx_v_batch_a = (1.0 / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_batch_cap.data) + __pyx_t_23)) )))));
 
-    /* "olproute/_score.pyx":156
+    /* "olproute/_score.pyx":230
  *         g = idx[k]
  *         batch_a = 1.0 / batch_cap[g]
  *         for j in range(N):             # <<<<<<<<<<<<<<
@@ -22882,70 +24441,70 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
  *             o = decode[j, k]
 */
 
-    __pyx_t_20 = __pyx_v_N;
-    __pyx_t_21 = __pyx_t_20;
+    __pyx_t_17 = __pyx_v_N;
+    __pyx_t_18 = __pyx_t_17;
 
-    for (__pyx_t_23 = 0; __pyx_t_23 < __pyx_t_21; __pyx_t_23+=1) {
-      __pyx_v_j = __pyx_t_23;
+    for (__pyx_t_20 = 0; __pyx_t_20 < __pyx_t_18; __pyx_t_20+=1) {
+      __pyx_v_j = __pyx_t_20;
 
-      /* "olproute/_score.pyx":157
+      /* "olproute/_score.pyx":231
  *         batch_a = 1.0 / batch_cap[g]
  *         for j in range(N):
  *             s = prompt[j]             # <<<<<<<<<<<<<<
  *             o = decode[j, k]
  *             t = ttft[j, k]
 */
-      __pyx_t_13 = __pyx_v_j;
-      __pyx_v_s = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_prompt.data) + __pyx_t_13)) )));
+      __pyx_t_23 = __pyx_v_j;
+      __pyx_v_s = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_prompt.data) + __pyx_t_23)) )));
 
-      /* "olproute/_score.pyx":158
+      /* "olproute/_score.pyx":232
  *         for j in range(N):
  *             s = prompt[j]
  *             o = decode[j, k]             # <<<<<<<<<<<<<<
  *             t = ttft[j, k]
  *             # bea.decode_step_times_s
 */
-      __pyx_t_13 = __pyx_v_j;
-      __pyx_t_26 = __pyx_v_k;
-      __pyx_v_o = (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_decode.data + __pyx_t_13 * __pyx_v_decode.strides[0]) ) + __pyx_t_26 * __pyx_v_decode.strides[1]) )));
+      __pyx_t_23 = __pyx_v_j;
+      __pyx_t_24 = __pyx_v_k;
+      __pyx_v_o = (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_decode.data + __pyx_t_23 * __pyx_v_decode.strides[0]) ) + __pyx_t_24 * __pyx_v_decode.strides[1]) )));
 
-      /* "olproute/_score.pyx":159
+      /* "olproute/_score.pyx":233
  *             s = prompt[j]
  *             o = decode[j, k]
  *             t = ttft[j, k]             # <<<<<<<<<<<<<<
  *             # bea.decode_step_times_s
  *             tp = (beta[g, 0] + beta[g, 1] * (num_resident[k] + 1)) \
 */
-      __pyx_t_26 = __pyx_v_j;
-      __pyx_t_13 = __pyx_v_k;
-      __pyx_v_t = (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_ttft.data + __pyx_t_26 * __pyx_v_ttft.strides[0]) ) + __pyx_t_13 * __pyx_v_ttft.strides[1]) )));
+      __pyx_t_24 = __pyx_v_j;
+      __pyx_t_23 = __pyx_v_k;
+      __pyx_v_t = (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_ttft.data + __pyx_t_24 * __pyx_v_ttft.strides[0]) ) + __pyx_t_23 * __pyx_v_ttft.strides[1]) )));
 
-      /* "olproute/_score.pyx":161
+      /* "olproute/_score.pyx":235
  *             t = ttft[j, k]
  *             # bea.decode_step_times_s
  *             tp = (beta[g, 0] + beta[g, 1] * (num_resident[k] + 1)) \             # <<<<<<<<<<<<<<
  *                 + beta[g, 2] * (resident_context[k] + s)
  *             # reward.usage_columns (TTFT from now)
 */
-      __pyx_t_13 = __pyx_v_g;
-      __pyx_t_26 = 0;
-      __pyx_t_27 = __pyx_v_g;
-      __pyx_t_28 = 1;
-      __pyx_t_29 = __pyx_v_k;
+      __pyx_t_23 = __pyx_v_g;
+      __pyx_t_24 = 0;
+      __pyx_t_25 = __pyx_v_g;
+      __pyx_t_26 = 1;
+      __pyx_t_27 = __pyx_v_k;
 
-      /* "olproute/_score.pyx":162
+      /* "olproute/_score.pyx":236
  *             # bea.decode_step_times_s
  *             tp = (beta[g, 0] + beta[g, 1] * (num_resident[k] + 1)) \
  *                 + beta[g, 2] * (resident_context[k] + s)             # <<<<<<<<<<<<<<
  *             # reward.usage_columns (TTFT from now)
  *             k0 = _first_slot(t, slot_s, horizon)
 */
-      __pyx_t_30 = __pyx_v_g;
-      __pyx_t_31 = 2;
-      __pyx_t_32 = __pyx_v_k;
-      __pyx_v_tp = (((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_13 * __pyx_v_beta.strides[0]) )) + __pyx_t_26)) ))) + ((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_27 * __pyx_v_beta.strides[0]) )) + __pyx_t_28)) ))) * ((*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_num_resident.data) + __pyx_t_29)) ))) + 1.0))) + ((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_30 * __pyx_v_beta.strides[0]) )) + __pyx_t_31)) ))) * ((*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_resident_context.data) + __pyx_t_32)) ))) + __pyx_v_s)));
+      __pyx_t_28 = __pyx_v_g;
+      __pyx_t_29 = 2;
+      __pyx_t_30 = __pyx_v_k;
+      __pyx_v_tp = (((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_23 * __pyx_v_beta.strides[0]) )) + __pyx_t_24)) ))) + ((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_25 * __pyx_v_beta.strides[0]) )) + __pyx_t_26)) ))) * ((*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_num_resident.data) + __pyx_t_27)) ))) + 1.0))) + ((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_28 * __pyx_v_beta.strides[0]) )) + __pyx_t_29)) ))) * ((*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_resident_context.data) + __pyx_t_30)) ))) + __pyx_v_s)));
 
-      /* "olproute/_score.pyx":164
+      /* "olproute/_score.pyx":238
  *                 + beta[g, 2] * (resident_context[k] + s)
  *             # reward.usage_columns (TTFT from now)
  *             k0 = _first_slot(t, slot_s, horizon)             # <<<<<<<<<<<<<<
@@ -22954,7 +24513,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_k0 = __pyx_f_8olproute_6_score__first_slot(__pyx_v_t, __pyx_v_slot_s, __pyx_v_horizon);
 
-      /* "olproute/_score.pyx":165
+      /* "olproute/_score.pyx":239
  *             # reward.usage_columns (TTFT from now)
  *             k0 = _first_slot(t, slot_s, horizon)
  *             end = k0 + _decode_slots(o, tp, slot_s)             # <<<<<<<<<<<<<<
@@ -22963,7 +24522,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_end = (__pyx_v_k0 + __pyx_f_8olproute_6_score__decode_slots(__pyx_v_o, __pyx_v_tp, __pyx_v_slot_s));
 
-      /* "olproute/_score.pyx":166
+      /* "olproute/_score.pyx":240
  *             k0 = _first_slot(t, slot_s, horizon)
  *             end = k0 + _decode_slots(o, tp, slot_s)
  *             if end > horizon:             # <<<<<<<<<<<<<<
@@ -22975,7 +24534,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":167
+        /* "olproute/_score.pyx":241
  *             end = k0 + _decode_slots(o, tp, slot_s)
  *             if end > horizon:
  *                 end = horizon             # <<<<<<<<<<<<<<
@@ -22984,7 +24543,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_end = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":166
+        /* "olproute/_score.pyx":240
  *             k0 = _first_slot(t, slot_s, horizon)
  *             end = k0 + _decode_slots(o, tp, slot_s)
  *             if end > horizon:             # <<<<<<<<<<<<<<
@@ -22993,17 +24552,17 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       }
 
-      /* "olproute/_score.pyx":169
+      /* "olproute/_score.pyx":243
  *                 end = horizon
  *             # reward.prefill_span
  *             work = s / budget[g]             # <<<<<<<<<<<<<<
  *             n_slots = <int64_t>ceil(work - 1e-9)
  *             if n_slots < 1:
 */
-      __pyx_t_32 = __pyx_v_g;
-      __pyx_v_work = (__pyx_v_s / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_budget.data) + __pyx_t_32)) )))));
+      __pyx_t_30 = __pyx_v_g;
+      __pyx_v_work = (__pyx_v_s / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_budget.data) + __pyx_t_30)) )))));
 
-      /* "olproute/_score.pyx":170
+      /* "olproute/_score.pyx":244
  *             # reward.prefill_span
  *             work = s / budget[g]
  *             n_slots = <int64_t>ceil(work - 1e-9)             # <<<<<<<<<<<<<<
@@ -23012,7 +24571,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_n_slots = ((int64_t)ceil((__pyx_v_work - 1e-9)));
 
-      /* "olproute/_score.pyx":171
+      /* "olproute/_score.pyx":245
  *             work = s / budget[g]
  *             n_slots = <int64_t>ceil(work - 1e-9)
  *             if n_slots < 1:             # <<<<<<<<<<<<<<
@@ -23024,7 +24583,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":172
+        /* "olproute/_score.pyx":246
  *             n_slots = <int64_t>ceil(work - 1e-9)
  *             if n_slots < 1:
  *                 n_slots = 1             # <<<<<<<<<<<<<<
@@ -23033,7 +24592,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_n_slots = 1;
 
-        /* "olproute/_score.pyx":171
+        /* "olproute/_score.pyx":245
  *             work = s / budget[g]
  *             n_slots = <int64_t>ceil(work - 1e-9)
  *             if n_slots < 1:             # <<<<<<<<<<<<<<
@@ -23042,7 +24601,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       }
 
-      /* "olproute/_score.pyx":173
+      /* "olproute/_score.pyx":247
  *             if n_slots < 1:
  *                 n_slots = 1
  *             if k0 >= horizon:             # <<<<<<<<<<<<<<
@@ -23054,7 +24613,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":174
+        /* "olproute/_score.pyx":248
  *                 n_slots = 1
  *             if k0 >= horizon:
  *                 pe = horizon             # <<<<<<<<<<<<<<
@@ -23063,7 +24622,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_pe = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":175
+        /* "olproute/_score.pyx":249
  *             if k0 >= horizon:
  *                 pe = horizon
  *                 ps = horizon             # <<<<<<<<<<<<<<
@@ -23072,17 +24631,17 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_ps = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":173
+        /* "olproute/_score.pyx":247
  *             if n_slots < 1:
  *                 n_slots = 1
  *             if k0 >= horizon:             # <<<<<<<<<<<<<<
  *                 pe = horizon
  *                 ps = horizon
 */
-        goto __pyx_L51;
+        goto __pyx_L39;
       }
 
-      /* "olproute/_score.pyx":177
+      /* "olproute/_score.pyx":251
  *                 ps = horizon
  *             else:
  *                 pe = k0             # <<<<<<<<<<<<<<
@@ -23092,7 +24651,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       /*else*/ {
         __pyx_v_pe = __pyx_v_k0;
 
-        /* "olproute/_score.pyx":178
+        /* "olproute/_score.pyx":252
  *             else:
  *                 pe = k0
  *                 ps = k0 - n_slots             # <<<<<<<<<<<<<<
@@ -23101,7 +24660,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_ps = (__pyx_v_k0 - __pyx_v_n_slots);
 
-        /* "olproute/_score.pyx":179
+        /* "olproute/_score.pyx":253
  *                 pe = k0
  *                 ps = k0 - n_slots
  *                 if ps < 0:             # <<<<<<<<<<<<<<
@@ -23113,7 +24672,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
         if (__pyx_t_1) {
 
 
-          /* "olproute/_score.pyx":180
+          /* "olproute/_score.pyx":254
  *                 ps = k0 - n_slots
  *                 if ps < 0:
  *                     ps = 0             # <<<<<<<<<<<<<<
@@ -23122,17 +24681,17 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
           __pyx_v_ps = 0;
 
-          /* "olproute/_score.pyx":179
+          /* "olproute/_score.pyx":253
  *                 pe = k0
  *                 ps = k0 - n_slots
  *                 if ps < 0:             # <<<<<<<<<<<<<<
  *                     ps = 0
  *                 elif ps > horizon:
 */
-          goto __pyx_L52;
+          goto __pyx_L40;
         }
 
-        /* "olproute/_score.pyx":181
+        /* "olproute/_score.pyx":255
  *                 if ps < 0:
  *                     ps = 0
  *                 elif ps > horizon:             # <<<<<<<<<<<<<<
@@ -23144,7 +24703,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
         if (__pyx_t_1) {
 
 
-          /* "olproute/_score.pyx":182
+          /* "olproute/_score.pyx":256
  *                     ps = 0
  *                 elif ps > horizon:
  *                     ps = horizon             # <<<<<<<<<<<<<<
@@ -23153,7 +24712,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
           __pyx_v_ps = __pyx_v_horizon;
 
-          /* "olproute/_score.pyx":181
+          /* "olproute/_score.pyx":255
  *                 if ps < 0:
  *                     ps = 0
  *                 elif ps > horizon:             # <<<<<<<<<<<<<<
@@ -23161,11 +24720,11 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
  *             kept = pe - ps
 */
         }
-        __pyx_L52:;
+        __pyx_L40:;
       }
-      __pyx_L51:;
+      __pyx_L39:;
 
-      /* "olproute/_score.pyx":183
+      /* "olproute/_score.pyx":257
  *                 elif ps > horizon:
  *                     ps = horizon
  *             kept = pe - ps             # <<<<<<<<<<<<<<
@@ -23174,7 +24733,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_kept = (__pyx_v_pe - __pyx_v_ps);
 
-      /* "olproute/_score.pyx":184
+      /* "olproute/_score.pyx":258
  *                     ps = horizon
  *             kept = pe - ps
  *             if kept < 1:             # <<<<<<<<<<<<<<
@@ -23186,7 +24745,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":185
+        /* "olproute/_score.pyx":259
  *             kept = pe - ps
  *             if kept < 1:
  *                 kept = 1             # <<<<<<<<<<<<<<
@@ -23195,7 +24754,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_kept = 1;
 
-        /* "olproute/_score.pyx":184
+        /* "olproute/_score.pyx":258
  *                     ps = horizon
  *             kept = pe - ps
  *             if kept < 1:             # <<<<<<<<<<<<<<
@@ -23204,7 +24763,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       }
 
-      /* "olproute/_score.pyx":186
+      /* "olproute/_score.pyx":260
  *             if kept < 1:
  *                 kept = 1
  *             ca = work / kept             # <<<<<<<<<<<<<<
@@ -23213,7 +24772,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_ca = (__pyx_v_work / ((double)__pyx_v_kept));
 
-      /* "olproute/_score.pyx":187
+      /* "olproute/_score.pyx":261
  *                 kept = 1
  *             ca = work / kept
  *             if ca > 1.0:             # <<<<<<<<<<<<<<
@@ -23225,7 +24784,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":188
+        /* "olproute/_score.pyx":262
  *             ca = work / kept
  *             if ca > 1.0:
  *                 ca = 1.0             # <<<<<<<<<<<<<<
@@ -23234,7 +24793,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_ca = 1.0;
 
-        /* "olproute/_score.pyx":187
+        /* "olproute/_score.pyx":261
  *                 kept = 1
  *             ca = work / kept
  *             if ca > 1.0:             # <<<<<<<<<<<<<<
@@ -23243,37 +24802,37 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       }
 
-      /* "olproute/_score.pyx":189
+      /* "olproute/_score.pyx":263
  *             if ca > 1.0:
  *                 ca = 1.0
  *             kv_a = (s + 1.0) / kv_cap[g]             # <<<<<<<<<<<<<<
  *             kv_b = (slot_s / tp) / kv_cap[g]
  *             # reward.reward_terms (TTFT from the arrival)
 */
-      __pyx_t_32 = __pyx_v_g;
-      __pyx_v_kv_a = ((__pyx_v_s + 1.0) / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_kv_cap.data) + __pyx_t_32)) )))));
+      __pyx_t_30 = __pyx_v_g;
+      __pyx_v_kv_a = ((__pyx_v_s + 1.0) / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_kv_cap.data) + __pyx_t_30)) )))));
 
-      /* "olproute/_score.pyx":190
+      /* "olproute/_score.pyx":264
  *                 ca = 1.0
  *             kv_a = (s + 1.0) / kv_cap[g]
  *             kv_b = (slot_s / tp) / kv_cap[g]             # <<<<<<<<<<<<<<
  *             # reward.reward_terms (TTFT from the arrival)
  *             tw = t + waited[j]
 */
-      __pyx_t_32 = __pyx_v_g;
-      __pyx_v_kv_b = ((__pyx_v_slot_s / __pyx_v_tp) / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_kv_cap.data) + __pyx_t_32)) )))));
+      __pyx_t_30 = __pyx_v_g;
+      __pyx_v_kv_b = ((__pyx_v_slot_s / __pyx_v_tp) / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_kv_cap.data) + __pyx_t_30)) )))));
 
-      /* "olproute/_score.pyx":192
+      /* "olproute/_score.pyx":266
  *             kv_b = (slot_s / tp) / kv_cap[g]
  *             # reward.reward_terms (TTFT from the arrival)
  *             tw = t + waited[j]             # <<<<<<<<<<<<<<
  *             kw = _first_slot(tw, slot_s, horizon)
  *             dw = _decode_slots(o, tp, slot_s)
 */
-      __pyx_t_32 = __pyx_v_j;
-      __pyx_v_tw = (__pyx_v_t + (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_waited.data) + __pyx_t_32)) ))));
+      __pyx_t_30 = __pyx_v_j;
+      __pyx_v_tw = (__pyx_v_t + (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_waited.data) + __pyx_t_30)) ))));
 
-      /* "olproute/_score.pyx":193
+      /* "olproute/_score.pyx":267
  *             # reward.reward_terms (TTFT from the arrival)
  *             tw = t + waited[j]
  *             kw = _first_slot(tw, slot_s, horizon)             # <<<<<<<<<<<<<<
@@ -23282,7 +24841,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_kw = __pyx_f_8olproute_6_score__first_slot(__pyx_v_tw, __pyx_v_slot_s, __pyx_v_horizon);
 
-      /* "olproute/_score.pyx":194
+      /* "olproute/_score.pyx":268
  *             tw = t + waited[j]
  *             kw = _first_slot(tw, slot_s, horizon)
  *             dw = _decode_slots(o, tp, slot_s)             # <<<<<<<<<<<<<<
@@ -23291,7 +24850,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_dw = __pyx_f_8olproute_6_score__decode_slots(__pyx_v_o, __pyx_v_tp, __pyx_v_slot_s);
 
-      /* "olproute/_score.pyx":195
+      /* "olproute/_score.pyx":269
  *             kw = _first_slot(tw, slot_s, horizon)
  *             dw = _decode_slots(o, tp, slot_s)
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp             # <<<<<<<<<<<<<<
@@ -23302,16 +24861,16 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
       if (__pyx_t_1) {
 
-        __pyx_t_33 = (__pyx_v_horizon - __pyx_v_kw);
+        __pyx_t_31 = (__pyx_v_horizon - __pyx_v_kw);
       } else {
 
-        __pyx_t_33 = 0.0;
+        __pyx_t_31 = 0.0;
       }
 
-      __pyx_v_decode_in_h = ((__pyx_t_33 * __pyx_v_slot_s) / __pyx_v_tp);
+      __pyx_v_decode_in_h = ((__pyx_t_31 * __pyx_v_slot_s) / __pyx_v_tp);
 
 
-      /* "olproute/_score.pyx":196
+      /* "olproute/_score.pyx":270
  *             dw = _decode_slots(o, tp, slot_s)
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
  *             if o < decode_in_h:             # <<<<<<<<<<<<<<
@@ -23323,7 +24882,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":197
+        /* "olproute/_score.pyx":271
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
  *             if o < decode_in_h:
  *                 decode_in_h = o             # <<<<<<<<<<<<<<
@@ -23332,7 +24891,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_decode_in_h = __pyx_v_o;
 
-        /* "olproute/_score.pyx":196
+        /* "olproute/_score.pyx":270
  *             dw = _decode_slots(o, tp, slot_s)
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
  *             if o < decode_in_h:             # <<<<<<<<<<<<<<
@@ -23341,7 +24900,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       }
 
-      /* "olproute/_score.pyx":198
+      /* "olproute/_score.pyx":272
  *             if o < decode_in_h:
  *                 decode_in_h = o
  *             tokens = s + decode_in_h if kw < horizon else 0.0             # <<<<<<<<<<<<<<
@@ -23352,15 +24911,15 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
       if (__pyx_t_1) {
 
-        __pyx_t_33 = (__pyx_v_s + __pyx_v_decode_in_h);
+        __pyx_t_31 = (__pyx_v_s + __pyx_v_decode_in_h);
       } else {
 
-        __pyx_t_33 = 0.0;
+        __pyx_t_31 = 0.0;
       }
 
-      __pyx_v_tokens = __pyx_t_33;
+      __pyx_v_tokens = __pyx_t_31;
 
-      /* "olproute/_score.pyx":199
+      /* "olproute/_score.pyx":273
  *                 decode_in_h = o
  *             tokens = s + decode_in_h if kw < horizon else 0.0
  *             eel = tw + o * tp             # <<<<<<<<<<<<<<
@@ -23369,7 +24928,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_eel = (__pyx_v_tw + (__pyx_v_o * __pyx_v_tp));
 
-      /* "olproute/_score.pyx":200
+      /* "olproute/_score.pyx":274
  *             tokens = s + decode_in_h if kw < horizon else 0.0
  *             eel = tw + o * tp
  *             t2 = target[j] if ttft_thr != ttft_thr else ttft_thr   # NaN: the target             # <<<<<<<<<<<<<<
@@ -23379,17 +24938,17 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       __pyx_t_1 = (__pyx_v_ttft_thr != __pyx_v_ttft_thr);
 
       if (__pyx_t_1) {
-        __pyx_t_32 = __pyx_v_j;
+        __pyx_t_30 = __pyx_v_j;
 
-        __pyx_t_33 = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_target.data) + __pyx_t_32)) )));
+        __pyx_t_31 = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_target.data) + __pyx_t_30)) )));
       } else {
 
-        __pyx_t_33 = __pyx_v_ttft_thr;
+        __pyx_t_31 = __pyx_v_ttft_thr;
       }
 
-      __pyx_v_t2 = __pyx_t_33;
+      __pyx_v_t2 = __pyx_t_31;
 
-      /* "olproute/_score.pyx":201
+      /* "olproute/_score.pyx":275
  *             eel = tw + o * tp
  *             t2 = target[j] if ttft_thr != ttft_thr else ttft_thr   # NaN: the target
  *             qps = sigma             # <<<<<<<<<<<<<<
@@ -23398,7 +24957,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_qps = __pyx_v_sigma;
 
-      /* "olproute/_score.pyx":202
+      /* "olproute/_score.pyx":276
  *             t2 = target[j] if ttft_thr != ttft_thr else ttft_thr   # NaN: the target
  *             qps = sigma
  *             thr = alpha * tokens / token_norm             # <<<<<<<<<<<<<<
@@ -23407,7 +24966,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_thr = ((__pyx_v_alpha * __pyx_v_tokens) / __pyx_v_token_norm);
 
-      /* "olproute/_score.pyx":203
+      /* "olproute/_score.pyx":277
  *             qps = sigma
  *             thr = alpha * tokens / token_norm
  *             eel_saved = wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)             # <<<<<<<<<<<<<<
@@ -23418,16 +24977,16 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
       if (__pyx_t_1) {
 
-        __pyx_t_22 = (__pyx_v_horizon - (__pyx_v_kw + __pyx_v_dw));
+        __pyx_t_19 = (__pyx_v_horizon - (__pyx_v_kw + __pyx_v_dw));
       } else {
 
-        __pyx_t_22 = 0;
+        __pyx_t_19 = 0;
       }
 
-      __pyx_v_eel_saved = (__pyx_v_wbeta * ((double)__pyx_t_22));
+      __pyx_v_eel_saved = (__pyx_v_wbeta * ((double)__pyx_t_19));
 
 
-      /* "olproute/_score.pyx":204
+      /* "olproute/_score.pyx":278
  *             thr = alpha * tokens / token_norm
  *             eel_saved = wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)
  *             ttft_saved = gamma * <double>(horizon - kw if horizon - kw > 0 else 0)             # <<<<<<<<<<<<<<
@@ -23438,16 +24997,16 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
       if (__pyx_t_1) {
 
-        __pyx_t_22 = (__pyx_v_horizon - __pyx_v_kw);
+        __pyx_t_19 = (__pyx_v_horizon - __pyx_v_kw);
       } else {
 
-        __pyx_t_22 = 0;
+        __pyx_t_19 = 0;
       }
 
-      __pyx_v_ttft_saved = (__pyx_v_gamma * ((double)__pyx_t_22));
+      __pyx_v_ttft_saved = (__pyx_v_gamma * ((double)__pyx_t_19));
 
 
-      /* "olproute/_score.pyx":205
+      /* "olproute/_score.pyx":279
  *             eel_saved = wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)
  *             ttft_saved = gamma * <double>(horizon - kw if horizon - kw > 0 else 0)
  *             eel_slo = zeta1 * (1.0 if eel <= eel_thr else 0.0)             # <<<<<<<<<<<<<<
@@ -23458,16 +25017,16 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
       if (__pyx_t_1) {
 
-        __pyx_t_33 = 1.0;
+        __pyx_t_31 = 1.0;
       } else {
 
-        __pyx_t_33 = 0.0;
+        __pyx_t_31 = 0.0;
       }
 
-      __pyx_v_eel_slo = (__pyx_v_zeta1 * __pyx_t_33);
+      __pyx_v_eel_slo = (__pyx_v_zeta1 * __pyx_t_31);
 
 
-      /* "olproute/_score.pyx":206
+      /* "olproute/_score.pyx":280
  *             ttft_saved = gamma * <double>(horizon - kw if horizon - kw > 0 else 0)
  *             eel_slo = zeta1 * (1.0 if eel <= eel_thr else 0.0)
  *             ttft_slo = zeta2 * (1.0 if tw <= t2 else 0.0)             # <<<<<<<<<<<<<<
@@ -23478,27 +25037,27 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
       if (__pyx_t_1) {
 
-        __pyx_t_33 = 1.0;
+        __pyx_t_31 = 1.0;
       } else {
 
-        __pyx_t_33 = 0.0;
+        __pyx_t_31 = 0.0;
       }
 
-      __pyx_v_ttft_slo = (__pyx_v_zeta2 * __pyx_t_33);
+      __pyx_v_ttft_slo = (__pyx_v_zeta2 * __pyx_t_31);
 
 
-      /* "olproute/_score.pyx":207
+      /* "olproute/_score.pyx":281
  *             eel_slo = zeta1 * (1.0 if eel <= eel_thr else 0.0)
  *             ttft_slo = zeta2 * (1.0 if tw <= t2 else 0.0)
  *             util = omega * utility[j, k]             # <<<<<<<<<<<<<<
  *             reward = qps + thr + eel_saved + ttft_saved + eel_slo + ttft_slo + util
  *             # reward.column_price on the columns moved by the book's shift
 */
-      __pyx_t_32 = __pyx_v_j;
-      __pyx_t_31 = __pyx_v_k;
-      __pyx_v_util = (__pyx_v_omega * (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_utility.data + __pyx_t_32 * __pyx_v_utility.strides[0]) ) + __pyx_t_31 * __pyx_v_utility.strides[1]) ))));
+      __pyx_t_30 = __pyx_v_j;
+      __pyx_t_29 = __pyx_v_k;
+      __pyx_v_util = (__pyx_v_omega * (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_utility.data + __pyx_t_30 * __pyx_v_utility.strides[0]) ) + __pyx_t_29 * __pyx_v_utility.strides[1]) ))));
 
-      /* "olproute/_score.pyx":208
+      /* "olproute/_score.pyx":282
  *             ttft_slo = zeta2 * (1.0 if tw <= t2 else 0.0)
  *             util = omega * utility[j, k]
  *             reward = qps + thr + eel_saved + ttft_saved + eel_slo + ttft_slo + util             # <<<<<<<<<<<<<<
@@ -23507,7 +25066,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_reward = ((((((__pyx_v_qps + __pyx_v_thr) + __pyx_v_eel_saved) + __pyx_v_ttft_saved) + __pyx_v_eel_slo) + __pyx_v_ttft_slo) + __pyx_v_util);
 
-      /* "olproute/_score.pyx":210
+      /* "olproute/_score.pyx":284
  *             reward = qps + thr + eel_saved + ttft_saved + eel_slo + ttft_slo + util
  *             # reward.column_price on the columns moved by the book's shift
  *             s0 = k0 + shift             # <<<<<<<<<<<<<<
@@ -23516,7 +25075,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_s0 = (__pyx_v_k0 + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":211
+      /* "olproute/_score.pyx":285
  *             # reward.column_price on the columns moved by the book's shift
  *             s0 = k0 + shift
  *             e0 = end + shift             # <<<<<<<<<<<<<<
@@ -23525,7 +25084,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_e0 = (__pyx_v_end + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":212
+      /* "olproute/_score.pyx":286
  *             s0 = k0 + shift
  *             e0 = end + shift
  *             ps0 = ps + shift             # <<<<<<<<<<<<<<
@@ -23534,7 +25093,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_ps0 = (__pyx_v_ps + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":213
+      /* "olproute/_score.pyx":287
  *             e0 = end + shift
  *             ps0 = ps + shift
  *             pe0 = pe + shift             # <<<<<<<<<<<<<<
@@ -23543,7 +25102,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       __pyx_v_pe0 = (__pyx_v_pe + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":214
+      /* "olproute/_score.pyx":288
  *             ps0 = ps + shift
  *             pe0 = pe + shift
  *             if s0 > horizon:             # <<<<<<<<<<<<<<
@@ -23555,7 +25114,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":215
+        /* "olproute/_score.pyx":289
  *             pe0 = pe + shift
  *             if s0 > horizon:
  *                 s0 = horizon             # <<<<<<<<<<<<<<
@@ -23564,7 +25123,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_s0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":214
+        /* "olproute/_score.pyx":288
  *             ps0 = ps + shift
  *             pe0 = pe + shift
  *             if s0 > horizon:             # <<<<<<<<<<<<<<
@@ -23573,7 +25132,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       }
 
-      /* "olproute/_score.pyx":216
+      /* "olproute/_score.pyx":290
  *             if s0 > horizon:
  *                 s0 = horizon
  *             if e0 > horizon:             # <<<<<<<<<<<<<<
@@ -23585,7 +25144,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":217
+        /* "olproute/_score.pyx":291
  *                 s0 = horizon
  *             if e0 > horizon:
  *                 e0 = horizon             # <<<<<<<<<<<<<<
@@ -23594,7 +25153,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_e0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":216
+        /* "olproute/_score.pyx":290
  *             if s0 > horizon:
  *                 s0 = horizon
  *             if e0 > horizon:             # <<<<<<<<<<<<<<
@@ -23603,7 +25162,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       }
 
-      /* "olproute/_score.pyx":218
+      /* "olproute/_score.pyx":292
  *             if e0 > horizon:
  *                 e0 = horizon
  *             if ps0 > horizon:             # <<<<<<<<<<<<<<
@@ -23615,7 +25174,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":219
+        /* "olproute/_score.pyx":293
  *                 e0 = horizon
  *             if ps0 > horizon:
  *                 ps0 = horizon             # <<<<<<<<<<<<<<
@@ -23624,7 +25183,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_ps0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":218
+        /* "olproute/_score.pyx":292
  *             if e0 > horizon:
  *                 e0 = horizon
  *             if ps0 > horizon:             # <<<<<<<<<<<<<<
@@ -23633,7 +25192,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       }
 
-      /* "olproute/_score.pyx":220
+      /* "olproute/_score.pyx":294
  *             if ps0 > horizon:
  *                 ps0 = horizon
  *             if pe0 > horizon:             # <<<<<<<<<<<<<<
@@ -23645,7 +25204,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":221
+        /* "olproute/_score.pyx":295
  *                 ps0 = horizon
  *             if pe0 > horizon:
  *                 pe0 = horizon             # <<<<<<<<<<<<<<
@@ -23654,7 +25213,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
         __pyx_v_pe0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":220
+        /* "olproute/_score.pyx":294
  *             if ps0 > horizon:
  *                 ps0 = horizon
  *             if pe0 > horizon:             # <<<<<<<<<<<<<<
@@ -23663,64 +25222,64 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 */
       }
 
-      /* "olproute/_score.pyx":222
+      /* "olproute/_score.pyx":296
  *             if pe0 > horizon:
  *                 pe0 = horizon
  *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])             # <<<<<<<<<<<<<<
  *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])
  *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
 */
-      __pyx_t_31 = __pyx_v_g;
-      __pyx_t_32 = __pyx_v_e0;
-      __pyx_t_30 = 0;
       __pyx_t_29 = __pyx_v_g;
-      __pyx_t_28 = __pyx_v_s0;
-      __pyx_t_27 = 0;
+      __pyx_t_30 = __pyx_v_e0;
+      __pyx_t_28 = 0;
+      __pyx_t_27 = __pyx_v_g;
+      __pyx_t_26 = __pyx_v_s0;
+      __pyx_t_25 = 0;
 
-      /* "olproute/_score.pyx":223
+      /* "olproute/_score.pyx":297
  *                 pe0 = horizon
  *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])
  *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])             # <<<<<<<<<<<<<<
  *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
  *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
 */
-      __pyx_t_26 = __pyx_v_g;
-      __pyx_t_13 = __pyx_v_e0;
-      __pyx_t_34 = 1;
-      __pyx_t_35 = __pyx_v_g;
-      __pyx_t_36 = __pyx_v_s0;
-      __pyx_t_37 = 1;
+      __pyx_t_24 = __pyx_v_g;
+      __pyx_t_23 = __pyx_v_e0;
+      __pyx_t_32 = 1;
+      __pyx_t_33 = __pyx_v_g;
+      __pyx_t_34 = __pyx_v_s0;
+      __pyx_t_35 = 1;
 
-      /* "olproute/_score.pyx":224
+      /* "olproute/_score.pyx":298
  *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])
  *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])
  *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))             # <<<<<<<<<<<<<<
  *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
  *             fin = t if isfinite(t) else 1e9
 */
-      __pyx_t_38 = __pyx_v_g;
-      __pyx_t_39 = __pyx_v_e0;
-      __pyx_t_40 = 1;
-      __pyx_t_41 = __pyx_v_g;
-      __pyx_t_42 = __pyx_v_s0;
-      __pyx_t_43 = 1;
+      __pyx_t_36 = __pyx_v_g;
+      __pyx_t_37 = __pyx_v_e0;
+      __pyx_t_38 = 1;
+      __pyx_t_39 = __pyx_v_g;
+      __pyx_t_40 = __pyx_v_s0;
+      __pyx_t_41 = 1;
 
-      /* "olproute/_score.pyx":225
+      /* "olproute/_score.pyx":299
  *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])
  *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
  *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))             # <<<<<<<<<<<<<<
  *             fin = t if isfinite(t) else 1e9
  *             f[F_TTFT, j, g] = t
 */
-      __pyx_t_44 = __pyx_v_g;
-      __pyx_t_45 = __pyx_v_pe0;
-      __pyx_t_46 = 2;
-      __pyx_t_47 = __pyx_v_g;
-      __pyx_t_48 = __pyx_v_ps0;
-      __pyx_t_49 = 2;
-      __pyx_v_price = (((__pyx_v_batch_a * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_31 * __pyx_v_p0.strides[0]) ) + __pyx_t_32 * __pyx_v_p0.strides[1]) )) + __pyx_t_30)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_29 * __pyx_v_p0.strides[0]) ) + __pyx_t_28 * __pyx_v_p0.strides[1]) )) + __pyx_t_27)) ))))) + (((__pyx_v_kv_a - (__pyx_v_kv_b * __pyx_v_s0)) * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_26 * __pyx_v_p0.strides[0]) ) + __pyx_t_13 * __pyx_v_p0.strides[1]) )) + __pyx_t_34)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_35 * __pyx_v_p0.strides[0]) ) + __pyx_t_36 * __pyx_v_p0.strides[1]) )) + __pyx_t_37)) ))))) + (__pyx_v_kv_b * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p1.data + __pyx_t_38 * __pyx_v_p1.strides[0]) ) + __pyx_t_39 * __pyx_v_p1.strides[1]) )) + __pyx_t_40)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p1.data + __pyx_t_41 * __pyx_v_p1.strides[0]) ) + __pyx_t_42 * __pyx_v_p1.strides[1]) )) + __pyx_t_43)) ))))))) + (__pyx_v_ca * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_44 * __pyx_v_p0.strides[0]) ) + __pyx_t_45 * __pyx_v_p0.strides[1]) )) + __pyx_t_46)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_47 * __pyx_v_p0.strides[0]) ) + __pyx_t_48 * __pyx_v_p0.strides[1]) )) + __pyx_t_49)) ))))));
+      __pyx_t_42 = __pyx_v_g;
+      __pyx_t_43 = __pyx_v_pe0;
+      __pyx_t_44 = 2;
+      __pyx_t_45 = __pyx_v_g;
+      __pyx_t_46 = __pyx_v_ps0;
+      __pyx_t_47 = 2;
+      __pyx_v_price = (((__pyx_v_batch_a * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_29 * __pyx_v_p0.strides[0]) ) + __pyx_t_30 * __pyx_v_p0.strides[1]) )) + __pyx_t_28)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_27 * __pyx_v_p0.strides[0]) ) + __pyx_t_26 * __pyx_v_p0.strides[1]) )) + __pyx_t_25)) ))))) + (((__pyx_v_kv_a - (__pyx_v_kv_b * __pyx_v_s0)) * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_24 * __pyx_v_p0.strides[0]) ) + __pyx_t_23 * __pyx_v_p0.strides[1]) )) + __pyx_t_32)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_33 * __pyx_v_p0.strides[0]) ) + __pyx_t_34 * __pyx_v_p0.strides[1]) )) + __pyx_t_35)) ))))) + (__pyx_v_kv_b * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p1.data + __pyx_t_36 * __pyx_v_p1.strides[0]) ) + __pyx_t_37 * __pyx_v_p1.strides[1]) )) + __pyx_t_38)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p1.data + __pyx_t_39 * __pyx_v_p1.strides[0]) ) + __pyx_t_40 * __pyx_v_p1.strides[1]) )) + __pyx_t_41)) ))))))) + (__pyx_v_ca * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_42 * __pyx_v_p0.strides[0]) ) + __pyx_t_43 * __pyx_v_p0.strides[1]) )) + __pyx_t_44)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_45 * __pyx_v_p0.strides[0]) ) + __pyx_t_46 * __pyx_v_p0.strides[1]) )) + __pyx_t_47)) ))))));
 
-      /* "olproute/_score.pyx":226
+      /* "olproute/_score.pyx":300
  *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
  *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
  *             fin = t if isfinite(t) else 1e9             # <<<<<<<<<<<<<<
@@ -23731,403 +25290,403 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
 
       if (__pyx_t_1) {
 
-        __pyx_t_33 = __pyx_v_t;
+        __pyx_t_31 = __pyx_v_t;
       } else {
 
-        __pyx_t_33 = 1e9;
+        __pyx_t_31 = 1e9;
       }
 
-      __pyx_v_fin = __pyx_t_33;
+      __pyx_v_fin = __pyx_t_31;
 
-      /* "olproute/_score.pyx":227
+      /* "olproute/_score.pyx":301
  *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
  *             fin = t if isfinite(t) else 1e9
  *             f[F_TTFT, j, g] = t             # <<<<<<<<<<<<<<
  *             f[F_TPOT, j, g] = tp
  *             f[F_KV_A, j, g] = kv_a
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 227, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 227, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_49 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_49 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_t;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 301, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 301, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_47 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_t;
 
 
-      /* "olproute/_score.pyx":228
+      /* "olproute/_score.pyx":302
  *             fin = t if isfinite(t) else 1e9
  *             f[F_TTFT, j, g] = t
  *             f[F_TPOT, j, g] = tp             # <<<<<<<<<<<<<<
  *             f[F_KV_A, j, g] = kv_a
  *             f[F_KV_B, j, g] = kv_b
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_TPOT); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 228, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 228, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_47 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_49 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_49)) )) = __pyx_v_tp;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TPOT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 302, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 302, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_45 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_47 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_tp;
 
 
-      /* "olproute/_score.pyx":229
+      /* "olproute/_score.pyx":303
  *             f[F_TTFT, j, g] = t
  *             f[F_TPOT, j, g] = tp
  *             f[F_KV_A, j, g] = kv_a             # <<<<<<<<<<<<<<
  *             f[F_KV_B, j, g] = kv_b
  *             f[F_COMPUTE_A, j, g] = ca
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_KV_A); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 229, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 229, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_49 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_49 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_kv_a;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_KV_A); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 303, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 303, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_47 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_kv_a;
 
 
-      /* "olproute/_score.pyx":230
+      /* "olproute/_score.pyx":304
  *             f[F_TPOT, j, g] = tp
  *             f[F_KV_A, j, g] = kv_a
  *             f[F_KV_B, j, g] = kv_b             # <<<<<<<<<<<<<<
  *             f[F_COMPUTE_A, j, g] = ca
  *             f[F_QPS, j, g] = qps
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_KV_B); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 230, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 230, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_47 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_49 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_49)) )) = __pyx_v_kv_b;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_KV_B); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 304, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_45 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_47 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_kv_b;
 
 
-      /* "olproute/_score.pyx":231
+      /* "olproute/_score.pyx":305
  *             f[F_KV_A, j, g] = kv_a
  *             f[F_KV_B, j, g] = kv_b
  *             f[F_COMPUTE_A, j, g] = ca             # <<<<<<<<<<<<<<
  *             f[F_QPS, j, g] = qps
  *             f[F_THROUGHPUT, j, g] = thr
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_COMPUTE_A); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 231, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 231, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_49 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_49 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_ca;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_COMPUTE_A); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 305, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 305, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_47 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ca;
 
 
-      /* "olproute/_score.pyx":232
+      /* "olproute/_score.pyx":306
  *             f[F_KV_B, j, g] = kv_b
  *             f[F_COMPUTE_A, j, g] = ca
  *             f[F_QPS, j, g] = qps             # <<<<<<<<<<<<<<
  *             f[F_THROUGHPUT, j, g] = thr
  *             f[F_EEL_SAVED, j, g] = eel_saved
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_QPS); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 232, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 232, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_47 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_49 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_49)) )) = __pyx_v_qps;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_QPS); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 306, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 306, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_45 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_47 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_qps;
 
 
-      /* "olproute/_score.pyx":233
+      /* "olproute/_score.pyx":307
  *             f[F_COMPUTE_A, j, g] = ca
  *             f[F_QPS, j, g] = qps
  *             f[F_THROUGHPUT, j, g] = thr             # <<<<<<<<<<<<<<
  *             f[F_EEL_SAVED, j, g] = eel_saved
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_THROUGHPUT); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 233, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 233, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_49 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_49 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_thr;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_THROUGHPUT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 307, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 307, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_47 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_thr;
 
 
-      /* "olproute/_score.pyx":234
+      /* "olproute/_score.pyx":308
  *             f[F_QPS, j, g] = qps
  *             f[F_THROUGHPUT, j, g] = thr
  *             f[F_EEL_SAVED, j, g] = eel_saved             # <<<<<<<<<<<<<<
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
  *             f[F_EEL_SLO, j, g] = eel_slo
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_EEL_SAVED); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 234, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 234, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_47 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_49 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_49)) )) = __pyx_v_eel_saved;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_EEL_SAVED); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 308, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 308, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_45 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_47 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_eel_saved;
 
 
-      /* "olproute/_score.pyx":235
+      /* "olproute/_score.pyx":309
  *             f[F_THROUGHPUT, j, g] = thr
  *             f[F_EEL_SAVED, j, g] = eel_saved
  *             f[F_TTFT_SAVED, j, g] = ttft_saved             # <<<<<<<<<<<<<<
  *             f[F_EEL_SLO, j, g] = eel_slo
  *             f[F_TTFT_SLO, j, g] = ttft_slo
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_TTFT_SAVED); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 235, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 235, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_49 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_49 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_ttft_saved;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT_SAVED); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 309, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_47 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ttft_saved;
 
 
-      /* "olproute/_score.pyx":236
+      /* "olproute/_score.pyx":310
  *             f[F_EEL_SAVED, j, g] = eel_saved
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
  *             f[F_EEL_SLO, j, g] = eel_slo             # <<<<<<<<<<<<<<
  *             f[F_TTFT_SLO, j, g] = ttft_slo
  *             f[F_UTILITY, j, g] = util
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_EEL_SLO); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 236, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 236, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_47 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_49 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_49)) )) = __pyx_v_eel_slo;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_EEL_SLO); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 310, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 310, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_45 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_47 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_eel_slo;
 
 
-      /* "olproute/_score.pyx":237
+      /* "olproute/_score.pyx":311
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
  *             f[F_EEL_SLO, j, g] = eel_slo
  *             f[F_TTFT_SLO, j, g] = ttft_slo             # <<<<<<<<<<<<<<
  *             f[F_UTILITY, j, g] = util
  *             f[F_REWARD, j, g] = reward
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_TTFT_SLO); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 237, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 237, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_49 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_49 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_ttft_slo;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT_SLO); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 311, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_47 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ttft_slo;
 
 
-      /* "olproute/_score.pyx":238
+      /* "olproute/_score.pyx":312
  *             f[F_EEL_SLO, j, g] = eel_slo
  *             f[F_TTFT_SLO, j, g] = ttft_slo
  *             f[F_UTILITY, j, g] = util             # <<<<<<<<<<<<<<
  *             f[F_REWARD, j, g] = reward
  *             f[F_PRICE, j, g] = price
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_UTILITY); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 238, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 238, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_47 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_49 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_49)) )) = __pyx_v_util;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_UTILITY); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 312, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 312, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_45 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_47 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_util;
 
 
-      /* "olproute/_score.pyx":239
+      /* "olproute/_score.pyx":313
  *             f[F_TTFT_SLO, j, g] = ttft_slo
  *             f[F_UTILITY, j, g] = util
  *             f[F_REWARD, j, g] = reward             # <<<<<<<<<<<<<<
  *             f[F_PRICE, j, g] = price
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 239, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 239, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_49 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_49 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_reward;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 313, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 313, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_47 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_reward;
 
 
-      /* "olproute/_score.pyx":240
+      /* "olproute/_score.pyx":314
  *             f[F_UTILITY, j, g] = util
  *             f[F_REWARD, j, g] = reward
  *             f[F_PRICE, j, g] = price             # <<<<<<<<<<<<<<
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
  *             f[F_FINITE_TTFT, j, g] = fin
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_PRICE); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 240, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 240, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_47 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_49 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_49)) )) = __pyx_v_price;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_PRICE); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 314, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 314, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_45 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_47 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_price;
 
 
-      /* "olproute/_score.pyx":241
+      /* "olproute/_score.pyx":315
  *             f[F_REWARD, j, g] = reward
  *             f[F_PRICE, j, g] = price
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price             # <<<<<<<<<<<<<<
  *             f[F_FINITE_TTFT, j, g] = fin
  *             iv[I_START, j, g] = k0
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 241, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 241, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_49 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_49 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = ((__pyx_v_reward - (__pyx_v_delta * __pyx_v_fin)) - __pyx_v_price);
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 315, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 315, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_47 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = ((__pyx_v_reward - (__pyx_v_delta * __pyx_v_fin)) - __pyx_v_price);
 
 
-      /* "olproute/_score.pyx":242
+      /* "olproute/_score.pyx":316
  *             f[F_PRICE, j, g] = price
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
  *             f[F_FINITE_TTFT, j, g] = fin             # <<<<<<<<<<<<<<
  *             iv[I_START, j, g] = k0
  *             iv[I_END, j, g] = end
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 242, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 242, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_47 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_49 = __pyx_v_g;
-      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_48 * __pyx_v_f.strides[1]) )) + __pyx_t_49)) )) = __pyx_v_fin;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 316, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 316, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_45 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_47 = __pyx_v_g;
+      *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_fin;
 
 
-      /* "olproute/_score.pyx":243
+      /* "olproute/_score.pyx":317
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
  *             f[F_FINITE_TTFT, j, g] = fin
  *             iv[I_START, j, g] = k0             # <<<<<<<<<<<<<<
  *             iv[I_END, j, g] = end
  *             iv[I_PRE_START, j, g] = ps
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_I_START); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 243, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 243, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_49 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_49 * __pyx_v_iv.strides[0]) ) + __pyx_t_48 * __pyx_v_iv.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_k0;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_START); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 317, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 317, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_47 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_47 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_k0;
 
 
-      /* "olproute/_score.pyx":244
+      /* "olproute/_score.pyx":318
  *             f[F_FINITE_TTFT, j, g] = fin
  *             iv[I_START, j, g] = k0
  *             iv[I_END, j, g] = end             # <<<<<<<<<<<<<<
  *             iv[I_PRE_START, j, g] = ps
  *             iv[I_PRE_END, j, g] = pe
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_I_END); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 244, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 244, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_47 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_49 = __pyx_v_g;
-      *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_47 * __pyx_v_iv.strides[0]) ) + __pyx_t_48 * __pyx_v_iv.strides[1]) )) + __pyx_t_49)) )) = __pyx_v_end;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_END); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 318, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 318, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_45 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_47 = __pyx_v_g;
+      *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_45 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_end;
 
 
-      /* "olproute/_score.pyx":245
+      /* "olproute/_score.pyx":319
  *             iv[I_START, j, g] = k0
  *             iv[I_END, j, g] = end
  *             iv[I_PRE_START, j, g] = ps             # <<<<<<<<<<<<<<
  *             iv[I_PRE_END, j, g] = pe
  *             on[j, g] = tw <= target[j]
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_I_PRE_START); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 245, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 245, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_49 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_49 * __pyx_v_iv.strides[0]) ) + __pyx_t_48 * __pyx_v_iv.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_ps;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_PRE_START); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 319, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 319, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_47 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_47 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ps;
 
 
-      /* "olproute/_score.pyx":246
+      /* "olproute/_score.pyx":320
  *             iv[I_END, j, g] = end
  *             iv[I_PRE_START, j, g] = ps
  *             iv[I_PRE_END, j, g] = pe             # <<<<<<<<<<<<<<
  *             on[j, g] = tw <= target[j]
  *     return f_np, i_np, on_np
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_I_PRE_END); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 246, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_24 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_24 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 246, __pyx_L1_error)
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_47 = __pyx_t_24;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_49 = __pyx_v_g;
-      *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_47 * __pyx_v_iv.strides[0]) ) + __pyx_t_48 * __pyx_v_iv.strides[1]) )) + __pyx_t_49)) )) = __pyx_v_pe;
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_PRE_END); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 320, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 320, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __pyx_t_45 = __pyx_t_21;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_47 = __pyx_v_g;
+      *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_45 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_pe;
 
 
-      /* "olproute/_score.pyx":247
+      /* "olproute/_score.pyx":321
  *             iv[I_PRE_START, j, g] = ps
  *             iv[I_PRE_END, j, g] = pe
  *             on[j, g] = tw <= target[j]             # <<<<<<<<<<<<<<
  *     return f_np, i_np, on_np
  * 
 */
-      __pyx_t_49 = __pyx_v_j;
-      __pyx_t_48 = __pyx_v_j;
-      __pyx_t_47 = __pyx_v_g;
-      *((uint8_t *) ( /* dim=1 */ ((char *) (((uint8_t *) ( /* dim=0 */ (__pyx_v_on.data + __pyx_t_48 * __pyx_v_on.strides[0]) )) + __pyx_t_47)) )) = (__pyx_v_tw <= (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_target.data) + __pyx_t_49)) ))));
+      __pyx_t_47 = __pyx_v_j;
+      __pyx_t_46 = __pyx_v_j;
+      __pyx_t_45 = __pyx_v_g;
+      *((uint8_t *) ( /* dim=1 */ ((char *) (((uint8_t *) ( /* dim=0 */ (__pyx_v_on.data + __pyx_t_46 * __pyx_v_on.strides[0]) )) + __pyx_t_45)) )) = (__pyx_v_tw <= (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_target.data) + __pyx_t_47)) ))));
     }
 
   }
 
 
-  /* "olproute/_score.pyx":248
+  /* "olproute/_score.pyx":322
  *             iv[I_PRE_END, j, g] = pe
  *             on[j, g] = tw <= target[j]
  *     return f_np, i_np, on_np             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 248, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
+  __pyx_t_3 = PyTuple_New(3); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 322, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
   __Pyx_INCREF(__pyx_v_f_np);
   __Pyx_GIVEREF(__pyx_v_f_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_v_f_np) != (0)) __PYX_ERR(0, 248, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_v_f_np) != (0)) __PYX_ERR(0, 322, __pyx_L1_error);
   __Pyx_INCREF(__pyx_v_i_np);
   __Pyx_GIVEREF(__pyx_v_i_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_v_i_np) != (0)) __PYX_ERR(0, 248, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_v_i_np) != (0)) __PYX_ERR(0, 322, __pyx_L1_error);
   __Pyx_INCREF(__pyx_v_on_np);
   __Pyx_GIVEREF(__pyx_v_on_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_v_on_np) != (0)) __PYX_ERR(0, 248, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 2, __pyx_v_on_np) != (0)) __PYX_ERR(0, 322, __pyx_L1_error);
   {
     PyObject *__pyx_temp;
     {
       __pyx_temp = __pyx_r;
-      __pyx_r = __pyx_t_4;
+      __pyx_r = ((PyObject*)__pyx_t_3);
     }
     __Pyx_XDECREF(__pyx_temp);
   }
-  __pyx_t_4 = 0;
+  __pyx_t_3 = 0;
   goto __pyx_L0;
 
-  /* "olproute/_score.pyx":84
+  /* "olproute/_score.pyx":174
  * 
  * 
- * def score_columns(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
+ * cdef tuple _score(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
  *                   const double[:, :] utility, const double[:, :] ttft,
  *                   const double[::1] num_resident, const double[::1] resident_context,
 */
@@ -24138,14 +25697,14 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   __Pyx_XDECREF(__pyx_t_4);
   __Pyx_XDECREF(__pyx_t_6);
   __Pyx_XDECREF(__pyx_t_7);
-  __Pyx_XDECREF(__pyx_t_14);
-  __Pyx_XDECREF(__pyx_t_15);
-  __Pyx_XDECREF(__pyx_t_16);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_17, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_18, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_19, 1);
-  __Pyx_AddTraceback("olproute._score.score_columns", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
+  __Pyx_XDECREF(__pyx_t_8);
+  __Pyx_XDECREF(__pyx_t_9);
+  __Pyx_XDECREF(__pyx_t_10);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_11, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_12, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_13, 1);
+  __Pyx_AddTraceback("olproute._score._score", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = 0;
   __pyx_L0:;
 
 
@@ -24212,7 +25771,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":251
+/* "olproute/_score.pyx":325
  * 
  * 
  * def fits_column(const double[:, ::1] free, int64_t s, int64_t e, double ba, double ka,             # <<<<<<<<<<<<<<
@@ -24269,95 +25828,95 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_free,&__pyx_mstate_global->__pyx_n_u_s,&__pyx_mstate_global->__pyx_n_u_e,&__pyx_mstate_global->__pyx_n_u_ba,&__pyx_mstate_global->__pyx_n_u_ka,&__pyx_mstate_global->__pyx_n_u_kb,&__pyx_mstate_global->__pyx_n_u_ps,&__pyx_mstate_global->__pyx_n_u_pe,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_horizon,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 251, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 325, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "fits_column", 0) < (0)) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "fits_column", 0) < (0)) __PYX_ERR(0, 325, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 10; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, i); __PYX_ERR(0, 251, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, i); __PYX_ERR(0, 325, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 10)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 325, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 325, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 325, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 325, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 325, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 325, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 325, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 325, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 325, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 325, __pyx_L3_error)
     }
-    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 251, __pyx_L3_error)
-    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 251, __pyx_L3_error)
-    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 251, __pyx_L3_error)
-    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 251, __pyx_L3_error)
-    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 251, __pyx_L3_error)
-    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 252, __pyx_L3_error)
-    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 252, __pyx_L3_error)
-    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 252, __pyx_L3_error)
-    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[8]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 252, __pyx_L3_error)
-    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 252, __pyx_L3_error)
+    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 325, __pyx_L3_error)
+    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 325, __pyx_L3_error)
+    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 325, __pyx_L3_error)
+    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 325, __pyx_L3_error)
+    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 325, __pyx_L3_error)
+    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L3_error)
+    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L3_error)
+    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L3_error)
+    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[8]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L3_error)
+    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, __pyx_nargs); __PYX_ERR(0, 251, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, __pyx_nargs); __PYX_ERR(0, 325, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -24412,7 +25971,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("fits_column", 0);
 
-  /* "olproute/_score.pyx":256
+  /* "olproute/_score.pyx":330
  *     ka + kb (slot - start), prefill [ps, pe)) on a capacity curve ``free`` (H, 3)
  *     computed k slots ago keep every slot it covers at free batch and KV >= 0?"""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -24438,7 +25997,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":257
+    /* "olproute/_score.pyx":331
  *     computed k slots ago keep every slot it covers at free batch and KV >= 0?"""
  *     if free.shape[0] < horizon or free.shape[1] != 3:
  *         raise ValueError("free needs shape (H, 3)")             # <<<<<<<<<<<<<<
@@ -24451,14 +26010,14 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_free_needs_shape_H_3};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 257, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 331, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 257, __pyx_L1_error)
+    __PYX_ERR(0, 331, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":256
+    /* "olproute/_score.pyx":330
  *     ka + kb (slot - start), prefill [ps, pe)) on a capacity curve ``free`` (H, 3)
  *     computed k slots ago keep every slot it covers at free batch and KV >= 0?"""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -24467,7 +26026,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":259
+  /* "olproute/_score.pyx":333
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t lo, hi, ds, de, t
  *     lo = (s if e > s else horizon)             # <<<<<<<<<<<<<<
@@ -24486,7 +26045,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
   __pyx_v_lo = __pyx_t_6;
 
-  /* "olproute/_score.pyx":260
+  /* "olproute/_score.pyx":334
  *     cdef int64_t lo, hi, ds, de, t
  *     lo = (s if e > s else horizon)
  *     if (ps if pe > ps else horizon) < lo:             # <<<<<<<<<<<<<<
@@ -24509,7 +26068,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":261
+    /* "olproute/_score.pyx":335
  *     lo = (s if e > s else horizon)
  *     if (ps if pe > ps else horizon) < lo:
  *         lo = ps if pe > ps else horizon             # <<<<<<<<<<<<<<
@@ -24528,7 +26087,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
     __pyx_v_lo = __pyx_t_6;
 
-    /* "olproute/_score.pyx":260
+    /* "olproute/_score.pyx":334
  *     cdef int64_t lo, hi, ds, de, t
  *     lo = (s if e > s else horizon)
  *     if (ps if pe > ps else horizon) < lo:             # <<<<<<<<<<<<<<
@@ -24537,7 +26096,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":262
+  /* "olproute/_score.pyx":336
  *     if (ps if pe > ps else horizon) < lo:
  *         lo = ps if pe > ps else horizon
  *     lo = lo + k             # <<<<<<<<<<<<<<
@@ -24546,7 +26105,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_lo = (__pyx_v_lo + __pyx_v_k);
 
-  /* "olproute/_score.pyx":263
+  /* "olproute/_score.pyx":337
  *         lo = ps if pe > ps else horizon
  *     lo = lo + k
  *     if lo < 0:             # <<<<<<<<<<<<<<
@@ -24558,7 +26117,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":264
+    /* "olproute/_score.pyx":338
  *     lo = lo + k
  *     if lo < 0:
  *         lo = 0             # <<<<<<<<<<<<<<
@@ -24567,7 +26126,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_lo = 0;
 
-    /* "olproute/_score.pyx":263
+    /* "olproute/_score.pyx":337
  *         lo = ps if pe > ps else horizon
  *     lo = lo + k
  *     if lo < 0:             # <<<<<<<<<<<<<<
@@ -24576,7 +26135,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":265
+  /* "olproute/_score.pyx":339
  *     if lo < 0:
  *         lo = 0
  *     hi = (e if e > s else 0)             # <<<<<<<<<<<<<<
@@ -24595,7 +26154,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
   __pyx_v_hi = __pyx_t_6;
 
-  /* "olproute/_score.pyx":266
+  /* "olproute/_score.pyx":340
  *         lo = 0
  *     hi = (e if e > s else 0)
  *     if (pe if pe > ps else 0) > hi:             # <<<<<<<<<<<<<<
@@ -24618,7 +26177,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":267
+    /* "olproute/_score.pyx":341
  *     hi = (e if e > s else 0)
  *     if (pe if pe > ps else 0) > hi:
  *         hi = pe if pe > ps else 0             # <<<<<<<<<<<<<<
@@ -24637,7 +26196,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
     __pyx_v_hi = __pyx_t_6;
 
-    /* "olproute/_score.pyx":266
+    /* "olproute/_score.pyx":340
  *         lo = 0
  *     hi = (e if e > s else 0)
  *     if (pe if pe > ps else 0) > hi:             # <<<<<<<<<<<<<<
@@ -24646,7 +26205,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":268
+  /* "olproute/_score.pyx":342
  *     if (pe if pe > ps else 0) > hi:
  *         hi = pe if pe > ps else 0
  *     hi = hi + k             # <<<<<<<<<<<<<<
@@ -24655,7 +26214,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_hi = (__pyx_v_hi + __pyx_v_k);
 
-  /* "olproute/_score.pyx":269
+  /* "olproute/_score.pyx":343
  *         hi = pe if pe > ps else 0
  *     hi = hi + k
  *     if hi > horizon:             # <<<<<<<<<<<<<<
@@ -24667,7 +26226,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":270
+    /* "olproute/_score.pyx":344
  *     hi = hi + k
  *     if hi > horizon:
  *         hi = horizon             # <<<<<<<<<<<<<<
@@ -24676,7 +26235,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_hi = __pyx_v_horizon;
 
-    /* "olproute/_score.pyx":269
+    /* "olproute/_score.pyx":343
  *         hi = pe if pe > ps else 0
  *     hi = hi + k
  *     if hi > horizon:             # <<<<<<<<<<<<<<
@@ -24685,7 +26244,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":271
+  /* "olproute/_score.pyx":345
  *     if hi > horizon:
  *         hi = horizon
  *     if lo >= hi:             # <<<<<<<<<<<<<<
@@ -24697,7 +26256,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":272
+    /* "olproute/_score.pyx":346
  *         hi = horizon
  *     if lo >= hi:
  *         return True             # <<<<<<<<<<<<<<
@@ -24715,7 +26274,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
     }
     goto __pyx_L0;
 
-    /* "olproute/_score.pyx":271
+    /* "olproute/_score.pyx":345
  *     if hi > horizon:
  *         hi = horizon
  *     if lo >= hi:             # <<<<<<<<<<<<<<
@@ -24724,7 +26283,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":273
+  /* "olproute/_score.pyx":347
  *     if lo >= hi:
  *         return True
  *     ds = s + k             # <<<<<<<<<<<<<<
@@ -24733,7 +26292,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_ds = (__pyx_v_s + __pyx_v_k);
 
-  /* "olproute/_score.pyx":274
+  /* "olproute/_score.pyx":348
  *         return True
  *     ds = s + k
  *     if ds < lo:             # <<<<<<<<<<<<<<
@@ -24745,7 +26304,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":275
+    /* "olproute/_score.pyx":349
  *     ds = s + k
  *     if ds < lo:
  *         ds = lo             # <<<<<<<<<<<<<<
@@ -24754,7 +26313,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_ds = __pyx_v_lo;
 
-    /* "olproute/_score.pyx":274
+    /* "olproute/_score.pyx":348
  *         return True
  *     ds = s + k
  *     if ds < lo:             # <<<<<<<<<<<<<<
@@ -24763,7 +26322,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":276
+  /* "olproute/_score.pyx":350
  *     if ds < lo:
  *         ds = lo
  *     if ds > hi:             # <<<<<<<<<<<<<<
@@ -24775,7 +26334,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":277
+    /* "olproute/_score.pyx":351
  *         ds = lo
  *     if ds > hi:
  *         ds = hi             # <<<<<<<<<<<<<<
@@ -24784,7 +26343,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_ds = __pyx_v_hi;
 
-    /* "olproute/_score.pyx":276
+    /* "olproute/_score.pyx":350
  *     if ds < lo:
  *         ds = lo
  *     if ds > hi:             # <<<<<<<<<<<<<<
@@ -24793,7 +26352,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":278
+  /* "olproute/_score.pyx":352
  *     if ds > hi:
  *         ds = hi
  *     de = e + k             # <<<<<<<<<<<<<<
@@ -24802,7 +26361,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_de = (__pyx_v_e + __pyx_v_k);
 
-  /* "olproute/_score.pyx":279
+  /* "olproute/_score.pyx":353
  *         ds = hi
  *     de = e + k
  *     if de > hi:             # <<<<<<<<<<<<<<
@@ -24814,7 +26373,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":280
+    /* "olproute/_score.pyx":354
  *     de = e + k
  *     if de > hi:
  *         de = hi             # <<<<<<<<<<<<<<
@@ -24823,7 +26382,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_de = __pyx_v_hi;
 
-    /* "olproute/_score.pyx":279
+    /* "olproute/_score.pyx":353
  *         ds = hi
  *     de = e + k
  *     if de > hi:             # <<<<<<<<<<<<<<
@@ -24832,7 +26391,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":281
+  /* "olproute/_score.pyx":355
  *     if de > hi:
  *         de = hi
  *     if de < lo:             # <<<<<<<<<<<<<<
@@ -24844,7 +26403,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":282
+    /* "olproute/_score.pyx":356
  *         de = hi
  *     if de < lo:
  *         de = lo             # <<<<<<<<<<<<<<
@@ -24853,7 +26412,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_de = __pyx_v_lo;
 
-    /* "olproute/_score.pyx":281
+    /* "olproute/_score.pyx":355
  *     if de > hi:
  *         de = hi
  *     if de < lo:             # <<<<<<<<<<<<<<
@@ -24862,7 +26421,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":283
+  /* "olproute/_score.pyx":357
  *     if de < lo:
  *         de = lo
  *     for t in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -24876,7 +26435,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   for (__pyx_t_8 = __pyx_v_lo; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
     __pyx_v_t = __pyx_t_8;
 
-    /* "olproute/_score.pyx":284
+    /* "olproute/_score.pyx":358
  *         de = lo
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:             # <<<<<<<<<<<<<<
@@ -24902,7 +26461,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
     if (__pyx_t_1) {
 
 
-      /* "olproute/_score.pyx":285
+      /* "olproute/_score.pyx":359
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:             # <<<<<<<<<<<<<<
@@ -24932,7 +26491,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":286
+        /* "olproute/_score.pyx":360
  *         if t >= ds and t < de:
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:
  *                 return False             # <<<<<<<<<<<<<<
@@ -24950,7 +26509,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
         }
         goto __pyx_L0;
 
-        /* "olproute/_score.pyx":285
+        /* "olproute/_score.pyx":359
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:             # <<<<<<<<<<<<<<
@@ -24959,7 +26518,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
       }
 
-      /* "olproute/_score.pyx":284
+      /* "olproute/_score.pyx":358
  *         de = lo
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:             # <<<<<<<<<<<<<<
@@ -24969,7 +26528,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       goto __pyx_L17;
     }
 
-    /* "olproute/_score.pyx":287
+    /* "olproute/_score.pyx":361
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:
  *                 return False
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:             # <<<<<<<<<<<<<<
@@ -24999,7 +26558,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
     if (__pyx_t_1) {
 
 
-      /* "olproute/_score.pyx":288
+      /* "olproute/_score.pyx":362
  *                 return False
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:
  *             return False             # <<<<<<<<<<<<<<
@@ -25017,7 +26576,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       }
       goto __pyx_L0;
 
-      /* "olproute/_score.pyx":287
+      /* "olproute/_score.pyx":361
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:
  *                 return False
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:             # <<<<<<<<<<<<<<
@@ -25029,7 +26588,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   }
 
 
-  /* "olproute/_score.pyx":289
+  /* "olproute/_score.pyx":363
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:
  *             return False
  *     return True             # <<<<<<<<<<<<<<
@@ -25047,7 +26606,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   }
   goto __pyx_L0;
 
-  /* "olproute/_score.pyx":251
+  /* "olproute/_score.pyx":325
  * 
  * 
  * def fits_column(const double[:, ::1] free, int64_t s, int64_t e, double ba, double ka,             # <<<<<<<<<<<<<<
@@ -25072,7 +26631,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":292
+/* "olproute/_score.pyx":366
  * 
  * 
  * def subtract_column(double[:, ::1] free, int64_t s, int64_t e, double ba, double ka, double kb,             # <<<<<<<<<<<<<<
@@ -25130,102 +26689,102 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_free,&__pyx_mstate_global->__pyx_n_u_s,&__pyx_mstate_global->__pyx_n_u_e,&__pyx_mstate_global->__pyx_n_u_ba,&__pyx_mstate_global->__pyx_n_u_ka,&__pyx_mstate_global->__pyx_n_u_kb,&__pyx_mstate_global->__pyx_n_u_ps,&__pyx_mstate_global->__pyx_n_u_pe,&__pyx_mstate_global->__pyx_n_u_ca,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_horizon,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 292, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 366, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 292, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 366, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "subtract_column", 0) < (0)) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "subtract_column", 0) < (0)) __PYX_ERR(0, 366, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 11; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, i); __PYX_ERR(0, 292, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, i); __PYX_ERR(0, 366, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 11)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 366, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 366, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 366, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 366, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 366, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 366, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 366, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 366, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 366, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 366, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 292, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 366, __pyx_L3_error)
     }
-    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 292, __pyx_L3_error)
-    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 292, __pyx_L3_error)
-    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 292, __pyx_L3_error)
-    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 292, __pyx_L3_error)
-    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 292, __pyx_L3_error)
-    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 292, __pyx_L3_error)
-    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
-    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
-    __pyx_v_ca = __Pyx_PyFloat_AsDouble(values[8]); if (unlikely((__pyx_v_ca == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
-    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
-    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[10]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
+    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 366, __pyx_L3_error)
+    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
+    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
+    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
+    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
+    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
+    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L3_error)
+    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L3_error)
+    __pyx_v_ca = __Pyx_PyFloat_AsDouble(values[8]); if (unlikely((__pyx_v_ca == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L3_error)
+    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L3_error)
+    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[10]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, __pyx_nargs); __PYX_ERR(0, 292, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, __pyx_nargs); __PYX_ERR(0, 366, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -25281,7 +26840,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("subtract_column", 0);
 
-  /* "olproute/_score.pyx":296
+  /* "olproute/_score.pyx":370
  *     """``reward.take_column``, compiled: subtract the column, on a curve computed k slots
  *     ago, from ``free`` (H, 3) in place."""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -25307,7 +26866,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":297
+    /* "olproute/_score.pyx":371
  *     ago, from ``free`` (H, 3) in place."""
  *     if free.shape[0] < horizon or free.shape[1] != 3:
  *         raise ValueError("free needs shape (H, 3)")             # <<<<<<<<<<<<<<
@@ -25320,14 +26879,14 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_free_needs_shape_H_3};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 297, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 371, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 297, __pyx_L1_error)
+    __PYX_ERR(0, 371, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":296
+    /* "olproute/_score.pyx":370
  *     """``reward.take_column``, compiled: subtract the column, on a curve computed k slots
  *     ago, from ``free`` (H, 3) in place."""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -25336,7 +26895,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":298
+  /* "olproute/_score.pyx":372
  *     if free.shape[0] < horizon or free.shape[1] != 3:
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t             # <<<<<<<<<<<<<<
@@ -25348,7 +26907,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   __pyx_v_qs = (__pyx_v_ps + __pyx_v_k);
   __pyx_v_qe = (__pyx_v_pe + __pyx_v_k);
 
-  /* "olproute/_score.pyx":299
+  /* "olproute/_score.pyx":373
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t
  *     if ds < 0:             # <<<<<<<<<<<<<<
@@ -25360,7 +26919,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":300
+    /* "olproute/_score.pyx":374
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t
  *     if ds < 0:
  *         ds = 0             # <<<<<<<<<<<<<<
@@ -25369,7 +26928,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_ds = 0;
 
-    /* "olproute/_score.pyx":299
+    /* "olproute/_score.pyx":373
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t
  *     if ds < 0:             # <<<<<<<<<<<<<<
@@ -25378,7 +26937,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":301
+  /* "olproute/_score.pyx":375
  *     if ds < 0:
  *         ds = 0
  *     if de > horizon:             # <<<<<<<<<<<<<<
@@ -25390,7 +26949,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":302
+    /* "olproute/_score.pyx":376
  *         ds = 0
  *     if de > horizon:
  *         de = horizon             # <<<<<<<<<<<<<<
@@ -25399,7 +26958,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_de = __pyx_v_horizon;
 
-    /* "olproute/_score.pyx":301
+    /* "olproute/_score.pyx":375
  *     if ds < 0:
  *         ds = 0
  *     if de > horizon:             # <<<<<<<<<<<<<<
@@ -25408,7 +26967,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":303
+  /* "olproute/_score.pyx":377
  *     if de > horizon:
  *         de = horizon
  *     for t in range(ds, de):             # <<<<<<<<<<<<<<
@@ -25422,7 +26981,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   for (__pyx_t_8 = __pyx_v_ds; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
     __pyx_v_t = __pyx_t_8;
 
-    /* "olproute/_score.pyx":304
+    /* "olproute/_score.pyx":378
  *         de = horizon
  *     for t in range(ds, de):
  *         free[t, 0] -= ba             # <<<<<<<<<<<<<<
@@ -25433,7 +26992,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
     __pyx_t_10 = 0;
     *((double *) ( /* dim=1 */ ((char *) (((double *) ( /* dim=0 */ (__pyx_v_free.data + __pyx_t_9 * __pyx_v_free.strides[0]) )) + __pyx_t_10)) )) -= __pyx_v_ba;
 
-    /* "olproute/_score.pyx":305
+    /* "olproute/_score.pyx":379
  *     for t in range(ds, de):
  *         free[t, 0] -= ba
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))             # <<<<<<<<<<<<<<
@@ -25446,7 +27005,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   }
 
 
-  /* "olproute/_score.pyx":306
+  /* "olproute/_score.pyx":380
  *         free[t, 0] -= ba
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))
  *     if qs < 0:             # <<<<<<<<<<<<<<
@@ -25458,7 +27017,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":307
+    /* "olproute/_score.pyx":381
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))
  *     if qs < 0:
  *         qs = 0             # <<<<<<<<<<<<<<
@@ -25467,7 +27026,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_qs = 0;
 
-    /* "olproute/_score.pyx":306
+    /* "olproute/_score.pyx":380
  *         free[t, 0] -= ba
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))
  *     if qs < 0:             # <<<<<<<<<<<<<<
@@ -25476,7 +27035,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":308
+  /* "olproute/_score.pyx":382
  *     if qs < 0:
  *         qs = 0
  *     if qe > horizon:             # <<<<<<<<<<<<<<
@@ -25488,7 +27047,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":309
+    /* "olproute/_score.pyx":383
  *         qs = 0
  *     if qe > horizon:
  *         qe = horizon             # <<<<<<<<<<<<<<
@@ -25497,7 +27056,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_qe = __pyx_v_horizon;
 
-    /* "olproute/_score.pyx":308
+    /* "olproute/_score.pyx":382
  *     if qs < 0:
  *         qs = 0
  *     if qe > horizon:             # <<<<<<<<<<<<<<
@@ -25506,7 +27065,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":310
+  /* "olproute/_score.pyx":384
  *     if qe > horizon:
  *         qe = horizon
  *     for t in range(qs, qe):             # <<<<<<<<<<<<<<
@@ -25519,7 +27078,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   for (__pyx_t_8 = __pyx_v_qs; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
     __pyx_v_t = __pyx_t_8;
 
-    /* "olproute/_score.pyx":311
+    /* "olproute/_score.pyx":385
  *         qe = horizon
  *     for t in range(qs, qe):
  *         free[t, 2] -= ca             # <<<<<<<<<<<<<<
@@ -25530,7 +27089,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   }
 
 
-  /* "olproute/_score.pyx":292
+  /* "olproute/_score.pyx":366
  * 
  * 
  * def subtract_column(double[:, ::1] free, int64_t s, int64_t e, double ba, double ka, double kb,             # <<<<<<<<<<<<<<
@@ -25556,7 +27115,551 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
+
+/* "(tree fragment)":4
+ *     int __Pyx_CheckUnpickleChecksum(long, long, long, long, const char*) except -1
+ *     int __Pyx_UpdateUnpickledDict(object, object, Py_ssize_t) except -1
+ * def __pyx_unpickle_Scorer(__pyx_type, long __pyx_checksum, tuple __pyx_state):             # <<<<<<<<<<<<<<
+ *     cdef object __pyx_result
+ *     __Pyx_CheckUnpickleChecksum(__pyx_checksum, 0x6c4e9d0, 0xc75054f, 0x02de087, b'batch_cap, beta, budget, horizon, kv_cap, max_num_seqs, slot_s, w')
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_8olproute_6_score_9__pyx_unpickle_Scorer(PyObject *__pyx_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+static PyMethodDef __pyx_mdef_8olproute_6_score_9__pyx_unpickle_Scorer = {"__pyx_unpickle_Scorer", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_8olproute_6_score_9__pyx_unpickle_Scorer, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_8olproute_6_score_9__pyx_unpickle_Scorer(PyObject *__pyx_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  PyObject *__pyx_v___pyx_type = 0;
+  long __pyx_v___pyx_checksum;
+  PyObject *__pyx_v___pyx_state = 0;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[3] = {0,0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("__pyx_unpickle_Scorer (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_pyx_type,&__pyx_mstate_global->__pyx_n_u_pyx_checksum,&__pyx_mstate_global->__pyx_n_u_pyx_state,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(1, 4, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  3:
+        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(1, 4, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(1, 4, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(1, 4, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__pyx_unpickle_Scorer", 0) < (0)) __PYX_ERR(1, 4, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__pyx_unpickle_Scorer", 1, 3, 3, i); __PYX_ERR(1, 4, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 3)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(1, 4, __pyx_L3_error)
+      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(1, 4, __pyx_L3_error)
+      values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(1, 4, __pyx_L3_error)
+    }
+    __pyx_v___pyx_type = values[0];
+    __pyx_v___pyx_checksum = __Pyx_PyLong_As_long(values[1]); if (unlikely((__pyx_v___pyx_checksum == (long)-1) && PyErr_Occurred())) __PYX_ERR(1, 4, __pyx_L3_error)
+    __pyx_v___pyx_state = ((PyObject*)values[2]);
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("__pyx_unpickle_Scorer", 1, 3, 3, __pyx_nargs); __PYX_ERR(1, 4, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("olproute._score.__pyx_unpickle_Scorer", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v___pyx_state), (&PyTuple_Type), 1, "__pyx_state", 1))) __PYX_ERR(1, 4, __pyx_L1_error)
+  __pyx_r = __pyx_pf_8olproute_6_score_8__pyx_unpickle_Scorer(__pyx_self, __pyx_v___pyx_type, __pyx_v___pyx_checksum, __pyx_v___pyx_state);
+
+  /* function exit code */
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __pyx_r = NULL;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  goto __pyx_L7_cleaned_up;
+  __pyx_L0:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __pyx_L7_cleaned_up:;
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_8olproute_6_score_8__pyx_unpickle_Scorer(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v___pyx_type, long __pyx_v___pyx_checksum, PyObject *__pyx_v___pyx_state) {
+  PyObject *__pyx_v___pyx_result = 0;
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  int __pyx_t_1;
+  PyObject *__pyx_t_2 = NULL;
+  PyObject *__pyx_t_3 = NULL;
+  size_t __pyx_t_4;
+  int __pyx_t_5;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("__pyx_unpickle_Scorer", 0);
+
+  /* "(tree fragment)":6
+ * def __pyx_unpickle_Scorer(__pyx_type, long __pyx_checksum, tuple __pyx_state):
+ *     cdef object __pyx_result
+ *     __Pyx_CheckUnpickleChecksum(__pyx_checksum, 0x6c4e9d0, 0xc75054f, 0x02de087, b'batch_cap, beta, budget, horizon, kv_cap, max_num_seqs, slot_s, w')             # <<<<<<<<<<<<<<
+ *     __pyx_result = Scorer.__new__(__pyx_type)
+ *     if __pyx_state is not None:
+*/
+  __pyx_t_1 = __Pyx_CheckUnpickleChecksum(__pyx_v___pyx_checksum, 0x6c4e9d0, 0xc75054f, 0x02de087, __pyx_k_batch_cap_beta_budget_horizon_kv); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(1, 6, __pyx_L1_error)
+
+
+  /* "(tree fragment)":7
+ *     cdef object __pyx_result
+ *     __Pyx_CheckUnpickleChecksum(__pyx_checksum, 0x6c4e9d0, 0xc75054f, 0x02de087, b'batch_cap, beta, budget, horizon, kv_cap, max_num_seqs, slot_s, w')
+ *     __pyx_result = Scorer.__new__(__pyx_type)             # <<<<<<<<<<<<<<
+ *     if __pyx_state is not None:
+ *         __pyx_unpickle_Scorer__set_state(<Scorer> __pyx_result, __pyx_state)
+*/
+  __pyx_t_3 = ((PyObject *)__pyx_mstate_global->__pyx_ptype_8olproute_6_score_Scorer);
+  __Pyx_INCREF(__pyx_t_3);
+  __pyx_t_4 = 0;
+  {
+    PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_v___pyx_type};
+    __pyx_t_2 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_new, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+    __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 7, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_2);
+  }
+  __pyx_v___pyx_result = __pyx_t_2;
+  __pyx_t_2 = 0;
+
+  /* "(tree fragment)":8
+ *     __Pyx_CheckUnpickleChecksum(__pyx_checksum, 0x6c4e9d0, 0xc75054f, 0x02de087, b'batch_cap, beta, budget, horizon, kv_cap, max_num_seqs, slot_s, w')
+ *     __pyx_result = Scorer.__new__(__pyx_type)
+ *     if __pyx_state is not None:             # <<<<<<<<<<<<<<
+ *         __pyx_unpickle_Scorer__set_state(<Scorer> __pyx_result, __pyx_state)
+ *     return __pyx_result
+*/
+  __pyx_t_5 = (__pyx_v___pyx_state != ((PyObject*)Py_None));
+  if (__pyx_t_5) {
+
+
+    /* "(tree fragment)":9
+ *     __pyx_result = Scorer.__new__(__pyx_type)
+ *     if __pyx_state is not None:
+ *         __pyx_unpickle_Scorer__set_state(<Scorer> __pyx_result, __pyx_state)             # <<<<<<<<<<<<<<
+ *     return __pyx_result
+ * cdef __pyx_unpickle_Scorer__set_state(Scorer __pyx_result, __pyx_state: tuple):
+*/
+    if (unlikely(__pyx_v___pyx_state == Py_None)) {
+      PyErr_SetString(PyExc_TypeError, "cannot pass None into a C function argument that is declared \047not None\047");
+      __PYX_ERR(1, 9, __pyx_L1_error)
+    }
+    __pyx_t_2 = __pyx_f_8olproute_6_score___pyx_unpickle_Scorer__set_state(((struct __pyx_obj_8olproute_6_score_Scorer *)__pyx_v___pyx_result), __pyx_v___pyx_state); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 9, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_2);
+    __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
+
+    /* "(tree fragment)":8
+ *     __Pyx_CheckUnpickleChecksum(__pyx_checksum, 0x6c4e9d0, 0xc75054f, 0x02de087, b'batch_cap, beta, budget, horizon, kv_cap, max_num_seqs, slot_s, w')
+ *     __pyx_result = Scorer.__new__(__pyx_type)
+ *     if __pyx_state is not None:             # <<<<<<<<<<<<<<
+ *         __pyx_unpickle_Scorer__set_state(<Scorer> __pyx_result, __pyx_state)
+ *     return __pyx_result
+*/
+  }
+
+  /* "(tree fragment)":10
+ *     if __pyx_state is not None:
+ *         __pyx_unpickle_Scorer__set_state(<Scorer> __pyx_result, __pyx_state)
+ *     return __pyx_result             # <<<<<<<<<<<<<<
+ * cdef __pyx_unpickle_Scorer__set_state(Scorer __pyx_result, __pyx_state: tuple):
+ *     __pyx_result.batch_cap = __pyx_state[0]; __pyx_result.beta = __pyx_state[1]; __pyx_result.budget = __pyx_state[2]; __pyx_result.horizon = __pyx_state[3]; __pyx_result.kv_cap = __pyx_state[4]; __pyx_result.max_num_seqs = __pyx_state[5]; __pyx_result.slot_s = __pyx_state[6]; __pyx_result.w = __pyx_state[7]
+*/
+  {
+    PyObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __Pyx_INCREF(__pyx_v___pyx_result);
+      __pyx_r = __pyx_v___pyx_result;
+    }
+    __Pyx_XDECREF(__pyx_temp);
+  }
+  goto __pyx_L0;
+
+  /* "(tree fragment)":4
+ *     int __Pyx_CheckUnpickleChecksum(long, long, long, long, const char*) except -1
+ *     int __Pyx_UpdateUnpickledDict(object, object, Py_ssize_t) except -1
+ * def __pyx_unpickle_Scorer(__pyx_type, long __pyx_checksum, tuple __pyx_state):             # <<<<<<<<<<<<<<
+ *     cdef object __pyx_result
+ *     __Pyx_CheckUnpickleChecksum(__pyx_checksum, 0x6c4e9d0, 0xc75054f, 0x02de087, b'batch_cap, beta, budget, horizon, kv_cap, max_num_seqs, slot_s, w')
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_XDECREF(__pyx_t_3);
+  __Pyx_AddTraceback("olproute._score.__pyx_unpickle_Scorer", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XDECREF(__pyx_v___pyx_result);
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "(tree fragment)":11
+ *         __pyx_unpickle_Scorer__set_state(<Scorer> __pyx_result, __pyx_state)
+ *     return __pyx_result
+ * cdef __pyx_unpickle_Scorer__set_state(Scorer __pyx_result, __pyx_state: tuple):             # <<<<<<<<<<<<<<
+ *     __pyx_result.batch_cap = __pyx_state[0]; __pyx_result.beta = __pyx_state[1]; __pyx_result.budget = __pyx_state[2]; __pyx_result.horizon = __pyx_state[3]; __pyx_result.kv_cap = __pyx_state[4]; __pyx_result.max_num_seqs = __pyx_state[5]; __pyx_result.slot_s = __pyx_state[6]; __pyx_result.w = __pyx_state[7]
+ *     __Pyx_UpdateUnpickledDict(__pyx_result, __pyx_state, 8)
+*/
+
+static PyObject *__pyx_f_8olproute_6_score___pyx_unpickle_Scorer__set_state(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v___pyx_result, PyObject *__pyx_v___pyx_state) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  __Pyx_memviewslice __pyx_t_1 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_2 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_3 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  int64_t __pyx_t_4;
+  __Pyx_memviewslice __pyx_t_5 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_6 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  double __pyx_t_7;
+  __Pyx_memviewslice __pyx_t_8 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  int __pyx_t_9;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("__pyx_unpickle_Scorer__set_state", 0);
+
+  /* "(tree fragment)":12
+ *     return __pyx_result
+ * cdef __pyx_unpickle_Scorer__set_state(Scorer __pyx_result, __pyx_state: tuple):
+ *     __pyx_result.batch_cap = __pyx_state[0]; __pyx_result.beta = __pyx_state[1]; __pyx_result.budget = __pyx_state[2]; __pyx_result.horizon = __pyx_state[3]; __pyx_result.kv_cap = __pyx_state[4]; __pyx_result.max_num_seqs = __pyx_state[5]; __pyx_result.slot_s = __pyx_state[6]; __pyx_result.w = __pyx_state[7]             # <<<<<<<<<<<<<<
+ *     __Pyx_UpdateUnpickledDict(__pyx_result, __pyx_state, 8)
+*/
+  __pyx_t_1 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__Pyx_PyTuple_GET_ITEM(__pyx_v___pyx_state, 0), 0); if (unlikely(!__pyx_t_1.memview)) __PYX_ERR(1, 12, __pyx_L1_error)
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v___pyx_result->batch_cap, 0);
+  __pyx_v___pyx_result->batch_cap = __pyx_t_1;
+  __pyx_t_1.memview = NULL;
+  __pyx_t_1.data = NULL;
+  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(__Pyx_PyTuple_GET_ITEM(__pyx_v___pyx_state, 1), 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(1, 12, __pyx_L1_error)
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v___pyx_result->beta, 0);
+  __pyx_v___pyx_result->beta = __pyx_t_2;
+  __pyx_t_2.memview = NULL;
+  __pyx_t_2.data = NULL;
+  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__Pyx_PyTuple_GET_ITEM(__pyx_v___pyx_state, 2), 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(1, 12, __pyx_L1_error)
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v___pyx_result->budget, 0);
+  __pyx_v___pyx_result->budget = __pyx_t_3;
+  __pyx_t_3.memview = NULL;
+  __pyx_t_3.data = NULL;
+  __pyx_t_4 = __Pyx_PyLong_As_int64_t(__Pyx_PyTuple_GET_ITEM(__pyx_v___pyx_state, 3)); if (unlikely((__pyx_t_4 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(1, 12, __pyx_L1_error)
+  __pyx_v___pyx_result->horizon = __pyx_t_4;
+  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__Pyx_PyTuple_GET_ITEM(__pyx_v___pyx_state, 4), 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(1, 12, __pyx_L1_error)
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v___pyx_result->kv_cap, 0);
+  __pyx_v___pyx_result->kv_cap = __pyx_t_5;
+  __pyx_t_5.memview = NULL;
+  __pyx_t_5.data = NULL;
+  __pyx_t_6 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(__Pyx_PyTuple_GET_ITEM(__pyx_v___pyx_state, 5), 0); if (unlikely(!__pyx_t_6.memview)) __PYX_ERR(1, 12, __pyx_L1_error)
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v___pyx_result->max_num_seqs, 0);
+  __pyx_v___pyx_result->max_num_seqs = __pyx_t_6;
+  __pyx_t_6.memview = NULL;
+  __pyx_t_6.data = NULL;
+  __pyx_t_7 = __Pyx_PyFloat_AsDouble(__Pyx_PyTuple_GET_ITEM(__pyx_v___pyx_state, 6)); if (unlikely((__pyx_t_7 == (double)-1) && PyErr_Occurred())) __PYX_ERR(1, 12, __pyx_L1_error)
+  __pyx_v___pyx_result->slot_s = __pyx_t_7;
+  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__Pyx_PyTuple_GET_ITEM(__pyx_v___pyx_state, 7), 0); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(1, 12, __pyx_L1_error)
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v___pyx_result->w, 0);
+  __pyx_v___pyx_result->w = __pyx_t_8;
+  __pyx_t_8.memview = NULL;
+  __pyx_t_8.data = NULL;
+
+  /* "(tree fragment)":13
+ * cdef __pyx_unpickle_Scorer__set_state(Scorer __pyx_result, __pyx_state: tuple):
+ *     __pyx_result.batch_cap = __pyx_state[0]; __pyx_result.beta = __pyx_state[1]; __pyx_result.budget = __pyx_state[2]; __pyx_result.horizon = __pyx_state[3]; __pyx_result.kv_cap = __pyx_state[4]; __pyx_result.max_num_seqs = __pyx_state[5]; __pyx_result.slot_s = __pyx_state[6]; __pyx_result.w = __pyx_state[7]
+ *     __Pyx_UpdateUnpickledDict(__pyx_result, __pyx_state, 8)             # <<<<<<<<<<<<<<
+*/
+  __pyx_t_9 = __Pyx_UpdateUnpickledDict(((PyObject *)__pyx_v___pyx_result), __pyx_v___pyx_state, 8); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(1, 13, __pyx_L1_error)
+
+
+  /* "(tree fragment)":11
+ *         __pyx_unpickle_Scorer__set_state(<Scorer> __pyx_result, __pyx_state)
+ *     return __pyx_result
+ * cdef __pyx_unpickle_Scorer__set_state(Scorer __pyx_result, __pyx_state: tuple):             # <<<<<<<<<<<<<<
+ *     __pyx_result.batch_cap = __pyx_state[0]; __pyx_result.beta = __pyx_state[1]; __pyx_result.budget = __pyx_state[2]; __pyx_result.horizon = __pyx_state[3]; __pyx_result.kv_cap = __pyx_state[4]; __pyx_result.max_num_seqs = __pyx_state[5]; __pyx_result.slot_s = __pyx_state[6]; __pyx_result.w = __pyx_state[7]
+ *     __Pyx_UpdateUnpickledDict(__pyx_result, __pyx_state, 8)
+*/
+
+  /* function exit code */
+  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_1, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_2, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_3, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_5, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_6, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_8, 1);
+  __Pyx_AddTraceback("olproute._score.__pyx_unpickle_Scorer__set_state", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = 0;
+  __pyx_L0:;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
 /* #### Code section: module_exttypes ### */
+
+static PyObject *__pyx_tp_new__initialisation_8olproute_6_score_Scorer(PyObject *o, 
+#if CYTHON_VECTORCALL_TPNEW
+    CYTHON_UNUSED PyObject *const *args, CYTHON_UNUSED Py_ssize_t nargs, CYTHON_UNUSED PyObject *kwnames
+#else
+    CYTHON_UNUSED PyObject *a, CYTHON_UNUSED PyObject *k
+#endif
+) {
+  struct __pyx_obj_8olproute_6_score_Scorer *p = ((struct __pyx_obj_8olproute_6_score_Scorer *)o);
+  p->beta.data = NULL;
+  p->beta.memview = NULL;
+  p->max_num_seqs.data = NULL;
+  p->max_num_seqs.memview = NULL;
+  p->batch_cap.data = NULL;
+  p->batch_cap.memview = NULL;
+  p->kv_cap.data = NULL;
+  p->kv_cap.memview = NULL;
+  p->budget.data = NULL;
+  p->budget.memview = NULL;
+  p->w.data = NULL;
+  p->w.memview = NULL;
+  return o;
+}
+
+static PyObject *__pyx_tp_new_vectorcall_8olproute_6_score_Scorer(PyTypeObject *t, 
+#if CYTHON_VECTORCALL_TPNEW
+    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
+#else
+    PyObject *a, PyObject *k
+#endif
+) {
+  PyObject *o;
+  o = __Pyx_AllocateExtensionType(t, 0);
+  if (unlikely(!o)) return 0;
+  return __pyx_tp_new__initialisation_8olproute_6_score_Scorer(o, 
+#if CYTHON_VECTORCALL_TPNEW
+    args, nargs, kwnames
+#else
+    a, k
+#endif
+);
+}
+
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_new_8olproute_6_score_Scorer(PyTypeObject *t, PyObject *a, PyObject *k) {
+  return __Pyx_CallTpnewAsVectorcall(__pyx_tp_new_vectorcall_8olproute_6_score_Scorer, t, a, k);
+}
+#endif
+
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_vectorcall_8olproute_6_score_Scorer(PyObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+  if (unlikely((PyTypeObject*)t != __pyx_mstate_global->__pyx_ptype_8olproute_6_score_Scorer || __Pyx_PyType_HasFeature((PyTypeObject*)t, Py_TPFLAGS_IS_ABSTRACT))) {
+    return __Pyx_CallNewInitFromVectorcall((PyTypeObject*)t, args, nargsf, kwnames);
+  }
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  PyObject *o = __pyx_tp_new_vectorcall_8olproute_6_score_Scorer((PyTypeObject*)t, args, nargs, kwnames);
+  if (likely(o)) {
+    assert(Py_TYPE(o) == (PyTypeObject*)t);
+    if (unlikely(__pyx_pw_8olproute_6_score_6Scorer_1__init__(o, args, nargs, kwnames) < 0)) {
+      Py_CLEAR(o);
+    }
+  }
+  return o;
+}
+#endif
+
+#if CYTHON_VECTORCALL_TPNEW
+static int __pyx_tp_init_8olproute_6_score_Scorer(PyObject *o, PyObject *args, PyObject *kwds) {
+  return __Pyx_CallTpinitAsVectorcall(__pyx_pw_8olproute_6_score_6Scorer_1__init__, o, args, kwds);
+}
+#endif
+
+static void __pyx_tp_dealloc_8olproute_6_score_Scorer(PyObject *o) {
+  struct __pyx_obj_8olproute_6_score_Scorer *p = (struct __pyx_obj_8olproute_6_score_Scorer *)o;
+  #if CYTHON_USE_TP_FINALIZE
+  if (unlikely(__Pyx_PyObject_GetSlot(o, tp_finalize, destructor)) && (!PyType_IS_GC(Py_TYPE(o)) || !__Pyx_PyObject_GC_IsFinalized(o))) {
+    if (__Pyx_PyObject_GetSlot(o, tp_dealloc, destructor) == __pyx_tp_dealloc_8olproute_6_score_Scorer) {
+      if (PyObject_CallFinalizerFromDealloc(o)) return;
+    }
+  }
+  #endif
+  __PYX_XCLEAR_MEMVIEW(&p->beta, 1);; p->beta.memview = NULL; p->beta.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&p->max_num_seqs, 1);; p->max_num_seqs.memview = NULL; p->max_num_seqs.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&p->batch_cap, 1);; p->batch_cap.memview = NULL; p->batch_cap.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&p->kv_cap, 1);; p->kv_cap.memview = NULL; p->kv_cap.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&p->budget, 1);; p->budget.memview = NULL; p->budget.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&p->w, 1);; p->w.memview = NULL; p->w.data = NULL;
+  PyTypeObject *tp = Py_TYPE(o);
+  #if CYTHON_USE_TYPE_SLOTS
+  (*tp->tp_free)(o);
+  #else
+  {
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    if (tp_free) tp_free(o);
+  }
+  #endif
+  #if CYTHON_USE_TYPE_SPECS
+  Py_DECREF(tp);
+  #endif
+}
+
+static PyMethodDef __pyx_methods_8olproute_6_score_Scorer[] = {
+  {"score", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_8olproute_6_score_6Scorer_3score, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_8olproute_6_score_6Scorer_2score},
+  {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_8olproute_6_score_6Scorer_5__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0},
+  {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_8olproute_6_score_6Scorer_7__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0},
+  {0, 0, 0, 0}
+};
+#if CYTHON_USE_TYPE_SPECS
+static PyType_Slot __pyx_type_8olproute_6_score_Scorer_slots[] = {
+  {Py_tp_dealloc, (void *)__pyx_tp_dealloc_8olproute_6_score_Scorer},
+  {Py_tp_doc, (void *)PyDoc_STR("``score_columns`` with the per-instance constants bound once (one policy\047s): a\n    decision passes only what changes. ``beta`` is read where it lies, so a recalibration\n    written into that array in place is seen at the next call. ``score`` counts the\n    residents itself (``decode_loads``).")},
+  {Py_tp_methods, (void *)__pyx_methods_8olproute_6_score_Scorer},
+  {Py_tp_init, (void *)__pyx_tp_init_8olproute_6_score_Scorer},
+  {Py_tp_new, (void *)__pyx_tp_new_8olproute_6_score_Scorer},
+  #if (!CYTHON_COMPILING_IN_PYPY || PYPY_VERSION_NUM >= 0x07030800) && (!CYTHON_COMPILING_IN_LIMITED_API || __PYX_LIMITED_VERSION_HEX >= 0x030E0000)
+  #if CYTHON_VECTORCALL_TPNEW
+  {Py_tp_vectorcall, (void *)__pyx_tp_vectorcall_8olproute_6_score_Scorer},
+  #endif
+  #endif
+  {0, 0},
+};
+static PyType_Spec __pyx_type_8olproute_6_score_Scorer_spec = {
+  "olproute._score.Scorer",
+  sizeof(struct __pyx_obj_8olproute_6_score_Scorer),
+  0,
+  Py_TPFLAGS_DEFAULT|Py_TPFLAGS_HAVE_VERSION_TAG|Py_TPFLAGS_BASETYPE,
+  __pyx_type_8olproute_6_score_Scorer_slots,
+};
+#else
+
+static PyTypeObject __pyx_type_8olproute_6_score_Scorer = {
+  PyVarObject_HEAD_INIT(0, 0)
+  "olproute._score.""Scorer", /*tp_name*/
+  sizeof(struct __pyx_obj_8olproute_6_score_Scorer), /*tp_basicsize*/
+  0, /*tp_itemsize*/
+  __pyx_tp_dealloc_8olproute_6_score_Scorer, /*tp_dealloc*/
+  0, /*tp_vectorcall_offset*/
+  0, /*tp_getattr*/
+  0, /*tp_setattr*/
+  0, /*tp_as_async*/
+  0, /*tp_repr*/
+  0, /*tp_as_number*/
+  0, /*tp_as_sequence*/
+  0, /*tp_as_mapping*/
+  0, /*tp_hash*/
+  0, /*tp_call*/
+  0, /*tp_str*/
+  0, /*tp_getattro*/
+  0, /*tp_setattro*/
+  0, /*tp_as_buffer*/
+  Py_TPFLAGS_DEFAULT|Py_TPFLAGS_HAVE_VERSION_TAG|Py_TPFLAGS_BASETYPE, /*tp_flags*/
+  PyDoc_STR("``score_columns`` with the per-instance constants bound once (one policy\047s): a\n    decision passes only what changes. ``beta`` is read where it lies, so a recalibration\n    written into that array in place is seen at the next call. ``score`` counts the\n    residents itself (``decode_loads``)."), /*tp_doc*/
+  0, /*tp_traverse*/
+  0, /*tp_clear*/
+  0, /*tp_richcompare*/
+  0, /*tp_weaklistoffset*/
+  0, /*tp_iter*/
+  0, /*tp_iternext*/
+  __pyx_methods_8olproute_6_score_Scorer, /*tp_methods*/
+  0, /*tp_members*/
+  0, /*tp_getset*/
+  0, /*tp_base*/
+  0, /*tp_dict*/
+  0, /*tp_descr_get*/
+  0, /*tp_descr_set*/
+  #if !CYTHON_USE_TYPE_SPECS
+  0, /*tp_dictoffset*/
+  #endif
+  __pyx_tp_init_8olproute_6_score_Scorer, /*tp_init*/
+  0, /*tp_alloc*/
+  __pyx_tp_new_8olproute_6_score_Scorer, /*tp_new*/
+  0, /*tp_free*/
+  0, /*tp_is_gc*/
+  0, /*tp_bases*/
+  0, /*tp_mro*/
+  0, /*tp_cache*/
+  0, /*tp_subclasses*/
+  0, /*tp_weaklist*/
+  0, /*tp_del*/
+  0, /*tp_version_tag*/
+  #if CYTHON_USE_TP_FINALIZE
+  0, /*tp_finalize*/
+  #else
+  NULL, /*tp_finalize*/
+  #endif
+  #if (!CYTHON_COMPILING_IN_PYPY || PYPY_VERSION_NUM >= 0x07030800) && (!CYTHON_COMPILING_IN_LIMITED_API || __PYX_LIMITED_VERSION_HEX >= 0x030E0000)
+  #if CYTHON_VECTORCALL_TPNEW
+  __pyx_tp_vectorcall_8olproute_6_score_Scorer, /*tp_vectorcall*/
+  #else
+  NULL, /*tp_vectorcall*/
+  #endif
+  #endif
+  #if __PYX_NEED_TP_PRINT_SLOT == 1
+  0, /*tp_print*/
+  #endif
+  #if PY_VERSION_HEX >= 0x030C0000
+  0, /*tp_watched*/
+  #endif
+  #if PY_VERSION_HEX >= 0x030d00A4
+  0, /*tp_versions_used*/
+  #endif
+  #if CYTHON_COMPILING_IN_PYPY && PY_VERSION_HEX < 0x030a0000
+  0, /*tp_pypy_flags*/
+  #endif
+};
+#endif
 static struct __pyx_vtabstruct_array __pyx_vtable_array;
 
 static PyObject *__pyx_tp_new__initialisation_array(PyObject *o, 
@@ -26668,6 +28771,7 @@ static CYTHON_SMALL_CODE int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate)
 static CYTHON_SMALL_CODE int __Pyx_modinit_Global_init_code(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Variable_export_code(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Function_export_code(__pyx_mstatetype *__pyx_mstate); /*proto*/
+static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_obj_8olproute_6_score_Scorer(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_array_obj(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_MemviewEnum_obj(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_memoryview_obj(__pyx_mstatetype *__pyx_mstate); /*proto*/
@@ -26709,6 +28813,41 @@ static int __Pyx_modinit_Function_export_code(__pyx_mstatetype *__pyx_mstate) {
   /*--- Function export code ---*/
   __Pyx_RefNannyFinishContext();
   return 0;
+}
+
+static int __Pyx_modinit_Exttype___pyx_obj_8olproute_6_score_Scorer(__pyx_mstatetype *__pyx_mstate) {
+  __Pyx_RefNannyDeclarations
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  CYTHON_UNUSED_VAR(__pyx_mstate);
+  __Pyx_RefNannySetupContext("__Pyx_modinit_Exttype___pyx_obj_8olproute_6_score_Scorer", 0);
+  /*--- Exttype __pyx_obj_8olproute_6_score_Scorer ---*/
+  #if CYTHON_USE_TYPE_SPECS
+  __pyx_mstate->__pyx_ptype_8olproute_6_score_Scorer = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_8olproute_6_score_Scorer_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_8olproute_6_score_Scorer)) __PYX_ERR(0, 88, __pyx_L1_error)
+  #else
+  __pyx_mstate->__pyx_ptype_8olproute_6_score_Scorer = &__pyx_type_8olproute_6_score_Scorer;
+  #endif
+  #if !CYTHON_COMPILING_IN_LIMITED_API
+  #endif
+  #if !CYTHON_USE_TYPE_SPECS
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_8olproute_6_score_Scorer) < (0)) __PYX_ERR(0, 88, __pyx_L1_error)
+  #endif
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_8olproute_6_score_Scorer);
+  #endif
+  #if !CYTHON_COMPILING_IN_LIMITED_API
+  if ((CYTHON_USE_TYPE_SLOTS && CYTHON_USE_PYTYPE_LOOKUP) && likely(!__pyx_mstate->__pyx_ptype_8olproute_6_score_Scorer->tp_dictoffset && __pyx_mstate->__pyx_ptype_8olproute_6_score_Scorer->tp_getattro == PyObject_GenericGetAttr)) {
+    __pyx_mstate->__pyx_ptype_8olproute_6_score_Scorer->tp_getattro = PyObject_GenericGetAttr;
+  }
+  #endif
+  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Scorer, (PyObject *) __pyx_mstate->__pyx_ptype_8olproute_6_score_Scorer) < (0)) __PYX_ERR(0, 88, __pyx_L1_error)
+  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_8olproute_6_score_Scorer) < (0)) __PYX_ERR(0, 88, __pyx_L1_error)
+  __Pyx_RefNannyFinishContext();
+  return 0;
+  __pyx_L1_error:;
+  __Pyx_RefNannyFinishContext();
+  return -1;
 }
 
 static int __Pyx_modinit_Exttype___pyx_array_obj(__pyx_mstatetype *__pyx_mstate) {
@@ -27378,6 +29517,7 @@ __Pyx_RefNannySetupContext("PyInit__score", 0);
   (void)__Pyx_modinit_Variable_export_code(__pyx_mstate);
   (void)__Pyx_modinit_Function_export_code(__pyx_mstate);
   /*--- Type init code ---*/
+  if (unlikely((__Pyx_modinit_Exttype___pyx_obj_8olproute_6_score_Scorer(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_array_obj(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_MemviewEnum_obj(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_memoryview_obj(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
@@ -28134,49 +30274,106 @@ __Pyx_RefNannySetupContext("PyInit__score", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_decode_loads, __pyx_t_4) < (0)) __PYX_ERR(0, 56, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "olproute/_score.pyx":84
+  /* "olproute/_score.pyx":115
+ *         self.slot_s, self.horizon = slot_s, horizon
+ * 
+ *     def score(self, list snapshots, const int64_t[::1] idx, const double[::1] prompt,             # <<<<<<<<<<<<<<
+ *               const double[:, :] decode, const double[:, :] utility,
+ *               const double[:, :] ttft, const double[::1] waited, const double[::1] target,
+*/
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_6Scorer_3score, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Scorer_score, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 115, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
+  #endif
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_8olproute_6_score_Scorer, __pyx_mstate_global->__pyx_n_u_score, __pyx_t_4) < (0)) __PYX_ERR(0, 115, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+
+  /* "(tree fragment)":1
+ * def __reduce_cython__(self):             # <<<<<<<<<<<<<<
+ *     cdef tuple state
+ *     cdef object _dict
+*/
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_6Scorer_5__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Scorer___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_4)) __PYX_ERR(1, 1, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
+  #endif
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_8olproute_6_score_Scorer, __pyx_mstate_global->__pyx_n_u_reduce_cython, __pyx_t_4) < (0)) __PYX_ERR(1, 1, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+
+  /* "(tree fragment)":17
+ *     else:
+ *         return __pyx_unpickle_Scorer, (type(self), 0x6c4e9d0, state)
+ * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
+ *     __pyx_unpickle_Scorer__set_state(self, __pyx_state)
+*/
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_6Scorer_7__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Scorer___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_4)) __PYX_ERR(1, 17, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
+  #endif
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_8olproute_6_score_Scorer, __pyx_mstate_global->__pyx_n_u_setstate_cython, __pyx_t_4) < (0)) __PYX_ERR(1, 17, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+
+  /* "olproute/_score.pyx":150
  * 
  * 
  * def score_columns(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
  *                   const double[:, :] utility, const double[:, :] ttft,
  *                   const double[::1] num_resident, const double[::1] resident_context,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_3score_columns, 0, __pyx_mstate_global->__pyx_n_u_score_columns, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 84, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_3score_columns, 0, __pyx_mstate_global->__pyx_n_u_score_columns, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 150, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_score_columns, __pyx_t_4) < (0)) __PYX_ERR(0, 84, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_score_columns, __pyx_t_4) < (0)) __PYX_ERR(0, 150, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "olproute/_score.pyx":251
+  /* "olproute/_score.pyx":325
  * 
  * 
  * def fits_column(const double[:, ::1] free, int64_t s, int64_t e, double ba, double ka,             # <<<<<<<<<<<<<<
  *                 double kb, int64_t ps, int64_t pe, int64_t k, int64_t horizon):
  *     """``reward.fits_under``, compiled: does the column (start s, end e, batch ba, KV
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_5fits_column, 0, __pyx_mstate_global->__pyx_n_u_fits_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 251, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_5fits_column, 0, __pyx_mstate_global->__pyx_n_u_fits_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 325, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_fits_column, __pyx_t_4) < (0)) __PYX_ERR(0, 251, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_fits_column, __pyx_t_4) < (0)) __PYX_ERR(0, 325, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "olproute/_score.pyx":292
+  /* "olproute/_score.pyx":366
  * 
  * 
  * def subtract_column(double[:, ::1] free, int64_t s, int64_t e, double ba, double ka, double kb,             # <<<<<<<<<<<<<<
  *                 int64_t ps, int64_t pe, double ca, int64_t k, int64_t horizon):
  *     """``reward.take_column``, compiled: subtract the column, on a curve computed k slots
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_7subtract_column, 0, __pyx_mstate_global->__pyx_n_u_subtract_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 292, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_7subtract_column, 0, __pyx_mstate_global->__pyx_n_u_subtract_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 366, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_subtract_column, __pyx_t_4) < (0)) __PYX_ERR(0, 292, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_subtract_column, __pyx_t_4) < (0)) __PYX_ERR(0, 366, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+
+  /* "(tree fragment)":4
+ *     int __Pyx_CheckUnpickleChecksum(long, long, long, long, const char*) except -1
+ *     int __Pyx_UpdateUnpickledDict(object, object, Py_ssize_t) except -1
+ * def __pyx_unpickle_Scorer(__pyx_type, long __pyx_checksum, tuple __pyx_state):             # <<<<<<<<<<<<<<
+ *     cdef object __pyx_result
+ *     __Pyx_CheckUnpickleChecksum(__pyx_checksum, 0x6c4e9d0, 0xc75054f, 0x02de087, b'batch_cap, beta, budget, horizon, kv_cap, max_num_seqs, slot_s, w')
+*/
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_9__pyx_unpickle_Scorer, 0, __pyx_mstate_global->__pyx_n_u_pyx_unpickle_Scorer, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_4)) __PYX_ERR(1, 4, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
+  #endif
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_pyx_unpickle_Scorer, __pyx_t_4) < (0)) __PYX_ERR(1, 4, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   /* "olproute/_score.pyx":1
@@ -28315,7 +30512,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
  *     cdef Py_ssize_t d = idx.shape[0]
  *     n_np = np.empty(d, dtype=np.float64)             # <<<<<<<<<<<<<<
  *     ctx_np = np.empty(d, dtype=np.float64)
- *     cdef double[::1] n_out = n_np
+ *     _count_loads(snapshots, idx, max_num_seqs, n_np, ctx_np)
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
@@ -28383,50 +30580,41 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{8},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{8},{60},{15},{49},{7},{6},{23},{2},{16},{9},{50},{61},{39},{34},{19},{34},{18},{30},{37},{8},{44},{5},{8},{11},{11},{9},{13},{6},{6},{12},{7},{5},{8},{12},{6},{6},{12},{10},{9},{1},{5},{9},{11},{7},{1},{5},{5},{8},{15},{7},{6},{7},{15},{7},{7},{7},{12},{16},{7},{7},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{15},{5},{18},{2},{4},{7},{9},{4},{5},{6},{1},{2},{18},{5},{6},{7},{1},{2},{6},{11},{12},{5},{2},{5},{15},{2},{1},{2},{3},{9},{7},{7},{5},{6},{3},{9},{5},{1},{4},{3},{11},{5},{7},{6},{7},{4},{1},{5},{2},{7},{1},{4},{2},{3},{5},{5},{5},{8},{2},{1},{1},{2},{2},{2},{4},{4},{4},{6},{2},{2},{12},{7},{4},{1},{4},{5},{7},{4},{4},{2},{13},{12},{5},{1},{3},{15},{5},{2},{5},{2},{2},{4},{2},{3},{3},{5},{6},{2},{3},{2},{3},{2},{1},{8},{16},{6},{1},{2},{13},{10},{5},{5},{5},{4},{6},{9},{5},{4},{4},{6},{15},{1},{2},{5},{6},{3},{10},{6},{5},{2},{4},{10},{8},{8},{2},{5},{6},{6},{4},{7},{6},{4},{1},{6},{5},{4},{1},{5},{5},{5}};
-    const struct { const unsigned int length: 11; } bytes_length_index[] = {{1},{202},{213},{393},{1965}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{8},{15},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{8},{60},{15},{49},{7},{6},{23},{2},{16},{9},{41},{50},{61},{39},{34},{19},{34},{18},{38},{30},{37},{8},{44},{5},{8},{11},{11},{9},{13},{6},{6},{12},{7},{5},{8},{12},{6},{6},{12},{10},{9},{1},{5},{9},{11},{7},{5},{5},{6},{24},{26},{12},{8},{15},{7},{6},{7},{15},{7},{7},{7},{12},{16},{7},{7},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{12},{11},{10},{19},{21},{14},{12},{10},{17},{13},{12},{12},{19},{8},{5},{13},{3},{15},{18},{2},{4},{9},{4},{5},{6},{1},{2},{18},{7},{5},{6},{1},{2},{6},{12},{2},{5},{15},{1},{5},{6},{9},{5},{11},{5},{7},{6},{7},{4},{2},{7},{2},{3},{5},{5},{5},{8},{1},{2},{2},{6},{2},{12},{7},{4},{4},{5},{4},{4},{2},{13},{12},{5},{3},{15},{2},{2},{4},{2},{3},{6},{2},{2},{2},{8},{16},{1},{5},{13},{4},{10},{5},{5},{4},{6},{9},{5},{5},{4},{4},{6},{15},{1},{5},{6},{4},{5},{6},{6},{12},{7},{6},{4},{1},{6},{1},{5}};
+    const struct { const unsigned int length: 9; } bytes_length_index[] = {{1},{11},{55},{202},{71},{130},{393},{83},{174}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 2 /* compression: bz2 (2884 bytes) */
-static const char cstring[] = "BZh91AY&SYQ\352\376`\000\001j\377\377\377\377\377\377\377\377\377\367\277\357\377\377\277\377\377\376@@@@@@@@@@@@@\000@\000`\n\333\356\223\036\246\345\350\034\363z\014\200\003@\004<\000\017x\r4E5M\000\003\312doI\240OLi15=O\024\375\023MOQ\246\2322\000\000\000\000i\220\310\031\006\201(\200\004#!\240\214\200\251\371\024\375\0244\036\241\351\000\000\000\000\000\000\000\017P\320\000\rL\004\200\2414\000\001\240\006\200\000\000\0004\320\000\000\0004\00011\2244\032\023H\324\312\236S\324\365?T\3312\236\230S\324\3654\3657\251\244i\246\232\032\014\200h\302\003 \321\201\r\031\r2i\246e\003M\0102`\004\300\000L\001\032a\030\000\000\000&M14\030\001\030\000\000\000\001\"\204MOH\236\223\322b`\2324\323@d4\304\000\000\000h\000\323C\020\03141\000\000hN\231\231\226\237\273)\001\217)\014\201\2222\256]&\272\024\356\241J\014:\206R1p\002\022\231J\211\212\204\311L\023)\2211E\006\237\365\244&\323`\026\025\002\315-14\251S\3779\034\203\223b =\351 \020\314r\017\036Y\310\340\213\336>$\312\272i\262\204\010\261\032m&\301\261(\250\261Q\030]\0001\022d\020\322\030\224AL\320F(nk\273\320\210\021\002\251UV\257^\273\306(\230@\034\260s\0300z\232RbR\314J\210\364$H*M+Z\223J\255(\024\245\022\224\245\301:\013JPzu\300H*\244\002\000Y\357M\020\034\007\023\255\306\003\331]t\311\211\247m\370\260;6X\212\265\226\262\275\340\200\207\007\047\304\304\3069vp\277t\360\370\203\013\3457\305nJ~\361\261Q\306=\353\221\027?\244\365-\323L\212\254G\266+\251e\315\330\324(\214S\230X\316\021\n\330B\326\006\031d\316\3457N\361\347+\303dw\244^\242\332T\332p\233\r\363`6\254\n\204\240\315\3439K\351\202\230+\242\245Tr\204f\241\204/\025X\024+\222 \327m0D\203\200\2404\232\004\303\270\220q \322\r<\031\274\234\345\251\230P\240\344[\2673\276OB\204\307\326KE\017\026`x;\273\035_e\252<k\032\254w\306mH\251\206W\343\207)\3272\222\311\223U%\047\351\021\242\"a\351\243\256\234\005\000)\020\204\252\n*\3252y\241^\020gLX\341b\367J\235\324\002\010\221$\221B\204\354F(DH\221H\244C\252\304\313\311\312)\nI\331J\310\247PY\"\24199\331\242D\260\352EF\267j\230""\274k\273C\t\026\010\203\201\251\3221\017S\330\347\350\373\347,=\246\014M\032\035\302\265\264\025\300[\006\256\362Q\221\t\304\030\215l\023@\364b\017\037\237\031\343\204\3776u*\026\004\262X,\026\265\325\375Z\314BH\233}\363\020\047\303\201\245|\216\032t\266\343Xi\257\014\203\201\004\240%\tI(a\274@\202\204\355\337\357sn\333\217(\301\026<x\356\343\371\357\247\242\337\313f\215z\256\246\354N\274\221wQ\334\357\364_\323,\307\333\331/f\355\210\245\327\031l\017\211\325t^\270\355=\034\263\241\022\332o\325\256\r\307Y\016\361\331\313n\217\335JR\236R\210\277\305v\\\344\355@8\235\274\216\256>>\310\202B\002\345\0475\315$\257k\004r\361\335b\321N-q\207\205\202h\024\n\227\047i\201k\212\263`\324<\225\n\211P*\025M8\272\324:\305\317\253\226\344976iF\363\214D\316/M7&\006\252q\030OP\221\"\031l-\343<=\232\311\022D\223jL\277-w[\272\364\357T\350g\270\2735-Y\321\204XhS\027\266\232\001\016\013\037\007=\014\035\005\232\262\332\205>\253\037\013\213\002\nR\336D\205\3661\2556\231!\300\201\362 !\273B \022\317\356OaS\252\202\201\222K@\213\334\216\006HpK\320\272\345\206\346\240\251k\032\211m\202$\212\263\0259\207^D\354\270\242\026\202D\220\240YG\352\265Wa\010h\204@\300\266\345\026\321\001\312\2421\207\034\241\231I\317\231\026[|\0134|,2\326l/\371xp\272\031\007\310\331\007\244\301\030zv\370\321\262HE\236\024){3\323\236\240\237\240\352\333]\320\254\212A\272\344\252\221\267.HF\231\315\246\032L\0145\271\337H\224wS!\247\221\255V\261\214r\373[uj[1:\006mv\335\331\247O\031\2019\264[ `\030hO9\226\223\227\036\034\326\r\t\275\257\30040\326\257H\362V\275\353\261~\3211\215\007\254\020\367B\356U\027\267k\321(I\203\025.\273|\216cp\206\355\333\271\223~\373!\220\227\261\030\2121\203\021p\350\346\301\2727\006\371t\255\021\323k\047\025\315\260\n\252\3537\265\260\024U_\2234\270\350aE\007\321\225\232j1\303Js,/\031&4\355\3541\310v\032\021\222\236\251*\203\324\021! Ru2\235Lf\313C\330\340+])\002\235(\220\362*\244\030\022\013\021\001\304\000\345\201X\000\342w\375tH\335\030K\332\347N\007\361\024\010\024\r\220\233 f4\354\325=~""\233#X(p\027;ke\320\372\026\367q\212C\302\2742u\363#v\346P#~\231\256\262e`.J\347(\242\303\210V\214;\356\325\0172\370\273\323\212y\265l\220\301\226\313^\006\237\217\345\276o\305\240\253\337\243\300\323\334wK:x\233\2473m\233\013\325M~&\030x\364\361M\214\330\"\331\\\255$\304\223X\232&\031e\224|Q\343\246\377o\251\256\025.\005~\037\002\036r\212\247y\262e\206\355\3244\347Y\356\334\215~\323\330\2711y\313\034^F5tIU\021\361\276C\260\337\205\3459K\013\016\3277\214\341\307\233\254\206lx\207\177\222\375}\204<\255\013\337\261\373\260\250\371\334\230\320$]\271\231r\031\025.VP\224 S\332<7\332\t\263\312\250\370\213uV\215b\271\033\271\372\026\002x\370\363jt\350\213\225\232\345[(\353\247TzI\220E\047\351I\267\034+9\276\346\271\256j\212\314\033\236\327\266\342\005\370\352\304{\352\236V0\021f\252\223E4\000\264]Pb\275\213\006\247(\272\270\"\325ERj\346M&(\243\334\014Gg\2427\253\315\007\214\324\214K*\026\304\276W5.\334\202\214zD{\371\232\304}\266\365YE\265\023\303\342\354u\003o\035w\314z\026\267?\033\336I\032d\221\346\2065a\344V\325o\257\002\374\352\n\273r;t\303\253\334\336\3302\214Cu\304\327\256(\307\307\005\032\326\024\324\214\346\272\2628\313~\317[\n\0352a}j\027\370\025\252\0263\300\314\267\t\326\001\203\213\212m\311\3456\341\324[\271\243\010\305\201\007\017{1*\030\212\246\366\034\214\336\016\315\023^)\330E\375Qd\025\314\243\246ph\215\006>\254\032F\006\307\216&\250\346I\032\233\014\203 \320\206\304\331\253.\201n\360\266\rj\267\2131|\025\354b\232\207\256\365\221\307T\035\023^\326)\332\324+\351Z\345\006\305\274\212\322\ntF.\210\350^\241\241e-2\036\223p\3650\243\356\363\"\265G\365\316\2748\"\034\0218\010pC\2449\216n\231\223\341\245\232\272;0\031\237\252nT\230\341%&\035M\332\327\222\241Ud\324\365\236v_\n&\3271\252\n\302)<\033W\017p\301\030\333\r\025\"\325\351t\205\320\202\320;\223\235\313t\013#\024\215.^gc\032\200\316\205\274\205+\352\336k\202\036\013B\335\331S=f\224\254e\243.\250\351\224\3472\257\323\"\214wBt\007$\345\306\376\275IP\2771\21654\360w\r\353,\320\361\254\221S\275\271\374\315xx""\216\346\026P\333^\rL\363B!y\323\277\021Y\\[~\364\241\334\225\016\035\332\364hP\307k6\215\311\270\362\203n-\317\276\206\270,\246\254\0079\315`Rz\02203\347\027\211\357\232?k\264\265\017?H\310F\002\253s~\351\302\204\256\231[\225g\353\251\234%\2304zT\026\311\226q\007d\221\3473\375\211\201\252O-f\210\320 \226j\003\020b>X\321\2131\326h\244EH\312\317\320FA\003\275\006(\240b/\315-#\034y\203\013\321\266\210\2701\220y\305\342\352\300\204 1\236@\276F\261\263j@\351\047(J!\222+\335p\232\210\330\324\010RR_A!\326G\271\031\314Tj(z.\313\236*\221\353\305Ggi6l@2icMT$c\241P\342\254\2515\2246kd\026\200\263qH$\375\206*\231\244\227d\005,C\336\323Nx\027X\300\023\256\223f\247\321B\255\2278:$z\244V^\367\271\223Lv\020\003\223\242\224\203\021\367`\346}\355h\035!ZC%\232\232\240\007\324*\024U\362=sA\025\201A\0010A\361\343\215p\265\376\242\302\240%O7g\304\3162\024}\343\262c\354\362\002\374-\271\335\220\317e@v\217\327\345\345\332x\265l\202}pw\007\370\274A\264K_\315[wn\274\263\334\304v\336\255t\251@\267\271\"\370\240\330\313\274\307\223yC\331I\261p\376\243\270\026\355\300n\275\237\000\202\353\202,\205N\210\217\366. \357\334W\025*-\213\226b\266\024\373\2634\263\036\300\213u\355\345\225*\221\332.)j1\2424Dq\271c\337\005y|\212\272\025\370\374\200\311\374f\006\302\272\266Un5\205r\271\203\234\016\205j\234m\006m\007\007\325\245\223\3275\031i\nb\212\326\247L\ny\371\325\030\256U3F\177~%\013\236\273\024D\344\237\314\316\246\324^\26262GR\201\210\321`\263\347^\n\213@\261$\361g%\014q\216\001\361c\214D\305[\002f\0361j\372\230\223\005\214n$0\213\ra\211q\204`\210T\3619\2308&*\020\313\"\255\334\251\200o\241\271\265\302\376\352?g\0130b&\034\275Q.f\031\231\205\024\315\373\005\302\231\227\014\274\021\t\214\353\317\020\337\316=\245\300\277\345\311\277\234+\317\340\311\251*\200\263R}I<*\031\262\273Rg\333\245\302\265\201;\"L\223\255\047\201\334\333\257:h\212\260\340\016L\210\234\216j\326\270\016\263\037\223w\227 AZrR0\014\326Q\251\260\232\016\302\203\276R7`\344\301Q\310\030USr\020rU\205! f\352\034\234\032\0314\214\232E""\017\006\246\317\006\360\254\356\244\246\316\214\355\014\"\nH\346\256\256\241\314\023;@99\0313e\243;9\242:NL$\371J\320\"\204P\246p\313\016J\310\244\024\277\342\356H\247\n\022\n=_\314\000";
-    PyObject *data = __Pyx_DecompressString(cstring, 2884, 2);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2028 bytes) */
+static const char cstring[] = "x\332\235VKs\333F\022\216b\332\246\374\210-Zq\326\311\2563\262\234\222\224\310\\\321R\264\316:\353\024$\221\022+z\360%Qv\266jj\000\014I\204 \000a\006\024\351\335\203\2168\342\210#\2168\362\310\243\216:\362\310\243\177\302\376\204\355\001H=\354\254\313\265Rif0\323\323\217\357\353\351\026\"\034-u\220)\377N\025\376\n\035S\255\336\340l\236\333\224\242\232M\352-j\360\205\364\337\321\317;\264e\332\335\003\215\036#\263\206~VL\203ku\307t\030\"\206\212T\315\026\367\337\337\326\214\361\001\343\266\246R\365\22202\355\217\236_\335;\227|\365\313:1\014\223#\302\230V7\0207\221M\211\372\3144\364.jEN\266\301\311\274\321&\272\246\242\226\251\322ED;\026\334\005Us\312\234\260;W3mn\023cn\021\325A\325X\2305\210E\301\024\"\035\215\241]\223S\304\033\000\320z\2277L\003\301\236JuM\2466\341\024\254\t\377@\253-\204\014T\310\026\236\255\274X\211\274\265\251\200\223!\346\310\212\016\216R&@\223\035M\347\240\235w-\312\322(_C]\323A\006\005\277 \n\013\344._\340\rj F\271X\240\271(f\3025\323\300p]3\352s#\230\2646\025\267sDg4MT\025\203\034\225)\047\213H&\\i`\205X\213\250\331\026s\344\233\354\250u\320\032\2315\r\212l\363\030YTp\30181\024\252\230\272.\364\232\006K\023YQaC@\350pM\327x7R\301ym\244 Fl~w\021\351\324\230\327\324\316\302\202\2521\"\353\224\032b\254\211<\022\222l,\272\265\210\226\027\352\n\210\"\323\341\002\026\340\241N5\026_P[\244\203\r\247\205\031=b\243\233\302KHC\273{\305O\303\0046j\304\3219\302\330\246\252\243P\214\221\352Dp\030\246\361\014\330ikD\207SE34\216#\2656e\220S\006\037\321\024\177`\221\266\264s\t\224?0\347\264\254n\032$m\232n\201Q\215\3306\351\242\032\321\364\230?\255eAR]\026sZ\2047>\2200u\313\206\310\351_1\213\244\254n\307Z\212\334\2612W@\335\\D[\350\007\224\021\200\261\206\006\220\267\034\306\221L\321\253\177\240%f\020\2135L\376q\220\234\010Ta\234\350\272\251@\336\242\330o\225p\222\376\203\323\330\266\360&~},}<2pL4>z\214\234\330WR\350\302\256M\217\034\312\270T^\317\347\263\272\256YLc9\274\276\267S\330\257d\261\224\303\331\3546.K\007\331\215\321r{/\207s\371\335<\234V*\271J\016""\377z \304`\\\313\341mi\263$\355n\346\245\335\034.\224\362\353\331\034.\026\3129\\\312V\245\022h\250l\225\366\3667\267@7\254\013{b\214t\210ql%^\0133\373\225\374v\276\362z3\217\263\273\033yP\230\275X\224+R\251\222\217\247\335\375\035\234\023C\265,\010\262\3431}\236dJT\r0>\337\207G\nh\363\017N\"~\313\002\021`BT\316\364E\021\255bi\273\260%U\361Z\266\002\343Fv[L\002\022\010*[\336\332\333\336\250\342Mig\007v\367v\262\2330\225\363\233\342\253\262\367kv\027\357\356\225v\252qp\227.\274\001e\231xz\216q\241\333\201\277\r\250Qx\027\262\273Dk\030\217\352\010<\025x\026\242\322\\,\200R`\270%6Tq\007~j\216\241\210\271>\216\020~\342,\026\253\026\321\214h6UG\217\316\014\322\212gz,&Hm\2544\250\322d\360\362\242/xq\360v\342\365H\243X\212\212\030\257\034\303\322\224&h\313\032\343;\347[1\254\361f\233\213\324\025F\216\034\242\217\355\216\313\300\007\\\235o\320\216\370\000\306\316}e\227b\373\200I\2149\244\363\030\021\215\211\207\r\217W3(\224\306\361\243\301\262S\253AS`]C\321\314\364\271\010\223\211L\030=/\303\242*\313\246\251\343\270\004+\nQt\020\303\200\"4#\005\004\225\346\250\022)\246cp\205C)\264Th\201Q\r\216G\254\233De\360+0\213\006\341V\334\277)mY\274\013\331\006r\242`E\215\212\332\266i\3274.|\327\235\226Q\323I\235\325@\013_]\2016\0105j\324\014E\255nh\r\323\326\336\232\206\246B\205\206\246Ka\000A\221\030,\036\336\322f\2234\345\270\243\350\346\345z\r\355W\364^\321s\r\360\334\020t\013\230\241w\267\340\023\244\306u\211]\256\305Q\315\204\010\306\2251\035WFk\311\312X\000\211E-\323\202\023\210\315bG`\306\246u\215A\337}\277|\263\350Z4\214b\205F\252\327\200\324Q\243\210\212[TJE\030L79f\347u\024\034\263c\366A\267\305\270\t\177\266\003]\334\221\005;|\244\222G\211\027W@\321\007\035\300\347\005\244(8\352XPU\251\303\350y\036\215\232&\374w\001UQ@s\034W\321\316[j\233l\357db\230x\032H\301A\2309\231x\227\370\326?\032\240\245\336\355\376\313\323\346\240X\032&\036x\253\376\237\202\251`f\230\270y\362o\357o\376\31409\037N\204\217z\351S\270z\333\205k\377I~v=y\302\335Uo\312\233\365J^\307g\301\323\240\026Ja""\271w\255\227\031&\277p\177\367\047\374\251a\342\241\047\373\237\373\363\301\223`-h\204J/\325{\321_\356\313B\323\315\023\346>q\245a\362\256[|\377+\351^w\367\275\031o\305;\032&\357\270\222[\366nx\344b\251\370)\177\331\227\203\3110\025.\207r\357\363\336\314\377\2430\216\344\221\177\315_\215#\276\355>w\017\274\214\267\356\265\375\222\1774L\334uKn\333+\202\301\207\276\035@@\367\275\t\357\033?\033<\016\333\275\242\270\000\030Djn}#\220\232\362\246\275\177\006\323A5\334\350M\366\247\373oN\371\331O\203\312\341\340\260>\2507\007M>\340\235A\247;L\336\367nzG\376\r_\017#\317\333n\325\313\372\323~q\230Ly\240\347+\357\350\235\030\304\031x|opo.\340a&\334\354\275\354\327O\213\357\256\356\210@n}\032%\357\022\267\334\357\\\333KE\314\002.7\\\005>^\370?\001CD\240u\340-\003i\311\000(\232t\037\270k.y\037\314\377\241A\0202\361i\032\304\327,,\222\367\334#!\224\002\334\213\037g\360\223\204\256\320,\310,{\327\340\303\206t\311\014\357\334sy\304-\363\237\370\353@\347tP\016\023#\204\226{J?\025\245\346\344Y\352l\371L\036\024J\203RuP}=x\375fx_Pqw*\302\266\014\t\375\324W\340v1P\302\007\341ZH\206w\036x\231\361\333x\362\331\365/=\311;\360_B\3067@-d\315\027.q\035O\032\345\2137\017/b!\\\355=\036\374R\024\217.\3655l\374\020\036\366\016\373\207\247\257\317\224Aq\177\260\1770L=\362\277\364\311\211\004\334N\376\305\337\010\256\213G\033J\"\262eP\370/\177\026\362\345N\312\373\336\227F\211\343\375\350\003\003\177\206\350\332\340\035\3209\023\244\202\325p*\234\r\017z\317!a\223\263\301\363H\313:\344o\251\007(M\203\257\277\201\352J\370m\377f_\344Z\224\360\r\277\021h S\355\347O+g_\r\n\305\341\303\307\276\032,\206jo\241\277\322\357\236%\316\244\341\303\257\375\357\203\r\000q\243\227\350m\366\177<\235\370/z\354Mp";
+    PyObject *data = __Pyx_DecompressString(cstring, 2028, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2886 bytes) */
-static const char cstring[] = "x\332\235VKs\333F\022^Y\266#\047J\242\207%?\262I )\216\234DVD\311V\224T6)\212&eUd=H\212J\262\233E\r\301\241\010\013\004@\014HJ\331\244*G\036q\304\021G\036q\344\221G\036y\344\321?!?a\277\036\200z8\217\312\256\252\004\314\014zz\272\277\376\372\033*\314UVN\025\253\370\202k\356WJ\223\353\307\025W,\177\241|\371\234W-\347\254\240\363\246b\225\225/5\313t\365\343\272U\027\n3KJIwh\303\253\313\2729\374 \\G/\361\322%c\305r\376\364\373\325\265s\313\257\276N1\323\264\\\205\t\241\037\233\212k)\016g\245G\226i\234)U\031d\003An\233\rf\350%\245j\225\370\222\302Om\354\205\253Em\221\316],[\216\3530sqI9\206\253\241\261\2500\233\343(\205\235\352B\331\265\\\256\270\025 \222:s+\226\251`\255\304\r\275\310\035\346r\234F\361\301\253CF\246\262\237\336\177\364x\343\261\214\326\341\204\237PD\275\250\031\010\224\013\002\255X\327\r\027\336\3353\233\213ee\273\254\234Yu\305\344\210\013Y\330\260\273\274\301\255pS\021\334\245\201\262(sf\256n\231*\266\353\346\361b\014\223\336\340\264;\303\014\301\227Y\251\244\302\216\027\271\313\226\224\"s\265\212\2521{I9i\320[\306V\254\227\216\341U\036k\231\\q\254\246bs\252\205p\231\251q\3152\014\362k\231b\231\025\265\022\026\010\302\272\253\033\272{&]\270n9v\020!\366pwI1\270\371P/\235~\364QI\027\254hpn\322\263\354p.-\305\320\364\331\222\262\366\321\261\006S\305\252\273\004\013\352p\314u\021m(\231\026@.\263\272\341*\252\352\360R]\343\252\252\224\3522K\3232\037\001\364\206\316\014|\325tSwU\325\254Wa(@\025\323\215\321\217&*\261\221\237^\312\025\213\316\331\225l\261\331>[\206\245\303\227\2538Tg\216\303\316\2242\323\215\250,z\325\006W.\233\325\253\314\255\374\306\3022l\007\t\361OU!\255\354\263S{E\206c\047\256`\265\265\244<S>Q\022\204\203\250\350@\262Z\027\256R\344\312W\377PV\352\022\005r\313\014\303\322@4%\212\250\304\\\266\374;_#\257tN\324.b\271\031\003\336d\272\033w\217\313\234+5\277\300\301\341\265:\027n2\227\332\336N\033\206n\013]d\324\324\336\363\375\303|ZMf\324tzG\315%\013\351\247\361pg/\243f\266w\267\3615\237\317\3443\3527\0052\303s3\243\356$\267\262\311\335\255""\355\344nF\335\317n\247\322\031\365`?\227Q\263\351\243d\026\036\362\317\262{\207[\317\340\033\343\375=zJ\037\364\034\236\022\215\351\230\303\374\366\316v\376\273\255m5\275\373t\033\016\323\027\203\\>\231\315oG\257\335\335\303\347j\206\036G9J\007e%\235Z\276\220\254#5\271\263\377,y\244n\246\363x>M\357\320\213\362AD\351\334\263\275\235\247G\352V\362\371s\254\356=Oo\341\225\333\336\242Y~\357\233\364\256\272\273\227}~\024Evi\303\367p\226\210^\253\252\272\177v\212\377\247P\004u\027\244\313\362\262\252\306]\013\006\203\255\324\327\027\003\324\003\345\251\322B\211\366\340\257\\75z\343\223\030\356\212\310E\243*\323M\371\266JuC~3Y5z\363&\275\3008U\253p\355D\240!\344,\366BC\322\234hT7m];\201\207\2649\264k\270D+\362Q\2533c\350v\330|\347#M\312\340\245\005~J\023h\324y(\342R\350\347\343\213}.\250FI\t\352$t\213nrH\314\220\313j\261^.C\\\r\273\302\230835\335Z>\267\023EVd\202G\232\306\316\245\215\224\256hY\206\032\311\232\2461\315\200\265\n\254 \360\032\354\265\023\315\252\233\256\346\236\252\246MO\370+\341Z\221\272\026=\311\272\022\017\r\213\225\004d\336\245\027\241&\037\024rt)\226\232\234\257p\016\2013T\301\032\360@\003\303\242\227[qx\325v\317\300@\270\342f\211\344E\336\026\334q,\247\\F\004e\335,\353.\001`\324\253f\331`\307\242\2143\335\365\307\270\223\240,\361\315D\302y|\314\252UV\321+\226\243\377h\231\272\216\355z\t\312\211\313\220\343\201=D!\021=~\344z\343\305\311\311\312\t;)\236p\333\205\3443\374\027#\351?i\032V\225\235J\261\024\274&pS\3225I\327\243i\302\257I\260\230\224\210+\250\230\270n\253X\205\365P)\305e\235\225zh\001\221\241\354-G\262gU\3711\263 \323pi\257\330\t\033\360\333\334\346+\266e\333\270-9\254\201\220-l\261R\3435[\324\204\343\360c]\340\032}U\266\035\336dNI\210\025\3519\006\014W\243\033\337\017R\371\244\202\342\207@\225\021\002\024\276*\220\200-*H\004\201;\340 \267\205k\341\337\251\343N\256\027\211\027n\354\316uW%\367#\201D\375\\\353\204#x\224B\216\260\321e\206k\323\215G\377Q\311\243\021\316\2427mj\326Q\215\rt\026\322\255\333\220jN\327e|e\342\267\005$\226\320nF\222""\334$\3226-\347\344\364G\356X\342G\314\022\364X\335\373e\344\327\261\277\335\030\373\305m\255{\223\336\202\227\365N}\021|\020\224\333\311v.\034\r\023\203\261\267Z/\374\021\177rp}\326+\372\327\374\207\301|\260\031T\332Z8\025nt\326:\305\356\310\340\372k\277\210\326|+9\030{\263u\360\352l\254u\243u\350\315y\217\275\332`l\274\225l\345\274\233\036\273\030j\376\224\277\346\027\203[\355\251\366Z\273\030^\013\347\376\037\207Q&\367\374Q\177=\230\014\340\342\215\326j\253\340%\274\224\327\360\263~mp\375\315V\266\325\360\016p\340\254\357\004H\350]\037\336\336\367k\264\361V\3544A.S\255\23272\030\233\360n\371\223\376\274\237\244\265\2647\353\325|\254\222\337l\353\047?\341\247\244\233\361\to\334O\372\271\340\032N\215\277\326hUz\030\211\366\316x\014\321\216\317x\207\376\034\262\255\266W\333\207\341\\\270\0262\231T\213{\033>\216~\033\007\337\360\276\245\270\336\240\212 \251\327\377Zy^^\177\275\365\240\345xS\336g\376\034at\263\245a\262\341\177\216j\311C\n\336\032\n8\026\240\\\267Z\323\255\315\026{\025\330?\360@\305\031\371k\036h\266\200\001%BFS@\343\340\317\253\371\227\214\256\224\234 \316y\243\2308\240Nb0\376v\313\225u\026\250\025\325\344v\220k_\217\021Z\013\265\316\224\244\351\255\336To\255W\354\357g\373\331\243\376\321w\375\357\276\037L\334\201\3037\047%\2669\220\373\003_\303\356\203@kO\2677\333l0>\rB\240\024\t\024b\236\330u\323/\007\311\000\021\335\275 \332]_v@#f[\024E#(\264\023\355T[\204\363a*lv\312\335d7\327\033\355\311p\233^Y2f4X\225\241f$\025\242@K\335\017{#\275\351^\252W\273\324{\177\354~\356\212\325O\336:(\273 \331\270\320\177\360$,t\022\235TGt\257\232\r\371D9/\370\371`6\250\265Ge\367\215\206\237w2\335\271\356ZW\353MR\254\r\257 \251.\320\367\251\240\321.\204\t$$:W\035:\255YPwT\022d\324_\365\013A\002\326\242=\217\030\235p6\254uF\221[\245[\354\215\220SG6\323(\250U\t\212\355k\355\205v\266\335\010\017\000\301tg\263\243u\247\272\353\275\311\336B/\327\337?\270rN\r\254d-\201\320\317\327\357\343\250d\204\0205\336\320\372\327\233W\232\372\215\326\232\3348\357mB\000\246c\370Q\215)""\357cL\016^\306z\261\352\035!Y7X\207\032%\006\347\2139\004\373\030\250g\003\360z\034\324/K?\267\221\350j\020\251\310\340\372\034\211\312{>\017\236\264Gh\373K\t\314T+qE\003&\320\341\244\002\211\301\304m/\355\317\370\014{o\317Ha\232\366\323\3601A\204|\210\302\034\202^r\3621b\252K\342\311\3512B\2473b\323O\203\351 M\223K\376fq\230\210]\020C\375\311\376\375%\364\304A\1779\335=\350\262n\355|\371\0230)\331\177\364u\247\326\035\351\"\203\373\024\\\377\357\353!C\331@\355wP\377d\377\335\215\316Hg\262\377\305N/\331;\3501\322\245\337\323\314)\357\003P\340\226\354\214\253Y\337\274<\020\220\030\014\257{I@;\362r\234\266E\001g\001~\304\235\205\366\277:\223\235\205N\266S\033L\\\030\344\372\312J8\022N\207\233!{9>\351\275#k9\326\036\241Z\222D\376\014\240\244\000D\312\260\n\252L\000\216\227h\346U|n\370\007>:{\326\323\345IiYhX\236BN\200\341}\212\354\355\230b\0233\361\343\345pD\035\203\242LK\246\217\014n\337\303\236\231\273rQ\216\307\207_\340\243\016\216\260Hc\020\347\314p\231H\230\214\\\217\337\206I\321\277\201\254\033\220\035F\013[h\237|0\005\006N\266\347(\301)\204M=\230\034\304\331\346\203\273\2506&\357\242\326t\035`\337;\376\006\230Xho\204\253a\256s\255\263\330\235\356nv\217{Y\310\210l\270)\224i\342=\312|\006 8\376\373h\370\325\366\017\350\343\030\266XL\047ek\336\364uT`\271#A\225&\037\"\307E\204\005\223\273\370L\367\365]\024!\025:\235;\3351(\233\324\326|?_\350\027~\350\377\360\357\301\370=y\317\336k?\204\004f:\017\273\363\335T\327\351\335\241\226\006\372eP\272\031\224Pe\031\303\035\324%\027\274&\313\376mx@8\256#\240\317\202\271`-\220A\3471}\014\207\367\021\366?\221!9\334\246\374\010\243i\t5\006\267\221Im\230\322\345\301U\334_\235]\320\344\325\331\014\256cy\267#\216\222\024*\047\234\014\027\302|\007\205\277\207v+\0067 \013\256TO\242\345SH\335*\221\266;\332}\2146\273{\337\177 \3253b%\351\341\224\324P\267\223\030\314\334\211I_\223-M%\311\266kP\341\047\021\364\017p\341\327\"r\323\317\204\n4b\206j\370?L\252PYNe\243\3111\010|\003?/\344\304\214T\345w\314\256|9\211eIN\214XS~\373\345\005$""\362I\020\007\252#\255\007\320\241K\336\266\220[\001\354\314\343\232\213\217\261\200\354\r\210\332\370[\320\346\263\341~\2324\207\031\320\344\347a44\371\3170\200\267\244\236?\220\370\025\242;\200~3\201\275\377\005\326\274\346\300";
-    PyObject *data = __Pyx_DecompressString(cstring, 2886, 1);
-    #define __Pyx_DecompressString_LZSS_UNUSED
-    if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
-    const char* const bytes = __Pyx_PyBytes_AsString(data);
-    #if !CYTHON_ASSUME_SAFE_MACROS
-    if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
-    #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (3848 bytes) */
-static const char cstring[] = "\377 at 0x o\377bject> w\377eights.:\377 <Memory\377View of \377<contigu\377ous and gdir-\001\007\rin\021\005\177strided\"\010o or \004\031><(\t\376A\006>?Canno\377t assign\377 to read\177-only m\240\002\375v\242\000Invali\377d mode, \347exp\315\000|\000\047c\047\376t\001\047fortra\237n\047, gH\000%\005s\357hape\222\000 ax\377is Note \373th\217 Cytho\373n \021\000delib\237eratek\000\320\001c\367ter!\001n PE\337P-484\212\"re\376\274!s subcl\366\246\000es\261!buil\373ti\260\000ypes.\377 If you \223ne\224 \303\000p\316\000%\tt\177hen set\200\000\367e \047\357\002atio\377n_typing\355\047\355$iv\242\000o F\377alse.add\375_\231 ebeta,\377 batch_c?ap, kv\004\001\246B\317budgS\000r\002on\177e row p\302\000\377instance\317coll\372@g\000s.\317abcd\016\000\277!ut\337ility\351Btt\363ft\262\003\254#(N, \377len(idx)\377)disable{en\002\001free\335\002\374\211 \330\"(H, 3){gc(\000 out\310a\336\205@geis+\003dn\377o defaul\377t __redu\177ce__ du\341\002\357non-\306`via\375l\033\000cinit_\257_num&\000s\334`nit\367$\007\003_\241\204\001ex\244\004>\350\001entry\341\n:\000\367py.\047\000re.m\376r\000iarray \357fail\221Cimp|\251`\033\tumath\021\016\357olpr\316\000e/_\367scoJ\000pyxp\3550\227\205\002p1\237*G, \337H + 1\204!sh\375i\307 must b\177e >= 0u\262\"\276\322\204\001alloc\346` >\214\003data.\013\020\256\204\003\334\200\206\001\335\205\003s.w\352$wa;it\353\205\004tar\347J\376\007\377requestA\377SCIIElli\377psisF_CO\377MPUTE_AF\377_EEL_SAV\373ED\004\004LOF_F\367INI\033\000TTFT\317F_KV#\001\003\000BF\377_LAGRANG\377IANF_PRI\377CEF_QPSF\277_REWAR?\000T\277HROUGHY\000F\017_TPO;\000>\003F\001^\005\374\006\003c\001UTILIT\377YGI_ENDI\372N\000E\000\006_STAR\373TI\001\003NNUM_\355F\001\001WS\313\001nce\372\244\210\001.\251\210\007W_ALP\177HAW_BET\003\000\307DEL\003\001\327\001\217\000ES\377HOLDW_GA{MM \000OMEG\047\000\367SIG\n\001TOKE\377N_NORMW_t\241\002&\010ZJ\0001W_\003\001\2772__Pyx\001\000D\337ict_N\362`Re\367f__\257\206\004e___y_\204\207\002\000\006_get\234@\345m\026\001d0\001 \000fun""\375c&\001getsta\361t1\002\371c<\001main\336\003\002odulM\002na\315m\002\003ew]\001\357`_c?hecksuT\000\n\001\374?\004\025\001type__~\037\001unpick?\000\233En \005vt\256\206\001\241\001qGualO\005\365\205\005\376\205\006c\202\211\002\354\310\001\221\206\004ex\325\001setE_\203\005s\260\010\003\006.\007t\350`\366\211 is\355\205\001outi\337neabc\342\204\005_b\377ufferalp\377haasynci\337o.cor\"\003sb_abase\316\210\003a\322\210\006\276\346\210\001bool_\321\210\003c\257caclS\000_\251 t\367rac-\000ckco\377untctx_n\375p\002\001outdde\350\322\210\003\330\210\003*\001h\004\004loa?dsdelt\003\001\262!\361d\266\"\260\000\217\215\003dwee\3570eel\000\000_sa\375vE\000el_slo\376\014\001thrempt\377yencodee\277ndenum\251\213\002e\277rrorff\177\000f\337infit\375\001lu\377mnflagsf\376q\000t64form\363at\223\214\004\265\211\001ggam\377mahihori\337zonii\276\000id\017idxiW\000\002\0001\000\277a\375s\000\002izeivj\377kk0kakbk\377eptkv_ak\367v_b\365\212\003kwlo\367max\250\211\002seqsgmem\243\215\001\233\215\001nn\226 \277n_outn\305\001t\375s\324andimnp\344\327\211\001\220\213\005s\334\211\t\262\211\002oob\365j\357\210\005.\361\210\003omeg\357aonoO\001p0p\3771packpep\377e0poppri\337cepro\237 ps\377ps0qeqps\377qsrregis\365t\237 e\251\212\013rewa\337rdss0\314\211\002_c=o\255!sset\231\213\004\251\216\002~\275\211\002sigmas\377\000\356\205@t_s\276\000psh\377otsstart\336X\000psto\001\000ru_ctsub\224atH\004\307tt2\367\204\002\233\211\003\275@to\303ke\215 \210@\005\0026\000ta\207ltp\356\214\001\362\214\001\355C\004\003l\371o\r\0021\001wuint\3678un\353\001upda\363te\253\215\001\254\215\004valu\253es\221\220\001w\215\212\003w\233\216\001w\377orkxzero\277szeta1\001\0012\377O\200\001\360\010\000\005\010\377\200t\2106\220\021\220#\377\220R\220x\230s\240$\377\240f\250A\250S\260\003\377\2601\330\010\016\210j\230\377\001\230\021\330\004\026\220b\377\230\002\230(\240\"\240B\377\240h\250c\260\022\2608\377\2703\270b\300\001\330\004\377\007\200s\210\"\210A\330\357\010\r\210Q\000\013\330\004\010\377\210\005\210U""\220!\2204\377\220q\330\010\014\210A\210\337S\220\006\220a\001\007c\230\377\022\2303\230b\240\t\250\377\022\2503\250b\260\002\260\371!\0351\304\003\031\230\003\2306\367\240\021\240@\000\013\2102\210\377V\2201\220C\220v\230\377R\230q\330\004\r\210R\377\210v\220Q\220c\230\026\267\230r\240\316\000\035\230\252\000\037\313\230q\377\001\t\237\004\356\000\014\210\377C\210q\220\001\330\010\020\177\220\t\230\021\230\"\230\325\000\377\014\210E\220\026\220q\230\374\023\000T\001R\210|\2301\230\375CB\002\014\020\220\014\230A\257\230S\240\002s\000\010\030\003q\341\330\023\000=\002D\0008\001\025\220a~\374\000\014\025\220U\230!\353\000\377m\2502\250U\260!\260\3673\260a\257\"\210e\2208u\230\351 \017v\000\005\220X\224\001\351\013\216A\234@\n\371\201#\340\004\n\377\210%\210r\220\022\2207}\230\275 \010\210\006\210c\n\000\3478\2309\253@`\002V\2203\366\276@\010\240\254@\t\210\023\210\207B\210a\250M+\024\231A\213 \r\251\210 \037\204a#\200`\010\306\000\330/\004\t\210\022\201@Q\201{\000\"\\\267j\325AS\220\003\316`r\270`\2771\330\014\017\210t\343Bs|\251@\220A\024\240S\250\004\272\204\004\3373\260c\270\022\242\204\002\t\310\377\022\3103\310b\320PR\377\320RW\320WY\320Y\377Z\330\020\027\220q\330\r\375\021\366\204\002S\230\002\230$\230\377c\240\024\240Q\240c\250\377\023\250B\250a\330\014\023\377\2201\330\004\013\2101\200\377\001\360\"\000\005\031\230\006\377\230f\240A\240Q\330\004-\030\337g\030\230\375\204\002v\347d\200\003\377v\240V\2501\250C\250\377s\260\"\260C\260w\270\377f\300A\300S\310\003\310\356\252\002w\220f\255b\003\2402\362\246\002F\206b\243\003d\300&\310\177\001\310\023\310C\310q\361\205\010\353\007\200G\025!\031\n|\2206\357\230\021\230#\211\204\002#\320%\3775\260V\2701\270C\270\343s\300\031\013\347\206\005\360\001#\230T\277\240\026\240q\250\003\371\205\002\003\377\2609\270F\300!\3003\357\300c\310\021\327!v\220V\376\346\204\002s\240\"\240C\240vo\250V\2601\316\000s\270j\013\237r\210\026\210q\221@\337a\003\277\2302\230V\2401+\000s\373\250\"\200 r\260\026\260q\377\270\003\2703\270h\300b""\353\310\001\254Ar\310\205\002\003\2303\377\230h\240b\250\002\250#\277\250R\250v\260Q\251@\023\377\270B\270c\300\022\3006\377\310\021\310#\310S\320P\375Q\371\nq\210\006\210a\210\257s\220#\220\017\006\032h\000A\336\377\207\001v\210R\210\252\047\360\006\273\000\005\312\206\010\013\21034\002\"?\220B\220c\230\023\370$\272`\377\022\220*\230A\230Q\340\375\004\252\207\0032\220W\230C\230?t\2406\250\022\250\366B\301\207\001\3772\220S\230\003\2304\230\377v\240R\240q\330\004\014\257\210B\210fC\002\024\346\0002\335\240\300\207\003\330\004!\321\207\001\036\230\337e\2405\250\001;\001\340\004\277\007\200r\210\022\210\317\207\002E\335\220\375\206\004\020\220\005\201\207\0021\330\377\020\024\220E\230\025\230a\337\230q\330\024\025\224\210\002\023\230_E\240\021\330\020\215\204\001(\303@\367U\240!\007\003*\230C\2309u\364b\027\002.\240\003_\002$\004\177/\240\023\240E\250\021C\n\337\026\220a\220s<\004\004\030\376\275\212\001\320\032,\250A\250Q\377\320.E\300Q\300a\300\373q\330\017\005+\2501\250A\377\320-?\270q\300\001\300\377\021\330\004\032\230!\2301\337\320\0346\260a\264@\001\330\377\004\033\2301\230A\320\035\3778\270\001\270\021\320:L\377\310A\310Q\310a\360\n\374\322*\253\211\006\022\220$\220b\230\025\t\376\211\002\010\357\210\010\020\361\212\001\377\210\001\003\003ws\230!\237\211\001\004\220A\330 \047\001\340\0143\001\253\003R\372 \266c\377#\250\\\270\021\270#\270\337R\270q\330\020\027\007S\320\377 0\260\001\260\023\260B\177\260a\340\014\021\220\033\370\211\002\353\010\250\326`\022\275\214\002}\240A\324\373\206\003\224\207\0032\250`\020\214 \340\014\377\023\2202\220R\220v\230\377Q\230a\330\014\026\220i\372e\002E\344B\014\017\210x\220Cr\230\371 \373\000\316\207\001\335c\020\224@E\330\001\001\340\002\005\242\207\001\222@\023\310\211\002\377\001\330\024\031\230\021\330\025_\030\230\002\230!\006\003\014\022\005/\014\017\210u\351`a\336\207\003\245\000\357\025\220b\230\370\204\002s\220\"\373\220AQ\002\330\014\024\220B\277\220b\230\005\230R\331`Q\373\240a\r\001G\2302\230T\273\240\022\377`""\021\250!\335\001\022\354\264\000\200\206\001A\330\347\004T\240\030\344\353@\370\000\035\271`\252\216\001a\330\014\377\033\2308\2402\240V\250\3778\2602\260S\270\002\270\377\047\300\023\300B\300g\310\267R\310q\353\205\003\022\220\356`\036\356\366\001\025\220R\350\000\037\250\003\037\2502\250]\270\205@\261#\306\211\004\375\021\343\214\002\006\230i\240s\250\363.\270\320\"\036\002&\230\002\230\375\047\224\0001\330\014\030\230\006\372\253\216\002\030\202@C\260r\270\027\357\300\010\310\003\326\211\003T\320T\377V\320V]\320]^\330\373\014\031\343\215\002\031\250(\260\"\377\260F\270(\300\"\300C\317\300r\310\027\317\206\001\373 f\230\177C\230w\240d\250#~\003\177\027\220v\230S\240\007r\000\337#\250X\260Q\366\211\0016\230\177\022\2307\240!\2403\224!\377\025\220T\230\022\2304\230\177r\240\032\2502\250[\337\000\222M\001I\334\001\201a\023\346\"\213`\024s\220R\345\215\001\204cq\330\014\000\006\203\017\210\354)\000\013\275\213\001\237e\247k\330\217\014\025\220X\326\216\003\205\000\252\001R\377\250r\260\021\260#\260T\375\270\366@\031\230\025\230b\240\237\005\240R\240t\267\220\002\223\204\001D\357\270\003\2702\261\204\001\300\003\300\3774\300q\330\030\032\230%\251\230\272\211\001\220\204\003C=\000\022\277\211\002t\337\2701\330\025\027\241\206\002R\230\371q\316\206\002\217AR\250q\260\003;\2605\365#%\220x\030\000\330\204\002\177\r\210Q\210h\220c\255\207\001\343\330\014\000\n\000\0270\001m\2303\357\230e\2401.\003g\220S\n\353`Q;\003n\320\207\003H\003\032\n\r\n\023k\230\221\210\003p\002l\220\210\004}\002\r\n\177j\230\003\2305\240\001\226\003\327i\220s\363\000q\\\tG\250\3372\250V\2602\266 \022\270\316\207\004o\230S\272 \352@\016\210\047a\210y8\005\t\001w\341\005\026\001\311}\240\005#\001{y\0050\001s\220\345%\341\210\002V\376\212\003\260\221\001\026\220q";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 3848, 5204);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (2648 bytes) */
+static const char cstring[] = "\377 at 0x o\377bject> w\377eights(t\377ree frag\377ment).: \377<MemoryV\377iew of <\377contiguo\377us and d\263ir<\001\007\rin\021\005s\277trided\"\010 7or \004\031><(\tA\006\377>?Cannot\377 assign \377to read-\277only m\240\002v\376\242\000Invalid\377 mode, esxp\334\000|\000\047c\047t\001\377\047fortran\317\047, gH\000%\005sh\367ape\222\000 axi\377s Note t\375h\236 Cython\375 \021\000delibe\317ratek\000\320\001ct\373er!\001n PEPo-484\212\"re\313!\177s subcl\246\000\373es\261!built\375i\260\000ypes. \377If you n\311e\224 \303\000p\316\000%\tth\277en set\200\000e\373 \047\357\002ation\377_typing\047\366\355$iv\242\000o Fa\377lse.add_\376\231 ebeta, \377batch_ca\237p, kv\004\001\246Bb\347udgS\000r\002one\277 row p\302\000i\377nstancec\347oll\211`g\000s.a\347bcd\016\000\277!uti\357lity\351Bttf\371t\262\003\254#(N, l\377en(idx))\377disablee\205n\002\001f\304a\336\001\211 \330\"(\177H, 3)gc(\000\317 out\310a\205@ge\373is+\003dmax_\377num_seqs\370\227\"\270 \243\000entry\376\233\nno defa\377ult __re\377duce__ d\275u\212\"non-\357`v\367ial\033\000cini\373t_R\002resid\247ent\240D\007\003_\312\204\001e\365x\315\004oY\023umpy\275.\047\000re.mr\000i\377array fa\273il\272Cimp\322`n\276\034\010umath\021\016o\367lpr\367\000e/_s\373coJ\000pyxp0\366\300\205\002p1\310*G, H\357 + 1\255!shi\376\360 must be\377 >= 0sna_pshot\207;u\201B\376\241\205\001allocat\373e \262\003data.p\013\020\375\204\003\317\206\001\254\206\003s.w\377$\357wait\272\206\004tar\374\266j\223Greques\377tASCIIEl\377lipsisF_\377COMPUTE_\377AF_EEL_S\357AVED\004\004LOF\337_FINI\033\000TT?FTF_KV#\001\003\000\377BF_LAGRA\377NGIANF_P\377RICEF_QP\377SF_REWAR\376?\000THROUGH>Y\000F_TPO;\000>\003\360F\001^\005\006\003c\001UTIL\377ITYGI_EN\353DIN\000E\000\006_ST\357ARTI\001\003NUM[_F\001\001WS\235Ar\000\003\265.\334fc\211\207\002__\017\006s\377etstate_t\013\014\333BS\216!nce\266\211\001\375.\273\211\007W_ALPH\277AW_BET\003\000D\343EL\003\001\232!\322\000ESH\377OLDW_GAM\275M \000OMEG\047\000S\373IG\n\001TOKEN\177_NORMW_\344""\002\272&\010ZJ\0001W_\003\0012\337__Pyx\001\000Di\377ct_NextR\357ef__\301\207\004e__\363__\226\210\002\000\006_get\312\337@m\026\001d0\001 \000fu\013nc&\001g\332\0054\000\342\204\003<\001\357main\003\002odu\335lM\002nam\002\003ew\372]\001p~\000check\363suT\000\n\001resu\217lt__\026\001\256#\006\002t\367ype\017\003unpi\033ckK\000En,\005\n\006\211C\3467\003vt\341\207\001\302\001quaalp\005\377\206\005\233N\231\207\006ex\366\001/set_\244\005s\321\010\271N?__test\252 \215\"\373is\374\206\001outin\357eabc\313\205\005_bu\377fferasyn\177cio.cor\035\003\177sbabase\376\211\006\276\222\212\001bool_\375\211\003c\257caclG\000_\303 t\267rac&\000ck\203\210\004c\377ountctx_\237npdde\376\211\003\204\212\003_\377loadsdsd\344\260!\000\002_\224\000\272\216\003eem\377ptyencod\337eenum\244\214\002er\277rorfit\270\001l\377umnflags\375fC\000t64for\347mat\206\215\004\250\212\001hih\377orizonid\177idxinde\002\000\364&\000\225as\000\002izekokakb\314\213\003lo\244\212\t\247mem\370\215\001\360\215\001n\267\000n\357_res\217andi\047mnp\322\212\001\335\213\005s\337\212\001\204\212\005\256\257\211\002obj\222\211\005.\224\211\003p\3770p1packp\177epoppro\331\000\377psqeqsre\257gist\325\000e\261\212\013s\334\314\211\002\321\211\002_co\350\001ss?elfset\242\213\004\333\216\002\372\306\211\002s\304\000slot_=s\277\211\006star\302\206\003Y\000\357psto\001\000ruc\257tsub\232AtL\004t\370\364b\374\210\003\204\215\001uint8\373un\245\001updat\237euse_\212\207\005\256\215\004v_alues\223\220\001w\300\211\003\377xzerosO\200\377\001\330\004$\240A\240V\377\2501\200\001\340\004\037\230\377q\320 0\260\013\270;\377\300k\320QR\330\004\023\377\2206\230\030\240\021\240!\377\330\004\007\200|\2207\230\377!\330\010(\250\001\250\031\267\260.\3008\000\013\2104\000\360\377\010\000\005\010\200t\2106\377\220\021\220#\220R\220x\377\230s\240$\240f\250A\377\250S\260\003\2601\330\010\377\016\210j\230\001\230\021\330\377\004\026\220b\230\002\230(\377\240\"\240B\240h\250c\377\260\022\2608\2703\270b\376F\001\007\200s\210\"\210A\237""\330\010\r\210Qh\001\002\t\010\377\210\005\210U\220!\2204\377\220q\330\010\014\210A\210\337S\220\006\220a\001\007c\230\377\022\2303\230b\240\t\250\377\022\2503\250b\260\002\260\261!3\rQ\013;\023\200\001\306\001\031\357\230\003\2306\354\003\013\2102\377\210V\2201\220C\220v\377\230R\230q\330\004\r\210\377R\210v\220Q\220c\230\357\026\230r\240\316\000\020\220\001\377\220\033\230E\240\036\250ve\260\264\000\013\200!B\002\n\033\246!\377\021\220\024\220\\\240\024\240\377W\250D\260\t\270\024\270\377Z\300t\3109\320TX\377\320Xg\320gk\320k\377t\320tx\320xy\330\377\010\020\220\007\220q\230\006\367\230l\250\344\"v\210W\220\377E\230\024\230Q\330\010\022}\220\357 \027\220q\340\010\002\000\374\201A\200 \017\320\017\047\240t\377\2501\250G\260;\270g\257\300Q\340\010\005\na\306\000\n\376\355\201#\340\004\n\210%\210r\373\220\022\325B\004\010\210\006\210\235c\n\0008\2309\237@\337 \r\332\375\0003\262@\010\240\245`\t\210\037\023\210B\210a\216M+\024\215AM\001\313AV\220\"\035\370A#\364@w\010\017\210\342 \t\210\022\365 \341Q\244[\000\"\253j\311AS\220\003\372\302`r\254`1\330\014\017\210}t\327Bs\230\"\230C\314@\337\024\240S\250\004\256\204\0043\260\367c\270\022\226\204\002\t\310\022\310\3773\310b\320PR\320R\377W\320WY\320YZ\330\355\020\207A\r\021\352\204\002S\230\002\357\230$\230c\342@Q\240c\377\250\023\250B\250a\330\014\337\023\2201\330\004\226\205\003\"\000\377\005\025\220A\220V\230;\357\240h\250hT\000\021\330\004\177\016\210a\210u\220A\037\001\376\260\205\001(\230(\240)\2506\337\260\036\320?Q\361\205\001\022\032\377\230(\240+\250X\260X\377\270X\300Y\310c\320Q\377U\320UV\330\022\031\230\377\025\230a\200A\360\n\000\277\t\035\230D\240\005\261\206\001\250\277A\330\010\013\2103N\000{\373\230#\255`\014\022\220*\230]A\262d\2205\230\377 \034\333\000\377v\240Q\240a\330\010!\377\240\022\2406\250\021\250#\337\250V\2602\260\333`#\240\3752A\002C\250v\260R\260\257q\330\010\024\251\000[X\000T\237\250\037\270\007\270\350a\354\204\002h\377\230h\240i\250v\260W\377\270I\300T\310\027\320P\377Q\330\026\036\230d""\240,\377\250d\260)\2704\270y\377\310\004\310A\330\026\032\230\367*\240D\302 D\260\004\260\037G\2705\300\001";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 2648, 3548);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (5204 bytes) */
-static const char bytes[] = " at 0x object> weights.: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.add_notebeta, batch_cap, kv_cap and budget need one row per instancecollections.abcdecode, utility and ttft need shape (N, len(idx))disableenablefree needs shape (H, 3)gcidx out of rangeisenabledno default __reduce__ due to non-trivial __cinit__num_resident and resident_context need one entry per instancenumpy._core.multiarray failed to importnumpy._core.umath failed to importolproute/_score.pyxp0 and p1 need shape (G, H + 1, 3)shift must be >= 0unable to allocate array data.unable to allocate shape and strides.w needs waited and target need one entry per requestASCIIEllipsisF_COMPUTE_AF_EEL_SAVEDF_EEL_SLOF_FINITE_TTFTF_KV_AF_KV_BF_LAGRANGIANF_PRICEF_QPSF_REWARDF_THROUGHPUTF_TPOTF_TTFTF_TTFT_SAVEDF_TTFT_SLOF_UTILITYGI_ENDI_PRE_ENDI_PRE_STARTI_STARTNNUM_FNUM_WSequenceView.MemoryViewW_ALPHAW_BETAW_DELTAW_EEL_THRESHOLDW_GAMMAW_OMEGAW_SIGMAW_TOKEN_NORMW_TTFT_THRESHOLDW_ZETA1W_ZETA2__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcallocate_bufferalphaasyncio.coroutinesbabasebatch_abatch_capbetabool_budgetccacline_in_tracebackcountctx_npctx_outddedecodedecode_in_hdecode_loadsdeltadsdtypedtype_is_objectdwee0eeleel_savedeel_sloeel_thremptyencodeendenumerateerrorff_npfinfits_columnflagsfloat64formatfortranfreeggammahihorizonii_npididxindexint64itemsitemsizei""vjkk0kakbkeptkv_akv_bkv_capkwlomax_num_seqsmemviewmodenn_npn_outn_slotsnamendimnpnum_instancesnum_residentnumpyoobjolproute._scoreomegaonon_npp0p1packpepe0poppricepromptpsps0qeqpsqsrregisterresident_contextrewardss0score_columnssetdefaultshapeshiftsigmasizeslot_ssnapshotsstartstepstopstructsubtract_columntt2tabletargetthrtoken_normtokenstotaltpttftttft_savedttft_slottft_thrtwuint8unpackupdateutilutilityvaluesviewwwaitedwbetaworkxzeroszeta1zeta2O\200\001\360\010\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601\330\010\016\210j\230\001\230\021\330\004\026\220b\230\002\230(\240\"\240B\240h\250c\260\022\2608\2703\270b\300\001\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\330\010\014\210A\210S\220\006\220c\230\022\2303\230b\240\t\250\022\2503\250b\260\002\260!\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\200\001\360\010\000\005\031\230\003\2306\240\021\240!\330\004\013\2102\210V\2201\220C\220v\230R\230q\330\004\r\210R\210v\220Q\220c\230\026\230r\240\021\330\004\035\230Q\330\004\037\230q\360\010\000\005\t\210\005\210U\220!\2201\330\010\014\210C\210q\220\001\330\010\020\220\t\230\021\230\"\230A\330\010\014\210E\220\026\220q\230\001\330\010\013\2102\210R\210|\2301\230C\230r\240\021\330\014\020\220\014\230A\230S\240\002\240!\330\010\013\2102\210R\210q\330\014\020\220\001\330\010\020\220\001\330\010\014\210E\220\025\220a\220q\330\014\025\220U\230!\2303\230m\2502\250U\260!\2603\260a\330\010\r\210Q\210e\2208\2301\330\010\017\210q\220\005\220X\230Q\330\004\013\2106\220\021\200\001\360\n\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601\330\010\016\210j\230\001\230\021\340\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2309\240B\240a\330\010\r\210V\2203\220b\230""\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2303\230b\240\001\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210#\210Q\330\010\017\210q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\013\2102\210S\220\003\2204\220r\230\022\2301\330\014\017\210t\2201\220C\220s\230\"\230C\230r\240\024\240S\250\004\250A\250S\260\003\2603\260c\270\022\2703\270b\300\t\310\022\3103\310b\320PR\320RW\320WY\320YZ\330\020\027\220q\330\r\021\220\021\220#\220S\230\002\230$\230c\240\024\240Q\240c\250\023\250B\250a\330\014\023\2201\330\004\013\2101\200\001\360\"\000\005\031\230\006\230f\240A\240Q\330\004\030\230\003\2306\240\021\240!\330\004\030\230\001\330\004\007\200v\210V\2201\220C\220s\230\"\230C\230v\240V\2501\250C\250s\260\"\260C\260w\270f\300A\300S\310\003\3101\330\014\017\210w\220f\230A\230S\240\003\2402\240S\250\004\250F\260!\2603\260c\270\022\2703\270d\300&\310\001\310\023\310C\310q\330\010\016\210j\230\001\230\021\330\004\007\200v\210V\2201\220C\220s\230\"\230C\230v\240V\2501\250C\250s\260!\330\010\016\210j\230\001\230\021\330\004\007\200|\2206\230\021\230#\230S\240\002\240#\320%5\260V\2701\270C\270s\300!\330\010\016\210j\230\001\230\021\330\004\007\200t\2106\220\021\220#\220S\230\002\230#\230T\240\026\240q\250\003\2503\250b\260\003\2609\270F\300!\3003\300c\310\021\330\014\017\210v\220V\2301\230C\230s\240\"\240C\240v\250V\2601\260C\260s\270!\330\010\016\210j\230\001\230\021\330\004\007\200r\210\026\210q\220\003\2203\220b\230\003\2302\230V\2401\240C\240s\250\"\250C\250r\260\026\260q\270\003\2703\270h\300b\310\001\330\014\017\210r\220\026\220q\230\003\2303\230h\240b""\250\002\250#\250R\250v\260Q\260c\270\023\270B\270c\300\022\3006\310\021\310#\310S\320PQ\330\010\016\210j\230\001\230\021\330\004\007\200q\210\006\210a\210s\220#\220Q\330\010\016\210j\230\001\230\032\2401\240A\330\004\007\200v\210R\210q\330\010\016\210j\230\001\230\021\360\006\000\005\t\210\005\210U\220!\2201\330\010\013\2103\210a\210s\220\"\220B\220c\230\023\230A\230S\240\003\2401\330\014\022\220*\230A\230Q\340\004\013\2102\210V\2202\220W\230C\230t\2406\250\022\2501\330\004\013\2102\210V\2202\220S\230\003\2304\230v\240R\240q\330\004\014\210B\210f\220B\220c\230\024\230V\2402\240Q\330\004\037\230q\330\004!\240\021\330\004\036\230e\2405\250\001\250\022\2501\340\004\007\200r\210\022\2101\330\010\014\210E\220\025\220a\220q\330\014\020\220\005\220U\230!\2301\330\020\024\220E\230\025\230a\230q\330\024\025\220Q\220c\230\023\230E\240\021\330\020\021\220\021\220(\230#\230U\240!\330\020\021\220\021\220*\230C\230u\240A\240Q\330\020\021\220\021\220.\240\003\2405\250\001\250\021\330\020\021\220\021\220/\240\023\240E\250\021\330\020\024\220E\230\025\230a\230q\330\024\026\220a\220s\230#\230U\240!\330\004\030\230\001\230\021\320\032,\250A\250Q\320.E\300Q\300a\300q\330\004\030\230\001\230\021\320\032+\2501\250A\320-?\270q\300\001\300\021\330\004\032\230!\2301\320\0346\260a\260q\270\001\330\004\033\2301\230A\320\0358\270\001\270\021\320:L\310A\310Q\310a\360\n\000\005\t\210\005\210U\220!\2201\330\010\014\210C\210q\220\001\330\010\022\220$\220b\230\t\240\021\240!\330\010\014\210E\220\025\220a\220q\330\014\020\220\006\220a\220q\330\014\020\220\006\220a\220s\230!\330\014\020\220\004\220A\220S\230\001\340\014\022\220$\220a\220s\230#\230R\230t\2401\240C\240s\250#\250\\\270\021\270#\270R\270q\330\020\022\220$\220a\220s\230#\230S\320 0\260\001\260\023\260B\260a\340\014\021\220\033\230A\230S\240\010\250\001\330\014\022\220#\220R\220}\240A\240S\250\004\250A\330\014\017\210t\2202\220Q\330\020\026\220a\340\014\023\2202\220R\220v\230Q\230a\330\014\026\220i\230t\2401\240E\250\022\2501\330\014\017""\210x\220r\230\021\330\020\032\230!\330\014\017\210s\220#\220Q\330\020\025\220Q\330\020\025\220Q\340\020\025\220Q\330\020\025\220S\230\002\230!\330\020\023\2203\220b\230\001\330\024\031\230\021\330\025\030\230\002\230!\330\024\031\230\021\330\014\023\2203\220b\230\001\330\014\017\210u\220B\220a\330\020\027\220q\330\014\021\220\025\220b\230\001\330\014\017\210s\220\"\220A\330\020\025\220Q\330\014\024\220B\220b\230\005\230R\230v\240Q\240a\330\014\024\220G\2302\230T\240\022\2406\250\021\250!\340\014\021\220\022\2202\220V\2301\230A\330\014\021\220\033\230A\230T\240\030\250\021\330\014\021\220\035\230a\230s\240$\240a\330\014\033\2308\2402\240V\2508\2602\260S\270\002\270\047\300\023\300B\300g\310R\310q\330\014\017\210r\220\022\2201\330\020\036\230a\330\014\025\220R\220r\230\037\250\003\2502\250]\270!\330\014\022\220#\220R\220r\230\022\2301\330\014\021\220\026\220q\230\006\230i\240s\250.\270\001\330\014\022\220!\330\014\022\220&\230\002\230\047\240\022\2401\330\014\030\230\006\230b\240\t\250\030\260\023\260C\260r\270\027\300\010\310\003\3103\310b\320PT\320TV\320V]\320]^\330\014\031\230\026\230r\240\031\250(\260\"\260F\270(\300\"\300C\300r\310\027\320PQ\330\014\026\220f\230C\230w\240d\250#\250]\270!\330\014\027\220v\230S\240\007\240s\250#\250X\260Q\330\014\023\2206\230\022\2307\240!\2403\240a\330\014\025\220T\230\022\2304\230r\240\032\2502\250[\270\002\270(\300\"\300I\310R\310q\340\014\021\220\023\220B\220a\330\014\021\220\024\220R\220q\330\014\022\220#\220R\220q\330\014\022\220#\220R\220q\330\014\017\210s\220\"\220A\330\020\025\220Q\330\014\017\210s\220\"\220A\330\020\025\220Q\330\014\017\210t\2202\220Q\330\020\026\220a\330\014\017\210t\2202\220Q\330\020\026\220a\330\014\025\220X\230S\240\002\240!\2403\240d\250#\250R\250r\260\021\260#\260T\270\021\330\025\031\230\025\230b\240\005\240R\240t\2503\250b\260\001\260\023\260D\270\003\2702\270R\270q\300\003\3004\300q\330\030\032\230%\230s\240\"\240A\240S\250\004\250C\250r\260\022\2601\260C\260t\2701\330\025\027\220s\230#\230R""\230q\240\003\2405\250\003\2502\250R\250q\260\003\2605\270\001\330\014\022\220%\220x\230q\240\010\250\001\330\014\r\210Q\210h\220c\230\025\230a\330\014\r\210Q\210h\220c\230\025\230a\330\014\r\210Q\210h\220c\230\025\230a\330\014\r\210Q\210h\220c\230\025\230a\330\014\r\210Q\210m\2303\230e\2401\330\014\r\210Q\210g\220S\230\005\230Q\330\014\r\210Q\210n\230C\230u\240A\330\014\r\210Q\210m\2303\230e\2401\330\014\r\210Q\210n\230C\230u\240A\330\014\r\210Q\210k\230\023\230E\240\021\330\014\r\210Q\210l\230#\230U\240!\330\014\r\210Q\210k\230\023\230E\240\021\330\014\r\210Q\210j\230\003\2305\240\001\330\014\r\210Q\210i\220s\230%\230q\330\014\r\210Q\210n\230C\230u\240G\2502\250V\2602\260T\270\022\2701\330\014\r\210Q\210o\230S\240\005\240Q\330\014\016\210a\210y\230\003\2305\240\001\330\014\016\210a\210w\220c\230\025\230a\330\014\016\210a\210}\230C\230u\240A\330\014\016\210a\210{\230#\230U\240!\330\014\016\210a\210s\220%\220s\230#\230V\2401\240A\330\004\013\2106\220\026\220q";
+    #else /* compression: none (3548 bytes) */
+static const char bytes[] = " at 0x object> weights(tree fragment).: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.add_notebeta, batch_cap, kv_cap and budget need one row per instancecollections.abcdecode, utility and ttft need shape (N, len(idx))disableenablefree needs shape (H, 3)gcidx out of rangeisenabledmax_num_seqs needs one entry per instanceno default __reduce__ due to non-trivial __cinit__num_resident and resident_context need one entry per instancenumpy._core.multiarray failed to importnumpy._core.umath failed to importolproute/_score.pyxp0 and p1 need shape (G, H + 1, 3)shift must be >= 0snapshots needs one entry per instanceunable to allocate array data.unable to allocate shape and strides.w needs waited and target need one entry per requestASCIIEllipsisF_COMPUTE_AF_EEL_SAVEDF_EEL_SLOF_FINITE_TTFTF_KV_AF_KV_BF_LAGRANGIANF_PRICEF_QPSF_REWARDF_THROUGHPUTF_TPOTF_TTFTF_TTFT_SAVEDF_TTFT_SLOF_UTILITYGI_ENDI_PRE_ENDI_PRE_STARTI_STARTNUM_FNUM_WScorerScorer.__reduce_cython__Scorer.__setstate_cython__Scorer.scoreSequenceView.MemoryViewW_ALPHAW_BETAW_DELTAW_EEL_THRESHOLDW_GAMMAW_OMEGAW_SIGMAW_TOKEN_NORMW_TTFT_THRESHOLDW_ZETA1W_ZETA2__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_result__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_unpickle_Scorer__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___dict_is_coroutineabcallocate_bufferasyncio.coroutinesbabasebatch_capbetabool_budgetccacline_in_tracebackcontextcountctx_npddedecodedecode_loadsdsdtype""dtype_is_objecteemptyencodeenumerateerrorfits_columnflagsfloat64formatfortranfreehihorizonididxindexint64itemsitemsizekkakbkv_caplomax_num_seqsmemviewmoden_npn_resnamendimnpnum_instancesnum_residentnumpyobjolproute._scorep0p1packpepoppromptpsqeqsregisterresident_contextsscorescore_columnsselfsetdefaultshapeshiftsizeslot_ssnapshotsstartstatestepstopstructsubtract_columnttabletargetttftuint8unpackupdateuse_setstateutilityvaluesviewwwaitedxzerosO\200\001\330\004$\240A\240V\2501\200\001\340\004\037\230q\320 0\260\013\270;\300k\320QR\330\004\023\2206\230\030\240\021\240!\330\004\007\200|\2207\230!\330\010(\250\001\250\031\260.\300\001\330\004\013\2101\200\001\360\010\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601\330\010\016\210j\230\001\230\021\330\004\026\220b\230\002\230(\240\"\240B\240h\250c\260\022\2608\2703\270b\300\001\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\330\010\014\210A\210S\220\006\220c\230\022\2303\230b\240\t\250\022\2503\250b\260\002\260!\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\200\001\360\010\000\005\031\230\003\2306\240\021\240!\330\004\013\2102\210V\2201\220C\220v\230R\230q\330\004\r\210R\210v\220Q\220c\230\026\230r\240\021\330\004\020\220\001\220\033\230E\240\036\250v\260Q\330\004\013\2106\220\021\200\001\360\010\000\n\033\230!\330\010\021\220\024\220\\\240\024\240W\250D\260\t\270\024\270Z\300t\3109\320TX\320Xg\320gk\320kt\320tx\320xy\330\010\020\220\007\220q\230\006\230l\250!\330\004\007\200v\210W\220E\230\024\230Q\330\010\022\220!\330\010\027\220q\340\010\027\220q\330\004\007\200q\330\010\017\320\017\047\240t\2501\250G\260;\270g\300Q\340\010\017\320\017\047\240t\2501\250G\260;\270a\200\001\360\n\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601""\330\010\016\210j\230\001\230\021\340\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2309\240B\240a\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2303\230b\240\001\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210#\210Q\330\010\017\210q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\013\2102\210S\220\003\2204\220r\230\022\2301\330\014\017\210t\2201\220C\220s\230\"\230C\230r\240\024\240S\250\004\250A\250S\260\003\2603\260c\270\022\2703\270b\300\t\310\022\3103\310b\320PR\320RW\320WY\320YZ\330\020\027\220q\330\r\021\220\021\220#\220S\230\002\230$\230c\240\024\240Q\240c\250\023\250B\250a\330\014\023\2201\330\004\013\2101\200\001\360\"\000\005\025\220A\220V\230;\240h\250h\260c\270\021\330\004\016\210a\210u\220A\330\004\013\2106\220\021\220(\230(\240)\2506\260\036\320?Q\320QR\330\022\032\230(\240+\250X\260X\270X\300Y\310c\320QU\320UV\330\022\031\230\025\230a\200A\360\n\000\t\035\230D\240\005\240V\2501\250A\330\010\013\2103\210a\210{\230#\230Q\330\014\022\220*\230A\230Q\330\010\022\220!\2205\230\001\330\010\034\230C\230v\240Q\240a\330\010!\240\022\2406\250\021\250#\250V\2602\260Q\330\010#\2402\240V\2501\250C\250v\260R\260q\330\010\024\220A\220[\240\005\240T\250\037\270\007\270q\330\010\017\210v\220Q\220h\230h\240i\250v\260W\270I\300T\310\027\320PQ\330\026\036\230d\240,\250d\260)\2704\270y\310\004\310A\330\026\032\230*\240D\250\004\250D\260\004\260G\2705\300\001";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 254; i++) {
+    for (int i = 0; i < 213; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
-      if (likely(string) && i >= 38) PyUnicode_InternInPlace(&string);
+      if (likely(string) && i >= 41) PyUnicode_InternInPlace(&string);
       if (unlikely(!string)) {
         Py_XDECREF(data);
         __PYX_ERR(0, 1, __pyx_L1_error)
@@ -28434,8 +30622,8 @@ static const char bytes[] = " at 0x object> weights.: <MemoryView of <contiguous
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 254; i < 259; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-254].length;
+    for (int i = 213; i < 222; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-213].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -28445,15 +30633,15 @@ static const char bytes[] = " at 0x object> weights.: <MemoryView of <contiguous
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 259; i++) {
+    for (Py_ssize_t i = 0; i < 222; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 254;
-      for (Py_ssize_t i=0; i<5; ++i) {
+      PyObject **table = stringtab + 213;
+      for (Py_ssize_t i=0; i<9; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
         #elif CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -28477,8 +30665,8 @@ static const char bytes[] = " at 0x object> weights.: <MemoryView of <contiguous
   {
     PyObject **numbertab = __pyx_mstate->__pyx_number_tab + 0;
     int8_t const cint_constants_1[] = {0,-1,4,11,16};
-    int32_t const cint_constants_4[] = {136983863L};
-    for (int i = 0; i < 6; i++) {
+    int32_t const cint_constants_4[] = {113568208L,136983863L};
+    for (int i = 0; i < 7; i++) {
       numbertab[i] = PyLong_FromLong((i < 5 ? cint_constants_1[i - 0] : cint_constants_4[i - 5]));
       if (unlikely(!numbertab[i])) __PYX_ERR(0, 1, __pyx_L1_error)
     }
@@ -28486,7 +30674,7 @@ static const char bytes[] = " at 0x object> weights.: <MemoryView of <contiguous
   #if CYTHON_IMMORTAL_CONSTANTS
   {
     PyObject **table = __pyx_mstate->__pyx_number_tab;
-    for (Py_ssize_t i=0; i<6; ++i) {
+    for (Py_ssize_t i=0; i<7; ++i) {
       #if PY_VERSION_HEX >= 0x030F0000
       PyUnstable_SetImmortal(table[i]);
       #elif CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -28518,7 +30706,7 @@ typedef struct {
     unsigned int argcount : 5;
     unsigned int num_posonly_args : 1;
     unsigned int num_kwonly_args : 1;
-    unsigned int nlocals : 7;
+    unsigned int nlocals : 5;
     unsigned int flags : 10;
     unsigned int first_line : 9;
 } __Pyx_PyCode_New_function_description;
@@ -28540,24 +30728,44 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
   PyObject* tuple_dedup_map = PyDict_New();
   if (unlikely(!tuple_dedup_map)) return -1;
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 14, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 56};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_snapshots, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_max_num_seqs, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_n_np, __pyx_mstate->__pyx_n_u_ctx_np, __pyx_mstate->__pyx_n_u_n_out, __pyx_mstate->__pyx_n_u_ctx_out, __pyx_mstate->__pyx_n_u_table, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_g, __pyx_mstate->__pyx_n_u_total};
-    __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_decode_loads, __pyx_mstate->__pyx_kp_b_iso88591_6_2V1CvRq_RvQc_r_Q_q_U_1_Cq_A_E, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 6, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 56};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_snapshots, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_max_num_seqs, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_n_np, __pyx_mstate->__pyx_n_u_ctx_np};
+    __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_decode_loads, __pyx_mstate->__pyx_kp_b_iso88591_6_2V1CvRq_RvQc_r_E_vQ_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {20, 0, 0, 80, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 84};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_prompt, __pyx_mstate->__pyx_n_u_decode, __pyx_mstate->__pyx_n_u_utility, __pyx_mstate->__pyx_n_u_ttft, __pyx_mstate->__pyx_n_u_num_resident, __pyx_mstate->__pyx_n_u_resident_context, __pyx_mstate->__pyx_n_u_beta, __pyx_mstate->__pyx_n_u_waited, __pyx_mstate->__pyx_n_u_target, __pyx_mstate->__pyx_n_u_batch_cap, __pyx_mstate->__pyx_n_u_kv_cap, __pyx_mstate->__pyx_n_u_budget, __pyx_mstate->__pyx_n_u_slot_s, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_w, __pyx_mstate->__pyx_n_u_p0, __pyx_mstate->__pyx_n_u_p1, __pyx_mstate->__pyx_n_u_shift, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_num_instances, __pyx_mstate->__pyx_n_u_N, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_G, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_j, __pyx_mstate->__pyx_n_u_g, __pyx_mstate->__pyx_n_u_f_np, __pyx_mstate->__pyx_n_u_i_np, __pyx_mstate->__pyx_n_u_on_np, __pyx_mstate->__pyx_n_u_f, __pyx_mstate->__pyx_n_u_iv, __pyx_mstate->__pyx_n_u_on, __pyx_mstate->__pyx_n_u_r, __pyx_mstate->__pyx_n_u_sigma, __pyx_mstate->__pyx_n_u_alpha, __pyx_mstate->__pyx_n_u_token_norm, __pyx_mstate->__pyx_n_u_wbeta, __pyx_mstate->__pyx_n_u_gamma, __pyx_mstate->__pyx_n_u_zeta1, __pyx_mstate->__pyx_n_u_eel_thr, __pyx_mstate->__pyx_n_u_zeta2, __pyx_mstate->__pyx_n_u_ttft_thr, __pyx_mstate->__pyx_n_u_omega, __pyx_mstate->__pyx_n_u_delta, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_t, __pyx_mstate->__pyx_n_u_tp, __pyx_mstate->__pyx_n_u_tw, __pyx_mstate->__pyx_n_u_kv_a, __pyx_mstate->__pyx_n_u_kv_b, __pyx_mstate->__pyx_n_u_ca, __pyx_mstate->__pyx_n_u_work, __pyx_mstate->__pyx_n_u_qps, __pyx_mstate->__pyx_n_u_thr, __pyx_mstate->__pyx_n_u_eel_saved, __pyx_mstate->__pyx_n_u_ttft_saved, __pyx_mstate->__pyx_n_u_eel_slo, __pyx_mstate->__pyx_n_u_ttft_slo, __pyx_mstate->__pyx_n_u_util, __pyx_mstate->__pyx_n_u_reward, __pyx_mstate->__pyx_n_u_decode_in_h, __pyx_mstate->__pyx_n_u_tokens, __pyx_mstate->__pyx_n_u_eel, __pyx_mstate->__pyx_n_u_t2, __pyx_mstate->__pyx_n_u_price, __pyx_mstate->__pyx_n_u_fin, __pyx_mstate->__pyx_n_u_batch_a, __pyx_mstate->__pyx_n_u_k0, __pyx_mstate->__pyx_n_u_end, __pyx_mstate->__pyx_n_u_n_slots, __pyx_mstate->__pyx_n_u_ps, __pyx_mstate->__pyx_n_u_pe, __pyx_mstate->__pyx_n_u_kw, __pyx_mstate->__pyx_n_u_dw, __pyx_mstate->__pyx_n_u_kept, __pyx_mstate->__pyx_n_u_s0, __pyx_mstate->__pyx_n_u_e0, __pyx_mstate->__pyx_n_u_ps0, __pyx_mstate->__pyx_n_u_pe0};
-    __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_score_columns, __pyx_mstate->__pyx_kp_b_iso88591_fAQ_6_vV1Cs_CvV1Cs_CwfAS_1_wfAS, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {12, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 115};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_snapshots, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_prompt, __pyx_mstate->__pyx_n_u_decode, __pyx_mstate->__pyx_n_u_utility, __pyx_mstate->__pyx_n_u_ttft, __pyx_mstate->__pyx_n_u_waited, __pyx_mstate->__pyx_n_u_target, __pyx_mstate->__pyx_n_u_p0, __pyx_mstate->__pyx_n_u_p1, __pyx_mstate->__pyx_n_u_shift, __pyx_mstate->__pyx_n_u_G, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_n_res, __pyx_mstate->__pyx_n_u_context};
+    __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_score, __pyx_mstate->__pyx_kp_b_iso88591_A_D_V1A_3a_Q_AQ_5_CvQa_6_V2Q_2V1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {10, 0, 0, 15, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 251};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_state, __pyx_mstate->__pyx_n_u_dict_2, __pyx_mstate->__pyx_n_u_use_setstate};
+    __pyx_mstate_global->__pyx_codeobj_tab[2] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_WD_Zt9TXXggkkttxxy_q_l_vWE_Q_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[2])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 17};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_pyx_state};
+    __pyx_mstate_global->__pyx_codeobj_tab[3] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_AV1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[3])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {20, 0, 0, 20, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 150};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_prompt, __pyx_mstate->__pyx_n_u_decode, __pyx_mstate->__pyx_n_u_utility, __pyx_mstate->__pyx_n_u_ttft, __pyx_mstate->__pyx_n_u_num_resident, __pyx_mstate->__pyx_n_u_resident_context, __pyx_mstate->__pyx_n_u_beta, __pyx_mstate->__pyx_n_u_waited, __pyx_mstate->__pyx_n_u_target, __pyx_mstate->__pyx_n_u_batch_cap, __pyx_mstate->__pyx_n_u_kv_cap, __pyx_mstate->__pyx_n_u_budget, __pyx_mstate->__pyx_n_u_slot_s, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_w, __pyx_mstate->__pyx_n_u_p0, __pyx_mstate->__pyx_n_u_p1, __pyx_mstate->__pyx_n_u_shift, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_num_instances};
+    __pyx_mstate_global->__pyx_codeobj_tab[4] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_score_columns, __pyx_mstate->__pyx_kp_b_iso88591_AV_hhc_auA_6_6_QQR_XXXYcQUUV_a, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[4])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {10, 0, 0, 15, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 325};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_free, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_e, __pyx_mstate->__pyx_n_u_ba, __pyx_mstate->__pyx_n_u_ka, __pyx_mstate->__pyx_n_u_kb, __pyx_mstate->__pyx_n_u_ps, __pyx_mstate->__pyx_n_u_pe, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_lo, __pyx_mstate->__pyx_n_u_hi, __pyx_mstate->__pyx_n_u_ds, __pyx_mstate->__pyx_n_u_de, __pyx_mstate->__pyx_n_u_t};
-    __pyx_mstate_global->__pyx_codeobj_tab[2] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_fits_column, __pyx_mstate->__pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_r_7_c_89Ba_V3b_B, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[2])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[5] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_fits_column, __pyx_mstate->__pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_r_7_c_89Ba_V3b_B, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[5])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {11, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 292};
+    const __Pyx_PyCode_New_function_description descr = {11, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 366};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_free, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_e, __pyx_mstate->__pyx_n_u_ba, __pyx_mstate->__pyx_n_u_ka, __pyx_mstate->__pyx_n_u_kb, __pyx_mstate->__pyx_n_u_ps, __pyx_mstate->__pyx_n_u_pe, __pyx_mstate->__pyx_n_u_ca, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_ds, __pyx_mstate->__pyx_n_u_de, __pyx_mstate->__pyx_n_u_qs, __pyx_mstate->__pyx_n_u_qe, __pyx_mstate->__pyx_n_u_t};
-    __pyx_mstate_global->__pyx_codeobj_tab[3] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_subtract_column, __pyx_mstate->__pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_b_Bhc_83b_s_A_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[3])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[6] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_subtract_column, __pyx_mstate->__pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_b_Bhc_83b_s_A_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[6])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 4};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_pyx_type, __pyx_mstate->__pyx_n_u_pyx_checksum, __pyx_mstate->__pyx_n_u_pyx_state, __pyx_mstate->__pyx_n_u_pyx_result};
+    __pyx_mstate_global->__pyx_codeobj_tab[7] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_pyx_unpickle_Scorer, __pyx_mstate->__pyx_kp_b_iso88591_q_0_kQR_6_7_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[7])) goto bad;
   }
   Py_DECREF(tuple_dedup_map);
   return 0;
@@ -32268,33 +34476,6 @@ static int __Pyx_call_type_traverse(PyObject *o, int always_call, visitproc visi
 }
 #endif
 
-/* ApplySequenceOrMappingFlag */
-#if CYTHON_COMPILING_IN_LIMITED_API || (CYTHON_COMPILING_IN_PYPY && CYTHON_USE_TYPE_SPECS)
-int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence) {
-    PyObject *abc;
-    PyObject *collections_abc = PyImport_ImportModule("collections.abc");
-    if (unlikely(!collections_abc)) return -1;
-    abc = PyObject_GetAttrString(collections_abc, is_sequence ? "Sequence": "Mapping");
-    Py_DECREF(collections_abc);
-    if (unlikely(!abc)) return -1;
-    PyObject *register_result = PyObject_CallMethod(abc, "register", "O", (PyObject*)tp);
-    Py_DECREF(abc);
-    if (unlikely(!register_result)) return -1;
-    Py_DECREF(register_result);
-    return 0;
-}
-#elif CYTHON_COMPILING_IN_PYPY // && !CYTHON_USE_TYPE_SPECS
-int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence) {
-    CYTHON_UNUSED_VAR(tp);
-    CYTHON_UNUSED_VAR(is_sequence);
-    return PyErr_WarnEx(
-        PyExc_RuntimeWarning,
-        "cython.collection_type only works on PyPy with the C flag CYTHON_USE_TYPE_SPECS=1",
-        1
-    );
-}
-#endif
-
 /* PyObjectCallMethod0 (used by PyType_Ready) */
 static CYTHON_INLINE PyObject* __Pyx_PyObject_CallMethod0(PyObject* obj, PyObject* method_name) {
 #if CYTHON_VECTORCALL && (__PYX_LIMITED_VERSION_HEX >= 0x030C0000 || !CYTHON_COMPILING_IN_LIMITED_API)
@@ -32511,154 +34692,6 @@ static int __Pyx_PyType_Ready(PyTypeObject *t) {
 #endif
 }
 
-/* GetVTable (used by MergeVTables) */
-static int __Pyx_GetVtable(PyTypeObject *type, void** table) {
-    void* ptr;
-    *table = NULL;
-#if CYTHON_COMPILING_IN_LIMITED_API
-    PyObject *ob = PyObject_GetAttr((PyObject *)type, __pyx_mstate_global->__pyx_n_u_pyx_vtable);
-#else
-    PyObject *ob = PyObject_GetItem(type->tp_dict, __pyx_mstate_global->__pyx_n_u_pyx_vtable);
-#endif
-    if (!ob)
-        goto no_attr;
-    ptr = PyCapsule_GetPointer(ob, 0);
-    if (!ptr && !PyErr_Occurred())
-        PyErr_SetString(PyExc_RuntimeError, "invalid vtable found for imported type");
-    Py_DECREF(ob);
-    *table = ptr;
-    return 1;
-no_attr:
-    if (PyErr_ExceptionMatches(CYTHON_COMPILING_IN_LIMITED_API ? PyExc_AttributeError : PyExc_KeyError)) {
-        return 0;
-    }
-    Py_XDECREF(ob);
-    return -1;
-}
-
-/* MergeVTables (used by SetVTable) */
-static int __Pyx_MergeVtables(PyTypeObject *type) {
-    int i=0;
-    Py_ssize_t size;
-    void** base_vtables;
-    void* unknown = (void*)-1;
-    PyObject* bases = __Pyx_PyType_GetSlot(type, tp_bases, PyObject*);
-    int base_depth = 0;
-    {
-        PyTypeObject* base = __Pyx_PyType_GetSlot(type, tp_base, PyTypeObject*);
-        while (base) {
-            base_depth += 1;
-            base = __Pyx_PyType_TryGetSlot(base, tp_base, PyTypeObject*);
-        }
-    }
-    base_vtables = (void**) PyMem_Malloc(sizeof(void*) * (size_t)(base_depth + 1));
-    if (unlikely(!base_vtables)) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    base_vtables[0] = unknown;
-#if CYTHON_COMPILING_IN_LIMITED_API
-    size = PyTuple_Size(bases);
-    if (size < 0) goto other_failure;
-#else
-    size = PyTuple_GET_SIZE(bases);
-#endif
-    for (i = 1; i < size; i++) {
-        PyObject *basei;
-        void* base_vtable;
-#if CYTHON_AVOID_BORROWED_REFS
-        basei = PySequence_GetItem(bases, i);
-        if (unlikely(!basei)) goto other_failure;
-#elif !CYTHON_ASSUME_SAFE_MACROS
-        basei = PyTuple_GetItem(bases, i);
-        if (unlikely(!basei)) goto other_failure;
-#else
-        basei = PyTuple_GET_ITEM(bases, i);
-#endif
-        int get_vtable_result = __Pyx_GetVtable((PyTypeObject*)basei, &base_vtable);
-#if CYTHON_AVOID_BORROWED_REFS
-        Py_DECREF(basei);
-#endif
-        if (get_vtable_result != 1) {
-            if (get_vtable_result == -1) {
-                goto other_failure;
-            }
-            PyErr_Clear(); // Class doesn't have a vtable.
-        } else {
-            assert(base_vtable != NULL);
-            int j;
-            PyTypeObject* base = __Pyx_PyType_TryGetSlot(type, tp_base, PyTypeObject*);
-#if CYTHON_COMPILING_IN_LIMITED_API && __PYX_LIMITED_VERSION_HEX < 0x030A0000
-            if (!base) goto bad;
-#endif
-            for (j = 0; j < base_depth; j++) {
-                if (base_vtables[j] == unknown) {
-                    switch (__Pyx_GetVtable(base, &base_vtables[j])) {
-                        case 1:
-                            assert(base_vtables[j] == NULL);
-                            break;
-                        case 0:
-                            goto bad;
-                        case -1:
-                        default:
-                            goto other_failure;
-                    }
-                    base_vtables[j + 1] = unknown;
-                }
-                if (base_vtables[j] == base_vtable) {
-                    break;
-                }
-                base = __Pyx_PyType_TryGetSlot(base, tp_base, PyTypeObject*);
-#if CYTHON_COMPILING_IN_LIMITED_API && __PYX_LIMITED_VERSION_HEX < 0x030A0000
-                if (!base) goto bad;
-#endif
-            }
-        }
-    }
-    PyMem_Free(base_vtables);
-    return 0;
-bad:
-    {
-        PyTypeObject* tp_base = __Pyx_PyType_GetSlot(type, tp_base, PyTypeObject*);
-        PyTypeObject* basei;
-#if CYTHON_AVOID_BORROWED_REFS
-        basei = (PyTypeObject*)PySequence_GetItem(bases, i);
-        if (unlikely(!basei)) goto other_failure;
-#elif !CYTHON_ASSUME_SAFE_MACROS
-        basei = (PyTypeObject*)PyTuple_GetItem(bases, i);
-        if (unlikely(!basei)) goto other_failure;
-#else
-        basei = (PyTypeObject*)PyTuple_GET_ITEM(bases, i);
-#endif
-    __Pyx_RaiseTypeErrorWithTypes(
-        "multiple bases have vtable conflict: '" __Pyx_FMT_TYPENAME "' and '" __Pyx_FMT_TYPENAME "'", tp_base, basei);
-#if CYTHON_AVOID_BORROWED_REFS
-        Py_DECREF(basei);
-#endif
-    }
-other_failure:
-    PyMem_Free(base_vtables);
-    return -1;
-}
-
-/* SetVTable */
-static int __Pyx_SetVtable(PyTypeObject *type, void *vtable) {
-    PyObject *ob = PyCapsule_New(vtable, 0, 0);
-    if (unlikely(!ob))
-        goto bad;
-#if CYTHON_COMPILING_IN_LIMITED_API
-    if (unlikely(PyObject_SetAttr((PyObject *) type, __pyx_mstate_global->__pyx_n_u_pyx_vtable, ob) < 0))
-#else
-    if (unlikely(PyDict_SetItem(type->tp_dict, __pyx_mstate_global->__pyx_n_u_pyx_vtable, ob) < 0))
-#endif
-        goto bad;
-    Py_DECREF(ob);
-    return __Pyx_MergeVtables(type);
-bad:
-    Py_XDECREF(ob);
-    return -1;
-}
-
 /* LimitedApiGetTypeTypeDict (used by DelItemOnTypeDict) */
 #if CYTHON_COMPILING_IN_LIMITED_API
 static PyObject *__Pyx_GetTypeTypeDict(PyTypeObject *tp) {
@@ -32833,6 +34866,181 @@ __PYX_GOOD:
     Py_XDECREF(setstate);
     Py_XDECREF(setstate_cython);
     return ret;
+}
+
+/* ApplySequenceOrMappingFlag */
+#if CYTHON_COMPILING_IN_LIMITED_API || (CYTHON_COMPILING_IN_PYPY && CYTHON_USE_TYPE_SPECS)
+int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence) {
+    PyObject *abc;
+    PyObject *collections_abc = PyImport_ImportModule("collections.abc");
+    if (unlikely(!collections_abc)) return -1;
+    abc = PyObject_GetAttrString(collections_abc, is_sequence ? "Sequence": "Mapping");
+    Py_DECREF(collections_abc);
+    if (unlikely(!abc)) return -1;
+    PyObject *register_result = PyObject_CallMethod(abc, "register", "O", (PyObject*)tp);
+    Py_DECREF(abc);
+    if (unlikely(!register_result)) return -1;
+    Py_DECREF(register_result);
+    return 0;
+}
+#elif CYTHON_COMPILING_IN_PYPY // && !CYTHON_USE_TYPE_SPECS
+int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence) {
+    CYTHON_UNUSED_VAR(tp);
+    CYTHON_UNUSED_VAR(is_sequence);
+    return PyErr_WarnEx(
+        PyExc_RuntimeWarning,
+        "cython.collection_type only works on PyPy with the C flag CYTHON_USE_TYPE_SPECS=1",
+        1
+    );
+}
+#endif
+
+/* GetVTable (used by MergeVTables) */
+static int __Pyx_GetVtable(PyTypeObject *type, void** table) {
+    void* ptr;
+    *table = NULL;
+#if CYTHON_COMPILING_IN_LIMITED_API
+    PyObject *ob = PyObject_GetAttr((PyObject *)type, __pyx_mstate_global->__pyx_n_u_pyx_vtable);
+#else
+    PyObject *ob = PyObject_GetItem(type->tp_dict, __pyx_mstate_global->__pyx_n_u_pyx_vtable);
+#endif
+    if (!ob)
+        goto no_attr;
+    ptr = PyCapsule_GetPointer(ob, 0);
+    if (!ptr && !PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "invalid vtable found for imported type");
+    Py_DECREF(ob);
+    *table = ptr;
+    return 1;
+no_attr:
+    if (PyErr_ExceptionMatches(CYTHON_COMPILING_IN_LIMITED_API ? PyExc_AttributeError : PyExc_KeyError)) {
+        return 0;
+    }
+    Py_XDECREF(ob);
+    return -1;
+}
+
+/* MergeVTables (used by SetVTable) */
+static int __Pyx_MergeVtables(PyTypeObject *type) {
+    int i=0;
+    Py_ssize_t size;
+    void** base_vtables;
+    void* unknown = (void*)-1;
+    PyObject* bases = __Pyx_PyType_GetSlot(type, tp_bases, PyObject*);
+    int base_depth = 0;
+    {
+        PyTypeObject* base = __Pyx_PyType_GetSlot(type, tp_base, PyTypeObject*);
+        while (base) {
+            base_depth += 1;
+            base = __Pyx_PyType_TryGetSlot(base, tp_base, PyTypeObject*);
+        }
+    }
+    base_vtables = (void**) PyMem_Malloc(sizeof(void*) * (size_t)(base_depth + 1));
+    if (unlikely(!base_vtables)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    base_vtables[0] = unknown;
+#if CYTHON_COMPILING_IN_LIMITED_API
+    size = PyTuple_Size(bases);
+    if (size < 0) goto other_failure;
+#else
+    size = PyTuple_GET_SIZE(bases);
+#endif
+    for (i = 1; i < size; i++) {
+        PyObject *basei;
+        void* base_vtable;
+#if CYTHON_AVOID_BORROWED_REFS
+        basei = PySequence_GetItem(bases, i);
+        if (unlikely(!basei)) goto other_failure;
+#elif !CYTHON_ASSUME_SAFE_MACROS
+        basei = PyTuple_GetItem(bases, i);
+        if (unlikely(!basei)) goto other_failure;
+#else
+        basei = PyTuple_GET_ITEM(bases, i);
+#endif
+        int get_vtable_result = __Pyx_GetVtable((PyTypeObject*)basei, &base_vtable);
+#if CYTHON_AVOID_BORROWED_REFS
+        Py_DECREF(basei);
+#endif
+        if (get_vtable_result != 1) {
+            if (get_vtable_result == -1) {
+                goto other_failure;
+            }
+            PyErr_Clear(); // Class doesn't have a vtable.
+        } else {
+            assert(base_vtable != NULL);
+            int j;
+            PyTypeObject* base = __Pyx_PyType_TryGetSlot(type, tp_base, PyTypeObject*);
+#if CYTHON_COMPILING_IN_LIMITED_API && __PYX_LIMITED_VERSION_HEX < 0x030A0000
+            if (!base) goto bad;
+#endif
+            for (j = 0; j < base_depth; j++) {
+                if (base_vtables[j] == unknown) {
+                    switch (__Pyx_GetVtable(base, &base_vtables[j])) {
+                        case 1:
+                            assert(base_vtables[j] == NULL);
+                            break;
+                        case 0:
+                            goto bad;
+                        case -1:
+                        default:
+                            goto other_failure;
+                    }
+                    base_vtables[j + 1] = unknown;
+                }
+                if (base_vtables[j] == base_vtable) {
+                    break;
+                }
+                base = __Pyx_PyType_TryGetSlot(base, tp_base, PyTypeObject*);
+#if CYTHON_COMPILING_IN_LIMITED_API && __PYX_LIMITED_VERSION_HEX < 0x030A0000
+                if (!base) goto bad;
+#endif
+            }
+        }
+    }
+    PyMem_Free(base_vtables);
+    return 0;
+bad:
+    {
+        PyTypeObject* tp_base = __Pyx_PyType_GetSlot(type, tp_base, PyTypeObject*);
+        PyTypeObject* basei;
+#if CYTHON_AVOID_BORROWED_REFS
+        basei = (PyTypeObject*)PySequence_GetItem(bases, i);
+        if (unlikely(!basei)) goto other_failure;
+#elif !CYTHON_ASSUME_SAFE_MACROS
+        basei = (PyTypeObject*)PyTuple_GetItem(bases, i);
+        if (unlikely(!basei)) goto other_failure;
+#else
+        basei = (PyTypeObject*)PyTuple_GET_ITEM(bases, i);
+#endif
+    __Pyx_RaiseTypeErrorWithTypes(
+        "multiple bases have vtable conflict: '" __Pyx_FMT_TYPENAME "' and '" __Pyx_FMT_TYPENAME "'", tp_base, basei);
+#if CYTHON_AVOID_BORROWED_REFS
+        Py_DECREF(basei);
+#endif
+    }
+other_failure:
+    PyMem_Free(base_vtables);
+    return -1;
+}
+
+/* SetVTable */
+static int __Pyx_SetVtable(PyTypeObject *type, void *vtable) {
+    PyObject *ob = PyCapsule_New(vtable, 0, 0);
+    if (unlikely(!ob))
+        goto bad;
+#if CYTHON_COMPILING_IN_LIMITED_API
+    if (unlikely(PyObject_SetAttr((PyObject *) type, __pyx_mstate_global->__pyx_n_u_pyx_vtable, ob) < 0))
+#else
+    if (unlikely(PyDict_SetItem(type->tp_dict, __pyx_mstate_global->__pyx_n_u_pyx_vtable, ob) < 0))
+#endif
+        goto bad;
+    Py_DECREF(ob);
+    return __Pyx_MergeVtables(type);
+bad:
+    Py_XDECREF(ob);
+    return -1;
 }
 
 /* TypeImport */
@@ -35010,6 +37218,11 @@ static CYTHON_INLINE int __pyx_memoryview_slice_memviewslice(
     return 0;
 }
 
+/* MemviewDtypeToObject */
+static CYTHON_INLINE PyObject *__pyx_memview_get_double__const__(const char *itemp) {
+    return (PyObject *) PyFloat_FromDouble(*(double const   *) itemp);
+}
+
 /* IsLittleEndian (used by BufferFormatCheck) */
 static CYTHON_INLINE int __Pyx_Is_Little_Endian(void)
 {
@@ -35745,29 +37958,6 @@ no_fail:
 }
 
 /* ObjectToMemviewSlice */
-static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(PyObject *obj, int writable_flag) {
-    __Pyx_memviewslice result = __Pyx_MEMSLICE_INIT;
-    __Pyx_BufFmt_StackElem stack[1];
-    int axes_specs[] = { (__Pyx_MEMVIEW_DIRECT | __Pyx_MEMVIEW_CONTIG) };
-    int retcode;
-    if (obj == Py_None) {
-        result.memview = (struct __pyx_memoryview_obj *) Py_None;
-        return result;
-    }
-    retcode = __Pyx_ValidateAndInit_memviewslice(axes_specs, __Pyx_IS_C_CONTIG,
-                                                 (PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) | writable_flag, 1,
-                                                 &__Pyx_TypeInfo_nn_int64_t__const__, stack,
-                                                 &result, obj);
-    if (unlikely(retcode == -1))
-        goto __pyx_fail;
-    return result;
-__pyx_fail:
-    result.memview = NULL;
-    result.data = NULL;
-    return result;
-}
-
-/* ObjectToMemviewSlice */
 static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(PyObject *obj, int writable_flag) {
     __Pyx_memviewslice result = __Pyx_MEMSLICE_INIT;
     __Pyx_BufFmt_StackElem stack[1];
@@ -35779,29 +37969,6 @@ static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dc_dou
     }
     retcode = __Pyx_ValidateAndInit_memviewslice(axes_specs, __Pyx_IS_C_CONTIG,
                                                  (PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) | writable_flag, 1,
-                                                 &__Pyx_TypeInfo_double__const__, stack,
-                                                 &result, obj);
-    if (unlikely(retcode == -1))
-        goto __pyx_fail;
-    return result;
-__pyx_fail:
-    result.memview = NULL;
-    result.data = NULL;
-    return result;
-}
-
-/* ObjectToMemviewSlice */
-static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(PyObject *obj, int writable_flag) {
-    __Pyx_memviewslice result = __Pyx_MEMSLICE_INIT;
-    __Pyx_BufFmt_StackElem stack[1];
-    int axes_specs[] = { (__Pyx_MEMVIEW_DIRECT | __Pyx_MEMVIEW_STRIDED), (__Pyx_MEMVIEW_DIRECT | __Pyx_MEMVIEW_STRIDED) };
-    int retcode;
-    if (obj == Py_None) {
-        result.memview = (struct __pyx_memoryview_obj *) Py_None;
-        return result;
-    }
-    retcode = __Pyx_ValidateAndInit_memviewslice(axes_specs, 0,
-                                                 PyBUF_RECORDS_RO | writable_flag, 2,
                                                  &__Pyx_TypeInfo_double__const__, stack,
                                                  &result, obj);
     if (unlikely(retcode == -1))
@@ -35857,6 +38024,89 @@ __pyx_fail:
         }\
         return (target_type) value;\
     }
+
+/* MemviewDtypeToObject */
+static CYTHON_INLINE PyObject *__pyx_memview_get_nn_int64_t__const__(const char *itemp) {
+    return (PyObject *) __Pyx_PyLong_From_int64_t(*(int64_t const   *) itemp);
+}
+
+/* ObjectToMemviewSlice */
+static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(PyObject *obj, int writable_flag) {
+    __Pyx_memviewslice result = __Pyx_MEMSLICE_INIT;
+    __Pyx_BufFmt_StackElem stack[1];
+    int axes_specs[] = { (__Pyx_MEMVIEW_DIRECT | __Pyx_MEMVIEW_CONTIG) };
+    int retcode;
+    if (obj == Py_None) {
+        result.memview = (struct __pyx_memoryview_obj *) Py_None;
+        return result;
+    }
+    retcode = __Pyx_ValidateAndInit_memviewslice(axes_specs, __Pyx_IS_C_CONTIG,
+                                                 (PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) | writable_flag, 1,
+                                                 &__Pyx_TypeInfo_nn_int64_t__const__, stack,
+                                                 &result, obj);
+    if (unlikely(retcode == -1))
+        goto __pyx_fail;
+    return result;
+__pyx_fail:
+    result.memview = NULL;
+    result.data = NULL;
+    return result;
+}
+
+/* PyObjectCallMethod1 */
+static CYTHON_INLINE PyObject* __Pyx_PyObject_CallMethod1(PyObject* obj, PyObject* method_name, PyObject* arg) {
+#if CYTHON_VECTORCALL && (__PYX_LIMITED_VERSION_HEX >= 0x030C0000 || !CYTHON_COMPILING_IN_LIMITED_API)
+    PyObject *args[2] = {obj, arg};
+    return PyObject_VectorcallMethod(method_name, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+#elif CYTHON_COMPILING_IN_LIMITED_API
+    return PyObject_CallMethodObjArgs(obj, method_name, arg, NULL);
+#else
+    return PyObject_CallMethodOneArg(obj, method_name, arg);
+#endif
+}
+
+/* CheckUnpickleChecksumError */
+static void __Pyx_RaiseUnpickleChecksumError(long checksum, long checksum1, long checksum2, long checksum3, const char *members) {
+    PyObject *pickle_module = PyImport_ImportModule("pickle");
+    if (unlikely(!pickle_module)) return;
+    PyObject *pickle_error = PyObject_GetAttrString(pickle_module, "PickleError");
+    Py_DECREF(pickle_module);
+    if (unlikely(!pickle_error)) return;
+    if (checksum2 == checksum1) {
+        PyErr_Format(pickle_error, "Incompatible checksums (0x%x vs (0x%x) = (%s))",
+            checksum, checksum1, members);
+    } else if (checksum3 == checksum2) {
+        PyErr_Format(pickle_error, "Incompatible checksums (0x%x vs (0x%x, 0x%x) = (%s))",
+            checksum, checksum1, checksum2, members);
+    } else {
+        PyErr_Format(pickle_error, "Incompatible checksums (0x%x vs (0x%x, 0x%x, 0x%x) = (%s))",
+            checksum, checksum1, checksum2, checksum3, members);
+    }
+    Py_DECREF(pickle_error);
+}
+
+/* ObjectToMemviewSlice */
+static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(PyObject *obj, int writable_flag) {
+    __Pyx_memviewslice result = __Pyx_MEMSLICE_INIT;
+    __Pyx_BufFmt_StackElem stack[1];
+    int axes_specs[] = { (__Pyx_MEMVIEW_DIRECT | __Pyx_MEMVIEW_STRIDED), (__Pyx_MEMVIEW_DIRECT | __Pyx_MEMVIEW_STRIDED) };
+    int retcode;
+    if (obj == Py_None) {
+        result.memview = (struct __pyx_memoryview_obj *) Py_None;
+        return result;
+    }
+    retcode = __Pyx_ValidateAndInit_memviewslice(axes_specs, 0,
+                                                 PyBUF_RECORDS_RO | writable_flag, 2,
+                                                 &__Pyx_TypeInfo_double__const__, stack,
+                                                 &result, obj);
+    if (unlikely(retcode == -1))
+        goto __pyx_fail;
+    return result;
+__pyx_fail:
+    result.memview = NULL;
+    result.data = NULL;
+    return result;
+}
 
 /* ObjectToMemviewSlice */
 static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(PyObject *obj, int writable_flag) {
@@ -36551,6 +38801,98 @@ no_fail:
     return new_mvs;
 }
 
+/* PyObjectVectorcallMethodKwds (used by CIntToPy) */
+#if !CYTHON_VECTORCALL
+static PyObject *__Pyx_Object_VectorcallMethodKwds(PyObject *name, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *result;
+    PyObject *obj = PyObject_GetAttr(args[0], name);
+    if (unlikely(!obj))
+        return NULL;
+    result = __Pyx_Object_VectorcallKwds(obj, args+1, nargsf-1, kwnames);
+    Py_DECREF(obj);
+    return result;
+}
+#endif
+
+/* CIntToPy */
+static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int64_t(int64_t value) {
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wconversion"
+#endif
+    const int64_t neg_one = (int64_t) -1, const_zero = (int64_t) 0;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#endif
+    const int is_unsigned = neg_one > const_zero;
+    if (is_unsigned) {
+        if (sizeof(int64_t) < sizeof(long)) {
+            return PyLong_FromLong((long) value);
+        } else if (sizeof(int64_t) <= sizeof(unsigned long)) {
+            return PyLong_FromUnsignedLong((unsigned long) value);
+#if !CYTHON_COMPILING_IN_PYPY
+        } else if (sizeof(int64_t) <= sizeof(unsigned PY_LONG_LONG)) {
+            return PyLong_FromUnsignedLongLong((unsigned PY_LONG_LONG) value);
+#endif
+        }
+    } else {
+        if (sizeof(int64_t) <= sizeof(long)) {
+            return PyLong_FromLong((long) value);
+        } else if (sizeof(int64_t) <= sizeof(PY_LONG_LONG)) {
+            return PyLong_FromLongLong((PY_LONG_LONG) value);
+        }
+    }
+    {
+        unsigned char *bytes = (unsigned char *)&value;
+#if !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX >= 0x030d00A4
+        if (is_unsigned) {
+            return PyLong_FromUnsignedNativeBytes(bytes, sizeof(value), -1);
+        } else {
+            return PyLong_FromNativeBytes(bytes, sizeof(value), -1);
+        }
+#elif !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX < 0x030d0000
+        int one = 1; int little = (int)*(unsigned char *)&one;
+        return _PyLong_FromByteArray(bytes, sizeof(int64_t),
+                                     little, !is_unsigned);
+#else
+        int one = 1; int little = (int)*(unsigned char *)&one;
+        PyObject *result = NULL, *kwds = NULL;
+        PyObject *py_bytes = NULL, *order_str = NULL, *from_bytes_str = NULL;;
+        py_bytes = PyBytes_FromStringAndSize((char*)bytes, sizeof(int64_t));
+        if (!py_bytes) goto limited_bad;
+        from_bytes_str = PyUnicode_FromStringAndSize("from_bytes", 10);
+        if (!from_bytes_str) goto limited_bad;
+        order_str = PyUnicode_FromString(little ? "little" : "big");
+        if (!order_str) goto limited_bad;
+        {
+            PyObject *args[] = { (PyObject*)&PyLong_Type, py_bytes, order_str, Py_True };
+            if (!is_unsigned) {
+                PyObject *signed_str = PyUnicode_FromStringAndSize("signed", 6);
+                if (!signed_str) goto limited_bad;
+#if CYTHON_VECTORCALL
+                kwds = PyTuple_Pack(1, signed_str);
+#else
+                {
+                    PyObject *keys[] = {signed_str};
+                    PyObject *values[] = {Py_True};
+                    kwds = __Pyx_MakeKwargDict(keys, values, 1);
+                }
+#endif
+                Py_DECREF(signed_str);
+                if (unlikely(!kwds)) goto limited_bad;
+            }
+            result = __Pyx_Object_VectorcallMethodKwds(from_bytes_str, args, 3 | __Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET, kwds);
+        }
+        limited_bad:
+        Py_XDECREF(kwds);
+        Py_XDECREF(order_str);
+        Py_XDECREF(py_bytes);
+        Py_XDECREF(from_bytes_str);
+        return result;
+#endif
+    }
+}
+
 /* CIntFromPy */
 static int64_t __Pyx_LargePyLong___Pyx_PyLong_As_int64_t(PyObject *x);
 static int64_t __Pyx_raise_neg_overflow___Pyx_PyLong_As_int64_t(void) {
@@ -36852,110 +39194,6 @@ static CYTHON_INLINE int64_t __Pyx_PyLong_As_int64_t(PyObject *x) {
     }
 }
 
-/* PyObjectVectorcallMethodKwds (used by CIntToPy) */
-#if !CYTHON_VECTORCALL
-static PyObject *__Pyx_Object_VectorcallMethodKwds(PyObject *name, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *result;
-    PyObject *obj = PyObject_GetAttr(args[0], name);
-    if (unlikely(!obj))
-        return NULL;
-    result = __Pyx_Object_VectorcallKwds(obj, args+1, nargsf-1, kwnames);
-    Py_DECREF(obj);
-    return result;
-}
-#endif
-
-/* CIntToPy */
-static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int64_t(int64_t value) {
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wconversion"
-#endif
-    const int64_t neg_one = (int64_t) -1, const_zero = (int64_t) 0;
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#endif
-    const int is_unsigned = neg_one > const_zero;
-    if (is_unsigned) {
-        if (sizeof(int64_t) < sizeof(long)) {
-            return PyLong_FromLong((long) value);
-        } else if (sizeof(int64_t) <= sizeof(unsigned long)) {
-            return PyLong_FromUnsignedLong((unsigned long) value);
-#if !CYTHON_COMPILING_IN_PYPY
-        } else if (sizeof(int64_t) <= sizeof(unsigned PY_LONG_LONG)) {
-            return PyLong_FromUnsignedLongLong((unsigned PY_LONG_LONG) value);
-#endif
-        }
-    } else {
-        if (sizeof(int64_t) <= sizeof(long)) {
-            return PyLong_FromLong((long) value);
-        } else if (sizeof(int64_t) <= sizeof(PY_LONG_LONG)) {
-            return PyLong_FromLongLong((PY_LONG_LONG) value);
-        }
-    }
-    {
-        unsigned char *bytes = (unsigned char *)&value;
-#if !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX >= 0x030d00A4
-        if (is_unsigned) {
-            return PyLong_FromUnsignedNativeBytes(bytes, sizeof(value), -1);
-        } else {
-            return PyLong_FromNativeBytes(bytes, sizeof(value), -1);
-        }
-#elif !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX < 0x030d0000
-        int one = 1; int little = (int)*(unsigned char *)&one;
-        return _PyLong_FromByteArray(bytes, sizeof(int64_t),
-                                     little, !is_unsigned);
-#else
-        int one = 1; int little = (int)*(unsigned char *)&one;
-        PyObject *result = NULL, *kwds = NULL;
-        PyObject *py_bytes = NULL, *order_str = NULL, *from_bytes_str = NULL;;
-        py_bytes = PyBytes_FromStringAndSize((char*)bytes, sizeof(int64_t));
-        if (!py_bytes) goto limited_bad;
-        from_bytes_str = PyUnicode_FromStringAndSize("from_bytes", 10);
-        if (!from_bytes_str) goto limited_bad;
-        order_str = PyUnicode_FromString(little ? "little" : "big");
-        if (!order_str) goto limited_bad;
-        {
-            PyObject *args[] = { (PyObject*)&PyLong_Type, py_bytes, order_str, Py_True };
-            if (!is_unsigned) {
-                PyObject *signed_str = PyUnicode_FromStringAndSize("signed", 6);
-                if (!signed_str) goto limited_bad;
-#if CYTHON_VECTORCALL
-                kwds = PyTuple_Pack(1, signed_str);
-#else
-                {
-                    PyObject *keys[] = {signed_str};
-                    PyObject *values[] = {Py_True};
-                    kwds = __Pyx_MakeKwargDict(keys, values, 1);
-                }
-#endif
-                Py_DECREF(signed_str);
-                if (unlikely(!kwds)) goto limited_bad;
-            }
-            result = __Pyx_Object_VectorcallMethodKwds(from_bytes_str, args, 3 | __Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET, kwds);
-        }
-        limited_bad:
-        Py_XDECREF(kwds);
-        Py_XDECREF(order_str);
-        Py_XDECREF(py_bytes);
-        Py_XDECREF(from_bytes_str);
-        return result;
-#endif
-    }
-}
-
-/* PyObjectCallMethod1 (used by UpdateUnpickledDict) */
-static CYTHON_INLINE PyObject* __Pyx_PyObject_CallMethod1(PyObject* obj, PyObject* method_name, PyObject* arg) {
-#if CYTHON_VECTORCALL && (__PYX_LIMITED_VERSION_HEX >= 0x030C0000 || !CYTHON_COMPILING_IN_LIMITED_API)
-    PyObject *args[2] = {obj, arg};
-    return PyObject_VectorcallMethod(method_name, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-#elif CYTHON_COMPILING_IN_LIMITED_API
-    return PyObject_CallMethodObjArgs(obj, method_name, arg, NULL);
-#else
-    return PyObject_CallMethodOneArg(obj, method_name, arg);
-#endif
-}
-
 /* UpdateUnpickledDict */
 static int __Pyx__UpdateUnpickledDict(PyObject *obj, PyObject *state, Py_ssize_t index) {
     PyObject *state_dict = __Pyx_PySequence_ITEM(state, index);
@@ -37006,26 +39244,6 @@ static int __Pyx_UpdateUnpickledDict(PyObject *obj, PyObject *state, Py_ssize_t 
     return __Pyx__UpdateUnpickledDict(obj, state, index);
 }
 
-/* CheckUnpickleChecksumError (used by CheckUnpickleChecksum) */
-static void __Pyx_RaiseUnpickleChecksumError(long checksum, long checksum1, long checksum2, long checksum3, const char *members) {
-    PyObject *pickle_module = PyImport_ImportModule("pickle");
-    if (unlikely(!pickle_module)) return;
-    PyObject *pickle_error = PyObject_GetAttrString(pickle_module, "PickleError");
-    Py_DECREF(pickle_module);
-    if (unlikely(!pickle_error)) return;
-    if (checksum2 == checksum1) {
-        PyErr_Format(pickle_error, "Incompatible checksums (0x%x vs (0x%x) = (%s))",
-            checksum, checksum1, members);
-    } else if (checksum3 == checksum2) {
-        PyErr_Format(pickle_error, "Incompatible checksums (0x%x vs (0x%x, 0x%x) = (%s))",
-            checksum, checksum1, checksum2, members);
-    } else {
-        PyErr_Format(pickle_error, "Incompatible checksums (0x%x vs (0x%x, 0x%x, 0x%x) = (%s))",
-            checksum, checksum1, checksum2, checksum3, members);
-    }
-    Py_DECREF(pickle_error);
-}
-
 /* CheckUnpickleChecksum */
 static int __Pyx_CheckUnpickleChecksum(long checksum, long checksum1, long checksum2, long checksum3, const char *members) {
     int found = 0;
@@ -37036,307 +39254,6 @@ static int __Pyx_CheckUnpickleChecksum(long checksum, long checksum1, long check
         return 0;
     __Pyx_RaiseUnpickleChecksumError(checksum, checksum1, checksum2, checksum3, members);
     return -1;
-}
-
-/* CIntFromPy */
-static int __Pyx_LargePyLong___Pyx_PyLong_As_int(PyObject *x);
-static int __Pyx_raise_neg_overflow___Pyx_PyLong_As_int(void) {
-    const char* type_name = "int";
-    PyErr_Format(PyExc_OverflowError,
-        "can't convert negative value to %.200s", type_name);
-    return (int) -1;
-}
-static int __Pyx_raise_overflow___Pyx_PyLong_As_int(void) {
-    const char* type_name = "int";
-    PyErr_Format(PyExc_OverflowError,
-        "value too large to convert to %.200s", type_name);
-    return (int) -1;
-}
-static CYTHON_INLINE int __Pyx_PyULong___Pyx_PyLong_As_int(PyObject *x) {
-    const int is_unsigned = 1;
-#if CYTHON_USE_PYLONG_INTERNALS
-    {
-        const digit* digits = __Pyx_PyLong_Digits(x);
-        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
-        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
-            if ((8 * sizeof(unsigned long) > 2 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) >= 2 * PyLong_SHIFT)) {
-                return (int) (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
-            if ((8 * sizeof(unsigned long) > 3 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) >= 3 * PyLong_SHIFT)) {
-                return (int) (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
-            if ((8 * sizeof(unsigned long) > 4 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) >= 4 * PyLong_SHIFT)) {
-                return (int) (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        {}
-    }
-#elif CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX < 0x030C00A7
-    if (unlikely(Py_SIZE(x) < 0)) {
-        goto raise_neg_overflow;
-    }
-#else
-    {
-        int result = PyObject_RichCompareBool(x, Py_False, Py_LT);
-        if (unlikely(result < 0))
-            return (int) -1;
-        if (unlikely(result == 1))
-            goto raise_neg_overflow;
-    }
-#endif
-    if ((sizeof(int) <= sizeof(unsigned long))) {
-        __PYX_VERIFY_RETURN_INT_EXC(int, unsigned long, PyLong_AsUnsignedLong(x))
-    } else if ((sizeof(int) <= sizeof(unsigned PY_LONG_LONG))) {
-        __PYX_VERIFY_RETURN_INT_EXC(int, unsigned PY_LONG_LONG, PyLong_AsUnsignedLongLong(x))
-    }
-    return __Pyx_LargePyLong___Pyx_PyLong_As_int(x);
-raise_neg_overflow:
-    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
-raise_overflow:
-    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
-}
-static CYTHON_INLINE int __Pyx_PySLong___Pyx_PyLong_As_int(PyObject *x) {
-    const int is_unsigned = 0;
-#if CYTHON_USE_PYLONG_INTERNALS
-    if (__Pyx_PyLong_IsNeg(x)) {
-        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
-        const digit* digits = __Pyx_PyLong_Digits(x);
-        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 2 * PyLong_SHIFT)) {
-                long ival = - (long) (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
-                __PYX_VERIFY_RETURN_INT(int, long, ival)
-            } else if ((8 * sizeof(int) - 1 > 2 * PyLong_SHIFT)) {
-                return (int) (((int) -1) * (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
-            }
-        } else
-        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 3 * PyLong_SHIFT)) {
-                long ival = - (long) (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
-                __PYX_VERIFY_RETURN_INT(int, long, ival)
-            } else if ((8 * sizeof(int) - 1 > 3 * PyLong_SHIFT)) {
-                return (int) (((int) -1) * (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
-            }
-        } else
-        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 4 * PyLong_SHIFT)) {
-                long ival = - (long) (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
-                __PYX_VERIFY_RETURN_INT(int, long, ival)
-            } else if ((8 * sizeof(int) - 1 > 4 * PyLong_SHIFT)) {
-                return (int) (((int) -1) * (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
-            }
-        } else
-        {}
-    } else {
-        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
-        const digit* digits = __Pyx_PyLong_Digits(x);
-        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 2 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) - 1 > 2 * PyLong_SHIFT)) {
-                return (int) (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 3 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) - 1 > 3 * PyLong_SHIFT)) {
-                return (int) (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 4 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) - 1 > 4 * PyLong_SHIFT)) {
-                return (int) (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        {}
-    }
-#endif
-    #if __PYX_LIMITED_VERSION_HEX >= 0x030d0000
-    if ((sizeof(int) <= sizeof(int)) && (sizeof(int) < sizeof(long))) {
-        __PYX_VERIFY_RETURN_INT_EXC(int, int, PyLong_AsInt(x))
-    } else
-    #endif
-    if ((sizeof(int) <= sizeof(long))) {
-        __PYX_VERIFY_RETURN_INT_EXC(int, long, PyLong_AsLong(x))
-    } else if ((sizeof(int) <= sizeof(PY_LONG_LONG))) {
-        __PYX_VERIFY_RETURN_INT_EXC(int, PY_LONG_LONG, PyLong_AsLongLong(x))
-    }
-    return __Pyx_LargePyLong___Pyx_PyLong_As_int(x);
-raise_neg_overflow:
-    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
-raise_overflow:
-    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
-}
-static int __Pyx_LargePyLong___Pyx_PyLong_As_int(PyObject *x) {
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wconversion"
-#endif
-    const int neg_one = (int) -1, const_zero = (int) 0;
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#endif
-    const int is_unsigned = neg_one > const_zero;
-    int val;
-    int ret = -1;
-#if PY_VERSION_HEX >= 0x030d00A6 && !CYTHON_COMPILING_IN_LIMITED_API
-    Py_ssize_t bytes_copied = PyLong_AsNativeBytes(
-        x, &val, sizeof(val), Py_ASNATIVEBYTES_NATIVE_ENDIAN | (is_unsigned ? Py_ASNATIVEBYTES_UNSIGNED_BUFFER | Py_ASNATIVEBYTES_REJECT_NEGATIVE : 0));
-    if (unlikely(bytes_copied == -1)) {
-    } else if (unlikely(bytes_copied > (Py_ssize_t) sizeof(val))) {
-        goto raise_overflow;
-    } else {
-        ret = 0;
-    }
-#elif PY_VERSION_HEX < 0x030d0000 && !(CYTHON_COMPILING_IN_PYPY || CYTHON_COMPILING_IN_LIMITED_API) || defined(_PyLong_AsByteArray)
-    int one = 1; int is_little = (int)*(unsigned char *)&one;
-    unsigned char *bytes = (unsigned char *)&val;
-    ret = _PyLong_AsByteArray((PyLongObject *)x,
-                                bytes, sizeof(val),
-                                is_little, !is_unsigned);
-    if ((0)) goto raise_overflow;
-#else
-    PyObject *v;
-    PyObject *stepval = NULL, *mask = NULL, *shift = NULL;
-    int bits, remaining_bits, is_negative = 0;
-    int chunk_size = (sizeof(long) < 8) ? 30 : 62;
-    if (likely(PyLong_CheckExact(x))) {
-        v = __Pyx_NewRef(x);
-    } else {
-        v = PyNumber_Long(x);
-        if (unlikely(!v)) return (int) -1;
-        assert(PyLong_CheckExact(v));
-    }
-    {
-        int result = PyObject_RichCompareBool(v, Py_False, Py_LT);
-        if (unlikely(result < 0)) {
-            Py_DECREF(v);
-            return (int) -1;
-        }
-        is_negative = result == 1;
-    }
-    if (is_unsigned && unlikely(is_negative)) {
-        Py_DECREF(v);
-        PyErr_SetString(PyExc_OverflowError,
-            "can't convert negative value to int");
-        return (int) -1;
-    } else if (is_negative) {
-        stepval = PyNumber_Invert(v);
-        Py_DECREF(v);
-        if (unlikely(!stepval))
-            return (int) -1;
-    } else {
-        stepval = v;
-    }
-    v = NULL;
-    val = (int) 0;
-    mask = PyLong_FromLong((1L << chunk_size) - 1); if (unlikely(!mask)) goto done;
-    shift = PyLong_FromLong(chunk_size); if (unlikely(!shift)) goto done;
-    for (bits = 0; bits < (int) sizeof(int) * 8 - chunk_size; bits += chunk_size) {
-        PyObject *tmp, *digit;
-        long idigit;
-        digit = PyNumber_And(stepval, mask);
-        if (unlikely(!digit)) goto done;
-        idigit = PyLong_AsLong(digit);
-        Py_DECREF(digit);
-        if (unlikely(idigit < 0)) goto done;
-        val |= ((int) idigit) << bits;
-        tmp = PyNumber_Rshift(stepval, shift);
-        if (unlikely(!tmp)) goto done;
-        Py_DECREF(stepval); stepval = tmp;
-    }
-    Py_DECREF(shift); shift = NULL;
-    Py_DECREF(mask); mask = NULL;
-    {
-        long idigit = PyLong_AsLong(stepval);
-        if (unlikely(idigit < 0)) goto done;
-        remaining_bits = ((int) sizeof(int) * 8) - bits - (is_unsigned ? 0 : 1);
-        if (unlikely(idigit >= (1L << remaining_bits)))
-            goto raise_overflow;
-        val |= ((int) idigit) << bits;
-    }
-    if (!is_unsigned) {
-        if (unlikely(val & (((int) 1) << (sizeof(int) * 8 - 1))))
-            goto raise_overflow;
-        if (is_negative)
-            val = ~val;
-    }
-    ret = 0;
-done:
-    Py_XDECREF(shift);
-    Py_XDECREF(mask);
-    Py_XDECREF(stepval);
-#endif
-    if (unlikely(ret))
-        return (int) -1;
-    return val;
-raise_overflow:
-    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
-}
-static CYTHON_INLINE int __Pyx_PyLong___Pyx_PyLong_As_int(PyObject *x) {
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wconversion"
-#endif
-    const int neg_one = (int) -1, const_zero = (int) 0;
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#endif
-    const int is_unsigned = neg_one > const_zero;
-    if (is_unsigned) {
-        #if CYTHON_USE_PYLONG_INTERNALS
-        if (unlikely(__Pyx_PyLong_IsNeg(x))) {
-            goto raise_neg_overflow;
-        } else if (__Pyx_PyLong_IsCompact(x)) {
-            __PYX_VERIFY_RETURN_INT(int, __Pyx_compact_upylong, __Pyx_PyLong_CompactValueUnsigned(x))
-        } else
-        #endif
-        {
-            return __Pyx_PyULong___Pyx_PyLong_As_int(x);
-        }
-    } else {
-        #if CYTHON_USE_PYLONG_INTERNALS
-        if (__Pyx_PyLong_IsCompact(x)) {
-            __PYX_VERIFY_RETURN_INT(int, __Pyx_compact_pylong, __Pyx_PyLong_CompactValue(x))
-        } else
-        #endif
-        {
-            return __Pyx_PySLong___Pyx_PyLong_As_int(x);
-        }
-    }
-#if CYTHON_USE_PYLONG_INTERNALS
-raise_neg_overflow:
-    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
-raise_overflow:
-    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
-#endif
-}
-static int __Pyx_NonPyLong___Pyx_PyLong_As_int(PyObject *x) {
-    int val;
-    PyObject *tmp = __Pyx_PyNumber_Long(x);
-    if (!tmp) return (int) -1;
-    val = __Pyx_PyLong_As_int(tmp);
-    Py_DECREF(tmp);
-    return val;
-}
-static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *x) {
-    if (likely(PyLong_Check(x))) {
-        return __Pyx_PyLong___Pyx_PyLong_As_int(x);
-    } else {
-        return __Pyx_NonPyLong___Pyx_PyLong_As_int(x);
-    }
 }
 
 /* CIntFromPy */
@@ -37641,85 +39558,6 @@ static CYTHON_INLINE long __Pyx_PyLong_As_long(PyObject *x) {
 }
 
 /* CIntToPy */
-static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value) {
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wconversion"
-#endif
-    const int neg_one = (int) -1, const_zero = (int) 0;
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#endif
-    const int is_unsigned = neg_one > const_zero;
-    if (is_unsigned) {
-        if (sizeof(int) < sizeof(long)) {
-            return PyLong_FromLong((long) value);
-        } else if (sizeof(int) <= sizeof(unsigned long)) {
-            return PyLong_FromUnsignedLong((unsigned long) value);
-#if !CYTHON_COMPILING_IN_PYPY
-        } else if (sizeof(int) <= sizeof(unsigned PY_LONG_LONG)) {
-            return PyLong_FromUnsignedLongLong((unsigned PY_LONG_LONG) value);
-#endif
-        }
-    } else {
-        if (sizeof(int) <= sizeof(long)) {
-            return PyLong_FromLong((long) value);
-        } else if (sizeof(int) <= sizeof(PY_LONG_LONG)) {
-            return PyLong_FromLongLong((PY_LONG_LONG) value);
-        }
-    }
-    {
-        unsigned char *bytes = (unsigned char *)&value;
-#if !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX >= 0x030d00A4
-        if (is_unsigned) {
-            return PyLong_FromUnsignedNativeBytes(bytes, sizeof(value), -1);
-        } else {
-            return PyLong_FromNativeBytes(bytes, sizeof(value), -1);
-        }
-#elif !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX < 0x030d0000
-        int one = 1; int little = (int)*(unsigned char *)&one;
-        return _PyLong_FromByteArray(bytes, sizeof(int),
-                                     little, !is_unsigned);
-#else
-        int one = 1; int little = (int)*(unsigned char *)&one;
-        PyObject *result = NULL, *kwds = NULL;
-        PyObject *py_bytes = NULL, *order_str = NULL, *from_bytes_str = NULL;;
-        py_bytes = PyBytes_FromStringAndSize((char*)bytes, sizeof(int));
-        if (!py_bytes) goto limited_bad;
-        from_bytes_str = PyUnicode_FromStringAndSize("from_bytes", 10);
-        if (!from_bytes_str) goto limited_bad;
-        order_str = PyUnicode_FromString(little ? "little" : "big");
-        if (!order_str) goto limited_bad;
-        {
-            PyObject *args[] = { (PyObject*)&PyLong_Type, py_bytes, order_str, Py_True };
-            if (!is_unsigned) {
-                PyObject *signed_str = PyUnicode_FromStringAndSize("signed", 6);
-                if (!signed_str) goto limited_bad;
-#if CYTHON_VECTORCALL
-                kwds = PyTuple_Pack(1, signed_str);
-#else
-                {
-                    PyObject *keys[] = {signed_str};
-                    PyObject *values[] = {Py_True};
-                    kwds = __Pyx_MakeKwargDict(keys, values, 1);
-                }
-#endif
-                Py_DECREF(signed_str);
-                if (unlikely(!kwds)) goto limited_bad;
-            }
-            result = __Pyx_Object_VectorcallMethodKwds(from_bytes_str, args, 3 | __Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET, kwds);
-        }
-        limited_bad:
-        Py_XDECREF(kwds);
-        Py_XDECREF(order_str);
-        Py_XDECREF(py_bytes);
-        Py_XDECREF(from_bytes_str);
-        return result;
-#endif
-    }
-}
-
-/* CIntToPy */
 static CYTHON_INLINE PyObject* __Pyx_PyLong_From_long(long value) {
 #ifdef __Pyx_HAS_GCC_DIAGNOSTIC
 #pragma GCC diagnostic push
@@ -37764,6 +39602,386 @@ static CYTHON_INLINE PyObject* __Pyx_PyLong_From_long(long value) {
         PyObject *result = NULL, *kwds = NULL;
         PyObject *py_bytes = NULL, *order_str = NULL, *from_bytes_str = NULL;;
         py_bytes = PyBytes_FromStringAndSize((char*)bytes, sizeof(long));
+        if (!py_bytes) goto limited_bad;
+        from_bytes_str = PyUnicode_FromStringAndSize("from_bytes", 10);
+        if (!from_bytes_str) goto limited_bad;
+        order_str = PyUnicode_FromString(little ? "little" : "big");
+        if (!order_str) goto limited_bad;
+        {
+            PyObject *args[] = { (PyObject*)&PyLong_Type, py_bytes, order_str, Py_True };
+            if (!is_unsigned) {
+                PyObject *signed_str = PyUnicode_FromStringAndSize("signed", 6);
+                if (!signed_str) goto limited_bad;
+#if CYTHON_VECTORCALL
+                kwds = PyTuple_Pack(1, signed_str);
+#else
+                {
+                    PyObject *keys[] = {signed_str};
+                    PyObject *values[] = {Py_True};
+                    kwds = __Pyx_MakeKwargDict(keys, values, 1);
+                }
+#endif
+                Py_DECREF(signed_str);
+                if (unlikely(!kwds)) goto limited_bad;
+            }
+            result = __Pyx_Object_VectorcallMethodKwds(from_bytes_str, args, 3 | __Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET, kwds);
+        }
+        limited_bad:
+        Py_XDECREF(kwds);
+        Py_XDECREF(order_str);
+        Py_XDECREF(py_bytes);
+        Py_XDECREF(from_bytes_str);
+        return result;
+#endif
+    }
+}
+
+/* CIntFromPy */
+static int __Pyx_LargePyLong___Pyx_PyLong_As_int(PyObject *x);
+static int __Pyx_raise_neg_overflow___Pyx_PyLong_As_int(void) {
+    const char* type_name = "int";
+    PyErr_Format(PyExc_OverflowError,
+        "can't convert negative value to %.200s", type_name);
+    return (int) -1;
+}
+static int __Pyx_raise_overflow___Pyx_PyLong_As_int(void) {
+    const char* type_name = "int";
+    PyErr_Format(PyExc_OverflowError,
+        "value too large to convert to %.200s", type_name);
+    return (int) -1;
+}
+static CYTHON_INLINE int __Pyx_PyULong___Pyx_PyLong_As_int(PyObject *x) {
+    const int is_unsigned = 1;
+#if CYTHON_USE_PYLONG_INTERNALS
+    {
+        const digit* digits = __Pyx_PyLong_Digits(x);
+        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
+        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
+            if ((8 * sizeof(unsigned long) > 2 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) >= 2 * PyLong_SHIFT)) {
+                return (int) (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
+            if ((8 * sizeof(unsigned long) > 3 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) >= 3 * PyLong_SHIFT)) {
+                return (int) (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
+            if ((8 * sizeof(unsigned long) > 4 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) >= 4 * PyLong_SHIFT)) {
+                return (int) (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        {}
+    }
+#elif CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX < 0x030C00A7
+    if (unlikely(Py_SIZE(x) < 0)) {
+        goto raise_neg_overflow;
+    }
+#else
+    {
+        int result = PyObject_RichCompareBool(x, Py_False, Py_LT);
+        if (unlikely(result < 0))
+            return (int) -1;
+        if (unlikely(result == 1))
+            goto raise_neg_overflow;
+    }
+#endif
+    if ((sizeof(int) <= sizeof(unsigned long))) {
+        __PYX_VERIFY_RETURN_INT_EXC(int, unsigned long, PyLong_AsUnsignedLong(x))
+    } else if ((sizeof(int) <= sizeof(unsigned PY_LONG_LONG))) {
+        __PYX_VERIFY_RETURN_INT_EXC(int, unsigned PY_LONG_LONG, PyLong_AsUnsignedLongLong(x))
+    }
+    return __Pyx_LargePyLong___Pyx_PyLong_As_int(x);
+raise_neg_overflow:
+    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
+raise_overflow:
+    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
+}
+static CYTHON_INLINE int __Pyx_PySLong___Pyx_PyLong_As_int(PyObject *x) {
+    const int is_unsigned = 0;
+#if CYTHON_USE_PYLONG_INTERNALS
+    if (__Pyx_PyLong_IsNeg(x)) {
+        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
+        const digit* digits = __Pyx_PyLong_Digits(x);
+        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 2 * PyLong_SHIFT)) {
+                long ival = - (long) (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
+                __PYX_VERIFY_RETURN_INT(int, long, ival)
+            } else if ((8 * sizeof(int) - 1 > 2 * PyLong_SHIFT)) {
+                return (int) (((int) -1) * (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
+            }
+        } else
+        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 3 * PyLong_SHIFT)) {
+                long ival = - (long) (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
+                __PYX_VERIFY_RETURN_INT(int, long, ival)
+            } else if ((8 * sizeof(int) - 1 > 3 * PyLong_SHIFT)) {
+                return (int) (((int) -1) * (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
+            }
+        } else
+        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 4 * PyLong_SHIFT)) {
+                long ival = - (long) (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
+                __PYX_VERIFY_RETURN_INT(int, long, ival)
+            } else if ((8 * sizeof(int) - 1 > 4 * PyLong_SHIFT)) {
+                return (int) (((int) -1) * (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
+            }
+        } else
+        {}
+    } else {
+        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
+        const digit* digits = __Pyx_PyLong_Digits(x);
+        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 2 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) - 1 > 2 * PyLong_SHIFT)) {
+                return (int) (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 3 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) - 1 > 3 * PyLong_SHIFT)) {
+                return (int) (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 4 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) - 1 > 4 * PyLong_SHIFT)) {
+                return (int) (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        {}
+    }
+#endif
+    #if __PYX_LIMITED_VERSION_HEX >= 0x030d0000
+    if ((sizeof(int) <= sizeof(int)) && (sizeof(int) < sizeof(long))) {
+        __PYX_VERIFY_RETURN_INT_EXC(int, int, PyLong_AsInt(x))
+    } else
+    #endif
+    if ((sizeof(int) <= sizeof(long))) {
+        __PYX_VERIFY_RETURN_INT_EXC(int, long, PyLong_AsLong(x))
+    } else if ((sizeof(int) <= sizeof(PY_LONG_LONG))) {
+        __PYX_VERIFY_RETURN_INT_EXC(int, PY_LONG_LONG, PyLong_AsLongLong(x))
+    }
+    return __Pyx_LargePyLong___Pyx_PyLong_As_int(x);
+raise_neg_overflow:
+    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
+raise_overflow:
+    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
+}
+static int __Pyx_LargePyLong___Pyx_PyLong_As_int(PyObject *x) {
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wconversion"
+#endif
+    const int neg_one = (int) -1, const_zero = (int) 0;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#endif
+    const int is_unsigned = neg_one > const_zero;
+    int val;
+    int ret = -1;
+#if PY_VERSION_HEX >= 0x030d00A6 && !CYTHON_COMPILING_IN_LIMITED_API
+    Py_ssize_t bytes_copied = PyLong_AsNativeBytes(
+        x, &val, sizeof(val), Py_ASNATIVEBYTES_NATIVE_ENDIAN | (is_unsigned ? Py_ASNATIVEBYTES_UNSIGNED_BUFFER | Py_ASNATIVEBYTES_REJECT_NEGATIVE : 0));
+    if (unlikely(bytes_copied == -1)) {
+    } else if (unlikely(bytes_copied > (Py_ssize_t) sizeof(val))) {
+        goto raise_overflow;
+    } else {
+        ret = 0;
+    }
+#elif PY_VERSION_HEX < 0x030d0000 && !(CYTHON_COMPILING_IN_PYPY || CYTHON_COMPILING_IN_LIMITED_API) || defined(_PyLong_AsByteArray)
+    int one = 1; int is_little = (int)*(unsigned char *)&one;
+    unsigned char *bytes = (unsigned char *)&val;
+    ret = _PyLong_AsByteArray((PyLongObject *)x,
+                                bytes, sizeof(val),
+                                is_little, !is_unsigned);
+    if ((0)) goto raise_overflow;
+#else
+    PyObject *v;
+    PyObject *stepval = NULL, *mask = NULL, *shift = NULL;
+    int bits, remaining_bits, is_negative = 0;
+    int chunk_size = (sizeof(long) < 8) ? 30 : 62;
+    if (likely(PyLong_CheckExact(x))) {
+        v = __Pyx_NewRef(x);
+    } else {
+        v = PyNumber_Long(x);
+        if (unlikely(!v)) return (int) -1;
+        assert(PyLong_CheckExact(v));
+    }
+    {
+        int result = PyObject_RichCompareBool(v, Py_False, Py_LT);
+        if (unlikely(result < 0)) {
+            Py_DECREF(v);
+            return (int) -1;
+        }
+        is_negative = result == 1;
+    }
+    if (is_unsigned && unlikely(is_negative)) {
+        Py_DECREF(v);
+        PyErr_SetString(PyExc_OverflowError,
+            "can't convert negative value to int");
+        return (int) -1;
+    } else if (is_negative) {
+        stepval = PyNumber_Invert(v);
+        Py_DECREF(v);
+        if (unlikely(!stepval))
+            return (int) -1;
+    } else {
+        stepval = v;
+    }
+    v = NULL;
+    val = (int) 0;
+    mask = PyLong_FromLong((1L << chunk_size) - 1); if (unlikely(!mask)) goto done;
+    shift = PyLong_FromLong(chunk_size); if (unlikely(!shift)) goto done;
+    for (bits = 0; bits < (int) sizeof(int) * 8 - chunk_size; bits += chunk_size) {
+        PyObject *tmp, *digit;
+        long idigit;
+        digit = PyNumber_And(stepval, mask);
+        if (unlikely(!digit)) goto done;
+        idigit = PyLong_AsLong(digit);
+        Py_DECREF(digit);
+        if (unlikely(idigit < 0)) goto done;
+        val |= ((int) idigit) << bits;
+        tmp = PyNumber_Rshift(stepval, shift);
+        if (unlikely(!tmp)) goto done;
+        Py_DECREF(stepval); stepval = tmp;
+    }
+    Py_DECREF(shift); shift = NULL;
+    Py_DECREF(mask); mask = NULL;
+    {
+        long idigit = PyLong_AsLong(stepval);
+        if (unlikely(idigit < 0)) goto done;
+        remaining_bits = ((int) sizeof(int) * 8) - bits - (is_unsigned ? 0 : 1);
+        if (unlikely(idigit >= (1L << remaining_bits)))
+            goto raise_overflow;
+        val |= ((int) idigit) << bits;
+    }
+    if (!is_unsigned) {
+        if (unlikely(val & (((int) 1) << (sizeof(int) * 8 - 1))))
+            goto raise_overflow;
+        if (is_negative)
+            val = ~val;
+    }
+    ret = 0;
+done:
+    Py_XDECREF(shift);
+    Py_XDECREF(mask);
+    Py_XDECREF(stepval);
+#endif
+    if (unlikely(ret))
+        return (int) -1;
+    return val;
+raise_overflow:
+    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
+}
+static CYTHON_INLINE int __Pyx_PyLong___Pyx_PyLong_As_int(PyObject *x) {
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wconversion"
+#endif
+    const int neg_one = (int) -1, const_zero = (int) 0;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#endif
+    const int is_unsigned = neg_one > const_zero;
+    if (is_unsigned) {
+        #if CYTHON_USE_PYLONG_INTERNALS
+        if (unlikely(__Pyx_PyLong_IsNeg(x))) {
+            goto raise_neg_overflow;
+        } else if (__Pyx_PyLong_IsCompact(x)) {
+            __PYX_VERIFY_RETURN_INT(int, __Pyx_compact_upylong, __Pyx_PyLong_CompactValueUnsigned(x))
+        } else
+        #endif
+        {
+            return __Pyx_PyULong___Pyx_PyLong_As_int(x);
+        }
+    } else {
+        #if CYTHON_USE_PYLONG_INTERNALS
+        if (__Pyx_PyLong_IsCompact(x)) {
+            __PYX_VERIFY_RETURN_INT(int, __Pyx_compact_pylong, __Pyx_PyLong_CompactValue(x))
+        } else
+        #endif
+        {
+            return __Pyx_PySLong___Pyx_PyLong_As_int(x);
+        }
+    }
+#if CYTHON_USE_PYLONG_INTERNALS
+raise_neg_overflow:
+    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
+raise_overflow:
+    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
+#endif
+}
+static int __Pyx_NonPyLong___Pyx_PyLong_As_int(PyObject *x) {
+    int val;
+    PyObject *tmp = __Pyx_PyNumber_Long(x);
+    if (!tmp) return (int) -1;
+    val = __Pyx_PyLong_As_int(tmp);
+    Py_DECREF(tmp);
+    return val;
+}
+static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *x) {
+    if (likely(PyLong_Check(x))) {
+        return __Pyx_PyLong___Pyx_PyLong_As_int(x);
+    } else {
+        return __Pyx_NonPyLong___Pyx_PyLong_As_int(x);
+    }
+}
+
+/* CIntToPy */
+static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value) {
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wconversion"
+#endif
+    const int neg_one = (int) -1, const_zero = (int) 0;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#endif
+    const int is_unsigned = neg_one > const_zero;
+    if (is_unsigned) {
+        if (sizeof(int) < sizeof(long)) {
+            return PyLong_FromLong((long) value);
+        } else if (sizeof(int) <= sizeof(unsigned long)) {
+            return PyLong_FromUnsignedLong((unsigned long) value);
+#if !CYTHON_COMPILING_IN_PYPY
+        } else if (sizeof(int) <= sizeof(unsigned PY_LONG_LONG)) {
+            return PyLong_FromUnsignedLongLong((unsigned PY_LONG_LONG) value);
+#endif
+        }
+    } else {
+        if (sizeof(int) <= sizeof(long)) {
+            return PyLong_FromLong((long) value);
+        } else if (sizeof(int) <= sizeof(PY_LONG_LONG)) {
+            return PyLong_FromLongLong((PY_LONG_LONG) value);
+        }
+    }
+    {
+        unsigned char *bytes = (unsigned char *)&value;
+#if !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX >= 0x030d00A4
+        if (is_unsigned) {
+            return PyLong_FromUnsignedNativeBytes(bytes, sizeof(value), -1);
+        } else {
+            return PyLong_FromNativeBytes(bytes, sizeof(value), -1);
+        }
+#elif !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX < 0x030d0000
+        int one = 1; int little = (int)*(unsigned char *)&one;
+        return _PyLong_FromByteArray(bytes, sizeof(int),
+                                     little, !is_unsigned);
+#else
+        int one = 1; int little = (int)*(unsigned char *)&one;
+        PyObject *result = NULL, *kwds = NULL;
+        PyObject *py_bytes = NULL, *order_str = NULL, *from_bytes_str = NULL;;
+        py_bytes = PyBytes_FromStringAndSize((char*)bytes, sizeof(int));
         if (!py_bytes) goto limited_bad;
         from_bytes_str = PyUnicode_FromStringAndSize("from_bytes", 10);
         if (!from_bytes_str) goto limited_bad;

@@ -60,12 +60,17 @@ def decode_loads(list snapshots, const int64_t[::1] idx, const int64_t[::1] max_
     cdef Py_ssize_t d = idx.shape[0]
     n_np = np.empty(d, dtype=np.float64)
     ctx_np = np.empty(d, dtype=np.float64)
-    cdef double[::1] n_out = n_np
-    cdef double[::1] ctx_out = ctx_np
+    _count_loads(snapshots, idx, max_num_seqs, n_np, ctx_np)
+    return n_np, ctx_np
+
+
+cdef void _count_loads(list snapshots, const int64_t[::1] idx,
+                       const int64_t[::1] max_num_seqs, double[::1] n_out,
+                       double[::1] ctx_out) except *:
     cdef const int64_t[:, ::1] table
     cdef Py_ssize_t k, i, n
     cdef int64_t g, total
-    for k in range(d):
+    for k in range(idx.shape[0]):
         g = idx[k]
         table = snapshots[g].table
         n = table.shape[0]
@@ -78,7 +83,68 @@ def decode_loads(list snapshots, const int64_t[::1] idx, const int64_t[::1] max_
             total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]
         n_out[k] = <double>n
         ctx_out[k] = <double>total
-    return n_np, ctx_np
+
+
+cdef class Scorer:
+    """``score_columns`` with the per-instance constants bound once (one policy's): a
+    decision passes only what changes. ``beta`` is read where it lies, so a recalibration
+    written into that array in place is seen at the next call. ``score`` counts the
+    residents itself (``decode_loads``)."""
+
+    cdef const double[:, ::1] beta
+    cdef const int64_t[::1] max_num_seqs
+    cdef const double[::1] batch_cap
+    cdef const double[::1] kv_cap
+    cdef const double[::1] budget
+    cdef const double[::1] w
+    cdef double slot_s
+    cdef int64_t horizon
+
+    def __init__(self, const double[:, ::1] beta, const int64_t[::1] max_num_seqs,
+                 const double[::1] batch_cap, const double[::1] kv_cap,
+                 const double[::1] budget, const double[::1] w, double slot_s,
+                 int64_t horizon):
+        cdef Py_ssize_t G = beta.shape[0]
+        if max_num_seqs.shape[0] != G:
+            raise ValueError("max_num_seqs needs one entry per instance")
+        _check_instances(beta, batch_cap, kv_cap, budget, w, G)
+        self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w
+        self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget
+        self.slot_s, self.horizon = slot_s, horizon
+
+    def score(self, list snapshots, const int64_t[::1] idx, const double[::1] prompt,
+              const double[:, :] decode, const double[:, :] utility,
+              const double[:, :] ttft, const double[::1] waited, const double[::1] target,
+              const double[:, :, ::1] p0, const double[:, :, ::1] p1, int64_t shift):
+        """``score_columns`` for the instances ``idx`` of ``snapshots`` (all G of them)."""
+        cdef Py_ssize_t G = self.beta.shape[0]
+        if len(snapshots) != G:
+            raise ValueError("snapshots needs one entry per instance")
+        _check_idx(idx, G)
+        cdef Py_ssize_t d = idx.shape[0]
+        cdef double[::1] n_res = np.empty(d, dtype=np.float64)
+        cdef double[::1] context = np.empty(d, dtype=np.float64)
+        _count_loads(snapshots, idx, self.max_num_seqs, n_res, context)
+        return _score(prompt, decode, utility, ttft, n_res, context, self.beta, waited,
+                      target, self.batch_cap, self.kv_cap, self.budget, self.slot_s,
+                      self.horizon, self.w, p0, p1, shift, idx, G)
+
+
+cdef void _check_instances(const double[:, ::1] beta, const double[::1] batch_cap,
+                           const double[::1] kv_cap, const double[::1] budget,
+                           const double[::1] w, Py_ssize_t G) except *:
+    if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
+            or kv_cap.shape[0] != G or budget.shape[0] != G:
+        raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
+    if w.shape[0] != NUM_W:
+        raise ValueError(f"w needs {NUM_W} weights")
+
+
+cdef void _check_idx(const int64_t[::1] idx, Py_ssize_t G) except *:
+    cdef Py_ssize_t k
+    for k in range(idx.shape[0]):
+        if idx[k] < 0 or idx[k] >= G:
+            raise ValueError("idx out of range")
 
 
 def score_columns(const double[::1] prompt, const double[:, :] decode,
@@ -98,6 +164,22 @@ def score_columns(const double[::1] prompt, const double[:, :] decode,
     price prefix sums ``p0``, ``p1`` (G, H + 1, 3) whose slot 0 is ``shift`` slots before
     now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time
     (N, G) bool)."""
+    _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)
+    _check_idx(idx, num_instances)
+    return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,
+                  waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, p0, p1,
+                  shift, idx, num_instances)
+
+
+cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
+                  const double[:, :] utility, const double[:, :] ttft,
+                  const double[::1] num_resident, const double[::1] resident_context,
+                  const double[:, ::1] beta, const double[::1] waited,
+                  const double[::1] target, const double[::1] batch_cap,
+                  const double[::1] kv_cap, const double[::1] budget, double slot_s,
+                  int64_t horizon, const double[::1] w, const double[:, :, ::1] p0,
+                  const double[:, :, ::1] p1, int64_t shift, const int64_t[::1] idx,
+                  Py_ssize_t num_instances):
     cdef Py_ssize_t N = prompt.shape[0]
     cdef Py_ssize_t d = idx.shape[0]
     cdef Py_ssize_t G = num_instances
@@ -108,21 +190,13 @@ def score_columns(const double[::1] prompt, const double[:, :] decode,
         raise ValueError("waited and target need one entry per request")
     if num_resident.shape[0] != d or resident_context.shape[0] != d:
         raise ValueError("num_resident and resident_context need one entry per instance")
-    if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
-            or kv_cap.shape[0] != G or budget.shape[0] != G:
-        raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
-    if w.shape[0] != NUM_W:
-        raise ValueError(f"w needs {NUM_W} weights")
     if shift < 0:
         raise ValueError("shift must be >= 0")
     cdef Py_ssize_t k, j
     cdef int64_t g
-    for k in range(d):
-        if idx[k] < 0 or idx[k] >= G:
-            raise ValueError("idx out of range")
 
     f_np = np.empty((NUM_F, N, G), dtype=np.float64)
     i_np = np.empty((4, N, G), dtype=np.int64)

@@ -58,9 +58,8 @@ from olproute._score import (
     I_PRE_END,
     I_PRE_START,
     I_START,
-    decode_loads,
+    Scorer,
     fits_column,
-    score_columns,
     subtract_column,
 )
 from olproute.bea import BeaEstimator, decode_step_times_s
@@ -76,7 +75,6 @@ from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, Pol
 from olproute.policies.bid_price_pools import PoolBidPrice
 from olproute.prices import PriceBook, PriceView
 from olproute.reward import (
-    COLUMN_FIELDS,
     HARD,
     TERMS,
     Columns,
@@ -154,7 +152,7 @@ class _Scores:
     ttft: FloatArray
     tpot: FloatArray
     cols: Columns
-    terms: RewardTerms
+    figures: FloatArray               # the kernel's (F, N, G) floats, by _score.F_*
     reward: FloatArray
     price: FloatArray
     lagrangian: FloatArray
@@ -165,15 +163,23 @@ class _Scores:
     complete: bool                    # every instance scored (else a sample of them)
     rows: list[_Row | None] = field(default_factory=list)   # row(j), built once
 
+    @property
+    def terms(self) -> RewardTerms:
+        """Each reward term (N, G), for the explanation."""
+        f = self.figures
+        return RewardTerms(*(f[r] for r in (F_QPS, F_THROUGHPUT, F_EEL_SAVED, F_TTFT_SAVED,
+                                             F_EEL_SLO, F_TTFT_SLO, F_UTILITY)))
+
     def row(self, j: int) -> _Row:
         if not self.rows:
             self.rows.extend([None] * len(self.ttft))
         row = self.rows[j]
         if row is None:
+            c = self.cols   # batch_a is per instance only: the same each row
             row = self.rows[j] = _Row(
-                self.ttft[j], self.tpot[j], Columns(*(
-                    v[j] if v.ndim == 2 else v   # per instance only: the same each row
-                    for v in (getattr(self.cols, f) for f in COLUMN_FIELDS))),
+                self.ttft[j], self.tpot[j],
+                Columns(c.start[j], c.end[j], c.batch_a, c.kv_a[j], c.kv_b[j],
+                        c.pre_start[j], c.pre_end[j], c.compute_a[j]),
                 self.reward[j], self.lagrangian[j], self.reward[j] - self.price[j],
                 self.on_time[j], self.finite_ttft[j])
         return row
@@ -202,8 +208,10 @@ class BidPrice(Policy):
         self._batch_a = 1.0 / self._batch_cap
         self._max_num_seqs = np.array([s.max_num_seqs for s in env.specs], dtype=np.int64)
         self._all = np.arange(len(env.specs), dtype=np.int64)
-        self._weights = reward_weights(env.reward)
         self._budget = compute_budget(self._cal, env.slot_s)
+        self._scorer = Scorer(self._bea.beta_view, self._max_num_seqs, self._batch_cap,
+                              self._kv_cap, self._budget, reward_weights(env.reward),
+                              self._slot_s, self._horizon)
         self._theta = np.array([c.prefill_tokens_per_s for c in self._cal])
         self._rng = env.rng
         self.book = PriceBook(env.specs, env.slot_s, env.horizon_slots, env.prices, env.rng,
@@ -227,38 +235,32 @@ class BidPrice(Policy):
                instances: npt.NDArray[np.int64] | None = None) -> _Scores:
         """Every figure a decision reads, for N requests deciding on the same context,
         each as if it alone joined now: (N, G) arrays, from one BEA call and one call of
-        the compiled kernel (``_score.score_columns``; its twin is
-        ``reward.score_reference``). With ``instances``, only those are estimated and
-        scored; the others read as never started there (``complete`` is then False)."""
+        the compiled kernel (``_score.Scorer``, ``score_columns`` with this policy's
+        constants bound; its twin is ``reward.score_reference``). With ``instances``,
+        only those are estimated and scored; the others read as never started there
+        (``complete`` is then False)."""
         snaps = ctx.snapshots
         if snaps is None:
             raise ValueError("bid_price needs instance snapshots in the context")
         outs = [self._outlook(r) for r in requests]
-        out = Outlook(*(_rows_of([getattr(o, f) for o in outs])
-                        for f in ("decode_tokens", "quality", "cost_musd")))
         complete = instances is None
         idx = self._all if instances is None else instances
-        decode = out.decode_tokens if complete else out.decode_tokens[:, idx]
-        utility = out.utility(self._w.cost_lambda)
+        decode = _rows_of([o.decode_tokens for o in outs])
+        utility = _rows_of([o.utility(self._w.cost_lambda) for o in outs])
+        if not complete:
+            decode, utility = decode[:, idx], utility[:, idx]
         prompt = np.array([r.prompt_tokens for r in requests], dtype=np.int64)
         ttft = self._bea.ttft_many(ctx, prompt, np.rint(decode).astype(np.int64),
                                    None if complete else idx)
-        num_resident, context = decode_loads(list(snaps), idx, self._max_num_seqs)
         waited = np.array([ctx.now_s - r.arrival_s for r in requests])
         target = np.array([r.ttft_target_s for r in requests])
-        p0, p1, shift = self.book.prefix(ctx.now_s)
-        f, i, on_time = score_columns(
-            prompt.astype(np.float64), decode,
-            utility if complete else utility[:, idx], ttft,
-            num_resident, context, self._bea.beta_view, waited, target, self._batch_cap,
-            self._kv_cap, self._budget, self._slot_s, self._horizon, self._weights, p0, p1,
-            shift, idx, len(self._specs))
+        f, i, on_time = self._scorer.score(list(snaps), idx, prompt.astype(np.float64),
+                                           decode, utility, ttft, waited, target,
+                                           *self.book.prefix(ctx.now_s))
         cols = Columns(start=i[I_START], end=i[I_END], batch_a=self._batch_a,
                        kv_a=f[F_KV_A], kv_b=f[F_KV_B], pre_start=i[I_PRE_START],
                        pre_end=i[I_PRE_END], compute_a=f[F_COMPUTE_A])
-        terms = RewardTerms(*(f[r] for r in (F_QPS, F_THROUGHPUT, F_EEL_SAVED, F_TTFT_SAVED,
-                                              F_EEL_SLO, F_TTFT_SLO, F_UTILITY)))
-        return _Scores(outs, f[F_TTFT], f[F_TPOT], cols, terms, f[F_REWARD], f[F_PRICE],
+        return _Scores(outs, f[F_TTFT], f[F_TPOT], cols, f, f[F_REWARD], f[F_PRICE],
                        f[F_LAGRANGIAN], on_time, f[F_FINITE_TTFT], waited,
                        column_mass(cols) if self._release == "density" else None,
                        complete)
