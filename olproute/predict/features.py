@@ -85,7 +85,7 @@ def _requested_lengths(window: Sequence[str]) -> dict[str, float]:
     for i, tok in enumerate(window):
         value = _NUMBERS.get(tok)
         if value is None:
-            if not tok.isdigit():
+            if not tok.isdecimal():  # isdigit() also holds for "²", which float() refuses
                 continue
             value = float(tok)
         for nxt in window[i + 1:i + 4]:
