@@ -1,4 +1,5 @@
-"""Build only: the Cython batch-formation kernel. Metadata lives in pyproject.toml."""
+"""Build only: the Cython kernels (batch formation, prompt featuriser). Metadata lives in
+pyproject.toml."""
 
 import numpy as np
 from Cython.Build import cythonize
@@ -6,7 +7,8 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=cythonize(
-        [Extension("olproute._core", ["olproute/_core.pyx"], include_dirs=[np.get_include()])],
+        [Extension("olproute._core", ["olproute/_core.pyx"], include_dirs=[np.get_include()]),
+         Extension("olproute._featurize", ["olproute/_featurize.pyx"])],
         compiler_directives={"language_level": "3"},
     )
 )
