@@ -36,8 +36,9 @@ from pathlib import Path
 LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # the package's own __init__ (exactly), and the messages every layer speaks
     (("=olproute", "olproute.types"),),
-    # the batch-formation kernel and its Python twin
-    (("olproute._core", "olproute.core_ref"),),
+    # the compiled kernels (batch formation and its Python twin, the prompt featuriser,
+    # LightGBM's single-row calls)
+    (("olproute._core", "olproute.core_ref", "olproute._featurize", "olproute._rowheads"),),
     # batch-time calibration (NNLS beta, online refit)
     (("olproute.calibration",),),
     # TTFT estimators, predictors, the config schema and what needs only it (reading
