@@ -5,7 +5,10 @@
 Latency is the request path, ``Predictor.predict(prompt, models)`` (features of one
 prompt, then one single-threaded ``Booster.predict`` per head on one row per distinct
 model), for 8 instances; a single-row ``Booster.predict`` measured in the same run is the
-reference. Training is on 20k synthetic rows (num_threads=2), with the held-out figures.
+reference. Featurisation is timed per prompt on the compiled kernel and on its Python
+twin in the same run (prompts of ~50 and ~2k tokens), and one ``predict()`` is split into
+its parts (features, PCA, the heads, the rest). Training is on 20k synthetic rows
+(num_threads=2), with the held-out figures.
 With contention on (the default), a busy process is started beside the benchmark to show
 why the request path pins LightGBM to one thread; it is ended before the script exits.
 """
@@ -26,6 +29,7 @@ import numpy as np
 
 from olproute.config import load_profiles
 from olproute.predict import (
+    Featurizer,
     Predictor,
     TrainConfig,
     evaluate,
@@ -141,6 +145,66 @@ def _latency(predictor: Predictor, calls: int, contention: bool) -> dict[str, An
     return out
 
 
+def _featurize(predictor: Predictor, calls: int) -> dict[str, Any]:
+    """Per prompt, compiled kernel against the Python twin, and one predict() in parts."""
+    prompts = generate_prompts(400, list(MODELS), np.random.default_rng(12345))
+    sizes = {"short": (50, 30), "2k": (2000, 20)}  # tokens: the prompts nearest, how many
+    compiled = Featurizer(predictor.spec.num_hash_dims)
+    twin = Featurizer(predictor.spec.num_hash_dims, compiled=False)
+    out: dict[str, Any] = {}
+    for size, (tokens, num_prompts) in sizes.items():
+        chosen = sorted(prompts, key=lambda p, t=tokens: abs(p.prompt_tokens - t))[:num_prompts]
+        texts = [p.text for p in chosen]
+        n = calls if size == "short" else max(200, calls // 10)
+        c_it, p_it = itertools.cycle(texts), itertools.cycle(texts)
+        c = _percentiles_us(lambda it=c_it: compiled.stats_and_hashed(next(it)), n)
+        py = _percentiles_us(lambda it=p_it: twin.stats_and_hashed(next(it)), n)
+        out[size] = {"prompts": len(texts),
+                     "prompt_tokens_median": float(np.median([p.prompt_tokens for p in chosen])),
+                     "compiled": c, "python": py, "ratio_p50": py[0] / c[0]}
+        out[f"predict_parts_{size}"] = _predict_parts(predictor, texts, n)
+    return out
+
+
+def _predict_parts(predictor: Predictor, texts: Sequence[str], calls: int) -> dict[str, float]:
+    """p50 us of one predict() (8 instances of 3 models) and of its parts on the same
+    prompts: stats and hashed vector, PCA, the decode and quality heads on the rows."""
+    it = itertools.cycle(texts)
+    pf = predictor.prompt_features(texts[0])
+    x = predictor.rows(pf, predictor.model_ids(list(dict.fromkeys(BEAR_POOL))))
+    heads, featurizer = predictor._row_heads, predictor._featurizer
+    hashed = featurizer.stats_and_hashed(texts[0])[1]
+    parts = {
+        "predict": _percentiles_us(lambda: predictor.predict(next(it), BEAR_POOL), calls)[0],
+        "stats_and_hashed": _percentiles_us(
+            lambda: featurizer.stats_and_hashed(next(it)), calls)[0],
+        "pca_project": _percentiles_us(lambda: predictor.pca.project(hashed), calls)[0],
+        "heads": _percentiles_us(lambda: (heads.predict(0, x), heads.predict(1, x)), calls)[0],
+    }
+    parts["rest"] = parts["predict"] - sum(v for k, v in parts.items() if k != "predict")
+    return parts
+
+
+def _featurize_table(feat: dict[str, Any]) -> str:
+    lines = [f"{'featurize one prompt (us, p50)':<58} {'compiled':>8} {'python':>8} "
+             f"{'ratio':>8}", "-" * 85]
+    for size in ("short", "2k"):
+        f = feat[size]
+        label = (f"stats_and_hashed, ~{f['prompt_tokens_median']:,.0f} tokens "
+                 f"({f['prompts']} prompts)")
+        lines.append(f"{label:<58} {f['compiled'][0]:8.1f} {f['python'][0]:8.1f} "
+                     f"{f['ratio_p50']:7.1f}x")
+    lines += ["", f"{'one predict(), 8 instances of 3 models (us, p50)':<58} "
+                  f"{'short':>8} {'2k':>8}", "-" * 85]
+    for key, label in (("predict", "predict()"), ("stats_and_hashed", "  stats and hashed vector"),
+                       ("pca_project", "  PCA projection"),
+                       ("heads", "  2 heads x 3 rows, single-row fast path"),
+                       ("rest", "  the rest (rows, plan, output)")):
+        lines.append(f"{label:<58} {feat['predict_parts_short'][key]:8.1f} "
+                     f"{feat['predict_parts_2k'][key]:8.1f}")
+    return "\n".join(lines)
+
+
 def _table(train: dict[str, Any], lat: dict[str, Any]) -> str:
     ev = train["evaluation"]
     rows: list[tuple[str, str]] = []
@@ -221,10 +285,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     predictor, train = _train(args.seed)
     lat = _latency(predictor, args.calls, not args.no_contention)
+    feat = _featurize(predictor, args.calls)
     print(_table(train, lat))
+    print()
+    print(_featurize_table(feat))
     if args.json:
         Path(args.json).write_text(json.dumps({"training": train, "latency_us": lat,
-                                               "goal_p50_us": GOAL_P50_US}, indent=2) + "\n")
+                                               "goal_p50_us": GOAL_P50_US,
+                                               "featurize": feat}, indent=2) + "\n")
     return 0
 
 

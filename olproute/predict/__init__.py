@@ -13,11 +13,12 @@ non-space character alone. It is deterministic and has no vocabulary; it is not 
 model's BPE tokenizer. Token hashes use ``zlib.crc32``, so features are identical across
 processes (Python's ``hash()`` is salted per process).
 
-The modules: ``features`` (tokenizer, statistics, hashing, PCA, the feature spec),
-``heads`` (the C API's single-row path), ``predictor`` (``Predictor``, saving and
-loading, ``apply_predictor``), ``training`` (training files, featurising, fitting) and
-``evaluation`` (held-out figures, ``train_and_evaluate``); their public names are
-re-exported here.
+The modules: ``features`` (tokenizer, statistics, hashing, PCA, the feature spec; the
+compiled kernel ``olproute._featurize`` computes them, the Python functions are its twin),
+``heads`` (the C API's single-row path, called from ``olproute._rowheads``),
+``predictor`` (``Predictor``, saving and loading, ``apply_predictor``), ``training``
+(training files, featurising, fitting) and ``evaluation`` (held-out figures,
+``train_and_evaluate``); their public names are re-exported here.
 
 ``lightgbm`` is imported where it is used, never at package import.
 """

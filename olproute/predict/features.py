@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from olproute import _featurize
+
 FloatArray = npt.NDArray[np.float64]
 
 
@@ -34,6 +36,7 @@ class PredictorError(ValueError):
 
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 _WINDOW_TOKENS = 80  # instructions sit at a prompt's start or end: indicators look there
+_LOOKAHEAD_TOKENS = 3  # a unit counts if it follows its number within this many tokens
 _NUMBERS = {w: float(i) for i, w in enumerate((
     "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
     "eleven", "twelve"))}
@@ -85,10 +88,10 @@ def _requested_lengths(window: Sequence[str]) -> dict[str, float]:
     for i, tok in enumerate(window):
         value = _NUMBERS.get(tok)
         if value is None:
-            if not tok.isdigit():
+            if not tok.isdecimal():  # isdigit() also holds for "²", which float() refuses
                 continue
             value = float(tok)
-        for nxt in window[i + 1:i + 4]:
+        for nxt in window[i + 1:i + 1 + _LOOKAHEAD_TOKENS]:
             unit = _UNITS.get(nxt)
             if unit is not None:
                 found[unit] = max(found[unit], value)
@@ -153,14 +156,82 @@ def fit_pca(matrix: FloatArray, k: int) -> Pca:
     return Pca(mean=mean, components=comps)
 
 
+# -- the compiled path -----------------------------------------------------------------------
+# the characters prompt_stats counts: sentence ends ("?" also alone) and newlines, which
+# lower() neither makes nor removes, so the lowered text has the original's
+_COUNTED = ".!?\n"
+
+
+def _ascii_classes() -> bytes:
+    """The kernel's class of each ASCII character, read off ``_TOKEN_RE`` itself: a word
+    character if two of it are one token, another token if one of it is, else space."""
+    def cls(c: str) -> int:
+        if _TOKEN_RE.fullmatch(c + c):
+            return _featurize.WORD
+        return _featurize.OTHER if _TOKEN_RE.fullmatch(c) else _featurize.SPACE
+    return bytes(cls(chr(i)) for i in range(128))
+
+
+def new_kernel(num_dims: int = NUM_HASH_DIMS) -> _featurize.FeatureKernel:
+    """The compiled featuriser with this module's word lists and windows as its tables."""
+    grams = [(bit, g.split(" ")) for bit, (_, words) in enumerate(_INDICATOR_WORDS)
+             for g in sorted(words)]
+    for _, parts in grams:  # the kernel matches one or two whole tokens
+        assert len(parts) <= 2 and tokenize(" ".join(parts)) == parts, parts
+    words = list(dict.fromkeys([*_NUMBERS, *_UNITS, *(w for _, ps in grams for w in ps)]))
+    index = {w: i for i, w in enumerate(words)}
+    masks = [0] * len(words)
+    pairs = []
+    for bit, parts in grams:
+        if len(parts) == 1:
+            masks[index[parts[0]]] |= 1 << bit
+        else:
+            pairs.append((index[parts[0]], index[parts[1]], 1 << bit))
+    return _featurize.FeatureKernel(
+        _ascii_classes(), [w.encode() for w in words],
+        [_NUMBERS.get(w, math.nan) for w in words],
+        [_CONSTRAINTS.index(_UNITS[w]) if w in _UNITS else -1 for w in words],
+        masks, pairs, num_dims, _WINDOW_TOKENS, _LOOKAHEAD_TOKENS, len(_CONSTRAINTS),
+        _COUNTED.encode())
+
+
+_SETS_LENGTH = sum(1 << _INDICATORS.index(i) for i in ("brevity", "detail"))
+
+
+def _kernel_stats(text: str, num_tokens: int, num_chars: int, counted: tuple[int, ...],
+                  found: int, requested: list[float]) -> list[float]:
+    """``prompt_stats`` from the kernel's counts; the same arithmetic, value for value."""
+    ends, bangs, questions, newlines = counted
+    return [
+        math.log1p(num_tokens), math.log1p(len(text)), math.log1p(ends + bangs + questions),
+        num_chars / num_tokens if num_tokens else 0.0,
+        math.log1p(newlines), math.log1p(questions),
+        1.0 if any(requested) or found & _SETS_LENGTH else 0.0,
+        *(math.log1p(r) for r in requested),
+        *(1.0 if found >> bit & 1 else 0.0 for bit in range(len(_INDICATORS))),
+    ]
+
+
 class Featurizer:
-    """Prompt text -> statistics and hashed token vector; owns a bounded token-slot cache."""
+    """Prompt text -> statistics and hashed token vector.
 
-    __slots__ = ("_cache", "num_dims")
+    ``stats_and_hashed`` runs the compiled kernel (``olproute._featurize``: one pass over
+    the UTF-8 bytes, every Unicode prompt, no fallback); ``compiled=False`` runs the
+    plain-Python twin (``tokenize``, ``Counter``, ``prompt_stats``, ``hashed``), which
+    gives bitwise-identical features and owns a bounded token-slot cache. Not
+    thread-safe (the kernel has scratch buffers): one featurizer per thread.
+    """
 
-    def __init__(self, num_dims: int = NUM_HASH_DIMS) -> None:
+    __slots__ = ("_cache", "_kernel", "num_dims")
+
+    def __init__(self, num_dims: int = NUM_HASH_DIMS, compiled: bool = True) -> None:
         self.num_dims = num_dims
         self._cache: dict[str, int] = {}
+        self._kernel = new_kernel(num_dims) if compiled else None
+
+    @property
+    def compiled(self) -> bool:
+        return self._kernel is not None
 
     def hashed(self, counts: Mapping[str, int], num_tokens: int) -> FloatArray:
         """Signed token counts in ``num_dims`` buckets, divided by the token count."""
@@ -180,9 +251,13 @@ class Featurizer:
 
     def stats_and_hashed(self, text: str) -> tuple[list[float], FloatArray]:
         """``STAT_NAMES`` values and the hashed token vector of one prompt."""
-        tokens = tokenize(text)
-        counts = Counter(tokens)
-        return prompt_stats(text, tokens, counts), self.hashed(counts, len(tokens))
+        if self._kernel is None:
+            tokens = tokenize(text)
+            counts = Counter(tokens)
+            return prompt_stats(text, tokens, counts), self.hashed(counts, len(tokens))
+        hashed = np.empty(self.num_dims)
+        counts_found = self._kernel.run(text.lower(), hashed)
+        return _kernel_stats(text, *counts_found), hashed
 
 
 # -- feature spec ---------------------------------------------------------------------------
