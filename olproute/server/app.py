@@ -13,7 +13,7 @@ import contextlib
 import math
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -70,6 +70,7 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/openapi.json", openapi_doc)
+    app.router.add_get("/debug/loop-lag", loop_lag)
     app.router.add_post("/admin/reload", admin.reload)
     dashboard.add_routes(app)  # /dashboard, /dashboard/data
     return app
@@ -368,6 +369,23 @@ async def healthz(request: web.Request) -> web.Response:
                               "healthy_backends": healthy,
                               "backends": len(st.tracker.backends)},
                              status=200 if healthy else 503)
+
+
+async def loop_lag(request: web.Request) -> web.Response:
+    """The event loop's lag over the last ``seconds`` (default 10, at most the monitor's
+    memory): samples, p50, p99 and max in milliseconds."""
+    st = request.app[STATE]
+    raw = request.query.get("seconds", "10")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= st.lag.keep_s:
+        return proxy.error_response(400, f"seconds: must be a number in (0, {st.lag.keep_s:g}]"
+                                    f", got {raw[:40]!r}", param="seconds")
+    summary = st.lag.summary(asyncio.get_running_loop().time() - seconds)
+    return web.json_response({"period_ms": st.lag.period_s * 1e3, "window_s": seconds,
+                              **asdict(summary)})
 
 
 async def openapi_doc(request: web.Request) -> web.Response:

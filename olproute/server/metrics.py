@@ -13,7 +13,8 @@ from olproute.reward import RESOURCES
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0)
 HANDOFF_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-LOOP_LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+LOOP_LAG_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
+                      0.5, 1.0, 2.0, 5.0)
 DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3,
                       12.8e-3, 25.6e-3)
 
@@ -58,7 +59,7 @@ class ServerMetrics:
                                  "buffer was full (admission.max_held)", registry=r)
         self.loop_lag_seconds = Histogram(
             "olproute_loop_lag_seconds", "How late the event loop ran a timer (sampled every "
-            "50 ms)", buckets=LOOP_LAG_BUCKETS_S, registry=r)
+            "10 ms)", buckets=LOOP_LAG_BUCKETS_S, registry=r)
         self.certificate_checks = Counter(
             "olproute_price_certificate_checks", "Live certificate checks by result (ok, "
             "error, empty: nothing to check, skipped: the last was still running)",

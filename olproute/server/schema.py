@@ -314,6 +314,13 @@ def openapi() -> dict[str, Any]:
                                "credentials)"),
             "/metrics": _get("Prometheus metrics", "text format"),
             "/healthz": _get("liveness", "ok (503 when no backend is healthy)"),
+            "/debug/loop-lag": {"get": {
+                "summary": "how late the router's event loop ran a timer (one every 10 ms) "
+                           "over the last `seconds`: samples, p50_ms, p99_ms, max_ms",
+                "parameters": [{"name": "seconds", "in": "query", "schema": {
+                    "type": "number", "exclusiveMinimum": 0, "maximum": 60, "default": 10}}],
+                "responses": {"200": {"description": "the lag summary"},
+                              "400": _error("seconds out of range")}}},
             "/admin/reload": {"post": {
                 "summary": "re-read the YAML and the weight profiles (bearer token); a "
                            "refused reload keeps the running router",
