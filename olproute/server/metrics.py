@@ -71,6 +71,29 @@ class ServerMetrics:
                               "failed, inconclusive: timed out while the router's own "
                               "event loop lagged)", ["instance", "result"], registry=r)
 
+        # labelled children of the request path's metrics, by (metric, labels): a
+        # child's lookup through .labels() takes a lock and builds its key every time
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def decided(self, action: str, instance: str, seconds: float) -> None:
+        """A decision: counted by action and instance, and its time."""
+        self._child(self.decisions, action, instance).inc()
+        self.decision_seconds.observe(seconds)
+
+    def latency(self, instance: str, ttft_s: float, eel_s: float | None) -> None:
+        """A served request's TTFT and, if its whole answer reached the client, its
+        end-to-end latency."""
+        self._child(self.ttft_seconds, instance).observe(ttft_s)
+        if eel_s is not None:
+            self._child(self.eel_seconds, instance).observe(eel_s)
+
+    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        key = (metric._name, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def set_prices(self, prices: dict[str, Any] | None) -> None:
         """Each instance's horizon-summed price of every resource (batch, kv, compute)
         from a ``Router.prices`` document; nothing for a policy without prices."""
