@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
+import orjson
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,9 +34,9 @@ from olproute.server.holding import HoldQueue
 from olproute.server.metrics import ServerMetrics
 from olproute.server.schema import (
     BadRequest,
-    RouteAnswer,
     RouteBody,
     count_words,
+    explanation_doc,
     openapi,
     validate,
 )
@@ -299,15 +300,13 @@ async def route(request: web.Request) -> web.Response:
     # a decision only: nothing is dispatched, so the policy keeps nothing for it
     st.router.forget(req.request_id)
     names = [s.name for s in st.loaded.specs]
-    answer = RouteAnswer(
-        request_id=req.request_id, action=d.action,
-        instance=None if d.instance is None else names[d.instance],
-        decode_instance=None if d.decode_instance is None else names[d.decode_instance],
-        reason=d.reason,
-        policy=st.router.policy_name, instances=names,
-        explanation={k: [x if math.isfinite(x) else 1e308 for x in v]
-                     for k, v in d.explanation.items()})
-    return web.json_response(answer.model_dump())
+    answer = {"request_id": req.request_id, "action": d.action,
+              "instance": None if d.instance is None else names[d.instance],
+              "decode_instance": None if d.decode_instance is None
+              else names[d.decode_instance],
+              "reason": d.reason, "policy": st.router.policy_name, "instances": names,
+              "explanation": explanation_doc(d.explanation)}   # schema.RouteAnswer
+    return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 
 async def prices(request: web.Request) -> web.Response:
