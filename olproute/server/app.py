@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +21,6 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from olproute.assembly import CalibrationSource
 from olproute.calibration import OnlineCalibrator
@@ -148,10 +148,25 @@ async def _stop_all(running: list[Any]) -> None:
 
 
 def _build_router(loaded: LoadedConfig, calibration: CalibrationSource | None) -> Router:
-    """The router, calibrated now (at start-up, not on the first request)."""
+    """The router, calibrated now (at start-up, not on the first request), its policy's
+    first-call costs paid (``_warm``)."""
     router = Router(loaded, calibration)
     router.calibration()
+    _warm(loaded, router.calibration)
     return router
+
+
+def _warm(loaded: LoadedConfig, calibration: CalibrationSource) -> None:
+    """Pay at start-up, on a throwaway router, what a policy pays at its first decision
+    and first tick: bid_price's first price update compiles its jitted steps (1.4 s, in
+    the tick's thread but holding the GIL while it traces, a second of lag while
+    serving); the shapes are fixed by the config, so the router's own ticks reuse it."""
+    warm = Router(loaded, calibration)
+    tracker = Tracker(loaded.specs, ["http://warm"] * len(loaded.specs))
+    req = warm.new_request(0.0, 100, 16, 1.0)
+    warm.decide(req, 0.0, tracker.loads(0.0), tracker.snapshots(0.0),
+                [True] * len(loaded.specs))
+    warm.tick(warm.tick_s, tracker.snapshots(warm.tick_s))
 
 
 async def _every(period_s: float, job: Callable[[ServerState], Awaitable[None]],
@@ -231,14 +246,33 @@ async def _scrape(st: ServerState) -> None:
                 text = await r.text()
         except (TimeoutError, aiohttp.ClientError):
             return
-        found: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in VLLM_GAUGES:
-                    found[sample.name] = found.get(sample.name, 0.0) + float(sample.value)
-        st.tracker.set_scraped(g, found, st.now())
+        st.tracker.set_scraped(g, vllm_gauges(text), st.now())
 
     await asyncio.gather(*(one(b.index) for b in st.tracker.backends if b.healthy))
+
+
+def vllm_gauges(text: str) -> dict[str, float]:
+    """The sums over their label sets of the vLLM gauges (``VLLM_GAUGES``) in a
+    Prometheus text exposition. Only lines that start with one of the names are read:
+    the full parser (``prometheus_client.parser``) took milliseconds of the event loop
+    for an emulator's page, this takes tens of microseconds."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(_GAUGE_PREFIXES):
+            continue
+        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
+        if name not in VLLM_GAUGES:
+            continue   # a longer name that starts with a gauge's
+        value = rest.rpartition("}")[2] if "}" in rest else rest
+        fields = value.split()
+        try:
+            found[name] = found.get(name, 0.0) + float(fields[0])
+        except (IndexError, ValueError):
+            continue
+    return found
+
+
+_GAUGE_PREFIXES = tuple(VLLM_GAUGES)
 
 
 async def _recalibrate(st: ServerState) -> None:
@@ -261,12 +295,18 @@ async def _recalibrate(st: ServerState) -> None:
         rows = doc.get("batches") or []
         cal = st.calibrators[b.index]
         before = cal.num_refits
-        for row in rows:
-            cal.add(float(row["duration_s"]), float(row["num_tokens"]),
-                    float(row["sum_decode_context"]), float(row["sum_prefill_attention"]))
+        # thousands of records and an NNLS refit: in a worker thread, not on the loop
+        await asyncio.get_running_loop().run_in_executor(None, _feed, cal, rows)
         b.batches_seen = int(doc.get("next", b.batches_seen + len(rows)))
         if cal.num_refits > before:
             st.router.set_beta(b.index, cal.beta)
+
+
+def _feed(cal: OnlineCalibrator, rows: list[dict[str, Any]]) -> None:
+    """A backend's batch records to its calibrator (which refits every so many)."""
+    cal.add_many([(float(r["duration_s"]), float(r["num_tokens"]),
+                   float(r["sum_decode_context"]), float(r["sum_prefill_attention"]))
+                  for r in rows])
 
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -391,6 +431,17 @@ async def openapi_doc(request: web.Request) -> web.Response:
     return web.json_response(openapi())
 
 
+GIL_SWITCH_S = 0.0005
+
+
+async def _freeze_heap(app: web.Application) -> None:
+    """Everything start-up made (JAX, the policy, the calibration: ~170,000 objects)
+    moves out of the collector's sight: a full collection of it took 43 ms of the loop;
+    after ``gc.freeze`` one takes microseconds."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None,
                calibration: CalibrationSource | None = None,
                certifier: Certifier | None = None) -> None:
@@ -400,9 +451,14 @@ def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None =
 
     server = loaded.config.server
     uvloop.install()
+    # the price tick runs in a thread: while it holds the GIL the loop waits for it up
+    # to the switch interval (5 ms by default) at every turn
+    sys.setswitchinterval(GIL_SWITCH_S)
+    app = init_app(loaded, calibration=calibration, certifier=certifier)
+    app.on_startup.append(_freeze_heap)   # after the lifecycle's start-up
     # a client that leaves cancels its handler: a held request leaves the buffer, a
     # backend request in flight is closed (the backend stops generating for it)
-    web.run_app(init_app(loaded, calibration=calibration, certifier=certifier),
+    web.run_app(app,
                 host=host or server.host,
                 port=server.port if port is None else port, print=print,
                 handler_cancellation=True)

@@ -1,13 +1,16 @@
 """The request path's fast pieces against the slow ones they replaced: orjson's reading
 of a body (json.loads' verdict and message wherever they could differ), the SSE token
-count over chunks cut anywhere, and the loop-lag summary."""
+count over chunks cut anywhere, the vLLM gauge reader against prometheus_client's parser,
+and the loop-lag summary."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from olproute.server.app import VLLM_GAUGES, vllm_gauges
 from olproute.server.looplag import LoopLag
 from olproute.server.proxy import _tokens_in, _tokens_in_chunk
 from olproute.server.schema import BadRequest, CompletionBody, dump_json, parse_json, validate
@@ -82,6 +85,32 @@ def test_tokens_counted_over_chunks_cut_anywhere(cut: int) -> None:
     n2, pending = _tokens_in_chunk(pending, SSE[cut:])
     assert n1 + n2 + _tokens_in(pending) == 3
     assert _tokens_in_chunk(b"", SSE[:-1]) == (3, b"")
+
+
+PAGE = """# HELP vllm:num_requests_running Number of requests running.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="a",engine="0"} 3.0
+vllm:num_requests_running{model_name="b}",engine="1"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting 7.0 1700000000000
+# TYPE vllm:num_requests_waiting_total counter
+vllm:num_requests_waiting_total 99.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="a"} 0.25
+# TYPE other gauge
+other{x="vllm:kv_cache_usage_perc"} 5.0
+"""
+
+
+def test_gauges_read_as_prometheus_parser_reads_them() -> None:
+    expected: dict[str, float] = {}
+    for family in text_string_to_metric_families(PAGE):
+        for sample in family.samples:
+            if sample.name in VLLM_GAUGES:
+                expected[sample.name] = expected.get(sample.name, 0.0) + float(sample.value)
+    assert vllm_gauges(PAGE) == expected == {"vllm:num_requests_running": 5.0,
+                                             "vllm:num_requests_waiting": 7.0,
+                                             "vllm:kv_cache_usage_perc": 0.25}
 
 
 def test_loop_lag_summary_over_a_window() -> None:
