@@ -124,6 +124,8 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                     len(loaded.specs), loaded.config.prices.certify_max_requests),
                     on_result=st.metrics.set_certificate)
                 stack.callback(st.live.close)
+                if st.certifying():
+                    st.live.start()
             app[STATE] = st
             tasks = [asyncio.create_task(_every(period, job, st)) for period, job in (
                 (router.tick_s, _tick), (server.health_period_s, _health),
