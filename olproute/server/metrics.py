@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from olproute.reward import RESOURCES
@@ -94,14 +96,14 @@ class ServerMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def set_prices(self, prices: dict[str, Any] | None) -> None:
+    def set_price_sums(self, names: Sequence[str], prices: npt.NDArray[np.float64]) -> None:
         """Each instance's horizon-summed price of every resource (batch, kv, compute)
-        from a ``Router.prices`` document; nothing for a policy without prices."""
-        if prices is None:
-            return
-        for inst in prices["instances"]:
-            for resource in RESOURCES:
-                self.price_sum.labels(inst["name"], resource).set(sum(inst[resource]))
+        from ``prices[g, k, r]`` (a policy's ``PriceView.prices``; a non-finite price
+        counts 0, as ``Router.prices`` shows it)."""
+        sums = np.where(np.isfinite(prices), prices, 0.0).sum(axis=1)
+        for g, name in enumerate(names):
+            for r, resource in enumerate(RESOURCES):
+                self.price_sum.labels(name, resource).set(float(sums[g, r]))
 
     def set_certificate(self, check: dict[str, Any]) -> None:
         """A finished live check: counted by status; a successful one sets the gauges

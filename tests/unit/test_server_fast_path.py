@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from olproute.reward import RESOURCES
 from olproute.server.app import VLLM_GAUGES, vllm_gauges
 from olproute.server.looplag import LoopLag
+from olproute.server.metrics import ServerMetrics
 from olproute.server.proxy import _tokens_in, _tokens_in_chunk
 from olproute.server.schema import BadRequest, CompletionBody, dump_json, parse_json, validate
 
@@ -123,3 +126,16 @@ def test_loop_lag_summary_over_a_window() -> None:
     assert s.p99_ms == pytest.approx(0.19801)
     assert s.max_ms == pytest.approx(0.199)
     assert lag.summary(since=100.0).samples == 0
+
+
+def test_price_sums_count_a_non_finite_price_as_zero() -> None:
+    prices = np.zeros((2, 4, len(RESOURCES)))
+    prices[0, :, 0] = [1.0, 2.0, np.inf, 0.5]
+    prices[1, 1, -1] = np.nan
+    prices[1, 2, -1] = 3.0
+    m = ServerMetrics()
+    m.set_price_sums(["a", "b"], prices)
+    got = {(s.labels["instance"], s.labels["resource"]): s.value
+           for f in m.price_sum.collect() for s in f.samples}
+    assert got[("a", RESOURCES[0])] == 3.5 and got[("b", RESOURCES[-1])] == 3.0
+    assert len(got) == 2 * len(RESOURCES)
