@@ -96,6 +96,12 @@ async def read_json(request: web.Request, limit: int, timeout_s: float) -> Any:
     Content-Length); both close the connection (``errors.json_errors``)."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    content = request.content
+    if content.is_eof():   # all of it came with the headers: no timer, no reading loop
+        whole = content.read_nowait()
+        if len(whole) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(whole))
+        return parse_json(whole)
     raw = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
