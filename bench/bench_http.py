@@ -14,9 +14,10 @@
    ``loop_lag_ttft_ms`` is the lag during part 2, one request at a time, where a lag is
    a stall (a callback, a GC pause, a thread holding the GIL).
 2. The TTFT the proxy adds: streamed completions (prompt of 100 words, 4 tokens), one at
-   a time, alternately through the router and straight to one of its backends; the p50
-   and p99 of the two TTFT distributions and their ratio (``proxy_ttft_p99_ratio``,
-   goal <= 1.10).
+   a time, alternately through the router, straight to one of its backends, and through
+   a null aiohttp proxy in front of that backend (no decision: the cost of the hop
+   alone); the p50 and p99 of each, and the router's p99 over the direct one
+   (``proxy_ttft_p99_ratio``, goal <= 1.10).
 
 Each server runs in a process of its own: the null handler, the router, and the 8
 emulated instances (``olproute emulate``, named to the router as ``server.backends``),
@@ -53,6 +54,33 @@ async def handle(request):
     return web.json_response({"ok": True, "n": len(body)})
 app = web.Application()
 app.router.add_post("/route", handle)
+uvloop.install()
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+# the floor of any aiohttp proxy: read the body, post it to one backend, relay its answer
+# chunk by chunk; no decision, no bookkeeping
+NULL_PROXY = """
+import sys, aiohttp, uvloop
+from aiohttp import web
+async def session(app):
+    app["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    yield
+    await app["s"].close()
+async def handle(request):
+    raw = await request.read()
+    async with request.app["s"].post(sys.argv[2] + request.path, data=raw,
+                                     headers={"Content-Type": "application/json"}) as up:
+        resp = web.StreamResponse(status=up.status, headers={
+            "Content-Type": up.headers.get("Content-Type", "text/event-stream")})
+        await resp.prepare(request)
+        while chunk := await up.content.readany():
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+app = web.Application()
+app.cleanup_ctx.append(session)
+app.router.add_post("/v1/completions", handle)
 uvloop.install()
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
@@ -178,6 +206,7 @@ def main() -> None:
                               stdout=subprocess.DEVNULL, stderr=log, env=env)
     null = subprocess.Popen([sys.executable, "-c", NULL_SERVER, str(nport)], env=env)
     results: dict[str, Any] = {}
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         rurl, nurl = f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{nport}"
         asyncio.run(wait_up(nurl))
@@ -190,18 +219,27 @@ def main() -> None:
             async with aiohttp.ClientSession() as s, s.get(rurl + "/instances") as r:
                 return str((await r.json())["instances"][0]["url"])
         direct = asyncio.run(backend_url())
-        via, straight = [], []
+        pport = free_port()
+        procs.append(subprocess.Popen([sys.executable, "-c", NULL_PROXY, str(pport), direct],
+                                      env=env))
+        purl = f"http://127.0.0.1:{pport}"
+        asyncio.run(wait_up(purl))
+        via, straight, floor = [], [], []
         t_ttft = time.monotonic()
         for _ in range(args.ttft_requests // 20):
             via += asyncio.run(ttft(rurl, 10))
             straight += asyncio.run(ttft(direct, 10))
+            floor += asyncio.run(ttft(purl, 10))
         results["loop_lag_ttft_ms"] = asyncio.run(loop_lag(rurl, time.monotonic() - t_ttft))
         v, d = np.array(via) * 1e3, np.array(straight) * 1e3
+        f = np.array(floor) * 1e3
         results["ttft_ms"] = {
             "router_p50": float(np.percentile(v, 50)), "router_p99": float(np.percentile(v, 99)),
-            "direct_p50": float(np.percentile(d, 50)), "direct_p99": float(np.percentile(d, 99))}
+            "direct_p50": float(np.percentile(d, 50)), "direct_p99": float(np.percentile(d, 99)),
+            "null_proxy_p50": float(np.percentile(f, 50)),
+            "null_proxy_p99": float(np.percentile(f, 99))}
     finally:
-        for p in (router, null, emulators):
+        for p in (router, null, emulators, *procs):
             p.terminate()
             p.wait(timeout=30)
     n, r, t = results["null"], results["router"], results["ttft_ms"]
@@ -219,6 +257,8 @@ def main() -> None:
         ("router errors", f"{r['errors']:.0f}"),
         ("TTFT via router p50 / p99 ms", f"{t['router_p50']:.2f} / {t['router_p99']:.2f}"),
         ("TTFT direct p50 / p99 ms", f"{t['direct_p50']:.2f} / {t['direct_p99']:.2f}"),
+        ("TTFT via a null aiohttp proxy p50 / p99", f"{t['null_proxy_p50']:.2f} / "
+                                                   f"{t['null_proxy_p99']:.2f}   (the hop alone)"),
         ("TTFT added p50 / p99 ms", f"{t['router_p50'] - t['direct_p50']:.2f} / "
                                     f"{t['router_p99'] - t['direct_p99']:.2f}"),
         ("TTFT p99 via router / direct", f"{results['proxy_ttft_p99_ratio']:.2f}   (goal <= "
