@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
+import orjson
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from olproute.assembly import CalibrationSource
 from olproute.calibration import OnlineCalibrator
 from olproute.config import LoadedConfig
+from olproute.prices import PriceView
 from olproute.router import Router
 from olproute.server import admin, dashboard, live, proxy
 from olproute.server.capture import LiveCapture
@@ -33,14 +35,15 @@ from olproute.server.holding import HoldQueue
 from olproute.server.metrics import ServerMetrics
 from olproute.server.schema import (
     BadRequest,
-    RouteAnswer,
     RouteBody,
     count_words,
+    explanation_doc,
     openapi,
     validate,
 )
 from olproute.server.state import STATE, ServerState
 from olproute.server.tracker import Tracker
+from olproute.types import EngineSnapshot
 
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                "vllm:kv_cache_usage_perc")
@@ -70,6 +73,7 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/openapi.json", openapi_doc)
+    app.router.add_get("/debug/loop-lag", loop_lag)
     app.router.add_post("/admin/reload", admin.reload)
     dashboard.add_routes(app)  # /dashboard, /dashboard/data
     return app
@@ -122,6 +126,8 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                     len(loaded.specs), loaded.config.prices.certify_max_requests),
                     on_result=st.metrics.set_certificate)
                 stack.callback(st.live.close)
+                if st.certifying():
+                    st.live.start()
             app[STATE] = st
             tasks = [asyncio.create_task(_every(period, job, st)) for period, job in (
                 (router.tick_s, _tick), (server.health_period_s, _health),
@@ -146,10 +152,25 @@ async def _stop_all(running: list[Any]) -> None:
 
 
 def _build_router(loaded: LoadedConfig, calibration: CalibrationSource | None) -> Router:
-    """The router, calibrated now (at start-up, not on the first request)."""
+    """The router, calibrated now (at start-up, not on the first request), its policy's
+    first-call costs paid (``_warm``)."""
     router = Router(loaded, calibration)
     router.calibration()
+    _warm(loaded, router.calibration)
     return router
+
+
+def _warm(loaded: LoadedConfig, calibration: CalibrationSource) -> None:
+    """Pay at start-up, on a throwaway router, what a policy pays at its first decision
+    and first tick: bid_price's first price update compiles its jitted steps (1.4 s, in
+    the tick's thread but holding the GIL while it traces, a second of lag while
+    serving); the shapes are fixed by the config, so the router's own ticks reuse it."""
+    warm = Router(loaded, calibration)
+    tracker = Tracker(loaded.specs, ["http://warm"] * len(loaded.specs))
+    req = warm.new_request(0.0, 100, 16, 1.0)
+    warm.decide(req, 0.0, tracker.loads(0.0), tracker.snapshots(0.0),
+                [True] * len(loaded.specs))
+    warm.tick(warm.tick_s, tracker.snapshots(warm.tick_s))
 
 
 async def _every(period_s: float, job: Callable[[ServerState], Awaitable[None]],
@@ -169,11 +190,20 @@ async def _tick(st: ServerState) -> None:
     now = st.now()
     snaps = st.tracker.snapshots(now)
     router = st.router
-    await asyncio.get_running_loop().run_in_executor(None, router.tick, now, snaps)
-    st.metrics.set_prices(router.prices())
+    view = await asyncio.get_running_loop().run_in_executor(None, _ticked, router, now, snaps)
+    if view is not None:
+        st.metrics.set_price_sums([s.name for s in st.loaded.specs], view.prices)
     st.metrics.price_updates.inc()
-    if st.router is router:   # not replaced by a reload meanwhile
-        live.ticked(st, now)
+    if st.router is router and view is not None:   # not replaced by a reload meanwhile
+        live.ticked(st, now, view)
+
+
+def _ticked(router: Router, now_s: float, snapshots: tuple[EngineSnapshot, ...]
+            ) -> PriceView | None:
+    """The policy's tick and the prices it left (in the tick's worker thread: copying
+    them out took 0.7 ms, and the JSON document of them 1.6 ms, of the event loop)."""
+    router.tick(now_s, snapshots)
+    return router.policy.price_view()
 
 
 PROBE_TIMEOUT_S = 1.0
@@ -229,14 +259,33 @@ async def _scrape(st: ServerState) -> None:
                 text = await r.text()
         except (TimeoutError, aiohttp.ClientError):
             return
-        found: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in VLLM_GAUGES:
-                    found[sample.name] = found.get(sample.name, 0.0) + float(sample.value)
-        st.tracker.set_scraped(g, found, st.now())
+        st.tracker.set_scraped(g, vllm_gauges(text), st.now())
 
     await asyncio.gather(*(one(b.index) for b in st.tracker.backends if b.healthy))
+
+
+def vllm_gauges(text: str) -> dict[str, float]:
+    """The sums over their label sets of the vLLM gauges (``VLLM_GAUGES``) in a
+    Prometheus text exposition. Only lines that start with one of the names are read:
+    the full parser (``prometheus_client.parser``) took milliseconds of the event loop
+    for an emulator's page, this takes tens of microseconds."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(_GAUGE_PREFIXES):
+            continue
+        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
+        if name not in VLLM_GAUGES:
+            continue   # a longer name that starts with a gauge's
+        value = rest.rpartition("}")[2] if "}" in rest else rest
+        fields = value.split()
+        try:
+            found[name] = found.get(name, 0.0) + float(fields[0])
+        except (IndexError, ValueError):
+            continue
+    return found
+
+
+_GAUGE_PREFIXES = tuple(VLLM_GAUGES)
 
 
 async def _recalibrate(st: ServerState) -> None:
@@ -259,12 +308,18 @@ async def _recalibrate(st: ServerState) -> None:
         rows = doc.get("batches") or []
         cal = st.calibrators[b.index]
         before = cal.num_refits
-        for row in rows:
-            cal.add(float(row["duration_s"]), float(row["num_tokens"]),
-                    float(row["sum_decode_context"]), float(row["sum_prefill_attention"]))
+        # thousands of records and an NNLS refit: in a worker thread, not on the loop
+        await asyncio.get_running_loop().run_in_executor(None, _feed, cal, rows)
         b.batches_seen = int(doc.get("next", b.batches_seen + len(rows)))
         if cal.num_refits > before:
             st.router.set_beta(b.index, cal.beta)
+
+
+def _feed(cal: OnlineCalibrator, rows: list[dict[str, Any]]) -> None:
+    """A backend's batch records to its calibrator (which refits every so many)."""
+    cal.add_many([(float(r["duration_s"]), float(r["num_tokens"]),
+                   float(r["sum_decode_context"]), float(r["sum_prefill_attention"]))
+                  for r in rows])
 
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -298,15 +353,13 @@ async def route(request: web.Request) -> web.Response:
     # a decision only: nothing is dispatched, so the policy keeps nothing for it
     st.router.forget(req.request_id)
     names = [s.name for s in st.loaded.specs]
-    answer = RouteAnswer(
-        request_id=req.request_id, action=d.action,
-        instance=None if d.instance is None else names[d.instance],
-        decode_instance=None if d.decode_instance is None else names[d.decode_instance],
-        reason=d.reason,
-        policy=st.router.policy_name, instances=names,
-        explanation={k: [x if math.isfinite(x) else 1e308 for x in v]
-                     for k, v in d.explanation.items()})
-    return web.json_response(answer.model_dump())
+    answer = {"request_id": req.request_id, "action": d.action,
+              "instance": None if d.instance is None else names[d.instance],
+              "decode_instance": None if d.decode_instance is None
+              else names[d.decode_instance],
+              "reason": d.reason, "policy": st.router.policy_name, "instances": names,
+              "explanation": explanation_doc(d.explanation)}   # schema.RouteAnswer
+    return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 
 async def prices(request: web.Request) -> web.Response:
@@ -370,8 +423,36 @@ async def healthz(request: web.Request) -> web.Response:
                              status=200 if healthy else 503)
 
 
+async def loop_lag(request: web.Request) -> web.Response:
+    """The event loop's lag over the last ``seconds`` (default 10, at most the monitor's
+    memory): samples, p50, p99 and max in milliseconds."""
+    st = request.app[STATE]
+    raw = request.query.get("seconds", "10")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= st.lag.keep_s:
+        return proxy.error_response(400, f"seconds: must be a number in (0, {st.lag.keep_s:g}]"
+                                    f", got {raw[:40]!r}", param="seconds")
+    summary = st.lag.summary(asyncio.get_running_loop().time() - seconds)
+    return web.json_response({"period_ms": st.lag.period_s * 1e3, "window_s": seconds,
+                              **asdict(summary)})
+
+
 async def openapi_doc(request: web.Request) -> web.Response:
     return web.json_response(openapi())
+
+
+GIL_SWITCH_S = 0.0005
+
+
+async def _freeze_heap(app: web.Application) -> None:
+    """Everything start-up made (JAX, the policy, the calibration: ~170,000 objects)
+    moves out of the collector's sight: a full collection of it took 43 ms of the loop;
+    after ``gc.freeze`` one takes microseconds."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None,
@@ -383,9 +464,14 @@ def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None =
 
     server = loaded.config.server
     uvloop.install()
+    # the price tick runs in a thread: while it holds the GIL the loop waits for it up
+    # to the switch interval (5 ms by default) at every turn
+    sys.setswitchinterval(GIL_SWITCH_S)
+    app = init_app(loaded, calibration=calibration, certifier=certifier)
+    app.on_startup.append(_freeze_heap)   # after the lifecycle's start-up
     # a client that leaves cancels its handler: a held request leaves the buffer, a
     # backend request in flight is closed (the backend stops generating for it)
-    web.run_app(init_app(loaded, calibration=calibration, certifier=certifier),
+    web.run_app(app,
                 host=host or server.host,
                 port=server.port if port is None else port, print=print,
                 handler_cancellation=True)

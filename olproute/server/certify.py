@@ -4,8 +4,8 @@ server packs the last window (``olproute.server.capture``) and hands it to a
 the figures (``solvers.live.certify``; the CLI injects it, since the server may not
 import the solvers). The request path never waits for it.
 
-One worker process (``ProcessPoolExecutor(max_workers=1)``, spawned, created at the
-first check and stopped with the server): a check still running when the next is due
+One worker process (``ProcessPoolExecutor(max_workers=1)``, spawned at start-up and
+stopped with the server): a check still running when the next is due
 skips that period; a check that raises, a worker that dies, or a check that runs past
 its deadline (``olproute.server.live``: 3 LP time limits and 30 s; its worker is
 terminated) is logged and shown as the last check's error (a dead pool is replaced at
@@ -55,6 +55,14 @@ class LiveCert:
     _wall: float = field(default=0.0, init=False, repr=False)   # perf_counter at submit
     _closed: bool = field(default=False, init=False)
 
+    def start(self) -> None:
+        """Create the pool and spawn its worker now: the spawn takes ~4 ms of the calling
+        thread, which at start-up is no request's."""
+        if self._pool is None and not self._closed:
+            self._pool = ProcessPoolExecutor(max_workers=1,
+                                             mp_context=multiprocessing.get_context("spawn"))
+            self._pool.submit(int)   # a process pool spawns its worker at the first call
+
     @property
     def busy(self) -> bool:
         """Is a check still running?"""
@@ -66,9 +74,9 @@ class LiveCert:
         if self.busy or self._closed:
             return False
         loop = asyncio.get_running_loop()
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=1,
-                                             mp_context=multiprocessing.get_context("spawn"))
+        if self._pool is None:   # a pool dropped after a failure: 4 ms of the loop
+            self.start()
+        assert self._pool is not None
         meta = {"started_s": now_s, "window_start_s": window.t0_s,
                 "window_end_s": window.t1_s, "requests": window.num_requests}
         wall = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from olproute.prices import PriceView
 from olproute.reward import capacities
 from olproute.server.capture import pack
 from olproute.server.state import ServerState
@@ -63,13 +64,12 @@ def check_now(st: ServerState) -> None:
     live.submit(window, now, st.now)
 
 
-def ticked(st: ServerState, now_s: float) -> None:
-    """After a policy tick: record its prices and free capacity."""
+def ticked(st: ServerState, now_s: float, view: PriceView) -> None:
+    """After a policy tick: record its prices and free capacity (``view``, taken after
+    the tick in its thread)."""
     if st.live is None or not st.certifying():
         return
-    view = st.router.policy.price_view()
-    if view is not None:
-        st.live.capture.ticked(now_s, view, 2.0 * st.loaded.config.prices.certify_window_s)
+    st.live.capture.ticked(now_s, view, 2.0 * st.loaded.config.prices.certify_window_s)
 
 
 def certificate_doc(st: ServerState) -> dict[str, Any]:

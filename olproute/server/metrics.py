@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from olproute.reward import RESOURCES
@@ -13,7 +15,8 @@ from olproute.reward import RESOURCES
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0)
 HANDOFF_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-LOOP_LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+LOOP_LAG_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
+                      0.5, 1.0, 2.0, 5.0)
 DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3,
                       12.8e-3, 25.6e-3)
 
@@ -58,7 +61,7 @@ class ServerMetrics:
                                  "buffer was full (admission.max_held)", registry=r)
         self.loop_lag_seconds = Histogram(
             "olproute_loop_lag_seconds", "How late the event loop ran a timer (sampled every "
-            "50 ms)", buckets=LOOP_LAG_BUCKETS_S, registry=r)
+            "10 ms)", buckets=LOOP_LAG_BUCKETS_S, registry=r)
         self.certificate_checks = Counter(
             "olproute_price_certificate_checks", "Live certificate checks by result (ok, "
             "error, empty: nothing to check, skipped: the last was still running)",
@@ -70,14 +73,37 @@ class ServerMetrics:
                               "failed, inconclusive: timed out while the router's own "
                               "event loop lagged)", ["instance", "result"], registry=r)
 
-    def set_prices(self, prices: dict[str, Any] | None) -> None:
+        # labelled children of the request path's metrics, by (metric, labels): a
+        # child's lookup through .labels() takes a lock and builds its key every time
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def decided(self, action: str, instance: str, seconds: float) -> None:
+        """A decision: counted by action and instance, and its time."""
+        self._child(self.decisions, action, instance).inc()
+        self.decision_seconds.observe(seconds)
+
+    def latency(self, instance: str, ttft_s: float, eel_s: float | None) -> None:
+        """A served request's TTFT and, if its whole answer reached the client, its
+        end-to-end latency."""
+        self._child(self.ttft_seconds, instance).observe(ttft_s)
+        if eel_s is not None:
+            self._child(self.eel_seconds, instance).observe(eel_s)
+
+    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        key = (metric._name, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def set_price_sums(self, names: Sequence[str], prices: npt.NDArray[np.float64]) -> None:
         """Each instance's horizon-summed price of every resource (batch, kv, compute)
-        from a ``Router.prices`` document; nothing for a policy without prices."""
-        if prices is None:
-            return
-        for inst in prices["instances"]:
-            for resource in RESOURCES:
-                self.price_sum.labels(inst["name"], resource).set(sum(inst[resource]))
+        from ``prices[g, k, r]`` (a policy's ``PriceView.prices``; a non-finite price
+        counts 0, as ``Router.prices`` shows it)."""
+        sums = np.where(np.isfinite(prices), prices, 0.0).sum(axis=1)
+        for g, name in enumerate(names):
+            for r, resource in enumerate(RESOURCES):
+                self.price_sum.labels(name, resource).set(float(sums[g, r]))
 
     def set_certificate(self, check: dict[str, Any]) -> None:
         """A finished live check: counted by status; a successful one sets the gauges

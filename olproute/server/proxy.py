@@ -26,6 +26,7 @@ import json
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from olproute.policies.admission import patience_s
@@ -33,6 +34,8 @@ from olproute.server.schema import (
     BadRequest,
     ChatBody,
     CompletionBody,
+    dump_json,
+    explanation_doc,
     parse_json,
     prompt_tokens_of,
     validate,
@@ -40,6 +43,24 @@ from olproute.server.schema import (
 from olproute.server.state import STATE, ServerState
 from olproute.server.tracker import Flight
 from olproute.types import Decision, Outcome, Request
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+# a client asks for the decision's explanation with x-olproute-explain: 1 (or true); it
+# comes back as JSON in x-olproute-explanation. Unasked, nothing on the proxy path reads
+# it (a policy may build it lazily), except the live certificate's capture
+EXPLAIN_HEADER = "x-olproute-explain"
+EXPLANATION_HEADER = "x-olproute-explanation"
+_ASKED = frozenset(("1", "true"))
+
+
+def decision_headers(request: web.Request, decision: Decision,
+                     headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` and, when the client asked for it, the decision's explanation."""
+    asked = request.headers.get(EXPLAIN_HEADER)
+    if asked is not None and asked.strip().lower() in _ASKED:
+        headers[EXPLANATION_HEADER] = orjson.dumps(
+            explanation_doc(decision.explanation)).decode()
+    return headers
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -58,7 +79,8 @@ async def _post(st: ServerState, g: int, path: str, body: dict[str, Any]
     limit = st.loaded.config.server.first_byte_timeout_s
     try:
         async with asyncio.timeout(limit):
-            upstream = await st.session.post(st.tracker.backends[g].url + path, json=body)
+            upstream = await st.session.post(st.tracker.backends[g].url + path,
+                                             data=dump_json(body), headers=JSON_HEADERS)
     except TimeoutError:
         return None, f"no answer within {limit:g} s (first_byte_timeout_s)"
     except aiohttp.ClientError as exc:
@@ -74,6 +96,12 @@ async def read_json(request: web.Request, limit: int, timeout_s: float) -> Any:
     Content-Length); both close the connection (``errors.json_errors``)."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    content = request.content
+    if content.is_eof():   # all of it came with the headers: no timer, no reading loop
+        whole = content.read_nowait()
+        if len(whole) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(whole))
+        return parse_json(whole)
     raw = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
@@ -144,6 +172,14 @@ async def decide_until_dispatch(st: ServerState, req: Request, client: web.Reque
     return held
 
 
+def _tokens_in_chunk(pending: bytes, chunk: bytes) -> tuple[int, bytes]:
+    """Output tokens announced by the whole lines of ``pending + chunk`` (``pending``:
+    the start of a line an earlier chunk left open), and the line this one leaves open."""
+    lines = (pending + chunk).split(b"\n") if pending else chunk.split(b"\n")
+    rest = lines.pop()
+    return sum(_tokens_in(line) for line in lines if line), rest
+
+
 def _tokens_in(line: bytes) -> int:
     """Output tokens announced by one SSE line (1 per chunk carrying text)."""
     if not line.startswith(b"data:"):
@@ -152,8 +188,10 @@ def _tokens_in(line: bytes) -> int:
     if not payload or payload == b"[DONE]":
         return 0
     try:
-        chunk = json.loads(payload)
-    except json.JSONDecodeError:
+        chunk = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return 0
+    if not isinstance(chunk, dict):
         return 0
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
@@ -187,8 +225,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if decision.action == "shed":
         st.observe(_outcome(req, None, None, None, None, 0))
         return error_response(429, f"request refused: {decision.reason}", kind="rate_limited",
-                              headers={"Retry-After": str(server.retry_after_s),
-                                       "x-olproute-reason": _ascii(decision.reason)})
+                              headers=decision_headers(request, decision, {
+                                  "Retry-After": str(server.retry_after_s),
+                                  "x-olproute-reason": _ascii(decision.reason)}))
     if decision.decode_instance is not None:
         return await _forward_pair(request, st, req, decision, data, body.stream)
     return await _forward(request, st, req, decision, data, body.stream, exclude)
@@ -231,8 +270,8 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
             return error_response(503, f"no backend after a failure: {decision.reason}",
                                   kind="backend_error")
     assert upstream is not None
-    headers = {"x-olproute-instance": backend.spec.name,
-               "x-olproute-reason": _ascii(decision.reason)}
+    headers = decision_headers(request, decision, {
+        "x-olproute-instance": backend.spec.name, "x-olproute-reason": _ascii(decision.reason)})
     completed = False
     try:
         resp, completed = await _relay(request, st, g, req, upstream, headers, stream)
@@ -256,9 +295,8 @@ def _record(st: ServerState, req: Request, g: int, decode_instance: int | None,
     dispatch = flight.dispatch_s if flight.origin is None else flight.origin.dispatch_s
     st.observe(_outcome(req, g, dispatch, first, end, flight.tokens, decode_instance))
     if first is not None:
-        st.metrics.ttft_seconds.labels(name).observe(first - req.arrival_s)
-        if end is not None:
-            st.metrics.eel_seconds.labels(name).observe(end - req.arrival_s)
+        st.metrics.latency(name, first - req.arrival_s,
+                           None if end is None else end - req.arrival_s)
 
 
 async def _relay(request: web.Request, st: ServerState, g: int, req: Request,
@@ -274,7 +312,8 @@ async def _relay(request: web.Request, st: ServerState, g: int, req: Request,
 async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Request,
                         upstream: aiohttp.ClientResponse,
                         headers: dict[str, str]) -> tuple[web.StreamResponse, bool]:
-    """Relay the backend's stream line by line; (the response, True if the backend's
+    """Relay the backend's stream chunk by chunk as it arrives (one write for the lines
+    of a chunk, counting the tokens they announce); (the response, True if the backend's
     stream ended cleanly and all of it went to the client). A client that leaves stops
     the relay without blaming the backend; a backend stream that fails marks it."""
     resp = web.StreamResponse(status=200, headers={
@@ -283,21 +322,22 @@ async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Requ
     await resp.prepare(request)
     server = st.loaded.config.server
     limit = server.first_byte_timeout_s   # for the first chunk, then read_timeout_s
+    pending = b""   # the start of a line the next chunk ends
     try:
         while True:
             try:
                 async with asyncio.timeout(limit):
-                    line = await upstream.content.readline()
+                    chunk = await upstream.content.readany()
             except TimeoutError:
                 raise _Stalled(limit) from None
-            if not line:
+            if not chunk:
                 break
             limit = server.read_timeout_s
-            n = _tokens_in(line)
+            n, pending = _tokens_in_chunk(pending, chunk)
             if n:
                 st.tracker.token(g, req.request_id, st.now(), n)
             try:
-                await resp.write(line)
+                await resp.write(chunk)
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                 # the client went away: not the backend's fault; stop its generation
                 upstream.close()
@@ -315,6 +355,8 @@ async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Requ
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             pass
         return resp, False
+    if _tokens_in(pending):   # a last line without its newline
+        st.tracker.token(g, req.request_id, st.now(), 1)
     try:
         await resp.write_eof()
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
@@ -340,7 +382,7 @@ async def _relay_whole(st: ServerState, g: int, req: Request,
                               headers=headers), False
     if upstream.status == 200:
         try:
-            usage = json.loads(raw).get("usage") or {}
+            usage = orjson.loads(raw).get("usage") or {}
             tokens = int(usage.get("completion_tokens", 0))
         except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
             tokens = 0
@@ -417,8 +459,8 @@ async def _prefill(st: ServerState, p: int, path: str, body: dict[str, Any],
     name = backend.spec.name
     limit = st.loaded.config.server.first_byte_timeout_s
     try:
-        async with asyncio.timeout(limit), st.session.post(backend.url + path,
-                                                           json=body) as upstream:
+        async with asyncio.timeout(limit), st.session.post(
+                backend.url + path, data=dump_json(body), headers=JSON_HEADERS) as upstream:
             raw = await upstream.read()
             status = upstream.status
             ctype = upstream.headers.get("Content-Type", "application/json")
@@ -453,9 +495,9 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
     p, q = decision.instance, decision.decode_instance
     assert p is not None and q is not None
     bp, bq = st.tracker.backends[p], st.tracker.backends[q]
-    headers = {"x-olproute-instance": bp.spec.name,
-               "x-olproute-decode-instance": bq.spec.name,
-               "x-olproute-reason": _ascii(decision.reason)}
+    headers = decision_headers(request, decision, {
+        "x-olproute-instance": bp.spec.name, "x-olproute-decode-instance": bq.spec.name,
+        "x-olproute-reason": _ascii(decision.reason)})
     rid = req.request_id
     dispatch = st.now()
     completed = False

@@ -285,17 +285,27 @@ class Tracker:
         return counts
 
     def loads(self, now_s: float) -> tuple[InstanceLoad, ...]:
-        out = []
-        for b in self.backends:
-            running, used = self._counts(b)
-            out.append(InstanceLoad(
-                index=b.index, name=b.spec.name, num_running=running,
-                num_waiting=len(b.flights) - running,
-                num_outstanding=len(b.flights) + len(b.inbound),
-                num_kv_blocks_used=used, num_kv_blocks=b.spec.num_kv_blocks,
-                max_num_seqs=b.spec.max_num_seqs,
-                age_s=0.0 if b.scraped_at_s is None else now_s - b.scraped_at_s))
-        return tuple(out)
+        return tuple(self._load(b, now_s) for b in self.backends)
+
+    def _load(self, b: BackendState, now_s: float) -> InstanceLoad:
+        """The backend's load now, cached per version and time (the server's clock
+        moves in whole milliseconds: requests decided within one share it)."""
+        hit = b.cache.get("load")
+        if hit is not None and hit[0] == b.version:
+            load = hit[1]
+            assert isinstance(load, InstanceLoad)
+            if load.age_s == (0.0 if b.scraped_at_s is None else now_s - b.scraped_at_s):
+                return load
+        running, used = self._counts(b)
+        load = InstanceLoad(
+            index=b.index, name=b.spec.name, num_running=running,
+            num_waiting=len(b.flights) - running,
+            num_outstanding=len(b.flights) + len(b.inbound),
+            num_kv_blocks_used=used, num_kv_blocks=b.spec.num_kv_blocks,
+            max_num_seqs=b.spec.max_num_seqs,
+            age_s=0.0 if b.scraped_at_s is None else now_s - b.scraped_at_s)
+        b.cache["load"] = (b.version, load)
+        return load
 
     def _blocks_used(self, b: BackendState) -> int:
         bs = b.spec.block_size
@@ -312,8 +322,12 @@ class Tracker:
         if hit is not None and hit[0] == b.version:
             snap = hit[1]
             assert isinstance(snap, EngineSnapshot)
-            return replace(snap, time_s=now_s, inflight_start_s=now_s)
-        snap = self._build_snapshot(b, now_s)
+            if snap.time_s == now_s:
+                return snap
+            snap = replace(snap, time_s=now_s, inflight_start_s=now_s)
+        else:
+            snap = self._build_snapshot(b, now_s)
+        # cached at its time: requests decided within one millisecond share it
         b.cache["snapshot"] = (b.version, snap)
         return snap
 
