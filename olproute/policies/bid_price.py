@@ -225,8 +225,10 @@ class BidPrice(Policy):
         self.joint_release = params.release != "in_order"
         self._seen: set[int] = set()
         # first sights whose demand samples the next tick adds (appended on the request
-        # path, taken in the server's tick thread: a deque's append and popleft are atomic)
-        self._unsampled: deque[tuple[Request, _Scores, int, RoutingContext]] = deque()
+        # path, taken in the server's tick thread: a deque's append and popleft are atomic),
+        # the newest prices.window of them
+        self._unsampled: deque[tuple[Request, _Scores, int, RoutingContext]] = deque(
+            maxlen=env.prices.window)
         # free capacity (G, H, 2) as of the last tick, less the dispatches since
         self._free: FloatArray | None = None
         self._free_time_s = 0.0
@@ -483,15 +485,15 @@ class BidPrice(Policy):
         return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
 
     def _sample(self, req: Request, sc: _Scores, j: int, ctx: RoutingContext) -> None:
-        """A request's first sight: a sample of demand for the price step, kept as the
-        decision's figures and built into the price book off the request path, at the
-        next tick before its update (nothing reads the samples in between: the decisions
-        read the prices, which only the update changes), or here once ``prices.window``
-        of them wait (a policy nobody ticks keeps no more)."""
+        """A request's first sight: an arrival for the rate estimate, and a sample of
+        demand for the price step, kept as the decision's figures and built into the price
+        book off the request path, at the next tick before its update (nothing reads the
+        samples in between: the decisions read the prices, which only the update changes).
+        At most ``prices.window`` wait: the book keeps no more, so an older one waiting
+        would only be overwritten."""
         self._seen.add(req.request_id)
+        self.book.observe_arrival(ctx.now_s)
         self._unsampled.append((req, sc, j, ctx))
-        if len(self._unsampled) > self.book.cfg.window:
-            self._add_samples()
 
     def _add_samples(self) -> None:
         """The demand samples of the requests first seen since the last call, in order."""
@@ -503,8 +505,6 @@ class BidPrice(Policy):
         (``admission.candidates``) is scored again here on all of them."""
         if not sc.complete:
             sc, j = self._score(ctx, (req,)), 0
-        now_s = ctx.now_s
-        self.book.observe_arrival(now_s)
         row = sc.row(j)
         out = sc.outlooks[j]
         self.book.add_sample(

@@ -863,16 +863,26 @@ def test_a_demand_sample_carries_the_reward_of_each_later_start() -> None:
 
 
 def test_demand_samples_wait_for_the_tick_but_never_more_than_a_window() -> None:
-    """First sights queue their samples for the next tick; a policy nobody ticks adds them
-    once a window's worth (``prices.window``, 100 here) waits, so the queue is bounded."""
+    """First sights count as arrivals at once and queue their samples for the next tick;
+    no more than a window's worth (``prices.window``, 100 here) waits: the newest, as the
+    book's ring would keep them."""
     policy = _policy(g=2)
     snaps = (_snap(), _snap())
-    for rid in range(100):
+    for rid in range(130):
         policy.decide(_ctx(snaps, now=rid * 1e-3, arrival=rid * 1e-3, rid=rid))
     assert policy.book.num_samples == 0
-    policy.decide(_ctx(snaps, now=0.2, arrival=0.2, rid=100))
-    assert policy.book.num_samples == 100   # the window's worth: the ring holds 100
-    assert policy.book.arrival_rate_per_s(0.2) > 0
+    assert policy.book.arrival_rate_per_s(0.13) > 0
+    policy.tick(0.13, snaps)
+    assert policy.book.num_samples == 100
+    # the newest 100: their decode intervals start where request 30's onwards did
+    first_kept = policy.book.samples.start[0].copy()
+    fresh = _policy(g=2)
+    for rid in range(30, 130):
+        fresh.decide(_ctx(snaps, now=rid * 1e-3, arrival=rid * 1e-3, rid=rid))
+    fresh.tick(0.13, snaps)
+    np.testing.assert_array_equal(fresh.book.samples.start[0], first_kept)
+    np.testing.assert_array_equal(fresh.book.samples.reward[:100],
+                                  policy.book.samples.reward[:100])
 
 
 def test_an_explanation_is_built_only_when_read() -> None:
