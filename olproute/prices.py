@@ -171,19 +171,24 @@ class Samples:
         whole extent, the prefill's P slots and share: ``SampleExtent``)."""
         r = np.asarray(reward, dtype=np.float64)
         if r.ndim == 1:
-            self.reward[i] = -np.inf
-            self.reward[i, :, 0] = r
-        else:
-            self.reward[i] = r
-        self.start[i] = cols.start
-        self.end[i] = extent.end
-        self.batch_a[i] = cols.batch_a
-        self.kv_a[i] = cols.kv_a
-        self.kv_b[i] = cols.kv_b
-        self.pre_lo[i] = extent.pre_lo
+            r = np.concatenate([r[:, None], np.full((r.shape[0], self.reward.shape[2] - 1),
+                                                    -np.inf)], axis=1)
+        self.put_many(np.array([i]), r[None], cols, extent)
+
+    def put_many(self, rows: IntArray, reward: FloatArray, cols: Columns,
+                 extent: SampleExtent) -> None:
+        """``put`` for K requests at once: rows (K,) := rewards (K, G, L), columns and
+        extents (K, G) (a per-instance-only field (G,) is the same on each row)."""
+        self.reward[rows] = reward
+        self.start[rows] = cols.start
+        self.end[rows] = extent.end
+        self.batch_a[rows] = cols.batch_a
+        self.kv_a[rows] = cols.kv_a
+        self.kv_b[rows] = cols.kv_b
+        self.pre_lo[rows] = extent.pre_lo
         # the prefill's slots at or after the column's start (a prefill engine's column)
-        self.pre_hi[i] = np.maximum(cols.pre_end - cols.start, 0)
-        self.prefill_work[i] = extent.prefill_work
+        self.pre_hi[rows] = np.maximum(cols.pre_end - cols.start, 0)
+        self.prefill_work[rows] = extent.prefill_work
 
     def price_scale(self, n: int) -> float:
         """The typical break-even price of the first n samples: median over samples of
@@ -525,6 +530,17 @@ class PriceBook:
         self.samples.put(self._next, reward, cols, extent)
         self._next = (self._next + 1) % self.cfg.window
         self.num_samples = min(self.num_samples + 1, self.cfg.window)
+
+    def add_samples(self, reward: FloatArray, cols: Columns, extent: SampleExtent) -> None:
+        """``add_sample`` for K requests in order: rewards (K, G, L), columns and extents
+        (K, G); K at most the window."""
+        k = reward.shape[0]
+        if k > self.cfg.window:
+            raise ValueError(f"{k} samples at once; the window holds {self.cfg.window}")
+        rows = (self._next + np.arange(k)) % self.cfg.window
+        self.samples.put_many(rows, reward, cols, extent)
+        self._next = (self._next + k) % self.cfg.window
+        self.num_samples = min(self.num_samples + k, self.cfg.window)
 
     @property
     def arrivals_in_horizon(self) -> float:

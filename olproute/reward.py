@@ -272,7 +272,7 @@ class SampleExtent:
         return SampleExtent(cols.end, np.zeros_like(cols.start), cols.compute_a * kept)
 
 
-def sample_extent(cols: Columns, prompt_tokens: int, decode_tokens: FloatArray,
+def sample_extent(cols: Columns, prompt_tokens: int | FloatArray, decode_tokens: FloatArray,
                   tpot_s: FloatArray, budget: FloatArray, slot_s: float) -> SampleExtent:
     """A mixed instance's request as a demand sample keeps it (``SampleExtent``): the
     step moves the sample and prorates its reward by the share of its D decode slots

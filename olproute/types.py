@@ -184,39 +184,41 @@ class RoutingContext:
 
 
 class Explanation(Mapping[str, tuple[float, ...]]):
-    """A decision's explanation built when first read: the policy hands over the function
-    that builds it, so a decision nobody audits (a proxied request without the explain
-    header, a simulator run that records nothing) costs nothing for it. Reads are those of
-    the dict ``build`` returns, which is built once."""
+    """A decision's explanation built as it is read: the policy hands over its keys and
+    the function that builds one of them (``one(key)``), so a decision nobody audits (a
+    proxied request without the explain header, a simulator run that records nothing)
+    costs nothing for it, and a reader of a few keys (the live certificate's capture) pays
+    for those alone. Each key is built once."""
 
-    __slots__ = ("_build", "_data")
+    __slots__ = ("_data", "_keys", "_one")
 
-    def __init__(self, build: Callable[[], dict[str, tuple[float, ...]]]) -> None:
-        self._build: Callable[[], dict[str, tuple[float, ...]]] | None = build
-        self._data: dict[str, tuple[float, ...]] | None = None
+    def __init__(self, keys: tuple[str, ...],
+                 one: Callable[[str], tuple[float, ...]]) -> None:
+        self._keys = keys
+        self._one = one
+        self._data: dict[str, tuple[float, ...]] = {}
 
     @property
     def built(self) -> bool:
-        """Has anything read it yet?"""
-        return self._data is not None
-
-    def _dict(self) -> dict[str, tuple[float, ...]]:
-        if self._data is None:
-            assert self._build is not None
-            self._data, self._build = self._build(), None
-        return self._data
+        """Has anything read a value yet?"""
+        return bool(self._data)
 
     def __getitem__(self, key: str) -> tuple[float, ...]:
-        return self._dict()[key]
+        value = self._data.get(key)
+        if value is None:
+            if key not in self._keys:
+                raise KeyError(key)
+            value = self._data[key] = self._one(key)
+        return value
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._dict())
+        return iter(self._keys)
 
     def __len__(self) -> int:
-        return len(self._dict())
+        return len(self._keys)
 
     def __repr__(self) -> str:
-        return f"Explanation({self._dict()!r})"
+        return f"Explanation({dict(self)!r})"
 
 
 @dataclass(frozen=True, slots=True)

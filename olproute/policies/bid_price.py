@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -186,6 +186,16 @@ class _Scores:
 
 
 POOL_ONLY = ("decode_slack", "kv_headroom")
+# a decision's explanation: its keys, and the kernel's row of each that is one
+_TERM_ROWS = {"ttft_s": F_TTFT, "tpot_s": F_TPOT, "reward": F_REWARD, "price_cost": F_PRICE,
+              "qps": F_QPS, "throughput": F_THROUGHPUT, "eel_saved": F_EEL_SAVED,
+              "ttft_saved": F_TTFT_SAVED, "eel_slo": F_EEL_SLO, "ttft_slo": F_TTFT_SLO,
+              "utility_term": F_UTILITY}
+# (utility: quality - lambda x cost, unweighted, as the LP checks read it; the reward's
+# weighted term is utility_term)
+EXPLAINED = ("ttft_s", "tpot_s", "reward", "price_cost", "score", "on_time",
+             "decode_tokens", "utility", "exec_ttft_s", "candidates",
+             *(t if t != "utility" else "utility_term" for t in TERMS))
 LOST_PLACE = ("an instance could take it, but this slot's place there went to held "
               "requests ranked higher")
 
@@ -277,7 +287,7 @@ class BidPrice(Policy):
         score, order = self._ranking(candidates, row.lagrangian, row.net, row.on_time,
                                      row.finite_ttft)
         g = int(order[0])
-        explanation = Explanation(partial(self._explain, req, sc, 0, score, candidates))
+        explanation = self._explanation(req, sc, 0, score, candidates)
         snaps = ctx.snapshots
         assert snaps is not None
         c = next(self._startable_in(self._eligible(order, row), score, lambda c: can_start_now(
@@ -312,8 +322,7 @@ class BidPrice(Policy):
             req = requests[j]
             row, score, order = self._ranked(src[j], cands[j])
             yield self._dispatch(req, c, int(order[0]), score, row.on_time, cands[j],
-                                 Explanation(partial(self._explain, req, *src[j], score,
-                                                     cands[j])),
+                                 self._explanation(req, *src[j], score, cands[j]),
                                  f" (released {rank} of {len(requests)} held, by "
                                  f"{self._release})")
         for j, req in enumerate(requests):
@@ -321,8 +330,7 @@ class BidPrice(Policy):
                 continue
             row, score, order = self._ranked(src[j], cands[j])
             yield self._not_now(replace(ctx, request=req), row, int(order[0]), score,
-                                cands[j], Explanation(partial(self._explain, req, *src[j],
-                                                              score, cands[j])),
+                                cands[j], self._explanation(req, *src[j], score, cands[j]),
                                 LOST_PLACE if j in had else None)
 
     def _assign(self, ctx: RoutingContext, requests: Sequence[Request],
@@ -496,50 +504,81 @@ class BidPrice(Policy):
         self._unsampled.append((req, sc, j, ctx))
 
     def _add_samples(self) -> None:
-        """The demand samples of the requests first seen since the last call, in order."""
-        while self._unsampled:
-            self._add_sample(*self._unsampled.popleft())
-
-    def _add_sample(self, req: Request, sc: _Scores, j: int, ctx: RoutingContext) -> None:
-        """A sample prices every instance: a decision that scored a sample of them
+        """The demand samples of the requests first seen since the last call, in order,
+        built together (``reward_terms`` is elementwise: the numbers one by one would
+        give). A sample prices every instance: a decision that scored a sample of them
         (``admission.candidates``) is scored again here on all of them."""
-        if not sc.complete:
-            sc, j = self._score(ctx, (req,)), 0
-        row = sc.row(j)
-        out = sc.outlooks[j]
-        self.book.add_sample(
-            self._delayed_rewards(req, out, row.ttft, row.tpot, float(sc.waited[j]),
-                                  row.reward),
-            row.cols, sample_extent(row.cols, req.prompt_tokens, out.decode_tokens, row.tpot,
-                                    self._budget, self._slot_s))
+        batch: list[tuple[Request, _Row, Outlook, float]] = []
+        while self._unsampled:
+            req, sc, j, ctx = self._unsampled.popleft()
+            if not sc.complete:
+                sc, j = self._score(ctx, (req,)), 0
+            batch.append((req, sc.row(j), sc.outlooks[j], float(sc.waited[j])))
+        if not batch:
+            return
+        rows = [b[1] for b in batch]
+        out = Outlook(*(np.stack([getattr(b[2], f) for b in batch])
+                        for f in ("decode_tokens", "quality", "cost_musd")))
+        prompt = np.array([b[0].prompt_tokens for b in batch], dtype=np.float64)
+        tpot = np.stack([r.tpot for r in rows])
+        def stacked(f: str) -> npt.NDArray[Any]:
+            return np.stack([getattr(r.cols, f) for r in rows])
+
+        cols = Columns(stacked("start"), stacked("end"), rows[0].cols.batch_a,
+                       stacked("kv_a"), stacked("kv_b"), stacked("pre_start"),
+                       stacked("pre_end"), stacked("compute_a"))
+        self.book.add_samples(
+            self._delayed_rewards(prompt, np.array([b[0].ttft_target_s for b in batch]), out,
+                                  np.stack([r.ttft for r in rows]), tpot,
+                                  np.array([b[3] for b in batch]),
+                                  np.stack([r.reward for r in rows])),
+            cols, sample_extent(cols, prompt[:, None], out.decode_tokens, tpot,
+                                self._budget, self._slot_s))
+
+    def _explanation(self, req: Request, sc: _Scores, j: int, score: FloatArray,
+                     candidates: npt.NDArray[np.int64]) -> Explanation:
+        """Request j's explanation, each key built when read (``_explain``)."""
+        return Explanation(EXPLAINED, partial(self._explain, req, sc, j, score, candidates))
 
     def _explain(self, req: Request, sc: _Scores, j: int, score: FloatArray,
-                 candidates: npt.NDArray[np.int64]) -> dict[str, tuple[float, ...]]:
-        out = sc.outlooks[j]
-        terms = {name: tuple(getattr(sc.terms, name)[j].tolist()) for name in TERMS}
-        return {"ttft_s": tuple(sc.ttft[j].tolist()), "tpot_s": tuple(sc.tpot[j].tolist()),
-                "reward": tuple(sc.reward[j].tolist()),
-                "price_cost": tuple(sc.price[j].tolist()),
-                "score": tuple(score.tolist()),
-                "on_time": tuple(sc.on_time[j].astype(np.float64).tolist()),
-                "decode_tokens": tuple(out.decode_tokens.tolist()),
-                "utility": tuple(out.utility(self._w.cost_lambda).tolist()),
-                "exec_ttft_s": tuple((req.prompt_tokens / self._theta).tolist()),
-                "candidates": tuple(float(c) for c in candidates.tolist()),
-                **terms}
+                 candidates: npt.NDArray[np.int64], key: str) -> tuple[float, ...]:
+        """One key of ``EXPLAINED``: per instance, that figure of request j."""
+        f = sc.figures
+        row: npt.NDArray[Any]
+        if key in _TERM_ROWS:
+            row = f[_TERM_ROWS[key], j]
+        elif key == "score":
+            row = score
+        elif key == "on_time":
+            row = sc.on_time[j].astype(np.float64)
+        elif key == "decode_tokens":
+            row = sc.outlooks[j].decode_tokens
+        elif key == "utility":
+            row = sc.outlooks[j].utility(self._w.cost_lambda)
+        elif key == "exec_ttft_s":
+            row = req.prompt_tokens / self._theta
+        else:   # candidates
+            return tuple(float(c) for c in candidates.tolist())
+        return tuple(row.tolist())
 
-    def _delayed_rewards(self, req: Request, out: Outlook, ttft: FloatArray,
-                         tpot: FloatArray, waited_s: float, now: FloatArray) -> FloatArray:
-        """(G, L) the request's reward on each instance if it started each of the book's
-        delays later (the first delay is 0: ``now``, the decision's own reward): the
-        demand sample prices every start the LP could choose."""
+    def _delayed_rewards(self, prompt: FloatArray, target: FloatArray,
+                         out: Outlook, ttft: FloatArray, tpot: FloatArray,
+                         waited_s: FloatArray, now: FloatArray) -> FloatArray:
+        """(K, G, L) K requests' rewards on each instance if each started each of the
+        book's delays later (the first delay is 0: ``now``, the decision's own reward):
+        the demand sample prices every start the LP could choose. Per request (K,):
+        ``prompt``, ``target``, ``waited_s``; per request and instance (K, G): the rest."""
         later = self.book.delays[1:]
         if later.size == 0:
-            return now[:, None]
-        ttft_later = ttft[None, :] + later[:, None] * self._slot_s
-        terms = reward_terms(req.prompt_tokens, req.ttft_target_s, out, ttft_later, tpot,
-                             self._w, self._slot_s, self._horizon, waited_s=waited_s)
-        result: FloatArray = np.column_stack([now, terms.total.T])
+            return now[:, :, None]
+        ttft_later = ttft[:, None, :] + (later * self._slot_s)[None, :, None]
+        terms = reward_terms(prompt[:, None, None], target[:, None, None],
+                             Outlook(out.decode_tokens[:, None, :], out.quality[:, None, :],
+                                     out.cost_musd[:, None, :]), ttft_later,
+                             tpot[:, None, :], self._w, self._slot_s, self._horizon,
+                             waited_s=waited_s[:, None, None])
+        result: FloatArray = np.concatenate([now[:, :, None],
+                                             terms.total.transpose(0, 2, 1)], axis=2)
         return result
 
     def _why_held(self, ctx: RoutingContext, snaps: tuple[EngineSnapshot, ...], g: int,

@@ -844,22 +844,26 @@ def test_a_demand_sample_carries_the_reward_of_each_later_start() -> None:
     """The sample bid_price adds at a request's first sight holds, per instance, the
     reward of starting now and of each of the book's delays later: exactly the reward
     terms with the TTFT estimate plus that many slots (the LP's columns d = 0..). It is
-    built off the request path: the book has it after the next tick, not before."""
+    built off the request path: the book has it after the next tick, not before; the
+    samples of several first sights are built together, each as it would be alone."""
     policy = _policy(g=2)
     snaps = (_snap(n_running=1), _snap())
-    d = policy.decide(_ctx(snaps, now=0.0))
+    decisions = [policy.decide(_ctx(snaps, now=0.1 * k, arrival=0.05 * k, rid=k))
+                 for k in range(3)]
     assert policy.book.num_samples == 0
-    policy.tick(0.0, snaps)
-    assert policy.book.num_samples == 1
+    policy.tick(0.3, snaps)
+    assert policy.book.num_samples == 3
     smp, delays = policy.book.samples, policy.book.delays
     assert len(delays) > 1 and delays[0] == 0
-    out = Outlook(decode_tokens=np.array(d.explanation["decode_tokens"]),
-                  quality=np.zeros(2), cost_musd=np.zeros(2))
-    ttft, tpot = np.array(d.explanation["ttft_s"]), np.array(d.explanation["tpot_s"])
-    for li, delay in enumerate(delays):
-        want = reward_terms(300, 0.5, out, ttft + delay * SLOT, tpot, RewardConfig(), SLOT, H)
-        np.testing.assert_allclose(smp.reward[0, :, li], want.total, rtol=1e-12)
-    assert smp.reward[0, :, 0].tolist() == list(d.explanation["reward"])
+    for k, d in enumerate(decisions):
+        out = Outlook(decode_tokens=np.array(d.explanation["decode_tokens"]),
+                      quality=np.zeros(2), cost_musd=np.zeros(2))
+        ttft, tpot = np.array(d.explanation["ttft_s"]), np.array(d.explanation["tpot_s"])
+        for li, delay in enumerate(delays):
+            want = reward_terms(300, 0.5, out, ttft + delay * SLOT, tpot, RewardConfig(),
+                                SLOT, H, waited_s=0.05 * k)
+            np.testing.assert_allclose(smp.reward[k, :, li], want.total, rtol=1e-12)
+        assert smp.reward[k, :, 0].tolist() == list(d.explanation["reward"])
 
 
 def test_demand_samples_wait_for_the_tick_but_never_more_than_a_window() -> None:
@@ -897,3 +901,18 @@ def test_an_explanation_is_built_only_when_read() -> None:
     assert d.explanation.built
     assert len(score) == 3 and set(d.explanation) >= {"ttft_s", "reward", "price_cost"}
     assert dict(d.explanation)["score"] == score
+
+
+def test_the_explanations_utility_is_unweighted_and_its_term_weighted() -> None:
+    """``utility`` is quality - lambda x cost, as the LP checks read it (the live capture,
+    ``solvers.record``); the reward's term omega x utility is ``utility_term`` (it used to
+    overwrite ``utility``, so an LP check of an omega = 10 run weighed utility 100x)."""
+    policy = _policy(reward=RewardConfig(omega=10.0, cost_lambda=0.0))
+    ctx = _ctx((_snap(), _snap(n_running=2)))
+    ctx = replace(ctx, request=replace(ctx.request,
+                                       predicted_quality_by_model={SPEC.model: 0.7},
+                                       predicted_decode_by_model={SPEC.model: 50}))
+    d = policy.decide(ctx)
+    assert d.explanation["utility"] == (0.7, 0.7)
+    np.testing.assert_allclose(np.array(d.explanation["utility_term"]), [7.0, 7.0])
+    assert len(set(d.explanation)) == len(d.explanation)
