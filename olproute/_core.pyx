@@ -736,6 +736,7 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
     cdef const int64_t[:, ::1] table
     cdef const int64_t[:, ::1] inflight
     cdef const double[:, ::1] extra
+    cdef const double[:, ::1] no_extras = _EMPTY_EXTRAS   # acquired once, not per instance
     cdef Py_ssize_t g
     cdef int rc
     cdef int64_t n_running, n_free
@@ -749,17 +750,22 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
         start_s = snap.inflight_start_s
         snap_s = snap.time_s
         ex = None if extras is None else extras[g]
-        extra = _EMPTY_EXTRAS if ex is None else ex
+        if ex is None:
+            extra = no_extras
+        else:
+            extra = ex
         if extra.shape[1] != 3:
             raise ValueError(f"extras[{g}] needs 3 columns (prompt, decode, dispatch time)")
         if n_free > limits[g, 0] or n_running > table.shape[0]:
             raise ValueError(f"snapshot {g} is inconsistent with the instance limits")
-        with nogil:
-            rc = _replay_one(table, n_running, n_free, inflight,
-                             start_s, snap_s, extra, limits[g, 0],
-                             limits[g, 1], limits[g, 2], limits[g, 3], &beta[g, 0],
-                             &new_prompts[0], &new_decode[0, g], N, G, now_s, max_batches,
-                             &out[0, g, 0], 3 * G)
+        # with the GIL held: an instance's replay takes microseconds, and letting the
+        # GIL go per instance let another thread (the server's price tick) take it for
+        # a switch interval each time
+        rc = _replay_one(table, n_running, n_free, inflight,
+                         start_s, snap_s, extra, limits[g, 0],
+                         limits[g, 1], limits[g, 2], limits[g, 3], &beta[g, 0],
+                         &new_prompts[0], &new_decode[0, g], N, G, now_s, max_batches,
+                         &out[0, g, 0], 3 * G)
         if rc != 0:
             raise MemoryError("replay scratch allocation failed")
     return out_np
