@@ -62,6 +62,7 @@ def replay_ttft(
     now_s: float,
     extras: list[npt.NDArray[np.float64] | None] | None = ...,
     max_batches: int = ...,
+    loads: npt.NDArray[np.float64] | None = ...,
 ) -> npt.NDArray[np.float64]: ...
 
 def replay_ttft_many(
@@ -73,4 +74,5 @@ def replay_ttft_many(
     now_s: float,
     extras: list[npt.NDArray[np.float64] | None] | None = ...,
     max_batches: int = ...,
+    loads: npt.NDArray[np.float64] | None = ...,
 ) -> npt.NDArray[np.float64]: ...

@@ -714,11 +714,15 @@ def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::
 
 def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[:, ::1] beta,
                      const int64_t[::1] new_prompts, const int64_t[:, ::1] new_decode,
-                     double now_s, list extras=None, int64_t max_batches=200000):
+                     double now_s, list extras=None, int64_t max_batches=200000,
+                     double[:, ::1] loads=None):
     """``replay_ttft`` for N new requests at once, each alone behind each instance's
     queue (as if it were the only one to join): each instance is replayed up to now once
     and then once per new request from a copy of that state. ``new_prompts`` is (N,),
-    ``new_decode`` (N, G). Returns float64 (N, G, 3)."""
+    ``new_decode`` (N, G). Returns float64 (N, G, 3). With ``loads`` (G, 2), also writes
+    each instance's decode load as ``bea.decode_step_times_s`` counts it from the same
+    snapshot table: (residents counted, the sum of their contexts), the first
+    ``max_num_seqs - 1`` rows (``_score.decode_loads``; N >= 1)."""
     cdef Py_ssize_t G = len(snapshots)
     cdef Py_ssize_t N = new_prompts.shape[0]
     if limits.shape[0] != G or beta.shape[0] != G or new_decode.shape[1] != G:
@@ -729,6 +733,8 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
         raise ValueError("limits and beta need 4 columns")
     if extras is not None and len(extras) != G:
         raise ValueError("extras needs one entry per snapshot")
+    if loads is not None and (loads.shape[0] != G or loads.shape[1] != 2):
+        raise ValueError("loads needs shape (G, 2)")
     out_np = np.empty((N, G, 3), dtype=np.float64)
     if N == 0:
         return out_np
@@ -737,13 +743,24 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
     cdef const int64_t[:, ::1] inflight
     cdef const double[:, ::1] extra
     cdef const double[:, ::1] no_extras = _EMPTY_EXTRAS   # acquired once, not per instance
-    cdef Py_ssize_t g
+    cdef Py_ssize_t g, i, n_counted
     cdef int rc
-    cdef int64_t n_running, n_free
+    cdef int64_t n_running, n_free, context
     cdef double start_s, snap_s
     for g in range(G):
         snap = snapshots[g]
         table = snap.table
+        if loads is not None:
+            n_counted = table.shape[0]
+            if n_counted > limits[g, 2] - 1:
+                n_counted = limits[g, 2] - 1
+            if n_counted < 0:
+                n_counted = 0
+            context = 0
+            for i in range(n_counted):
+                context += table[i, 0] + table[i, 1]
+            loads[g, 0] = <double>n_counted
+            loads[g, 1] = <double>context
         inflight = snap.inflight
         n_running = snap.num_running
         n_free = snap.num_free_blocks

@@ -4,14 +4,14 @@
 {
     "distutils": {
         "depends": [
-            "/tmp/pip-build-env-idwzbuhb/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayobject.h",
-            "/tmp/pip-build-env-idwzbuhb/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayscalars.h",
-            "/tmp/pip-build-env-idwzbuhb/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarrayobject.h",
-            "/tmp/pip-build-env-idwzbuhb/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarraytypes.h",
-            "/tmp/pip-build-env-idwzbuhb/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/ufuncobject.h"
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayobject.h",
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayscalars.h",
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarrayobject.h",
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarraytypes.h",
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/ufuncobject.h"
         ],
         "include_dirs": [
-            "/tmp/pip-build-env-idwzbuhb/overlay/lib/python3.11/site-packages/numpy/_core/include"
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include"
         ],
         "name": "olproute._score",
         "sources": [
@@ -3884,7 +3884,7 @@ static PyObject *__pyx_pf___pyx_memoryviewslice_2__setstate_cython__(CYTHON_UNUS
 static PyObject *__pyx_pf_15View_dot_MemoryView___pyx_unpickle_Enum(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v___pyx_type, long __pyx_v___pyx_checksum, PyObject *__pyx_v___pyx_state); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_decode_loads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_snapshots, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_max_num_seqs); /* proto */
 static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_max_num_seqs, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, __Pyx_memviewslice __pyx_v_w, double __pyx_v_slot_s, int64_t __pyx_v_horizon); /* proto */
-static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, PyObject *__pyx_v_snapshots, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift); /* proto */
+static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, __Pyx_memviewslice __pyx_v_loads, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_6Scorer_4__reduce_cython__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_6Scorer_6__setstate_cython__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, PyObject *__pyx_v___pyx_state); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances); /* proto */
@@ -4073,7 +4073,7 @@ namespace {
     PyObject *__pyx_slice[1];
     PyObject *__pyx_tuple[3];
     PyObject *__pyx_codeobj_tab[8];
-    PyObject *__pyx_string_tab[222];
+    PyObject *__pyx_string_tab[221];
     PyObject *__pyx_number_tab[7];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
@@ -4151,15 +4151,15 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_kp_u_gc __pyx_string_tab[25]
 #define __pyx_kp_u_idx_out_of_range __pyx_string_tab[26]
 #define __pyx_kp_u_isenabled __pyx_string_tab[27]
-#define __pyx_kp_u_max_num_seqs_needs_one_entry_per __pyx_string_tab[28]
-#define __pyx_kp_u_no_default___reduce___due_to_non __pyx_string_tab[29]
-#define __pyx_kp_u_num_resident_and_resident_contex __pyx_string_tab[30]
-#define __pyx_kp_u_numpy__core_multiarray_failed_to __pyx_string_tab[31]
-#define __pyx_kp_u_numpy__core_umath_failed_to_impo __pyx_string_tab[32]
-#define __pyx_kp_u_olproute__score_pyx __pyx_string_tab[33]
-#define __pyx_kp_u_p0_and_p1_need_shape_G_H_1_3 __pyx_string_tab[34]
-#define __pyx_kp_u_shift_must_be_0 __pyx_string_tab[35]
-#define __pyx_kp_u_snapshots_needs_one_entry_per_in __pyx_string_tab[36]
+#define __pyx_kp_u_loads_needs_shape_len_idx_2 __pyx_string_tab[28]
+#define __pyx_kp_u_max_num_seqs_needs_one_entry_per __pyx_string_tab[29]
+#define __pyx_kp_u_no_default___reduce___due_to_non __pyx_string_tab[30]
+#define __pyx_kp_u_num_resident_and_resident_contex __pyx_string_tab[31]
+#define __pyx_kp_u_numpy__core_multiarray_failed_to __pyx_string_tab[32]
+#define __pyx_kp_u_numpy__core_umath_failed_to_impo __pyx_string_tab[33]
+#define __pyx_kp_u_olproute__score_pyx __pyx_string_tab[34]
+#define __pyx_kp_u_p0_and_p1_need_shape_G_H_1_3 __pyx_string_tab[35]
+#define __pyx_kp_u_shift_must_be_0 __pyx_string_tab[36]
 #define __pyx_kp_u_unable_to_allocate_array_data __pyx_string_tab[37]
 #define __pyx_kp_u_unable_to_allocate_shape_and_str __pyx_string_tab[38]
 #define __pyx_kp_u_w_needs __pyx_string_tab[39]
@@ -4247,104 +4247,103 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_n_u_c __pyx_string_tab[121]
 #define __pyx_n_u_ca __pyx_string_tab[122]
 #define __pyx_n_u_cline_in_traceback __pyx_string_tab[123]
-#define __pyx_n_u_context __pyx_string_tab[124]
-#define __pyx_n_u_count __pyx_string_tab[125]
-#define __pyx_n_u_ctx_np __pyx_string_tab[126]
-#define __pyx_n_u_d __pyx_string_tab[127]
-#define __pyx_n_u_de __pyx_string_tab[128]
-#define __pyx_n_u_decode __pyx_string_tab[129]
-#define __pyx_n_u_decode_loads __pyx_string_tab[130]
-#define __pyx_n_u_ds __pyx_string_tab[131]
-#define __pyx_n_u_dtype __pyx_string_tab[132]
-#define __pyx_n_u_dtype_is_object __pyx_string_tab[133]
-#define __pyx_n_u_e __pyx_string_tab[134]
-#define __pyx_n_u_empty __pyx_string_tab[135]
-#define __pyx_n_u_encode __pyx_string_tab[136]
-#define __pyx_n_u_enumerate __pyx_string_tab[137]
-#define __pyx_n_u_error __pyx_string_tab[138]
-#define __pyx_n_u_fits_column __pyx_string_tab[139]
-#define __pyx_n_u_flags __pyx_string_tab[140]
-#define __pyx_n_u_float64 __pyx_string_tab[141]
-#define __pyx_n_u_format __pyx_string_tab[142]
-#define __pyx_n_u_fortran __pyx_string_tab[143]
-#define __pyx_n_u_free __pyx_string_tab[144]
-#define __pyx_n_u_hi __pyx_string_tab[145]
-#define __pyx_n_u_horizon __pyx_string_tab[146]
-#define __pyx_n_u_id __pyx_string_tab[147]
-#define __pyx_n_u_idx __pyx_string_tab[148]
-#define __pyx_n_u_index __pyx_string_tab[149]
-#define __pyx_n_u_int64 __pyx_string_tab[150]
-#define __pyx_n_u_items __pyx_string_tab[151]
-#define __pyx_n_u_itemsize __pyx_string_tab[152]
-#define __pyx_n_u_k __pyx_string_tab[153]
-#define __pyx_n_u_ka __pyx_string_tab[154]
-#define __pyx_n_u_kb __pyx_string_tab[155]
-#define __pyx_n_u_kv_cap __pyx_string_tab[156]
-#define __pyx_n_u_lo __pyx_string_tab[157]
+#define __pyx_n_u_count __pyx_string_tab[124]
+#define __pyx_n_u_ctx_np __pyx_string_tab[125]
+#define __pyx_n_u_d __pyx_string_tab[126]
+#define __pyx_n_u_de __pyx_string_tab[127]
+#define __pyx_n_u_decode __pyx_string_tab[128]
+#define __pyx_n_u_decode_loads __pyx_string_tab[129]
+#define __pyx_n_u_ds __pyx_string_tab[130]
+#define __pyx_n_u_dtype __pyx_string_tab[131]
+#define __pyx_n_u_dtype_is_object __pyx_string_tab[132]
+#define __pyx_n_u_e __pyx_string_tab[133]
+#define __pyx_n_u_empty __pyx_string_tab[134]
+#define __pyx_n_u_encode __pyx_string_tab[135]
+#define __pyx_n_u_enumerate __pyx_string_tab[136]
+#define __pyx_n_u_error __pyx_string_tab[137]
+#define __pyx_n_u_fits_column __pyx_string_tab[138]
+#define __pyx_n_u_flags __pyx_string_tab[139]
+#define __pyx_n_u_float64 __pyx_string_tab[140]
+#define __pyx_n_u_format __pyx_string_tab[141]
+#define __pyx_n_u_fortran __pyx_string_tab[142]
+#define __pyx_n_u_free __pyx_string_tab[143]
+#define __pyx_n_u_hi __pyx_string_tab[144]
+#define __pyx_n_u_horizon __pyx_string_tab[145]
+#define __pyx_n_u_id __pyx_string_tab[146]
+#define __pyx_n_u_idx __pyx_string_tab[147]
+#define __pyx_n_u_index __pyx_string_tab[148]
+#define __pyx_n_u_int64 __pyx_string_tab[149]
+#define __pyx_n_u_items __pyx_string_tab[150]
+#define __pyx_n_u_itemsize __pyx_string_tab[151]
+#define __pyx_n_u_k __pyx_string_tab[152]
+#define __pyx_n_u_ka __pyx_string_tab[153]
+#define __pyx_n_u_kb __pyx_string_tab[154]
+#define __pyx_n_u_kv_cap __pyx_string_tab[155]
+#define __pyx_n_u_lo __pyx_string_tab[156]
+#define __pyx_n_u_loads __pyx_string_tab[157]
 #define __pyx_n_u_max_num_seqs __pyx_string_tab[158]
 #define __pyx_n_u_memview __pyx_string_tab[159]
 #define __pyx_n_u_mode __pyx_string_tab[160]
 #define __pyx_n_u_n_np __pyx_string_tab[161]
-#define __pyx_n_u_n_res __pyx_string_tab[162]
-#define __pyx_n_u_name __pyx_string_tab[163]
-#define __pyx_n_u_ndim __pyx_string_tab[164]
-#define __pyx_n_u_np __pyx_string_tab[165]
-#define __pyx_n_u_num_instances __pyx_string_tab[166]
-#define __pyx_n_u_num_resident __pyx_string_tab[167]
-#define __pyx_n_u_numpy __pyx_string_tab[168]
-#define __pyx_n_u_obj __pyx_string_tab[169]
-#define __pyx_n_u_olproute__score __pyx_string_tab[170]
-#define __pyx_n_u_p0 __pyx_string_tab[171]
-#define __pyx_n_u_p1 __pyx_string_tab[172]
-#define __pyx_n_u_pack __pyx_string_tab[173]
-#define __pyx_n_u_pe __pyx_string_tab[174]
-#define __pyx_n_u_pop __pyx_string_tab[175]
-#define __pyx_n_u_prompt __pyx_string_tab[176]
-#define __pyx_n_u_ps __pyx_string_tab[177]
-#define __pyx_n_u_qe __pyx_string_tab[178]
-#define __pyx_n_u_qs __pyx_string_tab[179]
-#define __pyx_n_u_register __pyx_string_tab[180]
-#define __pyx_n_u_resident_context __pyx_string_tab[181]
-#define __pyx_n_u_s __pyx_string_tab[182]
-#define __pyx_n_u_score __pyx_string_tab[183]
-#define __pyx_n_u_score_columns __pyx_string_tab[184]
-#define __pyx_n_u_self __pyx_string_tab[185]
-#define __pyx_n_u_setdefault __pyx_string_tab[186]
-#define __pyx_n_u_shape __pyx_string_tab[187]
-#define __pyx_n_u_shift __pyx_string_tab[188]
-#define __pyx_n_u_size __pyx_string_tab[189]
-#define __pyx_n_u_slot_s __pyx_string_tab[190]
-#define __pyx_n_u_snapshots __pyx_string_tab[191]
-#define __pyx_n_u_start __pyx_string_tab[192]
-#define __pyx_n_u_state __pyx_string_tab[193]
-#define __pyx_n_u_step __pyx_string_tab[194]
-#define __pyx_n_u_stop __pyx_string_tab[195]
-#define __pyx_n_u_struct __pyx_string_tab[196]
-#define __pyx_n_u_subtract_column __pyx_string_tab[197]
-#define __pyx_n_u_t __pyx_string_tab[198]
-#define __pyx_n_u_table __pyx_string_tab[199]
-#define __pyx_n_u_target __pyx_string_tab[200]
-#define __pyx_n_u_ttft __pyx_string_tab[201]
-#define __pyx_n_u_uint8 __pyx_string_tab[202]
-#define __pyx_n_u_unpack __pyx_string_tab[203]
-#define __pyx_n_u_update __pyx_string_tab[204]
-#define __pyx_n_u_use_setstate __pyx_string_tab[205]
-#define __pyx_n_u_utility __pyx_string_tab[206]
-#define __pyx_n_u_values __pyx_string_tab[207]
-#define __pyx_n_u_view __pyx_string_tab[208]
-#define __pyx_n_u_w __pyx_string_tab[209]
-#define __pyx_n_u_waited __pyx_string_tab[210]
-#define __pyx_n_u_x __pyx_string_tab[211]
-#define __pyx_n_u_zeros __pyx_string_tab[212]
-#define __pyx_n_b_O __pyx_string_tab[213]
-#define __pyx_kp_b_iso88591_AV1 __pyx_string_tab[214]
-#define __pyx_kp_b_iso88591_q_0_kQR_6_7_1 __pyx_string_tab[215]
-#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_b_Bhc_83b_s_A_Q __pyx_string_tab[216]
-#define __pyx_kp_b_iso88591_6_2V1CvRq_RvQc_r_E_vQ_6 __pyx_string_tab[217]
-#define __pyx_kp_b_iso88591_WD_Zt9TXXggkkttxxy_q_l_vWE_Q_q __pyx_string_tab[218]
-#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_r_7_c_89Ba_V3b_B __pyx_string_tab[219]
-#define __pyx_kp_b_iso88591_AV_hhc_auA_6_6_QQR_XXXYcQUUV_a __pyx_string_tab[220]
-#define __pyx_kp_b_iso88591_A_D_V1A_3a_Q_AQ_5_CvQa_6_V2Q_2V1 __pyx_string_tab[221]
+#define __pyx_n_u_name __pyx_string_tab[162]
+#define __pyx_n_u_ndim __pyx_string_tab[163]
+#define __pyx_n_u_np __pyx_string_tab[164]
+#define __pyx_n_u_num_instances __pyx_string_tab[165]
+#define __pyx_n_u_num_resident __pyx_string_tab[166]
+#define __pyx_n_u_numpy __pyx_string_tab[167]
+#define __pyx_n_u_obj __pyx_string_tab[168]
+#define __pyx_n_u_olproute__score __pyx_string_tab[169]
+#define __pyx_n_u_p0 __pyx_string_tab[170]
+#define __pyx_n_u_p1 __pyx_string_tab[171]
+#define __pyx_n_u_pack __pyx_string_tab[172]
+#define __pyx_n_u_pe __pyx_string_tab[173]
+#define __pyx_n_u_pop __pyx_string_tab[174]
+#define __pyx_n_u_prompt __pyx_string_tab[175]
+#define __pyx_n_u_ps __pyx_string_tab[176]
+#define __pyx_n_u_qe __pyx_string_tab[177]
+#define __pyx_n_u_qs __pyx_string_tab[178]
+#define __pyx_n_u_register __pyx_string_tab[179]
+#define __pyx_n_u_resident_context __pyx_string_tab[180]
+#define __pyx_n_u_s __pyx_string_tab[181]
+#define __pyx_n_u_score __pyx_string_tab[182]
+#define __pyx_n_u_score_columns __pyx_string_tab[183]
+#define __pyx_n_u_self __pyx_string_tab[184]
+#define __pyx_n_u_setdefault __pyx_string_tab[185]
+#define __pyx_n_u_shape __pyx_string_tab[186]
+#define __pyx_n_u_shift __pyx_string_tab[187]
+#define __pyx_n_u_size __pyx_string_tab[188]
+#define __pyx_n_u_slot_s __pyx_string_tab[189]
+#define __pyx_n_u_snapshots __pyx_string_tab[190]
+#define __pyx_n_u_start __pyx_string_tab[191]
+#define __pyx_n_u_state __pyx_string_tab[192]
+#define __pyx_n_u_step __pyx_string_tab[193]
+#define __pyx_n_u_stop __pyx_string_tab[194]
+#define __pyx_n_u_struct __pyx_string_tab[195]
+#define __pyx_n_u_subtract_column __pyx_string_tab[196]
+#define __pyx_n_u_t __pyx_string_tab[197]
+#define __pyx_n_u_table __pyx_string_tab[198]
+#define __pyx_n_u_target __pyx_string_tab[199]
+#define __pyx_n_u_ttft __pyx_string_tab[200]
+#define __pyx_n_u_uint8 __pyx_string_tab[201]
+#define __pyx_n_u_unpack __pyx_string_tab[202]
+#define __pyx_n_u_update __pyx_string_tab[203]
+#define __pyx_n_u_use_setstate __pyx_string_tab[204]
+#define __pyx_n_u_utility __pyx_string_tab[205]
+#define __pyx_n_u_values __pyx_string_tab[206]
+#define __pyx_n_u_view __pyx_string_tab[207]
+#define __pyx_n_u_w __pyx_string_tab[208]
+#define __pyx_n_u_waited __pyx_string_tab[209]
+#define __pyx_n_u_x __pyx_string_tab[210]
+#define __pyx_n_u_zeros __pyx_string_tab[211]
+#define __pyx_n_b_O __pyx_string_tab[212]
+#define __pyx_kp_b_iso88591_AV1 __pyx_string_tab[213]
+#define __pyx_kp_b_iso88591_q_0_kQR_6_7_1 __pyx_string_tab[214]
+#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_b_Bhc_83b_s_A_Q __pyx_string_tab[215]
+#define __pyx_kp_b_iso88591_6_2V1CvRq_RvQc_r_E_vQ_6 __pyx_string_tab[216]
+#define __pyx_kp_b_iso88591_WD_Zt9TXXggkkttxxy_q_l_vWE_Q_q __pyx_string_tab[217]
+#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_r_7_c_89Ba_V3b_B __pyx_string_tab[218]
+#define __pyx_kp_b_iso88591_AV_hhc_auA_6_6_QQR_XXXYcQUUV_a __pyx_string_tab[219]
+#define __pyx_kp_b_iso88591_A_D_V1A_5_5_as_S_as_U_Cq_AQ_vQhh __pyx_string_tab[220]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_neg_1 __pyx_number_tab[1]
 #define __pyx_int_4 __pyx_number_tab[2]
@@ -4398,7 +4397,7 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_slice[i]); }
   for (int i=0; i<3; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
   for (int i=0; i<8; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<222; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<221; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<7; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
@@ -4454,7 +4453,7 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_slice[i]); }
   for (int i=0; i<3; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
   for (int i=0; i<8; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<222; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<221; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<7; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
@@ -21297,7 +21296,7 @@ static void __pyx_f_8olproute_6_score__count_loads(PyObject *__pyx_v_snapshots, 
   __Pyx_RefNannyFinishContext();
 }
 
-/* "olproute/_score.pyx":103
+/* "olproute/_score.pyx":102
  *     cdef int64_t horizon
  * 
  *     def __init__(self, const double[:, ::1] beta, const int64_t[::1] max_num_seqs,             # <<<<<<<<<<<<<<
@@ -21350,81 +21349,81 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_beta,&__pyx_mstate_global->__pyx_n_u_max_num_seqs,&__pyx_mstate_global->__pyx_n_u_batch_cap,&__pyx_mstate_global->__pyx_n_u_kv_cap,&__pyx_mstate_global->__pyx_n_u_budget,&__pyx_mstate_global->__pyx_n_u_w,&__pyx_mstate_global->__pyx_n_u_slot_s,&__pyx_mstate_global->__pyx_n_u_horizon,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL_TPNEW(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 103, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 102, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 103, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 102, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 103, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 102, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 103, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 102, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 103, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 102, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 103, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 102, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 103, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 102, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 103, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 102, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 103, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 102, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__init__", 0) < (0)) __PYX_ERR(0, 103, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__init__", 0) < (0)) __PYX_ERR(0, 102, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 8; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__init__", 1, 8, 8, i); __PYX_ERR(0, 103, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__init__", 1, 8, 8, i); __PYX_ERR(0, 102, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 8)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 103, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 102, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 103, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 102, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 103, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 102, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 103, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 102, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 103, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 102, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 103, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 102, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 103, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 102, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 103, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 102, __pyx_L3_error)
     }
-    __pyx_v_beta = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_beta.memview)) __PYX_ERR(0, 103, __pyx_L3_error)
-    __pyx_v_max_num_seqs = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_max_num_seqs.memview)) __PYX_ERR(0, 103, __pyx_L3_error)
-    __pyx_v_batch_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[2], 0); if (unlikely(!__pyx_v_batch_cap.memview)) __PYX_ERR(0, 104, __pyx_L3_error)
-    __pyx_v_kv_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[3], 0); if (unlikely(!__pyx_v_kv_cap.memview)) __PYX_ERR(0, 104, __pyx_L3_error)
-    __pyx_v_budget = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[4], 0); if (unlikely(!__pyx_v_budget.memview)) __PYX_ERR(0, 105, __pyx_L3_error)
-    __pyx_v_w = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[5], 0); if (unlikely(!__pyx_v_w.memview)) __PYX_ERR(0, 105, __pyx_L3_error)
-    __pyx_v_slot_s = __Pyx_PyFloat_AsDouble(values[6]); if (unlikely((__pyx_v_slot_s == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 105, __pyx_L3_error)
-    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 106, __pyx_L3_error)
+    __pyx_v_beta = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_beta.memview)) __PYX_ERR(0, 102, __pyx_L3_error)
+    __pyx_v_max_num_seqs = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_max_num_seqs.memview)) __PYX_ERR(0, 102, __pyx_L3_error)
+    __pyx_v_batch_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[2], 0); if (unlikely(!__pyx_v_batch_cap.memview)) __PYX_ERR(0, 103, __pyx_L3_error)
+    __pyx_v_kv_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[3], 0); if (unlikely(!__pyx_v_kv_cap.memview)) __PYX_ERR(0, 103, __pyx_L3_error)
+    __pyx_v_budget = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[4], 0); if (unlikely(!__pyx_v_budget.memview)) __PYX_ERR(0, 104, __pyx_L3_error)
+    __pyx_v_w = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[5], 0); if (unlikely(!__pyx_v_w.memview)) __PYX_ERR(0, 104, __pyx_L3_error)
+    __pyx_v_slot_s = __Pyx_PyFloat_AsDouble(values[6]); if (unlikely((__pyx_v_slot_s == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 104, __pyx_L3_error)
+    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 105, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("__init__", 1, 8, 8, __pyx_nargs); __PYX_ERR(0, 103, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("__init__", 1, 8, 8, __pyx_nargs); __PYX_ERR(0, 102, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -21480,7 +21479,7 @@ static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olprout
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__init__", 0);
 
-  /* "olproute/_score.pyx":107
+  /* "olproute/_score.pyx":106
  *                  const double[::1] budget, const double[::1] w, double slot_s,
  *                  int64_t horizon):
  *         cdef Py_ssize_t G = beta.shape[0]             # <<<<<<<<<<<<<<
@@ -21489,7 +21488,7 @@ static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olprout
 */
   __pyx_v_G = (__pyx_v_beta.shape[0]);
 
-  /* "olproute/_score.pyx":108
+  /* "olproute/_score.pyx":107
  *                  int64_t horizon):
  *         cdef Py_ssize_t G = beta.shape[0]
  *         if max_num_seqs.shape[0] != G:             # <<<<<<<<<<<<<<
@@ -21501,7 +21500,7 @@ static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olprout
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":109
+    /* "olproute/_score.pyx":108
  *         cdef Py_ssize_t G = beta.shape[0]
  *         if max_num_seqs.shape[0] != G:
  *             raise ValueError("max_num_seqs needs one entry per instance")             # <<<<<<<<<<<<<<
@@ -21514,14 +21513,14 @@ static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olprout
       PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_max_num_seqs_needs_one_entry_per};
       __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 109, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 108, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     __Pyx_Raise(__pyx_t_2, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __PYX_ERR(0, 109, __pyx_L1_error)
+    __PYX_ERR(0, 108, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":108
+    /* "olproute/_score.pyx":107
  *                  int64_t horizon):
  *         cdef Py_ssize_t G = beta.shape[0]
  *         if max_num_seqs.shape[0] != G:             # <<<<<<<<<<<<<<
@@ -21530,16 +21529,16 @@ static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olprout
 */
   }
 
-  /* "olproute/_score.pyx":110
+  /* "olproute/_score.pyx":109
  *         if max_num_seqs.shape[0] != G:
  *             raise ValueError("max_num_seqs needs one entry per instance")
  *         _check_instances(beta, batch_cap, kv_cap, budget, w, G)             # <<<<<<<<<<<<<<
  *         self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w
  *         self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget
 */
-  __pyx_f_8olproute_6_score__check_instances(__pyx_v_beta, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_w, __pyx_v_G); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 110, __pyx_L1_error)
+  __pyx_f_8olproute_6_score__check_instances(__pyx_v_beta, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_w, __pyx_v_G); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 109, __pyx_L1_error)
 
-  /* "olproute/_score.pyx":111
+  /* "olproute/_score.pyx":110
  *             raise ValueError("max_num_seqs needs one entry per instance")
  *         _check_instances(beta, batch_cap, kv_cap, budget, w, G)
  *         self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w             # <<<<<<<<<<<<<<
@@ -21565,7 +21564,7 @@ static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olprout
   __pyx_t_7.memview = NULL;
   __pyx_t_7.data = NULL;
 
-  /* "olproute/_score.pyx":112
+  /* "olproute/_score.pyx":111
  *         _check_instances(beta, batch_cap, kv_cap, budget, w, G)
  *         self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w
  *         self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget             # <<<<<<<<<<<<<<
@@ -21591,12 +21590,12 @@ static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olprout
   __pyx_t_10.memview = NULL;
   __pyx_t_10.data = NULL;
 
-  /* "olproute/_score.pyx":113
+  /* "olproute/_score.pyx":112
  *         self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w
  *         self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget
  *         self.slot_s, self.horizon = slot_s, horizon             # <<<<<<<<<<<<<<
  * 
- *     def score(self, list snapshots, const int64_t[::1] idx, const double[::1] prompt,
+ *     def score(self, const double[:, ::1] loads, const int64_t[::1] idx,
 */
   __pyx_t_11 = __pyx_v_slot_s;
 
@@ -21605,7 +21604,7 @@ static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olprout
   __pyx_v_self->slot_s = __pyx_t_11;
   __pyx_v_self->horizon = __pyx_t_12;
 
-  /* "olproute/_score.pyx":103
+  /* "olproute/_score.pyx":102
  *     cdef int64_t horizon
  * 
  *     def __init__(self, const double[:, ::1] beta, const int64_t[::1] max_num_seqs,             # <<<<<<<<<<<<<<
@@ -21634,12 +21633,12 @@ static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olprout
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":115
+/* "olproute/_score.pyx":114
  *         self.slot_s, self.horizon = slot_s, horizon
  * 
- *     def score(self, list snapshots, const int64_t[::1] idx, const double[::1] prompt,             # <<<<<<<<<<<<<<
- *               const double[:, :] decode, const double[:, :] utility,
- *               const double[:, :] ttft, const double[::1] waited, const double[::1] target,
+ *     def score(self, const double[:, ::1] loads, const int64_t[::1] idx,             # <<<<<<<<<<<<<<
+ *               const double[::1] prompt, const double[:, :] decode,
+ *               const double[:, :] utility, const double[:, :] ttft,
 */
 
 /* Python wrapper */
@@ -21650,7 +21649,7 @@ PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_8olproute_6_score_6Scorer_2score, "``score_columns`` for the instances ``idx`` of ``snapshots`` (all G of them).");
+PyDoc_STRVAR(__pyx_doc_8olproute_6_score_6Scorer_2score, "``score_columns`` for the instances ``idx``, their decode loads (d, 2) as\n        ``decode_loads`` counts them (``replay_ttft_many`` writes them in its pass).");
 static PyMethodDef __pyx_mdef_8olproute_6_score_6Scorer_3score = {"score", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_8olproute_6_score_6Scorer_3score, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_8olproute_6_score_6Scorer_2score};
 static PyObject *__pyx_pw_8olproute_6_score_6Scorer_3score(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
@@ -21659,7 +21658,7 @@ PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ) {
-  PyObject *__pyx_v_snapshots = 0;
+  __Pyx_memviewslice __pyx_v_loads = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_idx = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_prompt = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_decode = { 0, 0, { 0 }, { 0 }, { 0 } };
@@ -21690,95 +21689,95 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   #endif
   __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
   {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_snapshots,&__pyx_mstate_global->__pyx_n_u_idx,&__pyx_mstate_global->__pyx_n_u_prompt,&__pyx_mstate_global->__pyx_n_u_decode,&__pyx_mstate_global->__pyx_n_u_utility,&__pyx_mstate_global->__pyx_n_u_ttft,&__pyx_mstate_global->__pyx_n_u_waited,&__pyx_mstate_global->__pyx_n_u_target,&__pyx_mstate_global->__pyx_n_u_p0,&__pyx_mstate_global->__pyx_n_u_p1,&__pyx_mstate_global->__pyx_n_u_shift,0};
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_loads,&__pyx_mstate_global->__pyx_n_u_idx,&__pyx_mstate_global->__pyx_n_u_prompt,&__pyx_mstate_global->__pyx_n_u_decode,&__pyx_mstate_global->__pyx_n_u_utility,&__pyx_mstate_global->__pyx_n_u_ttft,&__pyx_mstate_global->__pyx_n_u_waited,&__pyx_mstate_global->__pyx_n_u_target,&__pyx_mstate_global->__pyx_n_u_p0,&__pyx_mstate_global->__pyx_n_u_p1,&__pyx_mstate_global->__pyx_n_u_shift,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 115, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 114, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 115, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 114, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "score", 0) < (0)) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "score", 0) < (0)) __PYX_ERR(0, 114, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 11; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score", 1, 11, 11, i); __PYX_ERR(0, 115, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score", 1, 11, 11, i); __PYX_ERR(0, 114, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 11)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 115, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 114, __pyx_L3_error)
     }
-    __pyx_v_snapshots = ((PyObject*)values[0]);
-    __pyx_v_idx = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_idx.memview)) __PYX_ERR(0, 115, __pyx_L3_error)
+    __pyx_v_loads = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_loads.memview)) __PYX_ERR(0, 114, __pyx_L3_error)
+    __pyx_v_idx = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_idx.memview)) __PYX_ERR(0, 114, __pyx_L3_error)
     __pyx_v_prompt = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[2], 0); if (unlikely(!__pyx_v_prompt.memview)) __PYX_ERR(0, 115, __pyx_L3_error)
-    __pyx_v_decode = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[3], 0); if (unlikely(!__pyx_v_decode.memview)) __PYX_ERR(0, 116, __pyx_L3_error)
+    __pyx_v_decode = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[3], 0); if (unlikely(!__pyx_v_decode.memview)) __PYX_ERR(0, 115, __pyx_L3_error)
     __pyx_v_utility = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[4], 0); if (unlikely(!__pyx_v_utility.memview)) __PYX_ERR(0, 116, __pyx_L3_error)
-    __pyx_v_ttft = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[5], 0); if (unlikely(!__pyx_v_ttft.memview)) __PYX_ERR(0, 117, __pyx_L3_error)
+    __pyx_v_ttft = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[5], 0); if (unlikely(!__pyx_v_ttft.memview)) __PYX_ERR(0, 116, __pyx_L3_error)
     __pyx_v_waited = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[6], 0); if (unlikely(!__pyx_v_waited.memview)) __PYX_ERR(0, 117, __pyx_L3_error)
     __pyx_v_target = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[7], 0); if (unlikely(!__pyx_v_target.memview)) __PYX_ERR(0, 117, __pyx_L3_error)
     __pyx_v_p0 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[8], 0); if (unlikely(!__pyx_v_p0.memview)) __PYX_ERR(0, 118, __pyx_L3_error)
@@ -21787,13 +21786,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("score", 1, 11, 11, __pyx_nargs); __PYX_ERR(0, 115, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("score", 1, 11, 11, __pyx_nargs); __PYX_ERR(0, 114, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
     Py_XDECREF(values[__pyx_temp]);
   }
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_loads, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_idx, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_prompt, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_decode, 1);
@@ -21807,22 +21807,13 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_snapshots), (&PyList_Type), 1, "snapshots", 1))) __PYX_ERR(0, 115, __pyx_L1_error)
-  __pyx_r = __pyx_pf_8olproute_6_score_6Scorer_2score(((struct __pyx_obj_8olproute_6_score_Scorer *)__pyx_v_self), __pyx_v_snapshots, __pyx_v_idx, __pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_waited, __pyx_v_target, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift);
+  __pyx_r = __pyx_pf_8olproute_6_score_6Scorer_2score(((struct __pyx_obj_8olproute_6_score_Scorer *)__pyx_v_self), __pyx_v_loads, __pyx_v_idx, __pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_waited, __pyx_v_target, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift);
 
   /* function exit code */
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __pyx_r = NULL;
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
     Py_XDECREF(values[__pyx_temp]);
   }
-  goto __pyx_L7_cleaned_up;
-  __pyx_L0:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __pyx_L7_cleaned_up:;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_loads, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_idx, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_prompt, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_decode, 1);
@@ -21837,250 +21828,140 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, PyObject *__pyx_v_snapshots, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift) {
+static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, __Pyx_memviewslice __pyx_v_loads, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift) {
   Py_ssize_t __pyx_v_G;
-  Py_ssize_t __pyx_v_d;
-  __Pyx_memviewslice __pyx_v_n_res = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_v_context = { 0, 0, { 0 }, { 0 }, { 0 } };
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
-  Py_ssize_t __pyx_t_1;
+  int __pyx_t_1;
   int __pyx_t_2;
   PyObject *__pyx_t_3 = NULL;
   PyObject *__pyx_t_4 = NULL;
   size_t __pyx_t_5;
-  PyObject *__pyx_t_6 = NULL;
-  PyObject *__pyx_t_7 = NULL;
-  PyObject *__pyx_t_8 = NULL;
-  PyObject *__pyx_t_9 = NULL;
-  __Pyx_memviewslice __pyx_t_10 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_6 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_7 = { 0, 0, { 0 }, { 0 }, { 0 } };
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("score", 0);
 
-  /* "olproute/_score.pyx":120
- *               const double[:, :, ::1] p0, const double[:, :, ::1] p1, int64_t shift):
- *         """``score_columns`` for the instances ``idx`` of ``snapshots`` (all G of them)."""
+  /* "olproute/_score.pyx":121
+ *         """``score_columns`` for the instances ``idx``, their decode loads (d, 2) as
+ *         ``decode_loads`` counts them (``replay_ttft_many`` writes them in its pass)."""
  *         cdef Py_ssize_t G = self.beta.shape[0]             # <<<<<<<<<<<<<<
- *         if len(snapshots) != G:
- *             raise ValueError("snapshots needs one entry per instance")
+ *         _check_idx(idx, G)
+ *         if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:
 */
   __pyx_v_G = (__pyx_v_self->beta.shape[0]);
 
-  /* "olproute/_score.pyx":121
- *         """``score_columns`` for the instances ``idx`` of ``snapshots`` (all G of them)."""
+  /* "olproute/_score.pyx":122
+ *         ``decode_loads`` counts them (``replay_ttft_many`` writes them in its pass)."""
  *         cdef Py_ssize_t G = self.beta.shape[0]
- *         if len(snapshots) != G:             # <<<<<<<<<<<<<<
- *             raise ValueError("snapshots needs one entry per instance")
- *         _check_idx(idx, G)
+ *         _check_idx(idx, G)             # <<<<<<<<<<<<<<
+ *         if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:
+ *             raise ValueError("loads needs shape (len(idx), 2)")
 */
-  if (unlikely(__pyx_v_snapshots == Py_None)) {
-    PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 121, __pyx_L1_error)
-  }
-  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_snapshots); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 121, __pyx_L1_error)
-  __pyx_t_2 = (__pyx_t_1 != __pyx_v_G);
+  __pyx_f_8olproute_6_score__check_idx(__pyx_v_idx, __pyx_v_G); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 122, __pyx_L1_error)
 
-
-  if (unlikely(__pyx_t_2)) {
-
-
-    /* "olproute/_score.pyx":122
+  /* "olproute/_score.pyx":123
  *         cdef Py_ssize_t G = self.beta.shape[0]
- *         if len(snapshots) != G:
- *             raise ValueError("snapshots needs one entry per instance")             # <<<<<<<<<<<<<<
  *         _check_idx(idx, G)
- *         cdef Py_ssize_t d = idx.shape[0]
+ *         if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:             # <<<<<<<<<<<<<<
+ *             raise ValueError("loads needs shape (len(idx), 2)")
+ *         return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,
+*/
+  __pyx_t_2 = ((__pyx_v_loads.shape[0]) != (__pyx_v_idx.shape[0]));
+
+  if (!__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L4_bool_binop_done;
+  }
+  __pyx_t_2 = ((__pyx_v_loads.shape[1]) != 2);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L4_bool_binop_done:;
+  if (unlikely(__pyx_t_1)) {
+
+
+    /* "olproute/_score.pyx":124
+ *         _check_idx(idx, G)
+ *         if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:
+ *             raise ValueError("loads needs shape (len(idx), 2)")             # <<<<<<<<<<<<<<
+ *         return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,
+ *                       waited, target, self.batch_cap, self.kv_cap, self.budget,
 */
     __pyx_t_4 = NULL;
     __pyx_t_5 = 1;
     {
-      PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_snapshots_needs_one_entry_per_in};
+      PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_loads_needs_shape_len_idx_2};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 122, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 124, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 122, __pyx_L1_error)
+    __PYX_ERR(0, 124, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":121
- *         """``score_columns`` for the instances ``idx`` of ``snapshots`` (all G of them)."""
+    /* "olproute/_score.pyx":123
  *         cdef Py_ssize_t G = self.beta.shape[0]
- *         if len(snapshots) != G:             # <<<<<<<<<<<<<<
- *             raise ValueError("snapshots needs one entry per instance")
  *         _check_idx(idx, G)
+ *         if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:             # <<<<<<<<<<<<<<
+ *             raise ValueError("loads needs shape (len(idx), 2)")
+ *         return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,
 */
   }
-
-  /* "olproute/_score.pyx":123
- *         if len(snapshots) != G:
- *             raise ValueError("snapshots needs one entry per instance")
- *         _check_idx(idx, G)             # <<<<<<<<<<<<<<
- *         cdef Py_ssize_t d = idx.shape[0]
- *         cdef double[::1] n_res = np.empty(d, dtype=np.float64)
-*/
-  __pyx_f_8olproute_6_score__check_idx(__pyx_v_idx, __pyx_v_G); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 123, __pyx_L1_error)
-
-  /* "olproute/_score.pyx":124
- *             raise ValueError("snapshots needs one entry per instance")
- *         _check_idx(idx, G)
- *         cdef Py_ssize_t d = idx.shape[0]             # <<<<<<<<<<<<<<
- *         cdef double[::1] n_res = np.empty(d, dtype=np.float64)
- *         cdef double[::1] context = np.empty(d, dtype=np.float64)
-*/
-  __pyx_v_d = (__pyx_v_idx.shape[0]);
 
   /* "olproute/_score.pyx":125
- *         _check_idx(idx, G)
- *         cdef Py_ssize_t d = idx.shape[0]
- *         cdef double[::1] n_res = np.empty(d, dtype=np.float64)             # <<<<<<<<<<<<<<
- *         cdef double[::1] context = np.empty(d, dtype=np.float64)
- *         _count_loads(snapshots, idx, self.max_num_seqs, n_res, context)
+ *         if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:
+ *             raise ValueError("loads needs shape (len(idx), 2)")
+ *         return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,             # <<<<<<<<<<<<<<
+ *                       waited, target, self.batch_cap, self.kv_cap, self.budget,
+ *                       self.slot_s, self.horizon, self.w, p0, p1, shift, idx, G)
 */
-  __pyx_t_4 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 125, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 125, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_7);
-  __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = PyLong_FromSsize_t(__pyx_v_d); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 125, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_6);
-  __Pyx_GetModuleGlobalName(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 125, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 125, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_9);
-  __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-  #if CYTHON_VECTORCALL
-  #endif
-  __pyx_t_5 = 1;
-  #if CYTHON_UNPACK_METHODS
-  if (unlikely(PyMethod_Check(__pyx_t_7))) {
-    __pyx_t_4 = PyMethod_GET_SELF(__pyx_t_7);
-    assert(__pyx_t_4);
-    PyObject* __pyx__function = PyMethod_GET_FUNCTION(__pyx_t_7);
-    __Pyx_INCREF(__pyx_t_4);
-    __Pyx_INCREF(__pyx__function);
-    __Pyx_DECREF_SET(__pyx_t_7, __pyx__function);
-    __pyx_t_5 = 0;
-  }
-  #endif
-  {
-    PyObject *__pyx_callargs[3] = {__pyx_t_4, __pyx_t_6, __pyx_t_9};
-    #if CYTHON_VECTORCALL
-    __pyx_t_8 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 125, __pyx_L1_error)
-    __Pyx_INCREF(__pyx_t_8);
-    #else
-    {
-      PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
-      __pyx_t_8 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 125, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_8);
-    }
-    #endif
-    __pyx_t_3 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_7, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_8);
-    __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    #if CYTHON_VECTORCALL
-    #endif
-    __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-    __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 125, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_3);
-  }
-  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_double(__pyx_t_3, PyBUF_WRITABLE); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 125, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_v_n_res = __pyx_t_10;
-  __pyx_t_10.memview = NULL;
-  __pyx_t_10.data = NULL;
+  __pyx_t_6.data = __pyx_v_loads.data;
+  __pyx_t_6.memview = __pyx_v_loads.memview;
+  __PYX_INC_MEMVIEW(&__pyx_t_6, 1);
+  __pyx_t_6.shape[0] = __pyx_v_loads.shape[0];
+__pyx_t_6.strides[0] = __pyx_v_loads.strides[0];
+    __pyx_t_6.suboffsets[0] = -1;
 
-  /* "olproute/_score.pyx":126
- *         cdef Py_ssize_t d = idx.shape[0]
- *         cdef double[::1] n_res = np.empty(d, dtype=np.float64)
- *         cdef double[::1] context = np.empty(d, dtype=np.float64)             # <<<<<<<<<<<<<<
- *         _count_loads(snapshots, idx, self.max_num_seqs, n_res, context)
- *         return _score(prompt, decode, utility, ttft, n_res, context, self.beta, waited,
-*/
-  __pyx_t_7 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 126, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 126, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_9);
-  __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-  __pyx_t_8 = PyLong_FromSsize_t(__pyx_v_d); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 126, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_8);
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 126, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 126, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  #if CYTHON_VECTORCALL
-  #endif
-  __pyx_t_5 = 1;
-  #if CYTHON_UNPACK_METHODS
-  if (unlikely(PyMethod_Check(__pyx_t_9))) {
-    __pyx_t_7 = PyMethod_GET_SELF(__pyx_t_9);
-    assert(__pyx_t_7);
-    PyObject* __pyx__function = PyMethod_GET_FUNCTION(__pyx_t_9);
-    __Pyx_INCREF(__pyx_t_7);
-    __Pyx_INCREF(__pyx__function);
-    __Pyx_DECREF_SET(__pyx_t_9, __pyx__function);
-    __pyx_t_5 = 0;
-  }
-  #endif
-  {
-    PyObject *__pyx_callargs[3] = {__pyx_t_7, __pyx_t_8, __pyx_t_4};
-    #if CYTHON_VECTORCALL
-    __pyx_t_6 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 126, __pyx_L1_error)
-    __Pyx_INCREF(__pyx_t_6);
-    #else
-    {
-      PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
-      __pyx_t_6 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 126, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_6);
-    }
-    #endif
-    __pyx_t_3 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_9, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_6);
-    __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
-    __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    #if CYTHON_VECTORCALL
-    #endif
-    __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 126, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_3);
-  }
-  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_double(__pyx_t_3, PyBUF_WRITABLE); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 126, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_v_context = __pyx_t_10;
-  __pyx_t_10.memview = NULL;
-  __pyx_t_10.data = NULL;
+{
+    Py_ssize_t __pyx_tmp_idx = 0;
+    Py_ssize_t __pyx_tmp_stride = __pyx_v_loads.strides[1];
+        __pyx_t_6.data += __pyx_tmp_idx * __pyx_tmp_stride;
+}
+
+__pyx_t_7.data = __pyx_v_loads.data;
+  __pyx_t_7.memview = __pyx_v_loads.memview;
+  __PYX_INC_MEMVIEW(&__pyx_t_7, 1);
+  __pyx_t_7.shape[0] = __pyx_v_loads.shape[0];
+__pyx_t_7.strides[0] = __pyx_v_loads.strides[0];
+    __pyx_t_7.suboffsets[0] = -1;
+
+{
+    Py_ssize_t __pyx_tmp_idx = 1;
+    Py_ssize_t __pyx_tmp_stride = __pyx_v_loads.strides[1];
+        __pyx_t_7.data += __pyx_tmp_idx * __pyx_tmp_stride;
+}
+
+__pyx_t_3 = __pyx_f_8olproute_6_score__score(__pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_t_6, __pyx_t_7, __pyx_v_self->beta, __pyx_v_waited, __pyx_v_target, __pyx_v_self->batch_cap, __pyx_v_self->kv_cap, __pyx_v_self->budget, __pyx_v_self->slot_s, __pyx_v_self->horizon, __pyx_v_self->w, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift, __pyx_v_idx, __pyx_v_G); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 125, __pyx_L1_error)
 
   /* "olproute/_score.pyx":127
- *         cdef double[::1] n_res = np.empty(d, dtype=np.float64)
- *         cdef double[::1] context = np.empty(d, dtype=np.float64)
- *         _count_loads(snapshots, idx, self.max_num_seqs, n_res, context)             # <<<<<<<<<<<<<<
- *         return _score(prompt, decode, utility, ttft, n_res, context, self.beta, waited,
- *                       target, self.batch_cap, self.kv_cap, self.budget, self.slot_s,
+ *         return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,
+ *                       waited, target, self.batch_cap, self.kv_cap, self.budget,
+ *                       self.slot_s, self.horizon, self.w, p0, p1, shift, idx, G)             # <<<<<<<<<<<<<<
+ * 
+ * 
 */
-  __pyx_f_8olproute_6_score__count_loads(__pyx_v_snapshots, __pyx_v_idx, __pyx_v_self->max_num_seqs, __pyx_v_n_res, __pyx_v_context); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 127, __pyx_L1_error)
-
-  /* "olproute/_score.pyx":128
- *         cdef double[::1] context = np.empty(d, dtype=np.float64)
- *         _count_loads(snapshots, idx, self.max_num_seqs, n_res, context)
- *         return _score(prompt, decode, utility, ttft, n_res, context, self.beta, waited,             # <<<<<<<<<<<<<<
- *                       target, self.batch_cap, self.kv_cap, self.budget, self.slot_s,
- *                       self.horizon, self.w, p0, p1, shift, idx, G)
-*/
-  __pyx_t_3 = __pyx_f_8olproute_6_score__score(__pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_n_res, __pyx_v_context, __pyx_v_self->beta, __pyx_v_waited, __pyx_v_target, __pyx_v_self->batch_cap, __pyx_v_self->kv_cap, __pyx_v_self->budget, __pyx_v_self->slot_s, __pyx_v_self->horizon, __pyx_v_self->w, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift, __pyx_v_idx, __pyx_v_G); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 128, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_6, 1);; __pyx_t_6.memview = NULL; __pyx_t_6.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_7, 1);; __pyx_t_7.memview = NULL; __pyx_t_7.data = NULL;
   {
     PyObject *__pyx_temp;
     {
@@ -22092,30 +21973,24 @@ static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olp
   __pyx_t_3 = 0;
   goto __pyx_L0;
 
-  /* "olproute/_score.pyx":115
+  /* "olproute/_score.pyx":114
  *         self.slot_s, self.horizon = slot_s, horizon
  * 
- *     def score(self, list snapshots, const int64_t[::1] idx, const double[::1] prompt,             # <<<<<<<<<<<<<<
- *               const double[:, :] decode, const double[:, :] utility,
- *               const double[:, :] ttft, const double[::1] waited, const double[::1] target,
+ *     def score(self, const double[:, ::1] loads, const int64_t[::1] idx,             # <<<<<<<<<<<<<<
+ *               const double[::1] prompt, const double[:, :] decode,
+ *               const double[:, :] utility, const double[:, :] ttft,
 */
 
   /* function exit code */
   __pyx_L1_error:;
   __Pyx_XDECREF(__pyx_t_3);
   __Pyx_XDECREF(__pyx_t_4);
-  __Pyx_XDECREF(__pyx_t_6);
-  __Pyx_XDECREF(__pyx_t_7);
-  __Pyx_XDECREF(__pyx_t_8);
-  __Pyx_XDECREF(__pyx_t_9);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_10, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_6, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_7, 1);
   __Pyx_AddTraceback("olproute._score.Scorer.score", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __pyx_r = NULL;
   __pyx_L0:;
 
-
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_n_res, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_context, 1);
   __Pyx_XGIVEREF(__pyx_r);
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
@@ -22635,7 +22510,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6Scorer_6__setstate_cython__(struct 
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":133
+/* "olproute/_score.pyx":130
  * 
  * 
  * cdef void _check_instances(const double[:, ::1] beta, const double[::1] batch_cap,             # <<<<<<<<<<<<<<
@@ -22660,7 +22535,7 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_check_instances", 0);
 
-  /* "olproute/_score.pyx":136
+  /* "olproute/_score.pyx":133
  *                            const double[::1] kv_cap, const double[::1] budget,
  *                            const double[::1] w, Py_ssize_t G) except *:
  *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \             # <<<<<<<<<<<<<<
@@ -22688,7 +22563,7 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "olproute/_score.pyx":137
+  /* "olproute/_score.pyx":134
  *                            const double[::1] w, Py_ssize_t G) except *:
  *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
  *             or kv_cap.shape[0] != G or budget.shape[0] != G:             # <<<<<<<<<<<<<<
@@ -22722,7 +22597,7 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
 
   __pyx_L4_bool_binop_done:;
 
-  /* "olproute/_score.pyx":136
+  /* "olproute/_score.pyx":133
  *                            const double[::1] kv_cap, const double[::1] budget,
  *                            const double[::1] w, Py_ssize_t G) except *:
  *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \             # <<<<<<<<<<<<<<
@@ -22732,7 +22607,7 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":138
+    /* "olproute/_score.pyx":135
  *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \
  *             or kv_cap.shape[0] != G or budget.shape[0] != G:
  *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")             # <<<<<<<<<<<<<<
@@ -22745,14 +22620,14 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_beta_batch_cap_kv_cap_and_budget};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 138, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 135, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 138, __pyx_L1_error)
+    __PYX_ERR(0, 135, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":136
+    /* "olproute/_score.pyx":133
  *                            const double[::1] kv_cap, const double[::1] budget,
  *                            const double[::1] w, Py_ssize_t G) except *:
  *     if beta.shape[0] != G or beta.shape[1] != 4 or batch_cap.shape[0] != G \             # <<<<<<<<<<<<<<
@@ -22761,24 +22636,24 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
 */
   }
 
-  /* "olproute/_score.pyx":139
+  /* "olproute/_score.pyx":136
  *             or kv_cap.shape[0] != G or budget.shape[0] != G:
  *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
  *     if w.shape[0] != NUM_W:             # <<<<<<<<<<<<<<
  *         raise ValueError(f"w needs {NUM_W} weights")
  * 
 */
-  __pyx_t_3 = PyLong_FromSsize_t((__pyx_v_w.shape[0])); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 139, __pyx_L1_error)
+  __pyx_t_3 = PyLong_FromSsize_t((__pyx_v_w.shape[0])); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 136, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_NUM_W); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 139, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_NUM_W); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 136, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_1 = __Pyx_PyObject_CompareBoolNe_int_object(__pyx_t_3, __pyx_t_4, Py_NE); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 139, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_CompareBoolNe_int_object(__pyx_t_3, __pyx_t_4, Py_NE); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 136, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":140
+    /* "olproute/_score.pyx":137
  *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
  *     if w.shape[0] != NUM_W:
  *         raise ValueError(f"w needs {NUM_W} weights")             # <<<<<<<<<<<<<<
@@ -22786,9 +22661,9 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
  * 
 */
     __pyx_t_3 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_NUM_W); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 140, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_NUM_W); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 137, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 140, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 137, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_w_needs;
@@ -22803,7 +22678,7 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
     __pyx_t_10 |= __Pyx_PyUnicode_KIND_04(__pyx_t_8[1]);
     #endif
     __pyx_t_6 = __Pyx_PyUnicode_Join(__pyx_t_8, 3, __pyx_t_9, __pyx_t_10);
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 140, __pyx_L1_error)
+    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 137, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __pyx_t_5 = 1;
@@ -22812,14 +22687,14 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 140, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 137, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 140, __pyx_L1_error)
+    __PYX_ERR(0, 137, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":139
+    /* "olproute/_score.pyx":136
  *             or kv_cap.shape[0] != G or budget.shape[0] != G:
  *         raise ValueError("beta, batch_cap, kv_cap and budget need one row per instance")
  *     if w.shape[0] != NUM_W:             # <<<<<<<<<<<<<<
@@ -22828,7 +22703,7 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
 */
   }
 
-  /* "olproute/_score.pyx":133
+  /* "olproute/_score.pyx":130
  * 
  * 
  * cdef void _check_instances(const double[:, ::1] beta, const double[::1] batch_cap,             # <<<<<<<<<<<<<<
@@ -22849,7 +22724,7 @@ static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice __pyx_
   __Pyx_RefNannyFinishContext();
 }
 
-/* "olproute/_score.pyx":143
+/* "olproute/_score.pyx":140
  * 
  * 
  * cdef void _check_idx(const int64_t[::1] idx, Py_ssize_t G) except *:             # <<<<<<<<<<<<<<
@@ -22874,7 +22749,7 @@ static void __pyx_f_8olproute_6_score__check_idx(__Pyx_memviewslice __pyx_v_idx,
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_check_idx", 0);
 
-  /* "olproute/_score.pyx":145
+  /* "olproute/_score.pyx":142
  * cdef void _check_idx(const int64_t[::1] idx, Py_ssize_t G) except *:
  *     cdef Py_ssize_t k
  *     for k in range(idx.shape[0]):             # <<<<<<<<<<<<<<
@@ -22888,7 +22763,7 @@ static void __pyx_f_8olproute_6_score__check_idx(__Pyx_memviewslice __pyx_v_idx,
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_k = __pyx_t_3;
 
-    /* "olproute/_score.pyx":146
+    /* "olproute/_score.pyx":143
  *     cdef Py_ssize_t k
  *     for k in range(idx.shape[0]):
  *         if idx[k] < 0 or idx[k] >= G:             # <<<<<<<<<<<<<<
@@ -22916,7 +22791,7 @@ static void __pyx_f_8olproute_6_score__check_idx(__Pyx_memviewslice __pyx_v_idx,
     if (unlikely(__pyx_t_4)) {
 
 
-      /* "olproute/_score.pyx":147
+      /* "olproute/_score.pyx":144
  *     for k in range(idx.shape[0]):
  *         if idx[k] < 0 or idx[k] >= G:
  *             raise ValueError("idx out of range")             # <<<<<<<<<<<<<<
@@ -22929,14 +22804,14 @@ static void __pyx_f_8olproute_6_score__check_idx(__Pyx_memviewslice __pyx_v_idx,
         PyObject *__pyx_callargs[2] = {__pyx_t_8, __pyx_mstate_global->__pyx_kp_u_idx_out_of_range};
         __pyx_t_7 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_9, (2-__pyx_t_9) | (__pyx_t_9*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
-        if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 147, __pyx_L1_error)
+        if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 144, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_7);
       }
       __Pyx_Raise(__pyx_t_7, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-      __PYX_ERR(0, 147, __pyx_L1_error)
+      __PYX_ERR(0, 144, __pyx_L1_error)
 
-      /* "olproute/_score.pyx":146
+      /* "olproute/_score.pyx":143
  *     cdef Py_ssize_t k
  *     for k in range(idx.shape[0]):
  *         if idx[k] < 0 or idx[k] >= G:             # <<<<<<<<<<<<<<
@@ -22947,7 +22822,7 @@ static void __pyx_f_8olproute_6_score__check_idx(__Pyx_memviewslice __pyx_v_idx,
   }
 
 
-  /* "olproute/_score.pyx":143
+  /* "olproute/_score.pyx":140
  * 
  * 
  * cdef void _check_idx(const int64_t[::1] idx, Py_ssize_t G) except *:             # <<<<<<<<<<<<<<
@@ -22967,7 +22842,7 @@ static void __pyx_f_8olproute_6_score__check_idx(__Pyx_memviewslice __pyx_v_idx,
   __Pyx_RefNannyFinishContext();
 }
 
-/* "olproute/_score.pyx":150
+/* "olproute/_score.pyx":147
  * 
  * 
  * def score_columns(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
@@ -23034,165 +22909,165 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_prompt,&__pyx_mstate_global->__pyx_n_u_decode,&__pyx_mstate_global->__pyx_n_u_utility,&__pyx_mstate_global->__pyx_n_u_ttft,&__pyx_mstate_global->__pyx_n_u_num_resident,&__pyx_mstate_global->__pyx_n_u_resident_context,&__pyx_mstate_global->__pyx_n_u_beta,&__pyx_mstate_global->__pyx_n_u_waited,&__pyx_mstate_global->__pyx_n_u_target,&__pyx_mstate_global->__pyx_n_u_batch_cap,&__pyx_mstate_global->__pyx_n_u_kv_cap,&__pyx_mstate_global->__pyx_n_u_budget,&__pyx_mstate_global->__pyx_n_u_slot_s,&__pyx_mstate_global->__pyx_n_u_horizon,&__pyx_mstate_global->__pyx_n_u_w,&__pyx_mstate_global->__pyx_n_u_p0,&__pyx_mstate_global->__pyx_n_u_p1,&__pyx_mstate_global->__pyx_n_u_shift,&__pyx_mstate_global->__pyx_n_u_idx,&__pyx_mstate_global->__pyx_n_u_num_instances,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 150, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 147, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 20:
         values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 19:
         values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 18:
         values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 17:
         values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 16:
         values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 150, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 147, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "score_columns", 0) < (0)) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "score_columns", 0) < (0)) __PYX_ERR(0, 147, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 20; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score_columns", 1, 20, 20, i); __PYX_ERR(0, 150, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score_columns", 1, 20, 20, i); __PYX_ERR(0, 147, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 20)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 150, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 147, __pyx_L3_error)
     }
-    __pyx_v_prompt = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_prompt.memview)) __PYX_ERR(0, 150, __pyx_L3_error)
-    __pyx_v_decode = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[1], 0); if (unlikely(!__pyx_v_decode.memview)) __PYX_ERR(0, 150, __pyx_L3_error)
-    __pyx_v_utility = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[2], 0); if (unlikely(!__pyx_v_utility.memview)) __PYX_ERR(0, 151, __pyx_L3_error)
-    __pyx_v_ttft = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[3], 0); if (unlikely(!__pyx_v_ttft.memview)) __PYX_ERR(0, 151, __pyx_L3_error)
-    __pyx_v_num_resident = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[4], 0); if (unlikely(!__pyx_v_num_resident.memview)) __PYX_ERR(0, 152, __pyx_L3_error)
-    __pyx_v_resident_context = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[5], 0); if (unlikely(!__pyx_v_resident_context.memview)) __PYX_ERR(0, 152, __pyx_L3_error)
-    __pyx_v_beta = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[6], 0); if (unlikely(!__pyx_v_beta.memview)) __PYX_ERR(0, 153, __pyx_L3_error)
-    __pyx_v_waited = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[7], 0); if (unlikely(!__pyx_v_waited.memview)) __PYX_ERR(0, 153, __pyx_L3_error)
-    __pyx_v_target = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[8], 0); if (unlikely(!__pyx_v_target.memview)) __PYX_ERR(0, 154, __pyx_L3_error)
-    __pyx_v_batch_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[9], 0); if (unlikely(!__pyx_v_batch_cap.memview)) __PYX_ERR(0, 154, __pyx_L3_error)
-    __pyx_v_kv_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[10], 0); if (unlikely(!__pyx_v_kv_cap.memview)) __PYX_ERR(0, 155, __pyx_L3_error)
-    __pyx_v_budget = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[11], 0); if (unlikely(!__pyx_v_budget.memview)) __PYX_ERR(0, 155, __pyx_L3_error)
-    __pyx_v_slot_s = __Pyx_PyFloat_AsDouble(values[12]); if (unlikely((__pyx_v_slot_s == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 155, __pyx_L3_error)
-    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[13]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 156, __pyx_L3_error)
-    __pyx_v_w = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[14], 0); if (unlikely(!__pyx_v_w.memview)) __PYX_ERR(0, 156, __pyx_L3_error)
-    __pyx_v_p0 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[15], 0); if (unlikely(!__pyx_v_p0.memview)) __PYX_ERR(0, 156, __pyx_L3_error)
-    __pyx_v_p1 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[16], 0); if (unlikely(!__pyx_v_p1.memview)) __PYX_ERR(0, 157, __pyx_L3_error)
-    __pyx_v_shift = __Pyx_PyLong_As_int64_t(values[17]); if (unlikely((__pyx_v_shift == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 157, __pyx_L3_error)
-    __pyx_v_idx = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[18], 0); if (unlikely(!__pyx_v_idx.memview)) __PYX_ERR(0, 157, __pyx_L3_error)
-    __pyx_v_num_instances = __Pyx_PyIndex_AsSsize_t(values[19]); if (unlikely((__pyx_v_num_instances == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 158, __pyx_L3_error)
+    __pyx_v_prompt = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_prompt.memview)) __PYX_ERR(0, 147, __pyx_L3_error)
+    __pyx_v_decode = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[1], 0); if (unlikely(!__pyx_v_decode.memview)) __PYX_ERR(0, 147, __pyx_L3_error)
+    __pyx_v_utility = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[2], 0); if (unlikely(!__pyx_v_utility.memview)) __PYX_ERR(0, 148, __pyx_L3_error)
+    __pyx_v_ttft = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[3], 0); if (unlikely(!__pyx_v_ttft.memview)) __PYX_ERR(0, 148, __pyx_L3_error)
+    __pyx_v_num_resident = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[4], 0); if (unlikely(!__pyx_v_num_resident.memview)) __PYX_ERR(0, 149, __pyx_L3_error)
+    __pyx_v_resident_context = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[5], 0); if (unlikely(!__pyx_v_resident_context.memview)) __PYX_ERR(0, 149, __pyx_L3_error)
+    __pyx_v_beta = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[6], 0); if (unlikely(!__pyx_v_beta.memview)) __PYX_ERR(0, 150, __pyx_L3_error)
+    __pyx_v_waited = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[7], 0); if (unlikely(!__pyx_v_waited.memview)) __PYX_ERR(0, 150, __pyx_L3_error)
+    __pyx_v_target = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[8], 0); if (unlikely(!__pyx_v_target.memview)) __PYX_ERR(0, 151, __pyx_L3_error)
+    __pyx_v_batch_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[9], 0); if (unlikely(!__pyx_v_batch_cap.memview)) __PYX_ERR(0, 151, __pyx_L3_error)
+    __pyx_v_kv_cap = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[10], 0); if (unlikely(!__pyx_v_kv_cap.memview)) __PYX_ERR(0, 152, __pyx_L3_error)
+    __pyx_v_budget = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[11], 0); if (unlikely(!__pyx_v_budget.memview)) __PYX_ERR(0, 152, __pyx_L3_error)
+    __pyx_v_slot_s = __Pyx_PyFloat_AsDouble(values[12]); if (unlikely((__pyx_v_slot_s == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 152, __pyx_L3_error)
+    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[13]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 153, __pyx_L3_error)
+    __pyx_v_w = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[14], 0); if (unlikely(!__pyx_v_w.memview)) __PYX_ERR(0, 153, __pyx_L3_error)
+    __pyx_v_p0 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[15], 0); if (unlikely(!__pyx_v_p0.memview)) __PYX_ERR(0, 153, __pyx_L3_error)
+    __pyx_v_p1 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[16], 0); if (unlikely(!__pyx_v_p1.memview)) __PYX_ERR(0, 154, __pyx_L3_error)
+    __pyx_v_shift = __Pyx_PyLong_As_int64_t(values[17]); if (unlikely((__pyx_v_shift == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 154, __pyx_L3_error)
+    __pyx_v_idx = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[18], 0); if (unlikely(!__pyx_v_idx.memview)) __PYX_ERR(0, 154, __pyx_L3_error)
+    __pyx_v_num_instances = __Pyx_PyIndex_AsSsize_t(values[19]); if (unlikely((__pyx_v_num_instances == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 155, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("score_columns", 1, 20, 20, __pyx_nargs); __PYX_ERR(0, 150, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("score_columns", 1, 20, 20, __pyx_nargs); __PYX_ERR(0, 147, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -23258,32 +23133,32 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("score_columns", 0);
 
-  /* "olproute/_score.pyx":167
+  /* "olproute/_score.pyx":164
  *     now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time
  *     (N, G) bool)."""
  *     _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)             # <<<<<<<<<<<<<<
  *     _check_idx(idx, num_instances)
  *     return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,
 */
-  __pyx_f_8olproute_6_score__check_instances(__pyx_v_beta, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_w, __pyx_v_num_instances); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 167, __pyx_L1_error)
+  __pyx_f_8olproute_6_score__check_instances(__pyx_v_beta, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_w, __pyx_v_num_instances); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 164, __pyx_L1_error)
 
-  /* "olproute/_score.pyx":168
+  /* "olproute/_score.pyx":165
  *     (N, G) bool)."""
  *     _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)
  *     _check_idx(idx, num_instances)             # <<<<<<<<<<<<<<
  *     return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,
  *                   waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, p0, p1,
 */
-  __pyx_f_8olproute_6_score__check_idx(__pyx_v_idx, __pyx_v_num_instances); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 168, __pyx_L1_error)
+  __pyx_f_8olproute_6_score__check_idx(__pyx_v_idx, __pyx_v_num_instances); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 165, __pyx_L1_error)
 
-  /* "olproute/_score.pyx":169
+  /* "olproute/_score.pyx":166
  *     _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)
  *     _check_idx(idx, num_instances)
  *     return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,             # <<<<<<<<<<<<<<
  *                   waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, p0, p1,
  *                   shift, idx, num_instances)
 */
-  __pyx_t_1 = __pyx_f_8olproute_6_score__score(__pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_num_resident, __pyx_v_resident_context, __pyx_v_beta, __pyx_v_waited, __pyx_v_target, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_slot_s, __pyx_v_horizon, __pyx_v_w, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift, __pyx_v_idx, __pyx_v_num_instances); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 169, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_8olproute_6_score__score(__pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_num_resident, __pyx_v_resident_context, __pyx_v_beta, __pyx_v_waited, __pyx_v_target, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_slot_s, __pyx_v_horizon, __pyx_v_w, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift, __pyx_v_idx, __pyx_v_num_instances); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 166, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -23296,7 +23171,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "olproute/_score.pyx":150
+  /* "olproute/_score.pyx":147
  * 
  * 
  * def score_columns(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
@@ -23315,12 +23190,12 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":174
+/* "olproute/_score.pyx":171
  * 
  * 
  * cdef tuple _score(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
  *                   const double[:, :] utility, const double[:, :] ttft,
- *                   const double[::1] num_resident, const double[::1] resident_context,
+ *                   const double[:] num_resident, const double[:] resident_context,
 */
 
 static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances) {
@@ -23438,7 +23313,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_score", 0);
 
-  /* "olproute/_score.pyx":183
+  /* "olproute/_score.pyx":180
  *                   const double[:, :, ::1] p1, int64_t shift, const int64_t[::1] idx,
  *                   Py_ssize_t num_instances):
  *     cdef Py_ssize_t N = prompt.shape[0]             # <<<<<<<<<<<<<<
@@ -23447,7 +23322,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   __pyx_v_N = (__pyx_v_prompt.shape[0]);
 
-  /* "olproute/_score.pyx":184
+  /* "olproute/_score.pyx":181
  *                   Py_ssize_t num_instances):
  *     cdef Py_ssize_t N = prompt.shape[0]
  *     cdef Py_ssize_t d = idx.shape[0]             # <<<<<<<<<<<<<<
@@ -23456,7 +23331,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   __pyx_v_d = (__pyx_v_idx.shape[0]);
 
-  /* "olproute/_score.pyx":185
+  /* "olproute/_score.pyx":182
  *     cdef Py_ssize_t N = prompt.shape[0]
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances             # <<<<<<<<<<<<<<
@@ -23465,7 +23340,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   __pyx_v_G = __pyx_v_num_instances;
 
-  /* "olproute/_score.pyx":186
+  /* "olproute/_score.pyx":183
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \             # <<<<<<<<<<<<<<
@@ -23493,7 +23368,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "olproute/_score.pyx":187
+  /* "olproute/_score.pyx":184
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:             # <<<<<<<<<<<<<<
@@ -23537,7 +23412,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
   __pyx_L4_bool_binop_done:;
 
-  /* "olproute/_score.pyx":186
+  /* "olproute/_score.pyx":183
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \             # <<<<<<<<<<<<<<
@@ -23547,7 +23422,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":188
+    /* "olproute/_score.pyx":185
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")             # <<<<<<<<<<<<<<
@@ -23560,14 +23435,14 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_decode_utility_and_ttft_need_sha};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 188, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 185, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 188, __pyx_L1_error)
+    __PYX_ERR(0, 185, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":186
+    /* "olproute/_score.pyx":183
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \             # <<<<<<<<<<<<<<
@@ -23576,7 +23451,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   }
 
-  /* "olproute/_score.pyx":189
+  /* "olproute/_score.pyx":186
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")
  *     if waited.shape[0] != N or target.shape[0] != N:             # <<<<<<<<<<<<<<
@@ -23602,7 +23477,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":190
+    /* "olproute/_score.pyx":187
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")
  *     if waited.shape[0] != N or target.shape[0] != N:
  *         raise ValueError("waited and target need one entry per request")             # <<<<<<<<<<<<<<
@@ -23615,14 +23490,14 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_waited_and_target_need_one_entry};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 190, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 187, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 190, __pyx_L1_error)
+    __PYX_ERR(0, 187, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":189
+    /* "olproute/_score.pyx":186
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")
  *     if waited.shape[0] != N or target.shape[0] != N:             # <<<<<<<<<<<<<<
@@ -23631,7 +23506,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   }
 
-  /* "olproute/_score.pyx":191
+  /* "olproute/_score.pyx":188
  *     if waited.shape[0] != N or target.shape[0] != N:
  *         raise ValueError("waited and target need one entry per request")
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:             # <<<<<<<<<<<<<<
@@ -23657,7 +23532,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":192
+    /* "olproute/_score.pyx":189
  *         raise ValueError("waited and target need one entry per request")
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
  *         raise ValueError("num_resident and resident_context need one entry per instance")             # <<<<<<<<<<<<<<
@@ -23670,14 +23545,14 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_num_resident_and_resident_contex};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 192, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 189, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 192, __pyx_L1_error)
+    __PYX_ERR(0, 189, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":191
+    /* "olproute/_score.pyx":188
  *     if waited.shape[0] != N or target.shape[0] != N:
  *         raise ValueError("waited and target need one entry per request")
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:             # <<<<<<<<<<<<<<
@@ -23686,7 +23561,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   }
 
-  /* "olproute/_score.pyx":193
+  /* "olproute/_score.pyx":190
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
  *         raise ValueError("num_resident and resident_context need one entry per instance")
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \             # <<<<<<<<<<<<<<
@@ -23714,7 +23589,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     goto __pyx_L17_bool_binop_done;
   }
 
-  /* "olproute/_score.pyx":194
+  /* "olproute/_score.pyx":191
  *         raise ValueError("num_resident and resident_context need one entry per instance")
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
  *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:             # <<<<<<<<<<<<<<
@@ -23758,7 +23633,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
   __pyx_L17_bool_binop_done:;
 
-  /* "olproute/_score.pyx":193
+  /* "olproute/_score.pyx":190
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
  *         raise ValueError("num_resident and resident_context need one entry per instance")
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \             # <<<<<<<<<<<<<<
@@ -23768,7 +23643,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":195
+    /* "olproute/_score.pyx":192
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
  *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
  *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")             # <<<<<<<<<<<<<<
@@ -23781,14 +23656,14 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_p0_and_p1_need_shape_G_H_1_3};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 195, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 192, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 195, __pyx_L1_error)
+    __PYX_ERR(0, 192, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":193
+    /* "olproute/_score.pyx":190
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
  *         raise ValueError("num_resident and resident_context need one entry per instance")
  *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \             # <<<<<<<<<<<<<<
@@ -23797,7 +23672,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   }
 
-  /* "olproute/_score.pyx":196
+  /* "olproute/_score.pyx":193
  *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
  *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
  *     if shift < 0:             # <<<<<<<<<<<<<<
@@ -23809,7 +23684,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":197
+    /* "olproute/_score.pyx":194
  *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
  *     if shift < 0:
  *         raise ValueError("shift must be >= 0")             # <<<<<<<<<<<<<<
@@ -23822,14 +23697,14 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_shift_must_be_0};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 197, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 194, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 197, __pyx_L1_error)
+    __PYX_ERR(0, 194, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":196
+    /* "olproute/_score.pyx":193
  *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
  *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
  *     if shift < 0:             # <<<<<<<<<<<<<<
@@ -23838,7 +23713,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   }
 
-  /* "olproute/_score.pyx":201
+  /* "olproute/_score.pyx":198
  *     cdef int64_t g
  * 
  *     f_np = np.empty((NUM_F, N, G), dtype=np.float64)             # <<<<<<<<<<<<<<
@@ -23846,31 +23721,31 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
  *     on_np = np.zeros((N, G), dtype=np.bool_)
 */
   __pyx_t_4 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 198, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 198, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 198, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_8 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __pyx_t_8 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 198, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 198, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_10 = PyTuple_New(3); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __pyx_t_10 = PyTuple_New(3); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 198, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 201, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 198, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 201, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 198, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_9);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 201, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 198, __pyx_L1_error);
   __pyx_t_6 = 0;
   __pyx_t_8 = 0;
   __pyx_t_9 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 198, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 198, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
   #if CYTHON_VECTORCALL
@@ -23891,13 +23766,13 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     PyObject *__pyx_callargs[3] = {__pyx_t_4, __pyx_t_10, __pyx_t_8};
     #if CYTHON_VECTORCALL
     __pyx_t_9 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 201, __pyx_L1_error)
+    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 198, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_9);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_9 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 201, __pyx_L1_error)
+      if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 198, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_9);
     }
     #endif
@@ -23909,13 +23784,13 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
     __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 201, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 198, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_f_np = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "olproute/_score.pyx":202
+  /* "olproute/_score.pyx":199
  * 
  *     f_np = np.empty((NUM_F, N, G), dtype=np.float64)
  *     i_np = np.empty((4, N, G), dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -23923,29 +23798,29 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
  *     cdef double[:, :, ::1] f = f_np
 */
   __pyx_t_7 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 199, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 199, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-  __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 199, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 199, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
-  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 199, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_INCREF(__pyx_mstate_global->__pyx_int_4);
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_int_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_mstate_global->__pyx_int_4) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_mstate_global->__pyx_int_4) != (0)) __PYX_ERR(0, 199, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_9);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_9) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_9) != (0)) __PYX_ERR(0, 199, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_10);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_10) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_10) != (0)) __PYX_ERR(0, 199, __pyx_L1_error);
   __pyx_t_9 = 0;
   __pyx_t_10 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 199, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
-  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 199, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
   __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
   #if CYTHON_VECTORCALL
@@ -23966,13 +23841,13 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     PyObject *__pyx_callargs[3] = {__pyx_t_7, __pyx_t_4, __pyx_t_9};
     #if CYTHON_VECTORCALL
     __pyx_t_10 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 202, __pyx_L1_error)
+    if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 199, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_10);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_10 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 202, __pyx_L1_error)
+      if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 199, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_10);
     }
     #endif
@@ -23984,13 +23859,13 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 202, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 199, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_i_np = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "olproute/_score.pyx":203
+  /* "olproute/_score.pyx":200
  *     f_np = np.empty((NUM_F, N, G), dtype=np.float64)
  *     i_np = np.empty((4, N, G), dtype=np.int64)
  *     on_np = np.zeros((N, G), dtype=np.bool_)             # <<<<<<<<<<<<<<
@@ -23998,26 +23873,26 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
  *     cdef int64_t[:, :, ::1] iv = i_np
 */
   __pyx_t_8 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
-  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_zeros); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_zeros); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
   __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
-  __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
-  __pyx_t_4 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __pyx_t_4 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_GIVEREF(__pyx_t_10);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_10) != (0)) __PYX_ERR(0, 203, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_10) != (0)) __PYX_ERR(0, 200, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 203, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 200, __pyx_L1_error);
   __pyx_t_10 = 0;
   __pyx_t_4 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_bool); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_bool); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   #if CYTHON_VECTORCALL
@@ -24038,13 +23913,13 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     PyObject *__pyx_callargs[3] = {__pyx_t_8, __pyx_t_7, __pyx_t_10};
     #if CYTHON_VECTORCALL
     __pyx_t_4 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_4);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_4 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     #endif
@@ -24056,37 +23931,37 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 203, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 200, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_on_np = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "olproute/_score.pyx":204
+  /* "olproute/_score.pyx":201
  *     i_np = np.empty((4, N, G), dtype=np.int64)
  *     on_np = np.zeros((N, G), dtype=np.bool_)
  *     cdef double[:, :, ::1] f = f_np             # <<<<<<<<<<<<<<
  *     cdef int64_t[:, :, ::1] iv = i_np
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
 */
-  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double(__pyx_v_f_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 204, __pyx_L1_error)
+  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double(__pyx_v_f_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 201, __pyx_L1_error)
   __pyx_v_f = __pyx_t_11;
   __pyx_t_11.memview = NULL;
   __pyx_t_11.data = NULL;
 
-  /* "olproute/_score.pyx":205
+  /* "olproute/_score.pyx":202
  *     on_np = np.zeros((N, G), dtype=np.bool_)
  *     cdef double[:, :, ::1] f = f_np
  *     cdef int64_t[:, :, ::1] iv = i_np             # <<<<<<<<<<<<<<
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
  *     cdef Py_ssize_t r
 */
-  __pyx_t_12 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_nn_int64_t(__pyx_v_i_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_12.memview)) __PYX_ERR(0, 205, __pyx_L1_error)
+  __pyx_t_12 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_nn_int64_t(__pyx_v_i_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_12.memview)) __PYX_ERR(0, 202, __pyx_L1_error)
   __pyx_v_iv = __pyx_t_12;
   __pyx_t_12.memview = NULL;
   __pyx_t_12.data = NULL;
 
-  /* "olproute/_score.pyx":206
+  /* "olproute/_score.pyx":203
  *     cdef double[:, :, ::1] f = f_np
  *     cdef int64_t[:, :, ::1] iv = i_np
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)             # <<<<<<<<<<<<<<
@@ -24095,9 +23970,9 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   __pyx_t_9 = __pyx_v_on_np;
   __Pyx_INCREF(__pyx_t_9);
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 206, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 206, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 203, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   __pyx_t_5 = 0;
@@ -24106,16 +23981,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_view, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_9); __pyx_t_9 = 0;
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 206, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 203, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
-  __pyx_t_13 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_uint8_t(__pyx_t_3, PyBUF_WRITABLE); if (unlikely(!__pyx_t_13.memview)) __PYX_ERR(0, 206, __pyx_L1_error)
+  __pyx_t_13 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_uint8_t(__pyx_t_3, PyBUF_WRITABLE); if (unlikely(!__pyx_t_13.memview)) __PYX_ERR(0, 203, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_v_on = __pyx_t_13;
   __pyx_t_13.memview = NULL;
   __pyx_t_13.data = NULL;
 
-  /* "olproute/_score.pyx":208
+  /* "olproute/_score.pyx":205
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
  *     cdef Py_ssize_t r
  *     if d < G:   # instances not looked at: never started there             # <<<<<<<<<<<<<<
@@ -24127,7 +24002,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":209
+    /* "olproute/_score.pyx":206
  *     cdef Py_ssize_t r
  *     if d < G:   # instances not looked at: never started there
  *         for j in range(N):             # <<<<<<<<<<<<<<
@@ -24141,7 +24016,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
       __pyx_v_j = __pyx_t_16;
 
-      /* "olproute/_score.pyx":210
+      /* "olproute/_score.pyx":207
  *     if d < G:   # instances not looked at: never started there
  *         for j in range(N):
  *             for g in range(G):             # <<<<<<<<<<<<<<
@@ -24155,23 +24030,23 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       for (__pyx_t_19 = 0; __pyx_t_19 < __pyx_t_18; __pyx_t_19+=1) {
         __pyx_v_g = __pyx_t_19;
 
-        /* "olproute/_score.pyx":211
+        /* "olproute/_score.pyx":208
  *         for j in range(N):
  *             for g in range(G):
  *                 for r in range(NUM_F):             # <<<<<<<<<<<<<<
  *                     f[r, j, g] = NAN
  *                 f[F_TTFT, j, g] = INFINITY
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 211, __pyx_L1_error)
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 208, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
-        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 211, __pyx_L1_error)
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 208, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
         __pyx_t_21 = __pyx_t_20;
 
         for (__pyx_t_22 = 0; __pyx_t_22 < __pyx_t_21; __pyx_t_22+=1) {
           __pyx_v_r = __pyx_t_22;
 
-          /* "olproute/_score.pyx":212
+          /* "olproute/_score.pyx":209
  *             for g in range(G):
  *                 for r in range(NUM_F):
  *                     f[r, j, g] = NAN             # <<<<<<<<<<<<<<
@@ -24186,16 +24061,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
 
 
-        /* "olproute/_score.pyx":213
+        /* "olproute/_score.pyx":210
  *                 for r in range(NUM_F):
  *                     f[r, j, g] = NAN
  *                 f[F_TTFT, j, g] = INFINITY             # <<<<<<<<<<<<<<
  *                 f[F_REWARD, j, g] = -INFINITY
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 213, __pyx_L1_error)
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 210, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
-        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 213, __pyx_L1_error)
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 210, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
         __pyx_t_25 = __pyx_t_20;
         __pyx_t_24 = __pyx_v_j;
@@ -24203,16 +24078,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_25 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_23)) )) = INFINITY;
 
 
-        /* "olproute/_score.pyx":214
+        /* "olproute/_score.pyx":211
  *                     f[r, j, g] = NAN
  *                 f[F_TTFT, j, g] = INFINITY
  *                 f[F_REWARD, j, g] = -INFINITY             # <<<<<<<<<<<<<<
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
  *                 f[F_FINITE_TTFT, j, g] = 1e9
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 214, __pyx_L1_error)
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 211, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
-        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 214, __pyx_L1_error)
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 211, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
         __pyx_t_23 = __pyx_t_20;
         __pyx_t_24 = __pyx_v_j;
@@ -24220,16 +24095,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_23 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_25)) )) = (-INFINITY);
 
 
-        /* "olproute/_score.pyx":215
+        /* "olproute/_score.pyx":212
  *                 f[F_TTFT, j, g] = INFINITY
  *                 f[F_REWARD, j, g] = -INFINITY
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY             # <<<<<<<<<<<<<<
  *                 f[F_FINITE_TTFT, j, g] = 1e9
  *                 for r in range(4):
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 215, __pyx_L1_error)
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 212, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
-        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 215, __pyx_L1_error)
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 212, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
         __pyx_t_25 = __pyx_t_20;
         __pyx_t_24 = __pyx_v_j;
@@ -24237,16 +24112,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_25 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_23)) )) = (-INFINITY);
 
 
-        /* "olproute/_score.pyx":216
+        /* "olproute/_score.pyx":213
  *                 f[F_REWARD, j, g] = -INFINITY
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
  *                 f[F_FINITE_TTFT, j, g] = 1e9             # <<<<<<<<<<<<<<
  *                 for r in range(4):
  *                     iv[r, j, g] = horizon
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 213, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
-        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 213, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
         __pyx_t_23 = __pyx_t_20;
         __pyx_t_24 = __pyx_v_j;
@@ -24254,7 +24129,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_23 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_25)) )) = 1e9;
 
 
-        /* "olproute/_score.pyx":217
+        /* "olproute/_score.pyx":214
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
  *                 f[F_FINITE_TTFT, j, g] = 1e9
  *                 for r in range(4):             # <<<<<<<<<<<<<<
@@ -24264,7 +24139,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         for (__pyx_t_20 = 0; __pyx_t_20 < 4; __pyx_t_20+=1) {
           __pyx_v_r = __pyx_t_20;
 
-          /* "olproute/_score.pyx":218
+          /* "olproute/_score.pyx":215
  *                 f[F_FINITE_TTFT, j, g] = 1e9
  *                 for r in range(4):
  *                     iv[r, j, g] = horizon             # <<<<<<<<<<<<<<
@@ -24281,7 +24156,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     }
 
 
-    /* "olproute/_score.pyx":208
+    /* "olproute/_score.pyx":205
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
  *     cdef Py_ssize_t r
  *     if d < G:   # instances not looked at: never started there             # <<<<<<<<<<<<<<
@@ -24290,116 +24165,116 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   }
 
-  /* "olproute/_score.pyx":219
+  /* "olproute/_score.pyx":216
  *                 for r in range(4):
  *                     iv[r, j, g] = horizon
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]             # <<<<<<<<<<<<<<
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_SIGMA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_SIGMA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_sigma = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ALPHA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ALPHA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_alpha = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_TOKEN_NORM); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_TOKEN_NORM); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_token_norm = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":220
+  /* "olproute/_score.pyx":217
  *                     iv[r, j, g] = horizon
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]             # <<<<<<<<<<<<<<
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]
  *     cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_BETA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 220, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_BETA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 217, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 220, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 217, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_wbeta = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_GAMMA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 220, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_GAMMA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 217, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 220, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 217, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_gamma = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ZETA1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 220, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ZETA1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 217, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 220, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 217, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_zeta1 = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":221
+  /* "olproute/_score.pyx":218
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]             # <<<<<<<<<<<<<<
  *     cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]
  *     cdef double s, o, t, tp, tw, kv_a, kv_b, ca, work, qps, thr, eel_saved, ttft_saved
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_EEL_THRESHOLD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 221, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_EEL_THRESHOLD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 218, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 221, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 218, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_eel_thr = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ZETA2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 221, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ZETA2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 218, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 221, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 218, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_zeta2 = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":222
+  /* "olproute/_score.pyx":219
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]
  *     cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]             # <<<<<<<<<<<<<<
  *     cdef double s, o, t, tp, tw, kv_a, kv_b, ca, work, qps, thr, eel_saved, ttft_saved
  *     cdef double eel_slo, ttft_slo, util, reward, decode_in_h, tokens, eel, t2, price
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_TTFT_THRESHOLD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 222, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_TTFT_THRESHOLD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 222, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_ttft_thr = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_OMEGA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 222, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_OMEGA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 222, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_omega = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_DELTA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 222, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_DELTA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 222, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_delta = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":227
+  /* "olproute/_score.pyx":224
  *     cdef double fin, batch_a
  *     cdef int64_t k0, end, n_slots, ps, pe, kw, dw, kept, s0, e0, ps0, pe0
  *     for k in range(d):             # <<<<<<<<<<<<<<
@@ -24413,7 +24288,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
     __pyx_v_k = __pyx_t_16;
 
-    /* "olproute/_score.pyx":228
+    /* "olproute/_score.pyx":225
  *     cdef int64_t k0, end, n_slots, ps, pe, kw, dw, kept, s0, e0, ps0, pe0
  *     for k in range(d):
  *         g = idx[k]             # <<<<<<<<<<<<<<
@@ -24423,7 +24298,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __pyx_t_23 = __pyx_v_k;
     __pyx_v_g = (*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_idx.data) + __pyx_t_23)) )));
 
-    /* "olproute/_score.pyx":229
+    /* "olproute/_score.pyx":226
  *     for k in range(d):
  *         g = idx[k]
  *         batch_a = 1.0 / batch_cap[g]             # <<<<<<<<<<<<<<
@@ -24433,7 +24308,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __pyx_t_23 = __pyx_v_g;
     __pyx_v_batch_a = (1.0 / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_batch_cap.data) + __pyx_t_23)) )))));
 
-    /* "olproute/_score.pyx":230
+    /* "olproute/_score.pyx":227
  *         g = idx[k]
  *         batch_a = 1.0 / batch_cap[g]
  *         for j in range(N):             # <<<<<<<<<<<<<<
@@ -24447,7 +24322,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     for (__pyx_t_20 = 0; __pyx_t_20 < __pyx_t_18; __pyx_t_20+=1) {
       __pyx_v_j = __pyx_t_20;
 
-      /* "olproute/_score.pyx":231
+      /* "olproute/_score.pyx":228
  *         batch_a = 1.0 / batch_cap[g]
  *         for j in range(N):
  *             s = prompt[j]             # <<<<<<<<<<<<<<
@@ -24457,7 +24332,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_23 = __pyx_v_j;
       __pyx_v_s = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_prompt.data) + __pyx_t_23)) )));
 
-      /* "olproute/_score.pyx":232
+      /* "olproute/_score.pyx":229
  *         for j in range(N):
  *             s = prompt[j]
  *             o = decode[j, k]             # <<<<<<<<<<<<<<
@@ -24468,7 +24343,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_24 = __pyx_v_k;
       __pyx_v_o = (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_decode.data + __pyx_t_23 * __pyx_v_decode.strides[0]) ) + __pyx_t_24 * __pyx_v_decode.strides[1]) )));
 
-      /* "olproute/_score.pyx":233
+      /* "olproute/_score.pyx":230
  *             s = prompt[j]
  *             o = decode[j, k]
  *             t = ttft[j, k]             # <<<<<<<<<<<<<<
@@ -24479,7 +24354,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_23 = __pyx_v_k;
       __pyx_v_t = (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_ttft.data + __pyx_t_24 * __pyx_v_ttft.strides[0]) ) + __pyx_t_23 * __pyx_v_ttft.strides[1]) )));
 
-      /* "olproute/_score.pyx":235
+      /* "olproute/_score.pyx":232
  *             t = ttft[j, k]
  *             # bea.decode_step_times_s
  *             tp = (beta[g, 0] + beta[g, 1] * (num_resident[k] + 1)) \             # <<<<<<<<<<<<<<
@@ -24492,7 +24367,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_26 = 1;
       __pyx_t_27 = __pyx_v_k;
 
-      /* "olproute/_score.pyx":236
+      /* "olproute/_score.pyx":233
  *             # bea.decode_step_times_s
  *             tp = (beta[g, 0] + beta[g, 1] * (num_resident[k] + 1)) \
  *                 + beta[g, 2] * (resident_context[k] + s)             # <<<<<<<<<<<<<<
@@ -24502,9 +24377,9 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_28 = __pyx_v_g;
       __pyx_t_29 = 2;
       __pyx_t_30 = __pyx_v_k;
-      __pyx_v_tp = (((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_23 * __pyx_v_beta.strides[0]) )) + __pyx_t_24)) ))) + ((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_25 * __pyx_v_beta.strides[0]) )) + __pyx_t_26)) ))) * ((*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_num_resident.data) + __pyx_t_27)) ))) + 1.0))) + ((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_28 * __pyx_v_beta.strides[0]) )) + __pyx_t_29)) ))) * ((*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_resident_context.data) + __pyx_t_30)) ))) + __pyx_v_s)));
+      __pyx_v_tp = (((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_23 * __pyx_v_beta.strides[0]) )) + __pyx_t_24)) ))) + ((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_25 * __pyx_v_beta.strides[0]) )) + __pyx_t_26)) ))) * ((*((double const  *) ( /* dim=0 */ (__pyx_v_num_resident.data + __pyx_t_27 * __pyx_v_num_resident.strides[0]) ))) + 1.0))) + ((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_28 * __pyx_v_beta.strides[0]) )) + __pyx_t_29)) ))) * ((*((double const  *) ( /* dim=0 */ (__pyx_v_resident_context.data + __pyx_t_30 * __pyx_v_resident_context.strides[0]) ))) + __pyx_v_s)));
 
-      /* "olproute/_score.pyx":238
+      /* "olproute/_score.pyx":235
  *                 + beta[g, 2] * (resident_context[k] + s)
  *             # reward.usage_columns (TTFT from now)
  *             k0 = _first_slot(t, slot_s, horizon)             # <<<<<<<<<<<<<<
@@ -24513,7 +24388,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_k0 = __pyx_f_8olproute_6_score__first_slot(__pyx_v_t, __pyx_v_slot_s, __pyx_v_horizon);
 
-      /* "olproute/_score.pyx":239
+      /* "olproute/_score.pyx":236
  *             # reward.usage_columns (TTFT from now)
  *             k0 = _first_slot(t, slot_s, horizon)
  *             end = k0 + _decode_slots(o, tp, slot_s)             # <<<<<<<<<<<<<<
@@ -24522,7 +24397,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_end = (__pyx_v_k0 + __pyx_f_8olproute_6_score__decode_slots(__pyx_v_o, __pyx_v_tp, __pyx_v_slot_s));
 
-      /* "olproute/_score.pyx":240
+      /* "olproute/_score.pyx":237
  *             k0 = _first_slot(t, slot_s, horizon)
  *             end = k0 + _decode_slots(o, tp, slot_s)
  *             if end > horizon:             # <<<<<<<<<<<<<<
@@ -24534,7 +24409,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":241
+        /* "olproute/_score.pyx":238
  *             end = k0 + _decode_slots(o, tp, slot_s)
  *             if end > horizon:
  *                 end = horizon             # <<<<<<<<<<<<<<
@@ -24543,7 +24418,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_end = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":240
+        /* "olproute/_score.pyx":237
  *             k0 = _first_slot(t, slot_s, horizon)
  *             end = k0 + _decode_slots(o, tp, slot_s)
  *             if end > horizon:             # <<<<<<<<<<<<<<
@@ -24552,7 +24427,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":243
+      /* "olproute/_score.pyx":240
  *                 end = horizon
  *             # reward.prefill_span
  *             work = s / budget[g]             # <<<<<<<<<<<<<<
@@ -24562,7 +24437,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_30 = __pyx_v_g;
       __pyx_v_work = (__pyx_v_s / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_budget.data) + __pyx_t_30)) )))));
 
-      /* "olproute/_score.pyx":244
+      /* "olproute/_score.pyx":241
  *             # reward.prefill_span
  *             work = s / budget[g]
  *             n_slots = <int64_t>ceil(work - 1e-9)             # <<<<<<<<<<<<<<
@@ -24571,7 +24446,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_n_slots = ((int64_t)ceil((__pyx_v_work - 1e-9)));
 
-      /* "olproute/_score.pyx":245
+      /* "olproute/_score.pyx":242
  *             work = s / budget[g]
  *             n_slots = <int64_t>ceil(work - 1e-9)
  *             if n_slots < 1:             # <<<<<<<<<<<<<<
@@ -24583,7 +24458,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":246
+        /* "olproute/_score.pyx":243
  *             n_slots = <int64_t>ceil(work - 1e-9)
  *             if n_slots < 1:
  *                 n_slots = 1             # <<<<<<<<<<<<<<
@@ -24592,7 +24467,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_n_slots = 1;
 
-        /* "olproute/_score.pyx":245
+        /* "olproute/_score.pyx":242
  *             work = s / budget[g]
  *             n_slots = <int64_t>ceil(work - 1e-9)
  *             if n_slots < 1:             # <<<<<<<<<<<<<<
@@ -24601,7 +24476,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":247
+      /* "olproute/_score.pyx":244
  *             if n_slots < 1:
  *                 n_slots = 1
  *             if k0 >= horizon:             # <<<<<<<<<<<<<<
@@ -24613,7 +24488,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":248
+        /* "olproute/_score.pyx":245
  *                 n_slots = 1
  *             if k0 >= horizon:
  *                 pe = horizon             # <<<<<<<<<<<<<<
@@ -24622,7 +24497,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_pe = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":249
+        /* "olproute/_score.pyx":246
  *             if k0 >= horizon:
  *                 pe = horizon
  *                 ps = horizon             # <<<<<<<<<<<<<<
@@ -24631,7 +24506,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_ps = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":247
+        /* "olproute/_score.pyx":244
  *             if n_slots < 1:
  *                 n_slots = 1
  *             if k0 >= horizon:             # <<<<<<<<<<<<<<
@@ -24641,7 +24516,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         goto __pyx_L39;
       }
 
-      /* "olproute/_score.pyx":251
+      /* "olproute/_score.pyx":248
  *                 ps = horizon
  *             else:
  *                 pe = k0             # <<<<<<<<<<<<<<
@@ -24651,7 +24526,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       /*else*/ {
         __pyx_v_pe = __pyx_v_k0;
 
-        /* "olproute/_score.pyx":252
+        /* "olproute/_score.pyx":249
  *             else:
  *                 pe = k0
  *                 ps = k0 - n_slots             # <<<<<<<<<<<<<<
@@ -24660,7 +24535,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_ps = (__pyx_v_k0 - __pyx_v_n_slots);
 
-        /* "olproute/_score.pyx":253
+        /* "olproute/_score.pyx":250
  *                 pe = k0
  *                 ps = k0 - n_slots
  *                 if ps < 0:             # <<<<<<<<<<<<<<
@@ -24672,7 +24547,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         if (__pyx_t_1) {
 
 
-          /* "olproute/_score.pyx":254
+          /* "olproute/_score.pyx":251
  *                 ps = k0 - n_slots
  *                 if ps < 0:
  *                     ps = 0             # <<<<<<<<<<<<<<
@@ -24681,7 +24556,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
           __pyx_v_ps = 0;
 
-          /* "olproute/_score.pyx":253
+          /* "olproute/_score.pyx":250
  *                 pe = k0
  *                 ps = k0 - n_slots
  *                 if ps < 0:             # <<<<<<<<<<<<<<
@@ -24691,7 +24566,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
           goto __pyx_L40;
         }
 
-        /* "olproute/_score.pyx":255
+        /* "olproute/_score.pyx":252
  *                 if ps < 0:
  *                     ps = 0
  *                 elif ps > horizon:             # <<<<<<<<<<<<<<
@@ -24703,7 +24578,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         if (__pyx_t_1) {
 
 
-          /* "olproute/_score.pyx":256
+          /* "olproute/_score.pyx":253
  *                     ps = 0
  *                 elif ps > horizon:
  *                     ps = horizon             # <<<<<<<<<<<<<<
@@ -24712,7 +24587,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
           __pyx_v_ps = __pyx_v_horizon;
 
-          /* "olproute/_score.pyx":255
+          /* "olproute/_score.pyx":252
  *                 if ps < 0:
  *                     ps = 0
  *                 elif ps > horizon:             # <<<<<<<<<<<<<<
@@ -24724,7 +24599,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       }
       __pyx_L39:;
 
-      /* "olproute/_score.pyx":257
+      /* "olproute/_score.pyx":254
  *                 elif ps > horizon:
  *                     ps = horizon
  *             kept = pe - ps             # <<<<<<<<<<<<<<
@@ -24733,7 +24608,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_kept = (__pyx_v_pe - __pyx_v_ps);
 
-      /* "olproute/_score.pyx":258
+      /* "olproute/_score.pyx":255
  *                     ps = horizon
  *             kept = pe - ps
  *             if kept < 1:             # <<<<<<<<<<<<<<
@@ -24745,7 +24620,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":259
+        /* "olproute/_score.pyx":256
  *             kept = pe - ps
  *             if kept < 1:
  *                 kept = 1             # <<<<<<<<<<<<<<
@@ -24754,7 +24629,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_kept = 1;
 
-        /* "olproute/_score.pyx":258
+        /* "olproute/_score.pyx":255
  *                     ps = horizon
  *             kept = pe - ps
  *             if kept < 1:             # <<<<<<<<<<<<<<
@@ -24763,7 +24638,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":260
+      /* "olproute/_score.pyx":257
  *             if kept < 1:
  *                 kept = 1
  *             ca = work / kept             # <<<<<<<<<<<<<<
@@ -24772,7 +24647,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_ca = (__pyx_v_work / ((double)__pyx_v_kept));
 
-      /* "olproute/_score.pyx":261
+      /* "olproute/_score.pyx":258
  *                 kept = 1
  *             ca = work / kept
  *             if ca > 1.0:             # <<<<<<<<<<<<<<
@@ -24784,7 +24659,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":262
+        /* "olproute/_score.pyx":259
  *             ca = work / kept
  *             if ca > 1.0:
  *                 ca = 1.0             # <<<<<<<<<<<<<<
@@ -24793,7 +24668,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_ca = 1.0;
 
-        /* "olproute/_score.pyx":261
+        /* "olproute/_score.pyx":258
  *                 kept = 1
  *             ca = work / kept
  *             if ca > 1.0:             # <<<<<<<<<<<<<<
@@ -24802,7 +24677,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":263
+      /* "olproute/_score.pyx":260
  *             if ca > 1.0:
  *                 ca = 1.0
  *             kv_a = (s + 1.0) / kv_cap[g]             # <<<<<<<<<<<<<<
@@ -24812,7 +24687,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_30 = __pyx_v_g;
       __pyx_v_kv_a = ((__pyx_v_s + 1.0) / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_kv_cap.data) + __pyx_t_30)) )))));
 
-      /* "olproute/_score.pyx":264
+      /* "olproute/_score.pyx":261
  *                 ca = 1.0
  *             kv_a = (s + 1.0) / kv_cap[g]
  *             kv_b = (slot_s / tp) / kv_cap[g]             # <<<<<<<<<<<<<<
@@ -24822,7 +24697,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_30 = __pyx_v_g;
       __pyx_v_kv_b = ((__pyx_v_slot_s / __pyx_v_tp) / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_kv_cap.data) + __pyx_t_30)) )))));
 
-      /* "olproute/_score.pyx":266
+      /* "olproute/_score.pyx":263
  *             kv_b = (slot_s / tp) / kv_cap[g]
  *             # reward.reward_terms (TTFT from the arrival)
  *             tw = t + waited[j]             # <<<<<<<<<<<<<<
@@ -24832,7 +24707,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_30 = __pyx_v_j;
       __pyx_v_tw = (__pyx_v_t + (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_waited.data) + __pyx_t_30)) ))));
 
-      /* "olproute/_score.pyx":267
+      /* "olproute/_score.pyx":264
  *             # reward.reward_terms (TTFT from the arrival)
  *             tw = t + waited[j]
  *             kw = _first_slot(tw, slot_s, horizon)             # <<<<<<<<<<<<<<
@@ -24841,7 +24716,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_kw = __pyx_f_8olproute_6_score__first_slot(__pyx_v_tw, __pyx_v_slot_s, __pyx_v_horizon);
 
-      /* "olproute/_score.pyx":268
+      /* "olproute/_score.pyx":265
  *             tw = t + waited[j]
  *             kw = _first_slot(tw, slot_s, horizon)
  *             dw = _decode_slots(o, tp, slot_s)             # <<<<<<<<<<<<<<
@@ -24850,7 +24725,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_dw = __pyx_f_8olproute_6_score__decode_slots(__pyx_v_o, __pyx_v_tp, __pyx_v_slot_s);
 
-      /* "olproute/_score.pyx":269
+      /* "olproute/_score.pyx":266
  *             kw = _first_slot(tw, slot_s, horizon)
  *             dw = _decode_slots(o, tp, slot_s)
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp             # <<<<<<<<<<<<<<
@@ -24870,7 +24745,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_v_decode_in_h = ((__pyx_t_31 * __pyx_v_slot_s) / __pyx_v_tp);
 
 
-      /* "olproute/_score.pyx":270
+      /* "olproute/_score.pyx":267
  *             dw = _decode_slots(o, tp, slot_s)
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
  *             if o < decode_in_h:             # <<<<<<<<<<<<<<
@@ -24882,7 +24757,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":271
+        /* "olproute/_score.pyx":268
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
  *             if o < decode_in_h:
  *                 decode_in_h = o             # <<<<<<<<<<<<<<
@@ -24891,7 +24766,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_decode_in_h = __pyx_v_o;
 
-        /* "olproute/_score.pyx":270
+        /* "olproute/_score.pyx":267
  *             dw = _decode_slots(o, tp, slot_s)
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
  *             if o < decode_in_h:             # <<<<<<<<<<<<<<
@@ -24900,7 +24775,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":272
+      /* "olproute/_score.pyx":269
  *             if o < decode_in_h:
  *                 decode_in_h = o
  *             tokens = s + decode_in_h if kw < horizon else 0.0             # <<<<<<<<<<<<<<
@@ -24919,7 +24794,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
       __pyx_v_tokens = __pyx_t_31;
 
-      /* "olproute/_score.pyx":273
+      /* "olproute/_score.pyx":270
  *                 decode_in_h = o
  *             tokens = s + decode_in_h if kw < horizon else 0.0
  *             eel = tw + o * tp             # <<<<<<<<<<<<<<
@@ -24928,7 +24803,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_eel = (__pyx_v_tw + (__pyx_v_o * __pyx_v_tp));
 
-      /* "olproute/_score.pyx":274
+      /* "olproute/_score.pyx":271
  *             tokens = s + decode_in_h if kw < horizon else 0.0
  *             eel = tw + o * tp
  *             t2 = target[j] if ttft_thr != ttft_thr else ttft_thr   # NaN: the target             # <<<<<<<<<<<<<<
@@ -24948,7 +24823,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
       __pyx_v_t2 = __pyx_t_31;
 
-      /* "olproute/_score.pyx":275
+      /* "olproute/_score.pyx":272
  *             eel = tw + o * tp
  *             t2 = target[j] if ttft_thr != ttft_thr else ttft_thr   # NaN: the target
  *             qps = sigma             # <<<<<<<<<<<<<<
@@ -24957,7 +24832,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_qps = __pyx_v_sigma;
 
-      /* "olproute/_score.pyx":276
+      /* "olproute/_score.pyx":273
  *             t2 = target[j] if ttft_thr != ttft_thr else ttft_thr   # NaN: the target
  *             qps = sigma
  *             thr = alpha * tokens / token_norm             # <<<<<<<<<<<<<<
@@ -24966,7 +24841,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_thr = ((__pyx_v_alpha * __pyx_v_tokens) / __pyx_v_token_norm);
 
-      /* "olproute/_score.pyx":277
+      /* "olproute/_score.pyx":274
  *             qps = sigma
  *             thr = alpha * tokens / token_norm
  *             eel_saved = wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)             # <<<<<<<<<<<<<<
@@ -24986,7 +24861,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_v_eel_saved = (__pyx_v_wbeta * ((double)__pyx_t_19));
 
 
-      /* "olproute/_score.pyx":278
+      /* "olproute/_score.pyx":275
  *             thr = alpha * tokens / token_norm
  *             eel_saved = wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)
  *             ttft_saved = gamma * <double>(horizon - kw if horizon - kw > 0 else 0)             # <<<<<<<<<<<<<<
@@ -25006,7 +24881,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_v_ttft_saved = (__pyx_v_gamma * ((double)__pyx_t_19));
 
 
-      /* "olproute/_score.pyx":279
+      /* "olproute/_score.pyx":276
  *             eel_saved = wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)
  *             ttft_saved = gamma * <double>(horizon - kw if horizon - kw > 0 else 0)
  *             eel_slo = zeta1 * (1.0 if eel <= eel_thr else 0.0)             # <<<<<<<<<<<<<<
@@ -25026,7 +24901,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_v_eel_slo = (__pyx_v_zeta1 * __pyx_t_31);
 
 
-      /* "olproute/_score.pyx":280
+      /* "olproute/_score.pyx":277
  *             ttft_saved = gamma * <double>(horizon - kw if horizon - kw > 0 else 0)
  *             eel_slo = zeta1 * (1.0 if eel <= eel_thr else 0.0)
  *             ttft_slo = zeta2 * (1.0 if tw <= t2 else 0.0)             # <<<<<<<<<<<<<<
@@ -25046,7 +24921,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_v_ttft_slo = (__pyx_v_zeta2 * __pyx_t_31);
 
 
-      /* "olproute/_score.pyx":281
+      /* "olproute/_score.pyx":278
  *             eel_slo = zeta1 * (1.0 if eel <= eel_thr else 0.0)
  *             ttft_slo = zeta2 * (1.0 if tw <= t2 else 0.0)
  *             util = omega * utility[j, k]             # <<<<<<<<<<<<<<
@@ -25057,7 +24932,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_29 = __pyx_v_k;
       __pyx_v_util = (__pyx_v_omega * (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_utility.data + __pyx_t_30 * __pyx_v_utility.strides[0]) ) + __pyx_t_29 * __pyx_v_utility.strides[1]) ))));
 
-      /* "olproute/_score.pyx":282
+      /* "olproute/_score.pyx":279
  *             ttft_slo = zeta2 * (1.0 if tw <= t2 else 0.0)
  *             util = omega * utility[j, k]
  *             reward = qps + thr + eel_saved + ttft_saved + eel_slo + ttft_slo + util             # <<<<<<<<<<<<<<
@@ -25066,7 +24941,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_reward = ((((((__pyx_v_qps + __pyx_v_thr) + __pyx_v_eel_saved) + __pyx_v_ttft_saved) + __pyx_v_eel_slo) + __pyx_v_ttft_slo) + __pyx_v_util);
 
-      /* "olproute/_score.pyx":284
+      /* "olproute/_score.pyx":281
  *             reward = qps + thr + eel_saved + ttft_saved + eel_slo + ttft_slo + util
  *             # reward.column_price on the columns moved by the book's shift
  *             s0 = k0 + shift             # <<<<<<<<<<<<<<
@@ -25075,7 +24950,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_s0 = (__pyx_v_k0 + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":285
+      /* "olproute/_score.pyx":282
  *             # reward.column_price on the columns moved by the book's shift
  *             s0 = k0 + shift
  *             e0 = end + shift             # <<<<<<<<<<<<<<
@@ -25084,7 +24959,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_e0 = (__pyx_v_end + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":286
+      /* "olproute/_score.pyx":283
  *             s0 = k0 + shift
  *             e0 = end + shift
  *             ps0 = ps + shift             # <<<<<<<<<<<<<<
@@ -25093,7 +24968,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_ps0 = (__pyx_v_ps + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":287
+      /* "olproute/_score.pyx":284
  *             e0 = end + shift
  *             ps0 = ps + shift
  *             pe0 = pe + shift             # <<<<<<<<<<<<<<
@@ -25102,7 +24977,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_pe0 = (__pyx_v_pe + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":288
+      /* "olproute/_score.pyx":285
  *             ps0 = ps + shift
  *             pe0 = pe + shift
  *             if s0 > horizon:             # <<<<<<<<<<<<<<
@@ -25114,7 +24989,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":289
+        /* "olproute/_score.pyx":286
  *             pe0 = pe + shift
  *             if s0 > horizon:
  *                 s0 = horizon             # <<<<<<<<<<<<<<
@@ -25123,7 +24998,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_s0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":288
+        /* "olproute/_score.pyx":285
  *             ps0 = ps + shift
  *             pe0 = pe + shift
  *             if s0 > horizon:             # <<<<<<<<<<<<<<
@@ -25132,7 +25007,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":290
+      /* "olproute/_score.pyx":287
  *             if s0 > horizon:
  *                 s0 = horizon
  *             if e0 > horizon:             # <<<<<<<<<<<<<<
@@ -25144,7 +25019,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":291
+        /* "olproute/_score.pyx":288
  *                 s0 = horizon
  *             if e0 > horizon:
  *                 e0 = horizon             # <<<<<<<<<<<<<<
@@ -25153,7 +25028,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_e0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":290
+        /* "olproute/_score.pyx":287
  *             if s0 > horizon:
  *                 s0 = horizon
  *             if e0 > horizon:             # <<<<<<<<<<<<<<
@@ -25162,7 +25037,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":292
+      /* "olproute/_score.pyx":289
  *             if e0 > horizon:
  *                 e0 = horizon
  *             if ps0 > horizon:             # <<<<<<<<<<<<<<
@@ -25174,7 +25049,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":293
+        /* "olproute/_score.pyx":290
  *                 e0 = horizon
  *             if ps0 > horizon:
  *                 ps0 = horizon             # <<<<<<<<<<<<<<
@@ -25183,7 +25058,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_ps0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":292
+        /* "olproute/_score.pyx":289
  *             if e0 > horizon:
  *                 e0 = horizon
  *             if ps0 > horizon:             # <<<<<<<<<<<<<<
@@ -25192,7 +25067,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":294
+      /* "olproute/_score.pyx":291
  *             if ps0 > horizon:
  *                 ps0 = horizon
  *             if pe0 > horizon:             # <<<<<<<<<<<<<<
@@ -25204,7 +25079,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":295
+        /* "olproute/_score.pyx":292
  *                 ps0 = horizon
  *             if pe0 > horizon:
  *                 pe0 = horizon             # <<<<<<<<<<<<<<
@@ -25213,7 +25088,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_pe0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":294
+        /* "olproute/_score.pyx":291
  *             if ps0 > horizon:
  *                 ps0 = horizon
  *             if pe0 > horizon:             # <<<<<<<<<<<<<<
@@ -25222,7 +25097,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":296
+      /* "olproute/_score.pyx":293
  *             if pe0 > horizon:
  *                 pe0 = horizon
  *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])             # <<<<<<<<<<<<<<
@@ -25236,7 +25111,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_26 = __pyx_v_s0;
       __pyx_t_25 = 0;
 
-      /* "olproute/_score.pyx":297
+      /* "olproute/_score.pyx":294
  *                 pe0 = horizon
  *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])
  *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])             # <<<<<<<<<<<<<<
@@ -25250,7 +25125,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_34 = __pyx_v_s0;
       __pyx_t_35 = 1;
 
-      /* "olproute/_score.pyx":298
+      /* "olproute/_score.pyx":295
  *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])
  *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])
  *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))             # <<<<<<<<<<<<<<
@@ -25264,7 +25139,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_40 = __pyx_v_s0;
       __pyx_t_41 = 1;
 
-      /* "olproute/_score.pyx":299
+      /* "olproute/_score.pyx":296
  *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])
  *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
  *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))             # <<<<<<<<<<<<<<
@@ -25279,7 +25154,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_47 = 2;
       __pyx_v_price = (((__pyx_v_batch_a * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_29 * __pyx_v_p0.strides[0]) ) + __pyx_t_30 * __pyx_v_p0.strides[1]) )) + __pyx_t_28)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_27 * __pyx_v_p0.strides[0]) ) + __pyx_t_26 * __pyx_v_p0.strides[1]) )) + __pyx_t_25)) ))))) + (((__pyx_v_kv_a - (__pyx_v_kv_b * __pyx_v_s0)) * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_24 * __pyx_v_p0.strides[0]) ) + __pyx_t_23 * __pyx_v_p0.strides[1]) )) + __pyx_t_32)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_33 * __pyx_v_p0.strides[0]) ) + __pyx_t_34 * __pyx_v_p0.strides[1]) )) + __pyx_t_35)) ))))) + (__pyx_v_kv_b * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p1.data + __pyx_t_36 * __pyx_v_p1.strides[0]) ) + __pyx_t_37 * __pyx_v_p1.strides[1]) )) + __pyx_t_38)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p1.data + __pyx_t_39 * __pyx_v_p1.strides[0]) ) + __pyx_t_40 * __pyx_v_p1.strides[1]) )) + __pyx_t_41)) ))))))) + (__pyx_v_ca * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_42 * __pyx_v_p0.strides[0]) ) + __pyx_t_43 * __pyx_v_p0.strides[1]) )) + __pyx_t_44)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_45 * __pyx_v_p0.strides[0]) ) + __pyx_t_46 * __pyx_v_p0.strides[1]) )) + __pyx_t_47)) ))))));
 
-      /* "olproute/_score.pyx":300
+      /* "olproute/_score.pyx":297
  *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
  *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
  *             fin = t if isfinite(t) else 1e9             # <<<<<<<<<<<<<<
@@ -25298,16 +25173,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
       __pyx_v_fin = __pyx_t_31;
 
-      /* "olproute/_score.pyx":301
+      /* "olproute/_score.pyx":298
  *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
  *             fin = t if isfinite(t) else 1e9
  *             f[F_TTFT, j, g] = t             # <<<<<<<<<<<<<<
  *             f[F_TPOT, j, g] = tp
  *             f[F_KV_A, j, g] = kv_a
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 301, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 298, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 301, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 298, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25315,16 +25190,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_t;
 
 
-      /* "olproute/_score.pyx":302
+      /* "olproute/_score.pyx":299
  *             fin = t if isfinite(t) else 1e9
  *             f[F_TTFT, j, g] = t
  *             f[F_TPOT, j, g] = tp             # <<<<<<<<<<<<<<
  *             f[F_KV_A, j, g] = kv_a
  *             f[F_KV_B, j, g] = kv_b
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TPOT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 302, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TPOT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 299, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 302, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 299, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25332,16 +25207,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_tp;
 
 
-      /* "olproute/_score.pyx":303
+      /* "olproute/_score.pyx":300
  *             f[F_TTFT, j, g] = t
  *             f[F_TPOT, j, g] = tp
  *             f[F_KV_A, j, g] = kv_a             # <<<<<<<<<<<<<<
  *             f[F_KV_B, j, g] = kv_b
  *             f[F_COMPUTE_A, j, g] = ca
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_KV_A); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 303, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_KV_A); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 300, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 303, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 300, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25349,16 +25224,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_kv_a;
 
 
-      /* "olproute/_score.pyx":304
+      /* "olproute/_score.pyx":301
  *             f[F_TPOT, j, g] = tp
  *             f[F_KV_A, j, g] = kv_a
  *             f[F_KV_B, j, g] = kv_b             # <<<<<<<<<<<<<<
  *             f[F_COMPUTE_A, j, g] = ca
  *             f[F_QPS, j, g] = qps
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_KV_B); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 304, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_KV_B); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 301, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 301, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25366,16 +25241,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_kv_b;
 
 
-      /* "olproute/_score.pyx":305
+      /* "olproute/_score.pyx":302
  *             f[F_KV_A, j, g] = kv_a
  *             f[F_KV_B, j, g] = kv_b
  *             f[F_COMPUTE_A, j, g] = ca             # <<<<<<<<<<<<<<
  *             f[F_QPS, j, g] = qps
  *             f[F_THROUGHPUT, j, g] = thr
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_COMPUTE_A); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 305, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_COMPUTE_A); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 302, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 305, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 302, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25383,16 +25258,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ca;
 
 
-      /* "olproute/_score.pyx":306
+      /* "olproute/_score.pyx":303
  *             f[F_KV_B, j, g] = kv_b
  *             f[F_COMPUTE_A, j, g] = ca
  *             f[F_QPS, j, g] = qps             # <<<<<<<<<<<<<<
  *             f[F_THROUGHPUT, j, g] = thr
  *             f[F_EEL_SAVED, j, g] = eel_saved
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_QPS); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 306, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_QPS); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 303, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 306, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 303, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25400,16 +25275,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_qps;
 
 
-      /* "olproute/_score.pyx":307
+      /* "olproute/_score.pyx":304
  *             f[F_COMPUTE_A, j, g] = ca
  *             f[F_QPS, j, g] = qps
  *             f[F_THROUGHPUT, j, g] = thr             # <<<<<<<<<<<<<<
  *             f[F_EEL_SAVED, j, g] = eel_saved
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_THROUGHPUT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 307, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_THROUGHPUT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 304, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 307, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25417,16 +25292,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_thr;
 
 
-      /* "olproute/_score.pyx":308
+      /* "olproute/_score.pyx":305
  *             f[F_QPS, j, g] = qps
  *             f[F_THROUGHPUT, j, g] = thr
  *             f[F_EEL_SAVED, j, g] = eel_saved             # <<<<<<<<<<<<<<
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
  *             f[F_EEL_SLO, j, g] = eel_slo
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_EEL_SAVED); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 308, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_EEL_SAVED); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 305, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 308, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 305, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25434,16 +25309,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_eel_saved;
 
 
-      /* "olproute/_score.pyx":309
+      /* "olproute/_score.pyx":306
  *             f[F_THROUGHPUT, j, g] = thr
  *             f[F_EEL_SAVED, j, g] = eel_saved
  *             f[F_TTFT_SAVED, j, g] = ttft_saved             # <<<<<<<<<<<<<<
  *             f[F_EEL_SLO, j, g] = eel_slo
  *             f[F_TTFT_SLO, j, g] = ttft_slo
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT_SAVED); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 309, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT_SAVED); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 306, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 306, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25451,16 +25326,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ttft_saved;
 
 
-      /* "olproute/_score.pyx":310
+      /* "olproute/_score.pyx":307
  *             f[F_EEL_SAVED, j, g] = eel_saved
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
  *             f[F_EEL_SLO, j, g] = eel_slo             # <<<<<<<<<<<<<<
  *             f[F_TTFT_SLO, j, g] = ttft_slo
  *             f[F_UTILITY, j, g] = util
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_EEL_SLO); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 310, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_EEL_SLO); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 307, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 310, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 307, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25468,16 +25343,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_eel_slo;
 
 
-      /* "olproute/_score.pyx":311
+      /* "olproute/_score.pyx":308
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
  *             f[F_EEL_SLO, j, g] = eel_slo
  *             f[F_TTFT_SLO, j, g] = ttft_slo             # <<<<<<<<<<<<<<
  *             f[F_UTILITY, j, g] = util
  *             f[F_REWARD, j, g] = reward
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT_SLO); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 311, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT_SLO); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 308, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 308, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25485,16 +25360,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ttft_slo;
 
 
-      /* "olproute/_score.pyx":312
+      /* "olproute/_score.pyx":309
  *             f[F_EEL_SLO, j, g] = eel_slo
  *             f[F_TTFT_SLO, j, g] = ttft_slo
  *             f[F_UTILITY, j, g] = util             # <<<<<<<<<<<<<<
  *             f[F_REWARD, j, g] = reward
  *             f[F_PRICE, j, g] = price
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_UTILITY); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 312, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_UTILITY); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 309, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 312, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25502,16 +25377,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_util;
 
 
-      /* "olproute/_score.pyx":313
+      /* "olproute/_score.pyx":310
  *             f[F_TTFT_SLO, j, g] = ttft_slo
  *             f[F_UTILITY, j, g] = util
  *             f[F_REWARD, j, g] = reward             # <<<<<<<<<<<<<<
  *             f[F_PRICE, j, g] = price
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 313, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 310, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 313, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 310, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25519,16 +25394,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_reward;
 
 
-      /* "olproute/_score.pyx":314
+      /* "olproute/_score.pyx":311
  *             f[F_UTILITY, j, g] = util
  *             f[F_REWARD, j, g] = reward
  *             f[F_PRICE, j, g] = price             # <<<<<<<<<<<<<<
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
  *             f[F_FINITE_TTFT, j, g] = fin
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_PRICE); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 314, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_PRICE); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 311, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 314, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25536,16 +25411,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_price;
 
 
-      /* "olproute/_score.pyx":315
+      /* "olproute/_score.pyx":312
  *             f[F_REWARD, j, g] = reward
  *             f[F_PRICE, j, g] = price
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price             # <<<<<<<<<<<<<<
  *             f[F_FINITE_TTFT, j, g] = fin
  *             iv[I_START, j, g] = k0
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 315, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 312, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 315, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 312, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25553,16 +25428,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = ((__pyx_v_reward - (__pyx_v_delta * __pyx_v_fin)) - __pyx_v_price);
 
 
-      /* "olproute/_score.pyx":316
+      /* "olproute/_score.pyx":313
  *             f[F_PRICE, j, g] = price
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
  *             f[F_FINITE_TTFT, j, g] = fin             # <<<<<<<<<<<<<<
  *             iv[I_START, j, g] = k0
  *             iv[I_END, j, g] = end
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 316, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 313, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 316, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 313, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25570,16 +25445,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_fin;
 
 
-      /* "olproute/_score.pyx":317
+      /* "olproute/_score.pyx":314
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
  *             f[F_FINITE_TTFT, j, g] = fin
  *             iv[I_START, j, g] = k0             # <<<<<<<<<<<<<<
  *             iv[I_END, j, g] = end
  *             iv[I_PRE_START, j, g] = ps
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_START); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 317, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_START); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 314, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 317, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 314, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25587,16 +25462,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_47 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_k0;
 
 
-      /* "olproute/_score.pyx":318
+      /* "olproute/_score.pyx":315
  *             f[F_FINITE_TTFT, j, g] = fin
  *             iv[I_START, j, g] = k0
  *             iv[I_END, j, g] = end             # <<<<<<<<<<<<<<
  *             iv[I_PRE_START, j, g] = ps
  *             iv[I_PRE_END, j, g] = pe
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_END); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 318, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_END); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 315, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 318, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 315, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25604,16 +25479,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_45 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_end;
 
 
-      /* "olproute/_score.pyx":319
+      /* "olproute/_score.pyx":316
  *             iv[I_START, j, g] = k0
  *             iv[I_END, j, g] = end
  *             iv[I_PRE_START, j, g] = ps             # <<<<<<<<<<<<<<
  *             iv[I_PRE_END, j, g] = pe
  *             on[j, g] = tw <= target[j]
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_PRE_START); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 319, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_PRE_START); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 316, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 319, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 316, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25621,16 +25496,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_47 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ps;
 
 
-      /* "olproute/_score.pyx":320
+      /* "olproute/_score.pyx":317
  *             iv[I_END, j, g] = end
  *             iv[I_PRE_START, j, g] = ps
  *             iv[I_PRE_END, j, g] = pe             # <<<<<<<<<<<<<<
  *             on[j, g] = tw <= target[j]
  *     return f_np, i_np, on_np
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_PRE_END); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 320, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_PRE_END); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 317, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 320, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 317, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25638,7 +25513,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_45 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_pe;
 
 
-      /* "olproute/_score.pyx":321
+      /* "olproute/_score.pyx":318
  *             iv[I_PRE_START, j, g] = ps
  *             iv[I_PRE_END, j, g] = pe
  *             on[j, g] = tw <= target[j]             # <<<<<<<<<<<<<<
@@ -25654,24 +25529,24 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   }
 
 
-  /* "olproute/_score.pyx":322
+  /* "olproute/_score.pyx":319
  *             iv[I_PRE_END, j, g] = pe
  *             on[j, g] = tw <= target[j]
  *     return f_np, i_np, on_np             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_3 = PyTuple_New(3); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 322, __pyx_L1_error)
+  __pyx_t_3 = PyTuple_New(3); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 319, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_INCREF(__pyx_v_f_np);
   __Pyx_GIVEREF(__pyx_v_f_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_v_f_np) != (0)) __PYX_ERR(0, 322, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_v_f_np) != (0)) __PYX_ERR(0, 319, __pyx_L1_error);
   __Pyx_INCREF(__pyx_v_i_np);
   __Pyx_GIVEREF(__pyx_v_i_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_v_i_np) != (0)) __PYX_ERR(0, 322, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_v_i_np) != (0)) __PYX_ERR(0, 319, __pyx_L1_error);
   __Pyx_INCREF(__pyx_v_on_np);
   __Pyx_GIVEREF(__pyx_v_on_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 2, __pyx_v_on_np) != (0)) __PYX_ERR(0, 322, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 2, __pyx_v_on_np) != (0)) __PYX_ERR(0, 319, __pyx_L1_error);
   {
     PyObject *__pyx_temp;
     {
@@ -25683,12 +25558,12 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   __pyx_t_3 = 0;
   goto __pyx_L0;
 
-  /* "olproute/_score.pyx":174
+  /* "olproute/_score.pyx":171
  * 
  * 
  * cdef tuple _score(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
  *                   const double[:, :] utility, const double[:, :] ttft,
- *                   const double[::1] num_resident, const double[::1] resident_context,
+ *                   const double[:] num_resident, const double[:] resident_context,
 */
 
   /* function exit code */
@@ -25771,7 +25646,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":325
+/* "olproute/_score.pyx":322
  * 
  * 
  * def fits_column(const double[:, ::1] free, int64_t s, int64_t e, double ba, double ka,             # <<<<<<<<<<<<<<
@@ -25828,95 +25703,95 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_free,&__pyx_mstate_global->__pyx_n_u_s,&__pyx_mstate_global->__pyx_n_u_e,&__pyx_mstate_global->__pyx_n_u_ba,&__pyx_mstate_global->__pyx_n_u_ka,&__pyx_mstate_global->__pyx_n_u_kb,&__pyx_mstate_global->__pyx_n_u_ps,&__pyx_mstate_global->__pyx_n_u_pe,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_horizon,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 325, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 322, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 325, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 322, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 325, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 322, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 325, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 322, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 325, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 322, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 325, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 322, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 325, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 322, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 325, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 322, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 325, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 322, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 325, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 322, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 325, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 322, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "fits_column", 0) < (0)) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "fits_column", 0) < (0)) __PYX_ERR(0, 322, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 10; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, i); __PYX_ERR(0, 325, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, i); __PYX_ERR(0, 322, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 10)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 322, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 322, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 322, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 322, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 322, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 322, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 322, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 322, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 322, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 325, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 322, __pyx_L3_error)
     }
-    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 325, __pyx_L3_error)
-    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 325, __pyx_L3_error)
-    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 325, __pyx_L3_error)
-    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 325, __pyx_L3_error)
-    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 325, __pyx_L3_error)
-    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L3_error)
-    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L3_error)
-    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L3_error)
-    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[8]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L3_error)
-    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L3_error)
+    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 322, __pyx_L3_error)
+    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 322, __pyx_L3_error)
+    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 322, __pyx_L3_error)
+    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 322, __pyx_L3_error)
+    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 322, __pyx_L3_error)
+    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L3_error)
+    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L3_error)
+    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L3_error)
+    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[8]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L3_error)
+    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, __pyx_nargs); __PYX_ERR(0, 325, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, __pyx_nargs); __PYX_ERR(0, 322, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -25971,7 +25846,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("fits_column", 0);
 
-  /* "olproute/_score.pyx":330
+  /* "olproute/_score.pyx":327
  *     ka + kb (slot - start), prefill [ps, pe)) on a capacity curve ``free`` (H, 3)
  *     computed k slots ago keep every slot it covers at free batch and KV >= 0?"""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -25997,7 +25872,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":331
+    /* "olproute/_score.pyx":328
  *     computed k slots ago keep every slot it covers at free batch and KV >= 0?"""
  *     if free.shape[0] < horizon or free.shape[1] != 3:
  *         raise ValueError("free needs shape (H, 3)")             # <<<<<<<<<<<<<<
@@ -26010,14 +25885,14 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_free_needs_shape_H_3};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 331, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 328, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 331, __pyx_L1_error)
+    __PYX_ERR(0, 328, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":330
+    /* "olproute/_score.pyx":327
  *     ka + kb (slot - start), prefill [ps, pe)) on a capacity curve ``free`` (H, 3)
  *     computed k slots ago keep every slot it covers at free batch and KV >= 0?"""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -26026,7 +25901,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":333
+  /* "olproute/_score.pyx":330
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t lo, hi, ds, de, t
  *     lo = (s if e > s else horizon)             # <<<<<<<<<<<<<<
@@ -26045,7 +25920,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
   __pyx_v_lo = __pyx_t_6;
 
-  /* "olproute/_score.pyx":334
+  /* "olproute/_score.pyx":331
  *     cdef int64_t lo, hi, ds, de, t
  *     lo = (s if e > s else horizon)
  *     if (ps if pe > ps else horizon) < lo:             # <<<<<<<<<<<<<<
@@ -26068,7 +25943,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":335
+    /* "olproute/_score.pyx":332
  *     lo = (s if e > s else horizon)
  *     if (ps if pe > ps else horizon) < lo:
  *         lo = ps if pe > ps else horizon             # <<<<<<<<<<<<<<
@@ -26087,7 +25962,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
     __pyx_v_lo = __pyx_t_6;
 
-    /* "olproute/_score.pyx":334
+    /* "olproute/_score.pyx":331
  *     cdef int64_t lo, hi, ds, de, t
  *     lo = (s if e > s else horizon)
  *     if (ps if pe > ps else horizon) < lo:             # <<<<<<<<<<<<<<
@@ -26096,7 +25971,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":336
+  /* "olproute/_score.pyx":333
  *     if (ps if pe > ps else horizon) < lo:
  *         lo = ps if pe > ps else horizon
  *     lo = lo + k             # <<<<<<<<<<<<<<
@@ -26105,7 +25980,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_lo = (__pyx_v_lo + __pyx_v_k);
 
-  /* "olproute/_score.pyx":337
+  /* "olproute/_score.pyx":334
  *         lo = ps if pe > ps else horizon
  *     lo = lo + k
  *     if lo < 0:             # <<<<<<<<<<<<<<
@@ -26117,7 +25992,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":338
+    /* "olproute/_score.pyx":335
  *     lo = lo + k
  *     if lo < 0:
  *         lo = 0             # <<<<<<<<<<<<<<
@@ -26126,7 +26001,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_lo = 0;
 
-    /* "olproute/_score.pyx":337
+    /* "olproute/_score.pyx":334
  *         lo = ps if pe > ps else horizon
  *     lo = lo + k
  *     if lo < 0:             # <<<<<<<<<<<<<<
@@ -26135,7 +26010,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":339
+  /* "olproute/_score.pyx":336
  *     if lo < 0:
  *         lo = 0
  *     hi = (e if e > s else 0)             # <<<<<<<<<<<<<<
@@ -26154,7 +26029,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
   __pyx_v_hi = __pyx_t_6;
 
-  /* "olproute/_score.pyx":340
+  /* "olproute/_score.pyx":337
  *         lo = 0
  *     hi = (e if e > s else 0)
  *     if (pe if pe > ps else 0) > hi:             # <<<<<<<<<<<<<<
@@ -26177,7 +26052,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":341
+    /* "olproute/_score.pyx":338
  *     hi = (e if e > s else 0)
  *     if (pe if pe > ps else 0) > hi:
  *         hi = pe if pe > ps else 0             # <<<<<<<<<<<<<<
@@ -26196,7 +26071,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
     __pyx_v_hi = __pyx_t_6;
 
-    /* "olproute/_score.pyx":340
+    /* "olproute/_score.pyx":337
  *         lo = 0
  *     hi = (e if e > s else 0)
  *     if (pe if pe > ps else 0) > hi:             # <<<<<<<<<<<<<<
@@ -26205,7 +26080,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":342
+  /* "olproute/_score.pyx":339
  *     if (pe if pe > ps else 0) > hi:
  *         hi = pe if pe > ps else 0
  *     hi = hi + k             # <<<<<<<<<<<<<<
@@ -26214,7 +26089,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_hi = (__pyx_v_hi + __pyx_v_k);
 
-  /* "olproute/_score.pyx":343
+  /* "olproute/_score.pyx":340
  *         hi = pe if pe > ps else 0
  *     hi = hi + k
  *     if hi > horizon:             # <<<<<<<<<<<<<<
@@ -26226,7 +26101,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":344
+    /* "olproute/_score.pyx":341
  *     hi = hi + k
  *     if hi > horizon:
  *         hi = horizon             # <<<<<<<<<<<<<<
@@ -26235,7 +26110,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_hi = __pyx_v_horizon;
 
-    /* "olproute/_score.pyx":343
+    /* "olproute/_score.pyx":340
  *         hi = pe if pe > ps else 0
  *     hi = hi + k
  *     if hi > horizon:             # <<<<<<<<<<<<<<
@@ -26244,7 +26119,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":345
+  /* "olproute/_score.pyx":342
  *     if hi > horizon:
  *         hi = horizon
  *     if lo >= hi:             # <<<<<<<<<<<<<<
@@ -26256,7 +26131,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":346
+    /* "olproute/_score.pyx":343
  *         hi = horizon
  *     if lo >= hi:
  *         return True             # <<<<<<<<<<<<<<
@@ -26274,7 +26149,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
     }
     goto __pyx_L0;
 
-    /* "olproute/_score.pyx":345
+    /* "olproute/_score.pyx":342
  *     if hi > horizon:
  *         hi = horizon
  *     if lo >= hi:             # <<<<<<<<<<<<<<
@@ -26283,7 +26158,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":347
+  /* "olproute/_score.pyx":344
  *     if lo >= hi:
  *         return True
  *     ds = s + k             # <<<<<<<<<<<<<<
@@ -26292,7 +26167,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_ds = (__pyx_v_s + __pyx_v_k);
 
-  /* "olproute/_score.pyx":348
+  /* "olproute/_score.pyx":345
  *         return True
  *     ds = s + k
  *     if ds < lo:             # <<<<<<<<<<<<<<
@@ -26304,7 +26179,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":349
+    /* "olproute/_score.pyx":346
  *     ds = s + k
  *     if ds < lo:
  *         ds = lo             # <<<<<<<<<<<<<<
@@ -26313,7 +26188,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_ds = __pyx_v_lo;
 
-    /* "olproute/_score.pyx":348
+    /* "olproute/_score.pyx":345
  *         return True
  *     ds = s + k
  *     if ds < lo:             # <<<<<<<<<<<<<<
@@ -26322,7 +26197,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":350
+  /* "olproute/_score.pyx":347
  *     if ds < lo:
  *         ds = lo
  *     if ds > hi:             # <<<<<<<<<<<<<<
@@ -26334,7 +26209,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":351
+    /* "olproute/_score.pyx":348
  *         ds = lo
  *     if ds > hi:
  *         ds = hi             # <<<<<<<<<<<<<<
@@ -26343,7 +26218,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_ds = __pyx_v_hi;
 
-    /* "olproute/_score.pyx":350
+    /* "olproute/_score.pyx":347
  *     if ds < lo:
  *         ds = lo
  *     if ds > hi:             # <<<<<<<<<<<<<<
@@ -26352,7 +26227,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":352
+  /* "olproute/_score.pyx":349
  *     if ds > hi:
  *         ds = hi
  *     de = e + k             # <<<<<<<<<<<<<<
@@ -26361,7 +26236,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_de = (__pyx_v_e + __pyx_v_k);
 
-  /* "olproute/_score.pyx":353
+  /* "olproute/_score.pyx":350
  *         ds = hi
  *     de = e + k
  *     if de > hi:             # <<<<<<<<<<<<<<
@@ -26373,7 +26248,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":354
+    /* "olproute/_score.pyx":351
  *     de = e + k
  *     if de > hi:
  *         de = hi             # <<<<<<<<<<<<<<
@@ -26382,7 +26257,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_de = __pyx_v_hi;
 
-    /* "olproute/_score.pyx":353
+    /* "olproute/_score.pyx":350
  *         ds = hi
  *     de = e + k
  *     if de > hi:             # <<<<<<<<<<<<<<
@@ -26391,7 +26266,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":355
+  /* "olproute/_score.pyx":352
  *     if de > hi:
  *         de = hi
  *     if de < lo:             # <<<<<<<<<<<<<<
@@ -26403,7 +26278,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":356
+    /* "olproute/_score.pyx":353
  *         de = hi
  *     if de < lo:
  *         de = lo             # <<<<<<<<<<<<<<
@@ -26412,7 +26287,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_de = __pyx_v_lo;
 
-    /* "olproute/_score.pyx":355
+    /* "olproute/_score.pyx":352
  *     if de > hi:
  *         de = hi
  *     if de < lo:             # <<<<<<<<<<<<<<
@@ -26421,7 +26296,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":357
+  /* "olproute/_score.pyx":354
  *     if de < lo:
  *         de = lo
  *     for t in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -26435,7 +26310,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   for (__pyx_t_8 = __pyx_v_lo; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
     __pyx_v_t = __pyx_t_8;
 
-    /* "olproute/_score.pyx":358
+    /* "olproute/_score.pyx":355
  *         de = lo
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:             # <<<<<<<<<<<<<<
@@ -26461,7 +26336,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
     if (__pyx_t_1) {
 
 
-      /* "olproute/_score.pyx":359
+      /* "olproute/_score.pyx":356
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:             # <<<<<<<<<<<<<<
@@ -26491,7 +26366,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":360
+        /* "olproute/_score.pyx":357
  *         if t >= ds and t < de:
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:
  *                 return False             # <<<<<<<<<<<<<<
@@ -26509,7 +26384,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
         }
         goto __pyx_L0;
 
-        /* "olproute/_score.pyx":359
+        /* "olproute/_score.pyx":356
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:             # <<<<<<<<<<<<<<
@@ -26518,7 +26393,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
       }
 
-      /* "olproute/_score.pyx":358
+      /* "olproute/_score.pyx":355
  *         de = lo
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:             # <<<<<<<<<<<<<<
@@ -26528,7 +26403,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       goto __pyx_L17;
     }
 
-    /* "olproute/_score.pyx":361
+    /* "olproute/_score.pyx":358
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:
  *                 return False
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:             # <<<<<<<<<<<<<<
@@ -26558,7 +26433,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
     if (__pyx_t_1) {
 
 
-      /* "olproute/_score.pyx":362
+      /* "olproute/_score.pyx":359
  *                 return False
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:
  *             return False             # <<<<<<<<<<<<<<
@@ -26576,7 +26451,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       }
       goto __pyx_L0;
 
-      /* "olproute/_score.pyx":361
+      /* "olproute/_score.pyx":358
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:
  *                 return False
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:             # <<<<<<<<<<<<<<
@@ -26588,7 +26463,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   }
 
 
-  /* "olproute/_score.pyx":363
+  /* "olproute/_score.pyx":360
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:
  *             return False
  *     return True             # <<<<<<<<<<<<<<
@@ -26606,7 +26481,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   }
   goto __pyx_L0;
 
-  /* "olproute/_score.pyx":325
+  /* "olproute/_score.pyx":322
  * 
  * 
  * def fits_column(const double[:, ::1] free, int64_t s, int64_t e, double ba, double ka,             # <<<<<<<<<<<<<<
@@ -26631,7 +26506,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":366
+/* "olproute/_score.pyx":363
  * 
  * 
  * def subtract_column(double[:, ::1] free, int64_t s, int64_t e, double ba, double ka, double kb,             # <<<<<<<<<<<<<<
@@ -26689,102 +26564,102 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_free,&__pyx_mstate_global->__pyx_n_u_s,&__pyx_mstate_global->__pyx_n_u_e,&__pyx_mstate_global->__pyx_n_u_ba,&__pyx_mstate_global->__pyx_n_u_ka,&__pyx_mstate_global->__pyx_n_u_kb,&__pyx_mstate_global->__pyx_n_u_ps,&__pyx_mstate_global->__pyx_n_u_pe,&__pyx_mstate_global->__pyx_n_u_ca,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_horizon,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 366, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 363, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 366, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 363, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "subtract_column", 0) < (0)) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "subtract_column", 0) < (0)) __PYX_ERR(0, 363, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 11; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, i); __PYX_ERR(0, 366, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, i); __PYX_ERR(0, 363, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 11)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 363, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 363, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 363, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 363, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 363, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 363, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 363, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 363, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 363, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 363, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 366, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 363, __pyx_L3_error)
     }
-    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 366, __pyx_L3_error)
-    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
-    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
-    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
-    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
-    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
-    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L3_error)
-    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L3_error)
-    __pyx_v_ca = __Pyx_PyFloat_AsDouble(values[8]); if (unlikely((__pyx_v_ca == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L3_error)
-    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L3_error)
-    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[10]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L3_error)
+    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 363, __pyx_L3_error)
+    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L3_error)
+    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L3_error)
+    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L3_error)
+    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L3_error)
+    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L3_error)
+    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L3_error)
+    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L3_error)
+    __pyx_v_ca = __Pyx_PyFloat_AsDouble(values[8]); if (unlikely((__pyx_v_ca == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L3_error)
+    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L3_error)
+    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[10]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, __pyx_nargs); __PYX_ERR(0, 366, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, __pyx_nargs); __PYX_ERR(0, 363, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -26840,7 +26715,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("subtract_column", 0);
 
-  /* "olproute/_score.pyx":370
+  /* "olproute/_score.pyx":367
  *     """``reward.take_column``, compiled: subtract the column, on a curve computed k slots
  *     ago, from ``free`` (H, 3) in place."""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -26866,7 +26741,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":371
+    /* "olproute/_score.pyx":368
  *     ago, from ``free`` (H, 3) in place."""
  *     if free.shape[0] < horizon or free.shape[1] != 3:
  *         raise ValueError("free needs shape (H, 3)")             # <<<<<<<<<<<<<<
@@ -26879,14 +26754,14 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_free_needs_shape_H_3};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 371, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 368, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 371, __pyx_L1_error)
+    __PYX_ERR(0, 368, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":370
+    /* "olproute/_score.pyx":367
  *     """``reward.take_column``, compiled: subtract the column, on a curve computed k slots
  *     ago, from ``free`` (H, 3) in place."""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -26895,7 +26770,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":372
+  /* "olproute/_score.pyx":369
  *     if free.shape[0] < horizon or free.shape[1] != 3:
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t             # <<<<<<<<<<<<<<
@@ -26907,7 +26782,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   __pyx_v_qs = (__pyx_v_ps + __pyx_v_k);
   __pyx_v_qe = (__pyx_v_pe + __pyx_v_k);
 
-  /* "olproute/_score.pyx":373
+  /* "olproute/_score.pyx":370
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t
  *     if ds < 0:             # <<<<<<<<<<<<<<
@@ -26919,7 +26794,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":374
+    /* "olproute/_score.pyx":371
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t
  *     if ds < 0:
  *         ds = 0             # <<<<<<<<<<<<<<
@@ -26928,7 +26803,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_ds = 0;
 
-    /* "olproute/_score.pyx":373
+    /* "olproute/_score.pyx":370
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t
  *     if ds < 0:             # <<<<<<<<<<<<<<
@@ -26937,7 +26812,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":375
+  /* "olproute/_score.pyx":372
  *     if ds < 0:
  *         ds = 0
  *     if de > horizon:             # <<<<<<<<<<<<<<
@@ -26949,7 +26824,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":376
+    /* "olproute/_score.pyx":373
  *         ds = 0
  *     if de > horizon:
  *         de = horizon             # <<<<<<<<<<<<<<
@@ -26958,7 +26833,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_de = __pyx_v_horizon;
 
-    /* "olproute/_score.pyx":375
+    /* "olproute/_score.pyx":372
  *     if ds < 0:
  *         ds = 0
  *     if de > horizon:             # <<<<<<<<<<<<<<
@@ -26967,7 +26842,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":377
+  /* "olproute/_score.pyx":374
  *     if de > horizon:
  *         de = horizon
  *     for t in range(ds, de):             # <<<<<<<<<<<<<<
@@ -26981,7 +26856,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   for (__pyx_t_8 = __pyx_v_ds; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
     __pyx_v_t = __pyx_t_8;
 
-    /* "olproute/_score.pyx":378
+    /* "olproute/_score.pyx":375
  *         de = horizon
  *     for t in range(ds, de):
  *         free[t, 0] -= ba             # <<<<<<<<<<<<<<
@@ -26992,7 +26867,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
     __pyx_t_10 = 0;
     *((double *) ( /* dim=1 */ ((char *) (((double *) ( /* dim=0 */ (__pyx_v_free.data + __pyx_t_9 * __pyx_v_free.strides[0]) )) + __pyx_t_10)) )) -= __pyx_v_ba;
 
-    /* "olproute/_score.pyx":379
+    /* "olproute/_score.pyx":376
  *     for t in range(ds, de):
  *         free[t, 0] -= ba
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))             # <<<<<<<<<<<<<<
@@ -27005,7 +26880,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   }
 
 
-  /* "olproute/_score.pyx":380
+  /* "olproute/_score.pyx":377
  *         free[t, 0] -= ba
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))
  *     if qs < 0:             # <<<<<<<<<<<<<<
@@ -27017,7 +26892,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":381
+    /* "olproute/_score.pyx":378
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))
  *     if qs < 0:
  *         qs = 0             # <<<<<<<<<<<<<<
@@ -27026,7 +26901,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_qs = 0;
 
-    /* "olproute/_score.pyx":380
+    /* "olproute/_score.pyx":377
  *         free[t, 0] -= ba
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))
  *     if qs < 0:             # <<<<<<<<<<<<<<
@@ -27035,7 +26910,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":382
+  /* "olproute/_score.pyx":379
  *     if qs < 0:
  *         qs = 0
  *     if qe > horizon:             # <<<<<<<<<<<<<<
@@ -27047,7 +26922,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":383
+    /* "olproute/_score.pyx":380
  *         qs = 0
  *     if qe > horizon:
  *         qe = horizon             # <<<<<<<<<<<<<<
@@ -27056,7 +26931,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_qe = __pyx_v_horizon;
 
-    /* "olproute/_score.pyx":382
+    /* "olproute/_score.pyx":379
  *     if qs < 0:
  *         qs = 0
  *     if qe > horizon:             # <<<<<<<<<<<<<<
@@ -27065,7 +26940,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":384
+  /* "olproute/_score.pyx":381
  *     if qe > horizon:
  *         qe = horizon
  *     for t in range(qs, qe):             # <<<<<<<<<<<<<<
@@ -27078,7 +26953,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   for (__pyx_t_8 = __pyx_v_qs; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
     __pyx_v_t = __pyx_t_8;
 
-    /* "olproute/_score.pyx":385
+    /* "olproute/_score.pyx":382
  *         qe = horizon
  *     for t in range(qs, qe):
  *         free[t, 2] -= ca             # <<<<<<<<<<<<<<
@@ -27089,7 +26964,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   }
 
 
-  /* "olproute/_score.pyx":366
+  /* "olproute/_score.pyx":363
  * 
  * 
  * def subtract_column(double[:, ::1] free, int64_t s, int64_t e, double ba, double ka, double kb,             # <<<<<<<<<<<<<<
@@ -27564,7 +27439,7 @@ static PyMethodDef __pyx_methods_8olproute_6_score_Scorer[] = {
 #if CYTHON_USE_TYPE_SPECS
 static PyType_Slot __pyx_type_8olproute_6_score_Scorer_slots[] = {
   {Py_tp_dealloc, (void *)__pyx_tp_dealloc_8olproute_6_score_Scorer},
-  {Py_tp_doc, (void *)PyDoc_STR("``score_columns`` with the per-instance constants bound once (one policy\047s): a\n    decision passes only what changes. ``beta`` is read where it lies, so a recalibration\n    written into that array in place is seen at the next call. ``score`` counts the\n    residents itself (``decode_loads``).")},
+  {Py_tp_doc, (void *)PyDoc_STR("``score_columns`` with the per-instance constants bound once (one policy\047s): a\n    decision passes only what changes. ``beta`` is read where it lies, so a recalibration\n    written into that array in place is seen at the next call.")},
   {Py_tp_methods, (void *)__pyx_methods_8olproute_6_score_Scorer},
   {Py_tp_init, (void *)__pyx_tp_init_8olproute_6_score_Scorer},
   {Py_tp_new, (void *)__pyx_tp_new_8olproute_6_score_Scorer},
@@ -27605,7 +27480,7 @@ static PyTypeObject __pyx_type_8olproute_6_score_Scorer = {
   0, /*tp_setattro*/
   0, /*tp_as_buffer*/
   Py_TPFLAGS_DEFAULT|Py_TPFLAGS_HAVE_VERSION_TAG|Py_TPFLAGS_BASETYPE, /*tp_flags*/
-  PyDoc_STR("``score_columns`` with the per-instance constants bound once (one policy\047s): a\n    decision passes only what changes. ``beta`` is read where it lies, so a recalibration\n    written into that array in place is seen at the next call. ``score`` counts the\n    residents itself (``decode_loads``)."), /*tp_doc*/
+  PyDoc_STR("``score_columns`` with the per-instance constants bound once (one policy\047s): a\n    decision passes only what changes. ``beta`` is read where it lies, so a recalibration\n    written into that array in place is seen at the next call."), /*tp_doc*/
   0, /*tp_traverse*/
   0, /*tp_clear*/
   0, /*tp_richcompare*/
@@ -30274,19 +30149,19 @@ __Pyx_RefNannySetupContext("PyInit__score", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_decode_loads, __pyx_t_4) < (0)) __PYX_ERR(0, 56, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "olproute/_score.pyx":115
+  /* "olproute/_score.pyx":114
  *         self.slot_s, self.horizon = slot_s, horizon
  * 
- *     def score(self, list snapshots, const int64_t[::1] idx, const double[::1] prompt,             # <<<<<<<<<<<<<<
- *               const double[:, :] decode, const double[:, :] utility,
- *               const double[:, :] ttft, const double[::1] waited, const double[::1] target,
+ *     def score(self, const double[:, ::1] loads, const int64_t[::1] idx,             # <<<<<<<<<<<<<<
+ *               const double[::1] prompt, const double[:, :] decode,
+ *               const double[:, :] utility, const double[:, :] ttft,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_6Scorer_3score, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Scorer_score, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 115, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_6Scorer_3score, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Scorer_score, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 114, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_8olproute_6_score_Scorer, __pyx_mstate_global->__pyx_n_u_score, __pyx_t_4) < (0)) __PYX_ERR(0, 115, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_8olproute_6_score_Scorer, __pyx_mstate_global->__pyx_n_u_score, __pyx_t_4) < (0)) __PYX_ERR(0, 114, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   /* "(tree fragment)":1
@@ -30316,49 +30191,49 @@ __Pyx_RefNannySetupContext("PyInit__score", 0);
   if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_8olproute_6_score_Scorer, __pyx_mstate_global->__pyx_n_u_setstate_cython, __pyx_t_4) < (0)) __PYX_ERR(1, 17, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "olproute/_score.pyx":150
+  /* "olproute/_score.pyx":147
  * 
  * 
  * def score_columns(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
  *                   const double[:, :] utility, const double[:, :] ttft,
  *                   const double[::1] num_resident, const double[::1] resident_context,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_3score_columns, 0, __pyx_mstate_global->__pyx_n_u_score_columns, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 150, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_3score_columns, 0, __pyx_mstate_global->__pyx_n_u_score_columns, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 147, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_score_columns, __pyx_t_4) < (0)) __PYX_ERR(0, 150, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_score_columns, __pyx_t_4) < (0)) __PYX_ERR(0, 147, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "olproute/_score.pyx":325
+  /* "olproute/_score.pyx":322
  * 
  * 
  * def fits_column(const double[:, ::1] free, int64_t s, int64_t e, double ba, double ka,             # <<<<<<<<<<<<<<
  *                 double kb, int64_t ps, int64_t pe, int64_t k, int64_t horizon):
  *     """``reward.fits_under``, compiled: does the column (start s, end e, batch ba, KV
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_5fits_column, 0, __pyx_mstate_global->__pyx_n_u_fits_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 325, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_5fits_column, 0, __pyx_mstate_global->__pyx_n_u_fits_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 322, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_fits_column, __pyx_t_4) < (0)) __PYX_ERR(0, 325, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_fits_column, __pyx_t_4) < (0)) __PYX_ERR(0, 322, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "olproute/_score.pyx":366
+  /* "olproute/_score.pyx":363
  * 
  * 
  * def subtract_column(double[:, ::1] free, int64_t s, int64_t e, double ba, double ka, double kb,             # <<<<<<<<<<<<<<
  *                 int64_t ps, int64_t pe, double ca, int64_t k, int64_t horizon):
  *     """``reward.take_column``, compiled: subtract the column, on a curve computed k slots
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_7subtract_column, 0, __pyx_mstate_global->__pyx_n_u_subtract_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 366, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_7subtract_column, 0, __pyx_mstate_global->__pyx_n_u_subtract_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 363, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_subtract_column, __pyx_t_4) < (0)) __PYX_ERR(0, 366, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_subtract_column, __pyx_t_4) < (0)) __PYX_ERR(0, 363, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   /* "(tree fragment)":4
@@ -30580,38 +30455,38 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{8},{15},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{8},{60},{15},{49},{7},{6},{23},{2},{16},{9},{41},{50},{61},{39},{34},{19},{34},{18},{38},{30},{37},{8},{44},{5},{8},{11},{11},{9},{13},{6},{6},{12},{7},{5},{8},{12},{6},{6},{12},{10},{9},{1},{5},{9},{11},{7},{5},{5},{6},{24},{26},{12},{8},{15},{7},{6},{7},{15},{7},{7},{7},{12},{16},{7},{7},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{12},{11},{10},{19},{21},{14},{12},{10},{17},{13},{12},{12},{19},{8},{5},{13},{3},{15},{18},{2},{4},{9},{4},{5},{6},{1},{2},{18},{7},{5},{6},{1},{2},{6},{12},{2},{5},{15},{1},{5},{6},{9},{5},{11},{5},{7},{6},{7},{4},{2},{7},{2},{3},{5},{5},{5},{8},{1},{2},{2},{6},{2},{12},{7},{4},{4},{5},{4},{4},{2},{13},{12},{5},{3},{15},{2},{2},{4},{2},{3},{6},{2},{2},{2},{8},{16},{1},{5},{13},{4},{10},{5},{5},{4},{6},{9},{5},{5},{4},{4},{6},{15},{1},{5},{6},{4},{5},{6},{6},{12},{7},{6},{4},{1},{6},{1},{5}};
-    const struct { const unsigned int length: 9; } bytes_length_index[] = {{1},{11},{55},{202},{71},{130},{393},{83},{174}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{8},{15},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{8},{60},{15},{49},{7},{6},{23},{2},{16},{9},{31},{41},{50},{61},{39},{34},{19},{34},{18},{30},{37},{8},{44},{5},{8},{11},{11},{9},{13},{6},{6},{12},{7},{5},{8},{12},{6},{6},{12},{10},{9},{1},{5},{9},{11},{7},{5},{5},{6},{24},{26},{12},{8},{15},{7},{6},{7},{15},{7},{7},{7},{12},{16},{7},{7},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{12},{11},{10},{19},{21},{14},{12},{10},{17},{13},{12},{12},{19},{8},{5},{13},{3},{15},{18},{2},{4},{9},{4},{5},{6},{1},{2},{18},{5},{6},{1},{2},{6},{12},{2},{5},{15},{1},{5},{6},{9},{5},{11},{5},{7},{6},{7},{4},{2},{7},{2},{3},{5},{5},{5},{8},{1},{2},{2},{6},{2},{5},{12},{7},{4},{4},{4},{4},{2},{13},{12},{5},{3},{15},{2},{2},{4},{2},{3},{6},{2},{2},{2},{8},{16},{1},{5},{13},{4},{10},{5},{5},{4},{6},{9},{5},{5},{4},{4},{6},{15},{1},{5},{6},{4},{5},{6},{6},{12},{7},{6},{4},{1},{6},{1},{5}};
+    const struct { const unsigned int length: 9; } bytes_length_index[] = {{1},{11},{55},{202},{71},{130},{393},{83},{142}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2028 bytes) */
-static const char cstring[] = "x\332\235VKs\333F\022\216b\332\246\374\210-Zq\326\311\2563\262\234\222\224\310\\\321R\264\316:\353\024$\221\022+z\360%Qv\266jj\000\014I\204 \000a\006\024\351\335\203\2168\342\210#\2168\362\310\243\216:\362\310\243\177\302\376\204\355\001H=\354\254\313\265Rif0\323\323\217\357\353\351\026\"\034-u\220)\377N\025\376\n\035S\255\336\340l\236\333\224\242\232M\352-j\360\205\364\337\321\317;\264e\332\335\003\215\036#\263\206~VL\203ku\307t\030\"\206\212T\315\026\367\337\337\326\214\361\001\343\266\246R\365\22202\355\217\236_\335;\227|\365\313:1\014\223#\302\230V7\0207\221M\211\372\3144\364.jEN\266\301\311\274\321&\272\246\242\226\251\322ED;\026\334\005Us\312\234\260;W3mn\023cn\021\325A\325X\2305\210E\301\024\"\035\215\241]\223S\304\033\000\320z\2277L\003\301\236JuM\2466\341\024\254\t\377@\253-\204\014T\310\026\236\255\274X\211\274\265\251\200\223!\346\310\212\016\216R&@\223\035M\347\240\235w-\312\322(_C]\323A\006\005\277 \n\013\344._\340\rj F\271X\240\271(f\3025\323\300p]3\352s#\230\2646\025\267sDg4MT\025\203\034\225)\047\213H&\\i`\205X\213\250\331\026s\344\233\354\250u\320\032\2315\r\212l\363\030YTp\30181\024\252\230\272.\364\232\006K\023YQaC@\350pM\327x7R\301ym\244 Fl~w\021\351\324\230\327\324\316\302\202\2521\"\353\224\032b\254\211<\022\222l,\272\265\210\226\027\352\n\210\"\323\341\002\026\340\241N5\026_P[\244\203\r\247\205\031=b\243\233\302KHC\273{\305O\303\0046j\304\3219\302\330\246\252\243P\214\221\352Dp\030\246\361\014\330ikD\207SE34\216#\2656e\220S\006\037\321\024\177`\221\266\264s\t\224?0\347\264\254n\032$m\232n\201Q\215\3306\351\242\032\321\364\230?\255eAR]\026sZ\2047>\2200u\313\206\310\351_1\213\244\254n\307Z\212\334\2612W@\335\\D[\350\007\224\021\200\261\206\006\220\267\034\306\221L\321\253\177\240%f\020\2135L\376q\220\234\010Ta\234\350\272\251@\336\242\330o\225p\222\376\203\323\330\266\360&~},}<2pL4>z\214\234\330WR\350\302\256M\217\034\312\270T^\317\347\263\272\256YLc9\274\276\267S\330\257d\261\224\303\331\3546.K\007\331\215\321r{/\207s\371\335<\234V*\271J\016""\377z \304`\\\313\341mi\263$\355n\346\245\335\034.\224\362\353\331\034.\026\3129\\\312V\245\022h\250l\225\366\3667\267@7\254\013{b\214t\210ql%^\0133\373\225\374v\276\362z3\217\263\273\033yP\230\275X\224+R\251\222\217\247\335\375\035\234\023C\265,\010\262\3431}\236dJT\r0>\337\207G\nh\363\017N\"~\313\002\021`BT\316\364E\021\255bi\273\260%U\361Z\266\002\343Fv[L\002\022\010*[\336\332\333\336\250\342Mig\007v\367v\262\2330\225\363\233\342\253\262\367kv\027\357\356\225v\252qp\227.\274\001e\231xz\216q\241\333\201\277\r\250Qx\027\262\273Dk\030\217\352\010<\025x\026\242\322\\,\200R`\270%6Tq\007~j\216\241\210\271>\216\020~\342,\026\253\026\321\214h6UG\217\316\014\322\212gz,&Hm\2544\250\322d\360\362\242/xq\360v\342\365H\243X\212\212\030\257\034\303\322\224&h\313\032\343;\347[1\254\361f\233\213\324\025F\216\034\242\217\355\216\313\300\007\\\235o\320\216\370\000\306\316}e\227b\373\200I\2149\244\363\030\021\215\211\207\r\217W3(\224\306\361\243\301\262S\253AS`]C\321\314\364\271\010\223\211L\030=/\303\242*\313\246\251\343\270\004+\nQt\020\303\200\"4#\005\004\225\346\250\022)\246cp\205C)\264Th\201Q\r\216G\254\233De\360+0\213\006\341V\334\277)mY\274\013\331\006r\242`E\215\212\332\266i\3274.|\327\235\226Q\323I\235\325@\013_]\2016\0105j\324\014E\255nh\r\323\326\336\232\206\246B\205\206\246Ka\000A\221\030,\036\336\322f\2234\345\270\243\350\346\345z\r\355W\364^\321s\r\360\334\020t\013\230\241w\267\340\023\244\306u\211]\256\305Q\315\204\010\306\2251\035WFk\311\312X\000\211E-\323\202\023\210\315bG`\306\246u\215A\337}\277|\263\350Z4\214b\205F\252\327\200\324Q\243\210\212[TJE\030L79f\347u\024\034\263c\366A\267\305\270\t\177\266\003]\334\221\005;|\244\222G\211\027W@\321\007\035\300\347\005\244(8\352XPU\251\303\350y\036\215\232&\374w\001UQ@s\034W\321\316[j\233l\357db\230x\032H\301A\2309\231x\227\370\326?\032\240\245\336\355\376\313\323\346\240X\032&\036x\253\376\237\202\251`f\230\270y\362o\357o\376\31409\037N\204\217z\351S\270z\333\205k\377I~v=y\302\335Uo\312\233\365J^\307g\301\323\240\026Ja""\271w\255\227\031&\277p\177\367\047\374\251a\342\241\047\373\237\373\363\301\223`-h\204J/\325{\321_\356\313B\323\315\023\346>q\245a\362\256[|\377+\351^w\367\275\031o\305;\032&\357\270\222[\366nx\344b\251\370)\177\331\227\203\3110\025.\207r\357\363\336\314\377\2430\216\344\221\177\315_\215#\276\355>w\017\274\214\267\356\265\375\222\1774L\334uKn\333+\202\301\207\276\035@@\367\275\t\357\033?\033<\016\333\275\242\270\000\030Djn}#\220\232\362\246\275\177\006\323A5\334\350M\366\247\373oN\371\331O\203\312\341\340\260>\2507\007M>\340\235A\247;L\336\367nzG\376\r_\017#\317\333n\325\313\372\323~q\230Ly\240\347+\357\350\235\030\304\031x|opo.\340a&\334\354\275\354\327O\213\357\256\356\210@n}\032%\357\022\267\334\357\\\333KE\314\002.7\\\005>^\370?\001CD\240u\340-\003i\311\000(\232t\037\270k.y\037\314\377\241A\0202\361i\032\304\327,,\222\367\334#!\224\002\334\213\037g\360\223\204\256\320,\310,{\327\340\303\206t\311\014\357\334sy\304-\363\237\370\353@\347tP\016\023#\204\226{J?\025\245\346\344Y\352l\371L\036\024J\203RuP}=x\375fx_Pqw*\302\266\014\t\375\324W\340v1P\302\007\341ZH\206w\036x\231\361\333x\362\331\365/=\311;\360_B\3067@-d\315\027.q\035O\032\345\2137\017/b!\\\355=\036\374R\024\217.\3655l\374\020\036\366\016\373\207\247\257\317\224Aq\177\260\1770L=\362\277\364\311\211\004\334N\376\305\337\010\256\213G\033J\"\262eP\370/\177\026\362\345N\312\373\336\227F\211\343\375\350\003\003\177\206\350\332\340\035\3209\023\244\202\325p*\234\r\017z\317!a\223\263\301\363H\313:\344o\251\007(M\203\257\277\201\352J\370m\377f_\344Z\224\360\r\277\021h S\355\347O+g_\r\n\305\341\303\307\276\032,\206jo\241\277\322\357\236%\316\244\341\303\257\375\357\203\r\000q\243\227\350m\366\177<\235\370/z\354Mp";
-    PyObject *data = __Pyx_DecompressString(cstring, 2028, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2010 bytes) */
+static const char cstring[] = "x\332\235V\315S\333H\026\017\023HL\2761Lf3S\233\355|\314\000;\304\213\003\303f6\263\231\022`\203k\300\340\0170ImUWKj\333\032\313\222\254n\031;\265\007\216:\352\250\243\216:\372\350#G\216>\372\230?a\376\204}-\331|$\263S\251\201\242\273\325\375\336\353\367~\357\365\357\201\010G\313\035d\312\277R\205\277A\307T\253\3259[\3406\245\250j\223Z\223\032|1\365/\364\323.m\232v\367P\243\307\310\254\242\237\024\323\340Z\3151\035\206\210\241\"U\263\205\376\307\333\2321>`\334\326T\252^\022F\246\375\207\347W\367\316%\337\374\274A\014\303\344\2100\246\325\014\304MdS\242\2760\r\275\213\232\221\223mp2g\264\211\256\251\250i\252t\t\321\216\005\272`j^\231\027\367\316WM\233\333\304\230_B505\026fubQ\270\n\221\216\306P\336\344\024\361:\000\264\321\345u\323@\260\247R]\223\251M8\205\333\204\177`\325\026B\006\332\317\354\277X}\265\032ykS\001\047C\314\221\025\035\034\245L\200&;\232\316\301:\357Z\224\245P\256\212\272\246\203\014\n~A\024\026\310]V\340uj F\271X\240\371(f\3025\323\300\240\256\031\265\371\021LZ\233\n\355,\321\031M\021U\305 Ge\312\311\022\222\tW\352X!\326\022j\264\305\034\371&;j\r\254F\327\232\006E\266y\214,*r\30181\024\252\230\272.\354\232\006K\021YQaC@\350pM\327x72\301yud Fl!\277\204tj,hjgqQ\325\030\221uJ\r1VE\035\tI6\026\335^B+\2135\005D\221\351p\001\013\344\241F5\026+\250\272I@\370\212\312\330\364\022z\271\330$\035l8M\314hk,%\202\200*\265\273W\3020LHV\2258:G\030\333Tu\024\2121R\235\010-\3034^@\362\332\032\321\341T\321\014\215\343\310\254M\031\224\234\301GY\214?\260\250j\332\271\204\331\357\\\3474\255n\n$m\232j\302\245\032\261m\322EU\242\351qz\265\246\0055wY\314i\022^\377D\302\324-\033\200\241\377\300,\222\262\272\035k9r\307J_\301|k\tm\243\357QZ\340\311\352\032d\244\3510\216d\212\336\374\033-;\021\232\302,\321uS\201\202E\261G*\341$\365;\247\261UqO\374\354X\352x\204\3571\321\370\350\025rb_\251\235\013\034l\332r(\343Ri#\227\313\350\272f1\215e\361\306\336\356\376A9\203\245,\316dvpI:\314l\216\226;{Y\234\315\345spZ.g\313Y\374\313\241\020\203q=\213w\244\255\242\224\337\312I\371,\336/""\34662Y\\\330/eq1S\221\212`\241\274]\334;\330\332\006\333\260\336\337\023cdC\214\343[\342\265\270\346\240\234\333\311\225\337n\345p&\277\231\003\203\231\213E\251,\025\313\271x\312\037\354\342\254\030*%\001\275\035\217\251\363\362Q\"\032\300\370|\037^\047d\237\177r\022e\256$\020\201\312\020\224\231\272`\317\n\226v\366\267\245\n^\317\224a\334\314\354\210I@\002AeJ\333{;\233\025\274%\355\356\302\356\336nf\013\246RnK|\225\367~\311\344q~\257\270[\211\203\273\244\360\016\214\245\343\351%\306\373\335\016\374m\0029\341<\324m\221V1\036\021\010<\002(xA1\027\013H)d\270)6T\241\003?U\307P\304\\\033G\010?q}\212U\223hF4\233\252\243Gg\006i\3063=\026\023\024-V\352Ti0xS\321\027\274%x\025\361zdQ,\005\025\306+\307\2604\245\001\3262\306X\347|+\2065\336lsQ\272\342\222\226C\364\361\275\343\007\376I\256\3167hG|@\306\316}e\227b\373$\223\030s(\3471\"\032\023O\026\236\245fP\340\304\361\243\301\262S\255B7`]C\321\314\324\271\010\223\211L\030=\347_A\307\262i\3528\346^E!\212\016b\030P\204.\244\200\240\322PL\307\340\n\007v\263Thz\021\353\306#\216(\021~\005X\321 \374\211;6\245M\213w\241\314@NpP\324\232\250m\233vU\343\302i\335i\032U\235\324X\025\254\360\265Uh|@;\243\366\047\330\271\256\325M[{o\032\232\n\034\013m\226\302\000\202\242\"X<\274\247\215\006i\310q\017\321\315\310\235\313<\014]W\264\\\321j\rp_\340\013\335\272\t+\020\030\023$\273L\257\021\rB\004c\262K\305dg-[i\013\260\260\250eZp\002\261Y\254\0057\330\264\2461\350\264\03732\213\324\242a\024+\264N\275\n\331\034q\177\304j\021;\2120\230nr\314\230A,V7A\031\350,N;\330\266\0307\341\317v\240o;\262H\013\037\231\344Q\305\305\324\047:\237\003\370\274\202\332\004G\035\013\350\224:\214\236\027\320\250M\302\377\023@\207\002\225\343\230>;\357\251m\262\275\223\211\341\344\363@\n\016\303\364\311\304\207\311\277\371\255\001Z\356\335\356\277>m\014\n\305\341\344\254\267\346\377%\230\t\236\014\047o\236\374\327\373\247\377d\230X\010\047\302G\275\324)\250\336vA\355\267\304\265\251\304\tw\327\274\031\357\231W\364:>\013\236\007\325P\nK\275\353\275\3640q\317\375\325""\237\360g\206\223\017=\331\377\302_\010\236\006\353A=Tz\311\336\253\376J_\026\226n\2360\367\251+\r\023w\335\302\307_\tw\312=\360\236x\253^k\230\270\343Jn\311\273\341\221\213\245\342\047\375\025_\016\246\303d\270\022\312\275/zO\376\214\3018\222G\376u\177-\216\370\266\373\322=\364\322\336\206\327\366\213~k8y\327-\272m\257\000\027>\364\355\000\002z\340Mx\337\370\231\340q\330\356\025\204\002`\020\231\271\365\215@j\306\233\363\376\023\314\005\225p\2637\335\237\353\277;\345g?\016\312G\203\243\332\240\326\0304\370\200w\006\235\3560\361\300\273\351\265\374\033\276\036F\236\267\335\212\227\361\347\374\3020\221\364\300\316W^\353\203\030\304\031x|\177p\177>\340a:\334\352\275\356\327N\013\037\256\356\210@n}^J>L\336r\277um/\031e\026p\271\341*\360\361\312\377\0212D\004Z\207\336\n$-\021@\212\246\335Yw\335%\037\203\371\177,\210\204L|\236\005\361\365\014\026\211\373nK\010%\001\367\302\037g\360\263\204\256\244Y$\263\344]\207\017\033\312%=\274s\337\345Qn\231\377\324\337\200t\316\005\245pr\204\320JO\351\047\243\322\234>K\236\255\234\311\203\375\342\240X\031T\336\016\336\276\033>\020\251\270;\023a[\202\202~\356+\240]\010\224p6\\\017\311\360\316\254\227\036\277\215\247\327\246\276\364$\357\320\177\r\025_\007\263P5\367\\\342:\2364\252\027o\001^\304b\270\326{<\370\271 \036]\362k\330\370><\352\035\365\217N\337\236)\203\302\301\340\340p\230|\344\177\351\223\023\351\267{\327\246\377\352o\006S\342\321\206RT\"\336\017\376\204\010\361\007Q\307\020\3213\277\024\334\010H\300\302g\341A\357\273\376D\177\266\277\321o\r\357$\275\277\373\222\037A-\n\271\356\327\003\rj\367\240\377\274\257\236~\013\345\271z\306\007\245\362\360\341c8Q\303\245\236\332_<]=m\r\037~\355/\006\253\301\373\336\\\257\014\225\\>\375\352l\352\254\360?6A:6";
+    PyObject *data = __Pyx_DecompressString(cstring, 2010, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (2648 bytes) */
-static const char cstring[] = "\377 at 0x o\377bject> w\377eights(t\377ree frag\377ment).: \377<MemoryV\377iew of <\377contiguo\377us and d\263ir<\001\007\rin\021\005s\277trided\"\010 7or \004\031><(\tA\006\377>?Cannot\377 assign \377to read-\277only m\240\002v\376\242\000Invalid\377 mode, esxp\334\000|\000\047c\047t\001\377\047fortran\317\047, gH\000%\005sh\367ape\222\000 axi\377s Note t\375h\236 Cython\375 \021\000delibe\317ratek\000\320\001ct\373er!\001n PEPo-484\212\"re\313!\177s subcl\246\000\373es\261!built\375i\260\000ypes. \377If you n\311e\224 \303\000p\316\000%\tth\277en set\200\000e\373 \047\357\002ation\377_typing\047\366\355$iv\242\000o Fa\377lse.add_\376\231 ebeta, \377batch_ca\237p, kv\004\001\246Bb\347udgS\000r\002one\277 row p\302\000i\377nstancec\347oll\211`g\000s.a\347bcd\016\000\277!uti\357lity\351Bttf\371t\262\003\254#(N, l\377en(idx))\377disablee\205n\002\001f\304a\336\001\211 \330\"(\177H, 3)gc(\000\317 out\310a\205@ge\373is+\003dmax_\377num_seqs\370\227\"\270 \243\000entry\376\233\nno defa\377ult __re\377duce__ d\275u\212\"non-\357`v\367ial\033\000cini\373t_R\002resid\247ent\240D\007\003_\312\204\001e\365x\315\004oY\023umpy\275.\047\000re.mr\000i\377array fa\273il\272Cimp\322`n\276\034\010umath\021\016o\367lpr\367\000e/_s\373coJ\000pyxp0\366\300\205\002p1\310*G, H\357 + 1\255!shi\376\360 must be\377 >= 0sna_pshot\207;u\201B\376\241\205\001allocat\373e \262\003data.p\013\020\375\204\003\317\206\001\254\206\003s.w\377$\357wait\272\206\004tar\374\266j\223Greques\377tASCIIEl\377lipsisF_\377COMPUTE_\377AF_EEL_S\357AVED\004\004LOF\337_FINI\033\000TT?FTF_KV#\001\003\000\377BF_LAGRA\377NGIANF_P\377RICEF_QP\377SF_REWAR\376?\000THROUGH>Y\000F_TPO;\000>\003\360F\001^\005\006\003c\001UTIL\377ITYGI_EN\353DIN\000E\000\006_ST\357ARTI\001\003NUM[_F\001\001WS\235Ar\000\003\265.\334fc\211\207\002__\017\006s\377etstate_t\013\014\333BS\216!nce\266\211\001\375.\273\211\007W_ALPH\277AW_BET\003\000D\343EL\003\001\232!\322\000ESH\377OLDW_GAM\275M \000OMEG\047\000S\373IG\n\001TOKEN\177_NORMW_\344""\002\272&\010ZJ\0001W_\003\0012\337__Pyx\001\000Di\377ct_NextR\357ef__\301\207\004e__\363__\226\210\002\000\006_get\312\337@m\026\001d0\001 \000fu\013nc&\001g\332\0054\000\342\204\003<\001\357main\003\002odu\335lM\002nam\002\003ew\372]\001p~\000check\363suT\000\n\001resu\217lt__\026\001\256#\006\002t\367ype\017\003unpi\033ckK\000En,\005\n\006\211C\3467\003vt\341\207\001\302\001quaalp\005\377\206\005\233N\231\207\006ex\366\001/set_\244\005s\321\010\271N?__test\252 \215\"\373is\374\206\001outin\357eabc\313\205\005_bu\377fferasyn\177cio.cor\035\003\177sbabase\376\211\006\276\222\212\001bool_\375\211\003c\257caclG\000_\303 t\267rac&\000ck\203\210\004c\377ountctx_\237npdde\376\211\003\204\212\003_\377loadsdsd\344\260!\000\002_\224\000\272\216\003eem\377ptyencod\337eenum\244\214\002er\277rorfit\270\001l\377umnflags\375fC\000t64for\347mat\206\215\004\250\212\001hih\377orizonid\177idxinde\002\000\364&\000\225as\000\002izekokakb\314\213\003lo\244\212\t\247mem\370\215\001\360\215\001n\267\000n\357_res\217andi\047mnp\322\212\001\335\213\005s\337\212\001\204\212\005\256\257\211\002obj\222\211\005.\224\211\003p\3770p1packp\177epoppro\331\000\377psqeqsre\257gist\325\000e\261\212\013s\334\314\211\002\321\211\002_co\350\001ss?elfset\242\213\004\333\216\002\372\306\211\002s\304\000slot_=s\277\211\006star\302\206\003Y\000\357psto\001\000ruc\257tsub\232AtL\004t\370\364b\374\210\003\204\215\001uint8\373un\245\001updat\237euse_\212\207\005\256\215\004v_alues\223\220\001w\300\211\003\377xzerosO\200\377\001\330\004$\240A\240V\377\2501\200\001\340\004\037\230\377q\320 0\260\013\270;\377\300k\320QR\330\004\023\377\2206\230\030\240\021\240!\377\330\004\007\200|\2207\230\377!\330\010(\250\001\250\031\267\260.\3008\000\013\2104\000\360\377\010\000\005\010\200t\2106\377\220\021\220#\220R\220x\377\230s\240$\240f\250A\377\250S\260\003\2601\330\010\377\016\210j\230\001\230\021\330\377\004\026\220b\230\002\230(\377\240\"\240B\240h\250c\377\260\022\2608\2703\270b\376F\001\007\200s\210\"\210A\237""\330\010\r\210Qh\001\002\t\010\377\210\005\210U\220!\2204\377\220q\330\010\014\210A\210\337S\220\006\220a\001\007c\230\377\022\2303\230b\240\t\250\377\022\2503\250b\260\002\260\261!3\rQ\013;\023\200\001\306\001\031\357\230\003\2306\354\003\013\2102\377\210V\2201\220C\220v\377\230R\230q\330\004\r\210\377R\210v\220Q\220c\230\357\026\230r\240\316\000\020\220\001\377\220\033\230E\240\036\250ve\260\264\000\013\200!B\002\n\033\246!\377\021\220\024\220\\\240\024\240\377W\250D\260\t\270\024\270\377Z\300t\3109\320TX\377\320Xg\320gk\320k\377t\320tx\320xy\330\377\010\020\220\007\220q\230\006\367\230l\250\344\"v\210W\220\377E\230\024\230Q\330\010\022}\220\357 \027\220q\340\010\002\000\374\201A\200 \017\320\017\047\240t\377\2501\250G\260;\270g\257\300Q\340\010\005\na\306\000\n\376\355\201#\340\004\n\210%\210r\373\220\022\325B\004\010\210\006\210\235c\n\0008\2309\237@\337 \r\332\375\0003\262@\010\240\245`\t\210\037\023\210B\210a\216M+\024\215AM\001\313AV\220\"\035\370A#\364@w\010\017\210\342 \t\210\022\365 \341Q\244[\000\"\253j\311AS\220\003\372\302`r\254`1\330\014\017\210}t\327Bs\230\"\230C\314@\337\024\240S\250\004\256\204\0043\260\367c\270\022\226\204\002\t\310\022\310\3773\310b\320PR\320R\377W\320WY\320YZ\330\355\020\207A\r\021\352\204\002S\230\002\357\230$\230c\342@Q\240c\377\250\023\250B\250a\330\014\337\023\2201\330\004\226\205\003\"\000\377\005\025\220A\220V\230;\357\240h\250hT\000\021\330\004\177\016\210a\210u\220A\037\001\376\260\205\001(\230(\240)\2506\337\260\036\320?Q\361\205\001\022\032\377\230(\240+\250X\260X\377\270X\300Y\310c\320Q\377U\320UV\330\022\031\230\377\025\230a\200A\360\n\000\277\t\035\230D\240\005\261\206\001\250\277A\330\010\013\2103N\000{\373\230#\255`\014\022\220*\230]A\262d\2205\230\377 \034\333\000\377v\240Q\240a\330\010!\377\240\022\2406\250\021\250#\337\250V\2602\260\333`#\240\3752A\002C\250v\260R\260\257q\330\010\024\251\000[X\000T\237\250\037\270\007\270\350a\354\204\002h\377\230h\240i\250v\260W\377\270I\300T\310\027\320P\377Q\330\026\036\230d""\240,\377\250d\260)\2704\270y\377\310\004\310A\330\026\032\230\367*\240D\302 D\260\004\260\037G\2705\300\001";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 2648, 3548);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (2625 bytes) */
+static const char cstring[] = "\377 at 0x o\377bject> w\377eights(t\377ree frag\377ment).: \377<MemoryV\377iew of <\377contiguo\377us and d\263ir<\001\007\rin\021\005s\277trided\"\010 7or \004\031><(\tA\006\377>?Cannot\377 assign \377to read-\277only m\240\002v\376\242\000Invalid\377 mode, esxp\334\000|\000\047c\047t\001\377\047fortran\317\047, gH\000%\005sh\367ape\222\000 axi\377s Note t\375h\236 Cython\375 \021\000delibe\317ratek\000\320\001ct\373er!\001n PEPo-484\212\"re\313!\177s subcl\246\000\373es\261!built\375i\260\000ypes. \377If you n\311e\224 \303\000p\316\000%\tth\277en set\200\000e\373 \047\357\002ation\377_typing\047\366\355$iv\242\000o Fa\377lse.add_\376\231 ebeta, \377batch_ca\237p, kv\004\001\246Bb\347udgS\000r\002one\277 row p\302\000i\377nstancec\347oll\211`g\000s.a\347bcd\016\000\277!uti\357lity\351Bttf\371t\262\003\254#(N, l\377en(idx))\377disablee\205n\002\001f\304a\336\001\211 \330\"(\177H, 3)gc(\000\317 out\310a\205@ge\373is+\003dload\363s &\nS\005, 2)\377max_num_\347seq\036\005\301\001ent\373ry\272\nno de\377fault __\377reduce__\367 du\251\"non-\177trivial\033\000\277cinit_R\002r\177esident\277D\232\007\003_\351\204\001ex\354\004X\024u\357mpy.\047\000re.\375mr\000iarray\337 fail\331Cim\365p\361`n\034\010umat\275h\021\016olpr\226 e\337/_scoJ\000py\267xp0\337\205\002p1\347*G\177, H + 1\314!\367shi\217@must\377 be >= 0\371u\372\"\232\205\001alloc\357ate \214\003dat\303a.\013\020\366\204\003\310\206\001\245\206\003s.\275w\377$wait\263\206\004t\363ar\257j\355\047requ\377estASCII\377Ellipsis\377F_COMPUT\377E_AF_EEL\277_SAVED\004\004L\177OF_FINI\033\000\377TTFTF_KV\374#\001\003\000BF_LAG\377RANGIANF\377_PRICEF_\377QPSF_REW\373AR?\000THROU\373GHY\000F_TPO\300;\000>\003F\001^\005\006\003c\001UT\377ILITYGI_\257ENDIN\000E\000\006_\277STARTI\001\003NoUM_F\001\001WS\367!\325r\000\003.\266fc\202\207\002__\376\017\006setstat\323e_\013\014\265BS\216!nc\365e\257\211\001.\264\211\007W_AL\377PHAW_BET\216\003\000DEL\003\001\232!\322\000E\377SHOLDW_G\367AMM \000OMEG\356\047\000SIG\n\001TOK""\377EN_NORMW\351_\344\002&\010ZJ\0001W_~\003\0012__Pyx\001\000\377Dict_Nex\277tRef__\272\207\004e\317____\217\210\002\000\006_g+et\337@m\026\001d0\001 \000/func&\001g\332\0054\000\274\274\204\003<\001main\003\002owdulM\002nam\002\003\353ew]\001p~\000che\317cksuT\000\n\001re?sult__\026\001\256#\336\006\002type\017\003unopickK\000En,\005\230\n\006\211C7\003vt\332\207\001\302\001q\207ualp\005\331\206\005\233N\363\206\006e\275x\366\001set_\244\005s\374\321\010\271N__test\354\252 \215\"is\326\206\001out\277ineabc\313\205\005_\377bufferas\377yncio.co\375r\035\003sbabas\371e\367\211\006\213\212\001bool_\276\366\211\003ccaclG\000_\336\303 trac&\000ck\377countctx?_npdde\360\211\003\366\211\003\235_\216\211\002dsd\251!\000\002_\374\215\000\254\216\003eempty\377encodeen\373um\226\214\002error\367fit\261\001lumn\377flagsflo\377at64form\363at\370\214\004\232\212\001hiho\377rizonidi?dxinde\002\000&\000\372\216as\000\002izekk7akb\276\213\003lo\235\212\002\374\211\t\047mem\357\215\001\347\215\001n\274\000\210a?ndimnp\245\212\001\317\213\005qs\262\212\001\327\211\005\202\211\002obj\345\210\005\375.\347\210\003p0p1pa\377ckpepopp\373ro\331\000psqeq\177sregist\325\000\345e\204\212\013s\237\211\002\244\211\002_co\376\350\001sselfse\321t\365\212\004\315\216\002\231\211\002s\304\000sl\377ot_ssnap\377shotsstayr\273\206\003Y\000psto\001\000\177ructsub\223A\305tL\004t\355b\365\210\003\366\214\001ui\337nt8un\245\001up\377dateuse_\374\203\207\005\240\215\004values\372\205\220\001w\271\211\003xzero\377sO\200\001\330\004$\240\377A\240V\2501\200\001\340\377\004\037\230q\320 0\260\377\013\270;\300k\320QR\377\330\004\023\2206\230\030\240\377\021\240!\330\004\007\200|\377\2207\230!\330\010(\250\277\001\250\031\260.\3008\000\013\375\2104\000\360\010\000\005\010\200\377t\2106\220\021\220#\220\377R\220x\230s\240$\240\377f\250A\250S\260\003\260\3771\330\010\016\210j\230\001\377\230\021\330\004\026\220b\230\377\002\230(\240\"\240B\240\377h\250c\260\022\2608\270\3673\270bF\001\007\200s\210\377\"\210A\330""\010\r\210Q\374h\001\002\t\010\210\005\210U\220\377!\2204\220q\330\010\014\377\210A\210S\220\006\220a\376\001\007c\230\022\2303\230b\377\240\t\250\022\2503\250b\217\260\002\260!3\rQ\013;\023\200}\001\306\001\031\230\003\2306\354\003\377\013\2102\210V\2201\220\377C\220v\230R\230q\330\377\004\r\210R\210v\220Q\177\220c\230\026\230r\240\316\000\377\020\220\001\220\033\230E\240/\036\250v\260\264\000\013\200!B\002\373\n\033\246!\021\220\024\220\\\377\240\024\240W\250D\260\t\377\270\024\270Z\300t\3109\377\320TX\320Xg\320g\377k\320kt\320tx\320\377xy\330\010\020\220\007\220\277q\230\006\230l\250\344\"v\377\210W\220E\230\024\230Q\357\330\010\022\220\357 \027\220q\343\340\010\002\000\201A\200 \017\320\017\377\047\240t\2501\250G\260\177;\270g\300Q\340\010\005\n\365a\306\000\n\355\201#\340\004\n\210\337%\210r\220\022\325B\004\010\357\210\006\210c\n\0008\2309\324\237@\337 \r\375\0003\262@\010\240\376\245`\t\210\023\210B\210ah\216M+\024\215A\001\313AV\220\"\035\272\370A#\364@\010\017\210\342 \t\013\210\022\365 Q\244[\000\"\253j\311A\327S\220\003\302`r\254`1\330\357\014\017\210t\327Bs\230\"\373\230C\314@\024\240S\250\004\276\256\204\0043\260c\270\022\226\204\002\t\377\310\022\3103\310b\320P\377R\320RW\320WY\320oYZ\330\020\207A\r\021\352\204\002\177S\230\002\230$\230c\342@\377Q\240c\250\023\250B\250\377a\330\014\023\2201\330\004\376\226\205\003\"\000\005\025\220A\220\177V\230;\240h\250hT\000\377\021\330\004\016\210a\210u\363\220A\037\001\260\205\001(\230(\240\377)\2506\260\036\320?Q\376\361\205\001\022\032\230(\240+\250\377X\260X\270X\300Y\310\377c\320QU\320UV\330\377\022\031\230\025\230a\200A\377\360\016\000\t\035\230D\240\355\005\261\206\001\250A\236b\2205\230\356\351 \013\2105\225\205\001\220s\230\377#\230S\240\006\240a\240\377s\250#\250U\260&\270\377\001\270\023\270C\270q\330\277\014\022\220*\230A\324a\017\376\304\204\002h\230h\240i\250v\377\260U\270$\270d\300%\377\300t\3104\310t\320S\357T\330\026\036\027\000d\250,\377\260d\270)\3004\300q\377\330\026\032\230)\2404\240\377z\260""\024\260T\270\024\270\177T\300\027\310\005\310Q";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 2625, 3502);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (3548 bytes) */
-static const char bytes[] = " at 0x object> weights(tree fragment).: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.add_notebeta, batch_cap, kv_cap and budget need one row per instancecollections.abcdecode, utility and ttft need shape (N, len(idx))disableenablefree needs shape (H, 3)gcidx out of rangeisenabledmax_num_seqs needs one entry per instanceno default __reduce__ due to non-trivial __cinit__num_resident and resident_context need one entry per instancenumpy._core.multiarray failed to importnumpy._core.umath failed to importolproute/_score.pyxp0 and p1 need shape (G, H + 1, 3)shift must be >= 0snapshots needs one entry per instanceunable to allocate array data.unable to allocate shape and strides.w needs waited and target need one entry per requestASCIIEllipsisF_COMPUTE_AF_EEL_SAVEDF_EEL_SLOF_FINITE_TTFTF_KV_AF_KV_BF_LAGRANGIANF_PRICEF_QPSF_REWARDF_THROUGHPUTF_TPOTF_TTFTF_TTFT_SAVEDF_TTFT_SLOF_UTILITYGI_ENDI_PRE_ENDI_PRE_STARTI_STARTNUM_FNUM_WScorerScorer.__reduce_cython__Scorer.__setstate_cython__Scorer.scoreSequenceView.MemoryViewW_ALPHAW_BETAW_DELTAW_EEL_THRESHOLDW_GAMMAW_OMEGAW_SIGMAW_TOKEN_NORMW_TTFT_THRESHOLDW_ZETA1W_ZETA2__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_result__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_unpickle_Scorer__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___dict_is_coroutineabcallocate_bufferasyncio.coroutinesbabasebatch_capbetabool_budgetccacline_in_tracebackcontextcountctx_npddedecodedecode_loadsdsdtype""dtype_is_objecteemptyencodeenumerateerrorfits_columnflagsfloat64formatfortranfreehihorizonididxindexint64itemsitemsizekkakbkv_caplomax_num_seqsmemviewmoden_npn_resnamendimnpnum_instancesnum_residentnumpyobjolproute._scorep0p1packpepoppromptpsqeqsregisterresident_contextsscorescore_columnsselfsetdefaultshapeshiftsizeslot_ssnapshotsstartstatestepstopstructsubtract_columnttabletargetttftuint8unpackupdateuse_setstateutilityvaluesviewwwaitedxzerosO\200\001\330\004$\240A\240V\2501\200\001\340\004\037\230q\320 0\260\013\270;\300k\320QR\330\004\023\2206\230\030\240\021\240!\330\004\007\200|\2207\230!\330\010(\250\001\250\031\260.\300\001\330\004\013\2101\200\001\360\010\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601\330\010\016\210j\230\001\230\021\330\004\026\220b\230\002\230(\240\"\240B\240h\250c\260\022\2608\2703\270b\300\001\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\330\010\014\210A\210S\220\006\220c\230\022\2303\230b\240\t\250\022\2503\250b\260\002\260!\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\200\001\360\010\000\005\031\230\003\2306\240\021\240!\330\004\013\2102\210V\2201\220C\220v\230R\230q\330\004\r\210R\210v\220Q\220c\230\026\230r\240\021\330\004\020\220\001\220\033\230E\240\036\250v\260Q\330\004\013\2106\220\021\200\001\360\010\000\n\033\230!\330\010\021\220\024\220\\\240\024\240W\250D\260\t\270\024\270Z\300t\3109\320TX\320Xg\320gk\320kt\320tx\320xy\330\010\020\220\007\220q\230\006\230l\250!\330\004\007\200v\210W\220E\230\024\230Q\330\010\022\220!\330\010\027\220q\340\010\027\220q\330\004\007\200q\330\010\017\320\017\047\240t\2501\250G\260;\270g\300Q\340\010\017\320\017\047\240t\2501\250G\260;\270a\200\001\360\n\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601""\330\010\016\210j\230\001\230\021\340\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2309\240B\240a\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2303\230b\240\001\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210#\210Q\330\010\017\210q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\013\2102\210S\220\003\2204\220r\230\022\2301\330\014\017\210t\2201\220C\220s\230\"\230C\230r\240\024\240S\250\004\250A\250S\260\003\2603\260c\270\022\2703\270b\300\t\310\022\3103\310b\320PR\320RW\320WY\320YZ\330\020\027\220q\330\r\021\220\021\220#\220S\230\002\230$\230c\240\024\240Q\240c\250\023\250B\250a\330\014\023\2201\330\004\013\2101\200\001\360\"\000\005\025\220A\220V\230;\240h\250h\260c\270\021\330\004\016\210a\210u\220A\330\004\013\2106\220\021\220(\230(\240)\2506\260\036\320?Q\320QR\330\022\032\230(\240+\250X\260X\270X\300Y\310c\320QU\320UV\330\022\031\230\025\230a\200A\360\n\000\t\035\230D\240\005\240V\2501\250A\330\010\013\2103\210a\210{\230#\230Q\330\014\022\220*\230A\230Q\330\010\022\220!\2205\230\001\330\010\034\230C\230v\240Q\240a\330\010!\240\022\2406\250\021\250#\250V\2602\260Q\330\010#\2402\240V\2501\250C\250v\260R\260q\330\010\024\220A\220[\240\005\240T\250\037\270\007\270q\330\010\017\210v\220Q\220h\230h\240i\250v\260W\270I\300T\310\027\320PQ\330\026\036\230d\240,\250d\260)\2704\270y\310\004\310A\330\026\032\230*\240D\250\004\250D\260\004\260G\2705\300\001";
+    #else /* compression: none (3502 bytes) */
+static const char bytes[] = " at 0x object> weights(tree fragment).: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.add_notebeta, batch_cap, kv_cap and budget need one row per instancecollections.abcdecode, utility and ttft need shape (N, len(idx))disableenablefree needs shape (H, 3)gcidx out of rangeisenabledloads needs shape (len(idx), 2)max_num_seqs needs one entry per instanceno default __reduce__ due to non-trivial __cinit__num_resident and resident_context need one entry per instancenumpy._core.multiarray failed to importnumpy._core.umath failed to importolproute/_score.pyxp0 and p1 need shape (G, H + 1, 3)shift must be >= 0unable to allocate array data.unable to allocate shape and strides.w needs waited and target need one entry per requestASCIIEllipsisF_COMPUTE_AF_EEL_SAVEDF_EEL_SLOF_FINITE_TTFTF_KV_AF_KV_BF_LAGRANGIANF_PRICEF_QPSF_REWARDF_THROUGHPUTF_TPOTF_TTFTF_TTFT_SAVEDF_TTFT_SLOF_UTILITYGI_ENDI_PRE_ENDI_PRE_STARTI_STARTNUM_FNUM_WScorerScorer.__reduce_cython__Scorer.__setstate_cython__Scorer.scoreSequenceView.MemoryViewW_ALPHAW_BETAW_DELTAW_EEL_THRESHOLDW_GAMMAW_OMEGAW_SIGMAW_TOKEN_NORMW_TTFT_THRESHOLDW_ZETA1W_ZETA2__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_result__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_unpickle_Scorer__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___dict_is_coroutineabcallocate_bufferasyncio.coroutinesbabasebatch_capbetabool_budgetccacline_in_tracebackcountctx_npddedecodedecode_loadsdsdtypedtype_is_objec""teemptyencodeenumerateerrorfits_columnflagsfloat64formatfortranfreehihorizonididxindexint64itemsitemsizekkakbkv_caploloadsmax_num_seqsmemviewmoden_npnamendimnpnum_instancesnum_residentnumpyobjolproute._scorep0p1packpepoppromptpsqeqsregisterresident_contextsscorescore_columnsselfsetdefaultshapeshiftsizeslot_ssnapshotsstartstatestepstopstructsubtract_columnttabletargetttftuint8unpackupdateuse_setstateutilityvaluesviewwwaitedxzerosO\200\001\330\004$\240A\240V\2501\200\001\340\004\037\230q\320 0\260\013\270;\300k\320QR\330\004\023\2206\230\030\240\021\240!\330\004\007\200|\2207\230!\330\010(\250\001\250\031\260.\300\001\330\004\013\2101\200\001\360\010\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601\330\010\016\210j\230\001\230\021\330\004\026\220b\230\002\230(\240\"\240B\240h\250c\260\022\2608\2703\270b\300\001\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\330\010\014\210A\210S\220\006\220c\230\022\2303\230b\240\t\250\022\2503\250b\260\002\260!\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\200\001\360\010\000\005\031\230\003\2306\240\021\240!\330\004\013\2102\210V\2201\220C\220v\230R\230q\330\004\r\210R\210v\220Q\220c\230\026\230r\240\021\330\004\020\220\001\220\033\230E\240\036\250v\260Q\330\004\013\2106\220\021\200\001\360\010\000\n\033\230!\330\010\021\220\024\220\\\240\024\240W\250D\260\t\270\024\270Z\300t\3109\320TX\320Xg\320gk\320kt\320tx\320xy\330\010\020\220\007\220q\230\006\230l\250!\330\004\007\200v\210W\220E\230\024\230Q\330\010\022\220!\330\010\027\220q\340\010\027\220q\330\004\007\200q\330\010\017\320\017\047\240t\2501\250G\260;\270g\300Q\340\010\017\320\017\047\240t\2501\250G\260;\270a\200\001\360\n\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601\330\010\016""\210j\230\001\230\021\340\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2309\240B\240a\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2303\230b\240\001\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210#\210Q\330\010\017\210q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\013\2102\210S\220\003\2204\220r\230\022\2301\330\014\017\210t\2201\220C\220s\230\"\230C\230r\240\024\240S\250\004\250A\250S\260\003\2603\260c\270\022\2703\270b\300\t\310\022\3103\310b\320PR\320RW\320WY\320YZ\330\020\027\220q\330\r\021\220\021\220#\220S\230\002\230$\230c\240\024\240Q\240c\250\023\250B\250a\330\014\023\2201\330\004\013\2101\200\001\360\"\000\005\025\220A\220V\230;\240h\250h\260c\270\021\330\004\016\210a\210u\220A\330\004\013\2106\220\021\220(\230(\240)\2506\260\036\320?Q\320QR\330\022\032\230(\240+\250X\260X\270X\300Y\310c\320QU\320UV\330\022\031\230\025\230a\200A\360\016\000\t\035\230D\240\005\240V\2501\250A\330\010\022\220!\2205\230\001\330\010\013\2105\220\006\220a\220s\230#\230S\240\006\240a\240s\250#\250U\260&\270\001\270\023\270C\270q\330\014\022\220*\230A\230Q\330\010\017\210v\220Q\220h\230h\240i\250v\260U\270$\270d\300%\300t\3104\310t\320ST\330\026\036\230h\240d\250,\260d\270)\3004\300q\330\026\032\230)\2404\240z\260\024\260T\270\024\270T\300\027\310\005\310Q";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 213; i++) {
+    for (int i = 0; i < 212; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
       if (likely(string) && i >= 41) PyUnicode_InternInPlace(&string);
@@ -30622,8 +30497,8 @@ static const char bytes[] = " at 0x object> weights(tree fragment).: <MemoryView
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 213; i < 222; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-213].length;
+    for (int i = 212; i < 221; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-212].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -30633,14 +30508,14 @@ static const char bytes[] = " at 0x object> weights(tree fragment).: <MemoryView
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 222; i++) {
+    for (Py_ssize_t i = 0; i < 221; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 213;
+      PyObject **table = stringtab + 212;
       for (Py_ssize_t i=0; i<9; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
@@ -30733,9 +30608,9 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_decode_loads, __pyx_mstate->__pyx_kp_b_iso88591_6_2V1CvRq_RvQc_r_E_vQ_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {12, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 115};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_snapshots, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_prompt, __pyx_mstate->__pyx_n_u_decode, __pyx_mstate->__pyx_n_u_utility, __pyx_mstate->__pyx_n_u_ttft, __pyx_mstate->__pyx_n_u_waited, __pyx_mstate->__pyx_n_u_target, __pyx_mstate->__pyx_n_u_p0, __pyx_mstate->__pyx_n_u_p1, __pyx_mstate->__pyx_n_u_shift, __pyx_mstate->__pyx_n_u_G, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_n_res, __pyx_mstate->__pyx_n_u_context};
-    __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_score, __pyx_mstate->__pyx_kp_b_iso88591_A_D_V1A_3a_Q_AQ_5_CvQa_6_V2Q_2V1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {12, 0, 0, 13, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 114};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_loads, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_prompt, __pyx_mstate->__pyx_n_u_decode, __pyx_mstate->__pyx_n_u_utility, __pyx_mstate->__pyx_n_u_ttft, __pyx_mstate->__pyx_n_u_waited, __pyx_mstate->__pyx_n_u_target, __pyx_mstate->__pyx_n_u_p0, __pyx_mstate->__pyx_n_u_p1, __pyx_mstate->__pyx_n_u_shift, __pyx_mstate->__pyx_n_u_G};
+    __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_score, __pyx_mstate->__pyx_kp_b_iso88591_A_D_V1A_5_5_as_S_as_U_Cq_AQ_vQhh, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1};
@@ -30748,17 +30623,17 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[3] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_AV1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[3])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {20, 0, 0, 20, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 150};
+    const __Pyx_PyCode_New_function_description descr = {20, 0, 0, 20, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 147};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_prompt, __pyx_mstate->__pyx_n_u_decode, __pyx_mstate->__pyx_n_u_utility, __pyx_mstate->__pyx_n_u_ttft, __pyx_mstate->__pyx_n_u_num_resident, __pyx_mstate->__pyx_n_u_resident_context, __pyx_mstate->__pyx_n_u_beta, __pyx_mstate->__pyx_n_u_waited, __pyx_mstate->__pyx_n_u_target, __pyx_mstate->__pyx_n_u_batch_cap, __pyx_mstate->__pyx_n_u_kv_cap, __pyx_mstate->__pyx_n_u_budget, __pyx_mstate->__pyx_n_u_slot_s, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_w, __pyx_mstate->__pyx_n_u_p0, __pyx_mstate->__pyx_n_u_p1, __pyx_mstate->__pyx_n_u_shift, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_num_instances};
     __pyx_mstate_global->__pyx_codeobj_tab[4] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_score_columns, __pyx_mstate->__pyx_kp_b_iso88591_AV_hhc_auA_6_6_QQR_XXXYcQUUV_a, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[4])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {10, 0, 0, 15, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 325};
+    const __Pyx_PyCode_New_function_description descr = {10, 0, 0, 15, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 322};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_free, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_e, __pyx_mstate->__pyx_n_u_ba, __pyx_mstate->__pyx_n_u_ka, __pyx_mstate->__pyx_n_u_kb, __pyx_mstate->__pyx_n_u_ps, __pyx_mstate->__pyx_n_u_pe, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_lo, __pyx_mstate->__pyx_n_u_hi, __pyx_mstate->__pyx_n_u_ds, __pyx_mstate->__pyx_n_u_de, __pyx_mstate->__pyx_n_u_t};
     __pyx_mstate_global->__pyx_codeobj_tab[5] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_fits_column, __pyx_mstate->__pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_r_7_c_89Ba_V3b_B, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[5])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {11, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 366};
+    const __Pyx_PyCode_New_function_description descr = {11, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 363};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_free, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_e, __pyx_mstate->__pyx_n_u_ba, __pyx_mstate->__pyx_n_u_ka, __pyx_mstate->__pyx_n_u_kb, __pyx_mstate->__pyx_n_u_ps, __pyx_mstate->__pyx_n_u_pe, __pyx_mstate->__pyx_n_u_ca, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_ds, __pyx_mstate->__pyx_n_u_de, __pyx_mstate->__pyx_n_u_qs, __pyx_mstate->__pyx_n_u_qe, __pyx_mstate->__pyx_n_u_t};
     __pyx_mstate_global->__pyx_codeobj_tab[6] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_subtract_column, __pyx_mstate->__pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_b_Bhc_83b_s_A_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[6])) goto bad;
   }

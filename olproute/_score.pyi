@@ -54,6 +54,6 @@ def subtract_column(free: _F, s: int, e: int, ba: float, ka: float, kb: float, p
 class Scorer:
     def __init__(self, beta: _F, max_num_seqs: _I, batch_cap: _F, kv_cap: _F, budget: _F,
                  w: _F, slot_s: float, horizon: int) -> None: ...
-    def score(self, snapshots: list[object], idx: _I, prompt: _F, decode: _F, utility: _F,
-              ttft: _F, waited: _F, target: _F, p0: _F, p1: _F,
+    def score(self, loads: _F, idx: _I, prompt: _F, decode: _F, utility: _F, ttft: _F,
+              waited: _F, target: _F, p0: _F, p1: _F,
               shift: int) -> tuple[_F, _I, npt.NDArray[np.bool_]]: ...

@@ -88,8 +88,7 @@ cdef void _count_loads(list snapshots, const int64_t[::1] idx,
 cdef class Scorer:
     """``score_columns`` with the per-instance constants bound once (one policy's): a
     decision passes only what changes. ``beta`` is read where it lies, so a recalibration
-    written into that array in place is seen at the next call. ``score`` counts the
-    residents itself (``decode_loads``)."""
+    written into that array in place is seen at the next call."""
 
     cdef const double[:, ::1] beta
     cdef const int64_t[::1] max_num_seqs
@@ -112,22 +111,20 @@ cdef class Scorer:
         self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget
         self.slot_s, self.horizon = slot_s, horizon
 
-    def score(self, list snapshots, const int64_t[::1] idx, const double[::1] prompt,
-              const double[:, :] decode, const double[:, :] utility,
-              const double[:, :] ttft, const double[::1] waited, const double[::1] target,
+    def score(self, const double[:, ::1] loads, const int64_t[::1] idx,
+              const double[::1] prompt, const double[:, :] decode,
+              const double[:, :] utility, const double[:, :] ttft,
+              const double[::1] waited, const double[::1] target,
               const double[:, :, ::1] p0, const double[:, :, ::1] p1, int64_t shift):
-        """``score_columns`` for the instances ``idx`` of ``snapshots`` (all G of them)."""
+        """``score_columns`` for the instances ``idx``, their decode loads (d, 2) as
+        ``decode_loads`` counts them (``replay_ttft_many`` writes them in its pass)."""
         cdef Py_ssize_t G = self.beta.shape[0]
-        if len(snapshots) != G:
-            raise ValueError("snapshots needs one entry per instance")
         _check_idx(idx, G)
-        cdef Py_ssize_t d = idx.shape[0]
-        cdef double[::1] n_res = np.empty(d, dtype=np.float64)
-        cdef double[::1] context = np.empty(d, dtype=np.float64)
-        _count_loads(snapshots, idx, self.max_num_seqs, n_res, context)
-        return _score(prompt, decode, utility, ttft, n_res, context, self.beta, waited,
-                      target, self.batch_cap, self.kv_cap, self.budget, self.slot_s,
-                      self.horizon, self.w, p0, p1, shift, idx, G)
+        if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:
+            raise ValueError("loads needs shape (len(idx), 2)")
+        return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,
+                      waited, target, self.batch_cap, self.kv_cap, self.budget,
+                      self.slot_s, self.horizon, self.w, p0, p1, shift, idx, G)
 
 
 cdef void _check_instances(const double[:, ::1] beta, const double[::1] batch_cap,
@@ -173,7 +170,7 @@ def score_columns(const double[::1] prompt, const double[:, :] decode,
 
 cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
                   const double[:, :] utility, const double[:, :] ttft,
-                  const double[::1] num_resident, const double[::1] resident_context,
+                  const double[:] num_resident, const double[:] resident_context,
                   const double[:, ::1] beta, const double[::1] waited,
                   const double[::1] target, const double[::1] batch_cap,
                   const double[::1] kv_cap, const double[::1] budget, double slot_s,

@@ -129,13 +129,17 @@ class BeaEstimator:
         return TtftEstimate(ttft_s=ttft, wait_s=wait, prefill_s=prefill)
 
     def ttft_many(self, ctx: RoutingContext, prompts: IntArray, predicted_decode: IntArray,
-                  instances: IntArray | None = None) -> FloatArray:
-        """``estimate_many``'s TTFT alone (a strided view), for the request path."""
-        result: FloatArray = self._replay(ctx, prompts, predicted_decode, instances)[..., 0]
+                  instances: IntArray | None = None,
+                  loads: FloatArray | None = None) -> FloatArray:
+        """``estimate_many``'s TTFT alone (a strided view), for the request path; with
+        ``loads`` (G or d, 2), each replayed instance's decode load from the same pass
+        (``replay_ttft_many``)."""
+        result: FloatArray = self._replay(ctx, prompts, predicted_decode, instances,
+                                          loads)[..., 0]
         return result
 
     def _replay(self, ctx: RoutingContext, prompts: IntArray, predicted_decode: IntArray,
-                instances: IntArray | None) -> FloatArray:
+                instances: IntArray | None, loads: FloatArray | None = None) -> FloatArray:
         """``replay_ttft_many``'s (N, G or d, 3) for ``estimate_many``."""
         snaps = _require_snapshots(ctx, self.name)
         pending = None if ctx.pending is None else list(ctx.pending)
@@ -150,7 +154,7 @@ class BeaEstimator:
         out = replay_ttft_many(replayed, limits, beta,
                                np.ascontiguousarray(prompts, dtype=np.int64),
                                np.ascontiguousarray(predicted_decode, dtype=np.int64),
-                               ctx.now_s, pending, self._max_batches)
+                               ctx.now_s, pending, self._max_batches, loads)
         return out
 
     def observe_dispatch(self, instance: int, now_s: float) -> None:

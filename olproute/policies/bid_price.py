@@ -262,11 +262,12 @@ class BidPrice(Policy):
         if not complete:
             decode, utility = decode[:, idx], utility[:, idx]
         prompt = np.array([r.prompt_tokens for r in requests], dtype=np.int64)
+        loads = np.empty((idx.shape[0], 2))
         ttft = self._bea.ttft_many(ctx, prompt, np.rint(decode).astype(np.int64),
-                                   None if complete else idx)
+                                   None if complete else idx, loads)
         waited = np.array([ctx.now_s - r.arrival_s for r in requests])
         target = np.array([r.ttft_target_s for r in requests])
-        f, i, on_time = self._scorer.score(list(snaps), idx, prompt.astype(np.float64),
+        f, i, on_time = self._scorer.score(loads, idx, prompt.astype(np.float64),
                                            decode, utility, ttft, waited, target,
                                            *self.book.prefix(ctx.now_s))
         cols = Columns(start=i[I_START], end=i[I_END], batch_a=self._batch_a,

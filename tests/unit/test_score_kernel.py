@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from olproute import _score
+from olproute._core import replay_ttft_many
 from olproute.bea import decode_step_times_s
 from olproute.config_schema import RewardConfig
 from olproute.reward import price_prefix, reward_weights, score_reference
@@ -79,6 +80,20 @@ def test_the_kernel_gives_the_twins_numbers(seed: int, n: int, g: int, sampled: 
     tpot = decode_step_times_s([snaps[i] for i in idx], [specs[i] for i in idx], beta[idx],
                                prompt.astype(np.int64))
     np.testing.assert_array_equal(got_f[_score.F_TPOT][:, idx], tpot)
+    # the replay's pass counts the same loads, and the bound Scorer gives the same numbers
+    loads = np.empty((d, 2))
+    limits = np.array([[s.num_kv_blocks, s.block_size, s.max_num_seqs,
+                        s.max_num_batched_tokens] for s in specs], dtype=np.int64)
+    replay_ttft_many([snaps[i] for i in idx], limits[idx], beta[idx],
+                     prompt.astype(np.int64), np.ones((n, d), dtype=np.int64), 0.0,
+                     loads=loads)
+    np.testing.assert_array_equal(loads, np.column_stack([n_res, ctx]))
+    scorer = _score.Scorer(beta, max_seqs, batch_cap, kv_cap, budget, reward_weights(w),
+                           SLOT, H)
+    bound = scorer.score(loads, idx, prompt, decode, utility, ttft, waited, target, p0, p1,
+                         shift)
+    for got, want in zip(bound, (want_f, want_i, want_on), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_instances_not_sampled_read_as_never_started() -> None:
