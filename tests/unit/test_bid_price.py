@@ -916,3 +916,29 @@ def test_the_explanations_utility_is_unweighted_and_its_term_weighted() -> None:
     assert d.explanation["utility"] == (0.7, 0.7)
     np.testing.assert_allclose(np.array(d.explanation["utility_term"]), [7.0, 7.0])
     assert len(set(d.explanation)) == len(d.explanation)
+
+
+def test_with_candidates_only_the_sampled_instances_are_replayed_and_scored() -> None:
+    """``admission.candidates: 2`` of 6: the BEA replay sees the 2 sampled snapshots only,
+    the others read as never started (TTFT inf, score -inf), and the demand sample the
+    tick adds still prices all 6 (scored again there)."""
+    policy = _policy(admission=AdmissionConfig(candidates=2), g=6)
+    replayed: list[int] = []
+    inner = policy._bea._replay
+
+    def spy(ctx, prompts, decode, instances, loads=None):  # type: ignore[no-untyped-def]
+        replayed.append(len(ctx.snapshots) if instances is None else len(instances))
+        return inner(ctx, prompts, decode, instances, loads)
+
+    policy._bea._replay = spy  # type: ignore[method-assign]
+    snaps = tuple(_snap(n_running=k) for k in range(6))
+    d = policy.decide(_ctx(snaps))
+    assert replayed == [2]
+    cands = [int(c) for c in d.explanation["candidates"]]
+    assert len(cands) == 2 and d.instance in cands
+    for g in range(6):
+        assert np.isfinite(d.explanation["ttft_s"][g]) == (g in cands)
+        assert (d.explanation["score"][g] == -np.inf) == (g not in cands)
+    policy.tick(0.0, snaps)
+    assert replayed == [2, 6]
+    assert np.isfinite(policy.book.samples.reward[0, :, 0]).all()
