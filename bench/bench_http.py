@@ -170,6 +170,24 @@ def start_emulators(config: Path, env: dict[str, str]
     raise RuntimeError(f"olproute emulate exited ({proc.returncode}) before serving")
 
 
+def emulated_fleet(env: dict[str, str]) -> tuple[subprocess.Popen[str], Path]:
+    """The benchmark's fleet: 8 emulated Qwen3-8B / H100 instances in a process of their
+    own (``start_emulators``), and the router's config naming them as its backends
+    (bid_price, noisy lengths)."""
+    tmp = Path(tempfile.mkdtemp())
+    cfg: dict[str, Any] = {
+        "profiles": str(REPO / "configs" / "profiles.yaml"),
+        "instances": [{"name": "q8", "model": "qwen3-8b", "gpu": "h100", "replicas": 8}],
+        "workload": {"kind": "poisson", "rate_per_s": 20, "num_requests": 2000,
+                     "lengths_path": str(REPO / "data" / "traces" / "splitwise_conv.csv")},
+        "router": {"policy": "bid_price"}, "prediction": {"mode": "noisy"}}
+    (tmp / "emulate.yaml").write_text(yaml.safe_dump(cfg))
+    emulators, backends = start_emulators(tmp / "emulate.yaml", env)
+    cfg["server"] = {"backends": backends}
+    (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
+    return emulators, tmp / "bench.yaml"
+
+
 async def loop_lag(url: str, seconds: float) -> dict[str, float] | None:
     """The router's event-loop lag over the last ``seconds`` (None from a router without
     ``/debug/loop-lag``)."""
@@ -188,21 +206,12 @@ def main() -> None:
                     help="write the router's stderr here (e.g. with JAX_LOG_COMPILES=1)")
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp())
-    cfg = {"profiles": str(REPO / "configs" / "profiles.yaml"),
-           "instances": [{"name": "q8", "model": "qwen3-8b", "gpu": "h100", "replicas": 8}],
-           "workload": {"kind": "poisson", "rate_per_s": 20, "num_requests": 2000,
-                        "lengths_path": str(REPO / "data" / "traces" / "splitwise_conv.csv")},
-           "router": {"policy": "bid_price"}, "prediction": {"mode": "noisy"}}
-    (tmp / "emulate.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    emulators, backends = start_emulators(tmp / "emulate.yaml", env)
-    cfg["server"] = {"backends": backends}
-    (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
+    emulators, config = emulated_fleet(env)
     rport, nport = free_port(), free_port()
     log = open(args.router_log, "w") if args.router_log else subprocess.DEVNULL  # noqa: SIM115
     router = subprocess.Popen([sys.executable, "-m", "olproute.cli", "serve", "--config",
-                               str(tmp / "bench.yaml"), "--port", str(rport)],
+                               str(config), "--port", str(rport)],
                               stdout=subprocess.DEVNULL, stderr=log, env=env)
     null = subprocess.Popen([sys.executable, "-c", NULL_SERVER, str(nport)], env=env)
     results: dict[str, Any] = {}

@@ -31,8 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-import yaml
-from bench_http import REPO, free_port, load, start_emulators, wait_up
+from bench_http import REPO, emulated_fleet, free_port, load, wait_up
 
 TOP = 30
 
@@ -95,19 +94,11 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp())
-    cfg = {"profiles": str(REPO / "configs" / "profiles.yaml"),
-           "instances": [{"name": "q8", "model": "qwen3-8b", "gpu": "h100", "replicas": 8}],
-           "workload": {"kind": "poisson", "rate_per_s": 20, "num_requests": 2000,
-                        "lengths_path": str(REPO / "data" / "traces" / "splitwise_conv.csv")},
-           "router": {"policy": "bid_price"}, "prediction": {"mode": "noisy"}}
-    (tmp / "emulate.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    emulators, backends = start_emulators(tmp / "emulate.yaml", env)
-    cfg["server"] = {"backends": backends}
-    (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
+    emulators, config = emulated_fleet(env)
     port = free_port()
     router = subprocess.Popen([sys.executable, "-m", "olproute.cli", "serve", "--config",
-                               str(tmp / "bench.yaml"), "--port", str(port)],
+                               str(config), "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     loads = {"route": ("POST /route at concurrency 32",
