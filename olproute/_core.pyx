@@ -31,6 +31,11 @@ FINISHED = EV_FINISHED
 # Indices of the batch sums vector (see BatchCore.schedule).
 NUM_SUMS = 8
 
+# Columns of a snapshot's table (olproute.types: SNAP_PROMPT, SNAP_OUTPUT, SNAP_PREDICTED,
+# SNAP_COMPUTED, SNAP_BLOCKS).
+cdef enum:
+    SNAP_COLUMNS = 5
+
 
 cdef struct Engine:
     # request table, indexed by slot
@@ -498,16 +503,17 @@ cdef inline double _beta_time(const double* beta, double* sums) noexcept nogil:
 
 
 cdef int64_t* _replay_setup(
-    Engine* e, const int64_t[:, ::1] table, int64_t num_running, int64_t free_blocks,
-    const double[:, ::1] extras, int64_t total_blocks, int64_t block_size,
-    int64_t max_num_seqs, int64_t token_budget) noexcept nogil:
+    Engine* e, const int64_t* table, int64_t n_res, int64_t num_running,
+    int64_t free_blocks, const double[:, ::1] extras, int64_t total_blocks,
+    int64_t block_size, int64_t max_num_seqs, int64_t token_budget) noexcept nogil:
     """Scratch arrays for a replay of one instance with one slot for a new request (the
     last), filled from the snapshot's table and the router's later dispatches; NULL when
-    the allocation fails. The caller frees the returned buffer."""
-    cdef int64_t n_res = table.shape[0]
+    the allocation fails. The caller frees the returned buffer. ``table`` is the
+    snapshot's (n_res, SNAP_COLUMNS) rows, C order."""
     cdef int64_t n_extra = extras.shape[0]
     cdef int64_t n = n_res + n_extra + 1
     cdef int64_t k, r
+    cdef const int64_t* row
     cdef int64_t* buf = <int64_t*>malloc(<size_t>(n * 15 + 8) * sizeof(int64_t))
     if buf == NULL:
         return NULL
@@ -527,12 +533,13 @@ cdef int64_t* _replay_setup(
     e.ev_slot = buf + 13 * n
     e.ev_flags = buf + 14 * n
     for r in range(n_res):
-        e.num_prompt[r] = table[r, 0]
-        e.num_output[r] = table[r, 1]
+        row = table + r * SNAP_COLUMNS
+        e.num_prompt[r] = row[0]
+        e.num_output[r] = row[1]
         # a request past its prediction has at least one token left (it has not finished)
-        e.max_output[r] = table[r, 2] if table[r, 2] > table[r, 1] else table[r, 1] + 1
-        e.num_computed[r] = table[r, 3]
-        e.num_blocks[r] = table[r, 4]
+        e.max_output[r] = row[2] if row[2] > row[1] else row[1] + 1
+        e.num_computed[r] = row[3]
+        e.num_blocks[r] = row[4]
         e.num_preempt[r] = 0
     for k in range(n_extra):
         r = n_res + k
@@ -559,9 +566,9 @@ cdef int64_t* _replay_setup(
 
 
 cdef double _replay_to_now(
-    Engine* e, int64_t n_res, const int64_t[:, ::1] inflight, double inflight_start_s,
-    double snap_time_s, const double[:, ::1] extras, const double* beta, double now_s,
-    int64_t max_batches) noexcept nogil:
+    Engine* e, int64_t n_res, const int64_t* inflight, int64_t n_inflight,
+    double inflight_start_s, double snap_time_s, const double[:, ::1] extras,
+    const double* beta, double now_s, int64_t max_batches) noexcept nogil:
     """Stages 1 and 2 of a replay (the engine as it stands at now, without the new
     request); returns the replayed clock, at least now.
 
@@ -576,9 +583,9 @@ cdef double _replay_to_now(
     e.n_sched = 0
     for i in range(8):
         e.sums[i] = 0.0
-    if inflight.shape[0] > 0:
-        for k in range(inflight.shape[0]):
-            _record(e, inflight[k, 0], inflight[k, 1])
+    if n_inflight > 0:
+        for k in range(n_inflight):
+            _record(e, inflight[2 * k], inflight[2 * k + 1])
         t = inflight_start_s + _beta_time(beta, e.sums)
         # the batch was still running at snapshot time, whatever its estimate says
         if t < snap_time_s:
@@ -646,8 +653,9 @@ cdef void _replay_new(Engine* e, int64_t new_slot, int64_t new_prompt, int64_t n
 
 
 cdef int _replay_one(
-    const int64_t[:, ::1] table, int64_t num_running, int64_t free_blocks,
-    const int64_t[:, ::1] inflight, double inflight_start_s, double snap_time_s,
+    const int64_t* table, int64_t n_res, int64_t num_running, int64_t free_blocks,
+    const int64_t* inflight, int64_t n_inflight, double inflight_start_s,
+    double snap_time_s,
     const double[:, ::1] extras, int64_t total_blocks, int64_t block_size,
     int64_t max_num_seqs, int64_t token_budget, const double* beta,
     const int64_t* new_prompt, const int64_t* new_decode, int64_t n_new,
@@ -656,19 +664,18 @@ cdef int _replay_one(
     """Replay one instance until each new request's first token, each alone behind the
     queue: stages 1 and 2 (``_replay_to_now``) once, then stage 3 (``_replay_new``) per
     new request i from a copy of that state; out[i * out_stride] = (ttft, wait, n)."""
-    cdef int64_t n_res = table.shape[0]
     cdef int64_t n = n_res + extras.shape[0] + 1
     cdef size_t size = <size_t>(n * 15 + 8) * sizeof(int64_t)
     cdef int64_t i
     cdef double t
     cdef Engine e, saved
     cdef int64_t* copy = NULL
-    cdef int64_t* buf = _replay_setup(&e, table, num_running, free_blocks, extras,
+    cdef int64_t* buf = _replay_setup(&e, table, n_res, num_running, free_blocks, extras,
                                       total_blocks, block_size, max_num_seqs, token_budget)
     if buf == NULL:
         return -1
-    t = _replay_to_now(&e, n_res, inflight, inflight_start_s, snap_time_s, extras, beta,
-                       now_s, max_batches)
+    t = _replay_to_now(&e, n_res, inflight, n_inflight, inflight_start_s, snap_time_s,
+                       extras, beta, now_s, max_batches)
     if n_new > 1:
         copy = <int64_t*>malloc(size)
         if copy == NULL:
@@ -688,6 +695,17 @@ cdef int _replay_one(
 
 
 _EMPTY_EXTRAS = np.zeros((0, 3), dtype=np.float64)
+
+
+cdef inline cnp.ndarray _int_rows(object a, Py_ssize_t columns, Py_ssize_t g, str name):
+    """``a`` as a C-ordered int64 (n, columns) array, or ValueError naming it."""
+    if (not isinstance(a, cnp.ndarray) or cnp.PyArray_TYPE(<cnp.ndarray>a) != cnp.NPY_INT64
+            or cnp.PyArray_NDIM(<cnp.ndarray>a) != 2
+            or cnp.PyArray_DIM(<cnp.ndarray>a, 1) != columns
+            or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a)):
+        raise ValueError(f"snapshot {g}: {name} must be a C-ordered int64 array of "
+                         f"{columns} columns")
+    return <cnp.ndarray>a
 
 
 def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::1] beta,
@@ -739,8 +757,9 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
     if N == 0:
         return out_np
     cdef double[:, :, ::1] out = out_np
-    cdef const int64_t[:, ::1] table
-    cdef const int64_t[:, ::1] inflight
+    cdef cnp.ndarray table, inflight
+    cdef const int64_t* rows
+    cdef int64_t n_rows
     cdef const double[:, ::1] extra
     cdef const double[:, ::1] no_extras = _EMPTY_EXTRAS   # acquired once, not per instance
     cdef Py_ssize_t g, i, n_counted
@@ -749,19 +768,23 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
     cdef double start_s, snap_s
     for g in range(G):
         snap = snapshots[g]
-        table = snap.table
+        # the snapshot's arrays read through their data pointers, checked, rather than
+        # as typed memoryviews: acquiring two per instance was most of an idle replay
+        table = _int_rows(snap.table, SNAP_COLUMNS, g, "table")
+        inflight = _int_rows(snap.inflight, 2, g, "inflight")
+        rows = <const int64_t*>cnp.PyArray_DATA(table)
+        n_rows = cnp.PyArray_DIM(table, 0)
         if loads is not None:
-            n_counted = table.shape[0]
+            n_counted = n_rows
             if n_counted > limits[g, 2] - 1:
                 n_counted = limits[g, 2] - 1
             if n_counted < 0:
                 n_counted = 0
             context = 0
             for i in range(n_counted):
-                context += table[i, 0] + table[i, 1]
+                context += rows[i * SNAP_COLUMNS] + rows[i * SNAP_COLUMNS + 1]
             loads[g, 0] = <double>n_counted
             loads[g, 1] = <double>context
-        inflight = snap.inflight
         n_running = snap.num_running
         n_free = snap.num_free_blocks
         start_s = snap.inflight_start_s
@@ -773,13 +796,14 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
             extra = ex
         if extra.shape[1] != 3:
             raise ValueError(f"extras[{g}] needs 3 columns (prompt, decode, dispatch time)")
-        if n_free > limits[g, 0] or n_running > table.shape[0]:
+        if n_free > limits[g, 0] or n_running > n_rows:
             raise ValueError(f"snapshot {g} is inconsistent with the instance limits")
         # with the GIL held: an instance's replay takes microseconds, and letting the
         # GIL go per instance let another thread (the server's price tick) take it for
         # a switch interval each time
-        rc = _replay_one(table, n_running, n_free, inflight,
-                         start_s, snap_s, extra, limits[g, 0],
+        rc = _replay_one(rows, n_rows, n_running, n_free,
+                         <const int64_t*>cnp.PyArray_DATA(inflight),
+                         cnp.PyArray_DIM(inflight, 0), start_s, snap_s, extra, limits[g, 0],
                          limits[g, 1], limits[g, 2], limits[g, 3], &beta[g, 0],
                          &new_prompts[0], &new_decode[0, g], N, G, now_s, max_batches,
                          &out[0, g, 0], 3 * G)

@@ -4,14 +4,14 @@
 {
     "distutils": {
         "depends": [
-            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayobject.h",
-            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayscalars.h",
-            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarrayobject.h",
-            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarraytypes.h",
-            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/ufuncobject.h"
+            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayobject.h",
+            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayscalars.h",
+            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarrayobject.h",
+            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarraytypes.h",
+            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/ufuncobject.h"
         ],
         "include_dirs": [
-            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include"
+            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include"
         ],
         "name": "olproute._score",
         "sources": [

@@ -348,3 +348,34 @@ def test_design_matrix_columns() -> None:
     log = np.zeros((1, 11))
     log[0, 4], log[0, 6], log[0, 8] = 10, 20, 30
     assert design_matrix(log).tolist() == [[1.0, 10.0, 20.0, 30.0]]
+
+
+def test_the_replay_refuses_a_snapshot_array_it_cannot_read_in_place() -> None:
+    """The replay reads each snapshot's table and in-flight batch through their data
+    pointers: an array of another dtype, shape or order is a ValueError naming it, not a
+    wrong read."""
+    from olproute._core import replay_ttft_many
+    from olproute.types import EngineSnapshot
+
+    good = np.zeros((2, 5), dtype=np.int64)
+    good[:, 0] = 100
+    limits = np.array([[1000, 16, 8, 512]], dtype=np.int64)
+    beta = np.full((1, 4), 1e-4)
+    args = (limits, beta, np.array([10], dtype=np.int64), np.ones((1, 1), dtype=np.int64),
+            0.0)
+    for bad, name in ((good.astype(np.float64), "table"), (good[:, :4].copy(), "table"),
+                      (np.asfortranarray(np.zeros((3, 5), dtype=np.int64)), "table")):
+        snap = EngineSnapshot(time_s=0.0, table=bad, num_running=0, num_free_blocks=10,
+                              inflight=np.zeros((0, 2), dtype=np.int64),
+                              inflight_start_s=0.0, request_ids=np.arange(len(bad)))
+        with pytest.raises(ValueError, match=name):
+            replay_ttft_many([snap], *args)
+    snap = EngineSnapshot(time_s=0.0, table=good, num_running=0, num_free_blocks=10,
+                          inflight=np.zeros((0, 3), dtype=np.int64), inflight_start_s=0.0,
+                          request_ids=np.arange(2))
+    with pytest.raises(ValueError, match="inflight"):
+        replay_ttft_many([snap], *args)
+    ok = EngineSnapshot(time_s=0.0, table=good, num_running=0, num_free_blocks=10,
+                        inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=0.0,
+                        request_ids=np.arange(2))
+    assert np.isfinite(replay_ttft_many([ok], *args)[0, 0, 0])
