@@ -4,14 +4,14 @@
 {
     "distutils": {
         "depends": [
-            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayobject.h",
-            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayscalars.h",
-            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarrayobject.h",
-            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarraytypes.h",
-            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include/numpy/ufuncobject.h"
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayobject.h",
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/arrayscalars.h",
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarrayobject.h",
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/ndarraytypes.h",
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include/numpy/ufuncobject.h"
         ],
         "include_dirs": [
-            "/tmp/pip-build-env-xpsagsgc/overlay/lib/python3.11/site-packages/numpy/_core/include"
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/numpy/_core/include"
         ],
         "name": "olproute._score",
         "sources": [
@@ -3766,7 +3766,7 @@ static CYTHON_INLINE int64_t __pyx_f_8olproute_6_score__decode_slots(double, dou
 static void __pyx_f_8olproute_6_score__count_loads(PyObject *, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice); /*proto*/
 static void __pyx_f_8olproute_6_score__check_instances(__Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, Py_ssize_t); /*proto*/
 static void __pyx_f_8olproute_6_score__check_idx(__Pyx_memviewslice, Py_ssize_t); /*proto*/
-static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, double, int64_t, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, int64_t, __Pyx_memviewslice, Py_ssize_t); /*proto*/
+static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, __Pyx_memviewslice, double, int64_t, __Pyx_memviewslice, __Pyx_memviewslice, int64_t, __Pyx_memviewslice, Py_ssize_t); /*proto*/
 static PyObject *__pyx_f_8olproute_6_score___pyx_unpickle_Scorer__set_state(struct __pyx_obj_8olproute_6_score_Scorer *, PyObject *); /*proto*/
 static int __pyx_array_allocate_buffer(struct __pyx_array_obj *); /*proto*/
 static struct __pyx_array_obj *__pyx_array_new(PyObject *, Py_ssize_t, char *, char const *, char *); /*proto*/
@@ -3884,10 +3884,10 @@ static PyObject *__pyx_pf___pyx_memoryviewslice_2__setstate_cython__(CYTHON_UNUS
 static PyObject *__pyx_pf_15View_dot_MemoryView___pyx_unpickle_Enum(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v___pyx_type, long __pyx_v___pyx_checksum, PyObject *__pyx_v___pyx_state); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_decode_loads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_snapshots, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_max_num_seqs); /* proto */
 static int __pyx_pf_8olproute_6_score_6Scorer___init__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_max_num_seqs, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, __Pyx_memviewslice __pyx_v_w, double __pyx_v_slot_s, int64_t __pyx_v_horizon); /* proto */
-static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, __Pyx_memviewslice __pyx_v_loads, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift); /* proto */
+static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, __Pyx_memviewslice __pyx_v_loads, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_pp, int64_t __pyx_v_shift); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_6Scorer_4__reduce_cython__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_6Scorer_6__setstate_cython__(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, PyObject *__pyx_v___pyx_state); /* proto */
-static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances); /* proto */
+static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_pp, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_free, int64_t __pyx_v_s, int64_t __pyx_v_e, double __pyx_v_ba, double __pyx_v_ka, double __pyx_v_kb, int64_t __pyx_v_ps, int64_t __pyx_v_pe, int64_t __pyx_v_k, int64_t __pyx_v_horizon); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_free, int64_t __pyx_v_s, int64_t __pyx_v_e, double __pyx_v_ba, double __pyx_v_ka, double __pyx_v_kb, int64_t __pyx_v_ps, int64_t __pyx_v_pe, double __pyx_v_ca, int64_t __pyx_v_k, int64_t __pyx_v_horizon); /* proto */
 static PyObject *__pyx_pf_8olproute_6_score_8__pyx_unpickle_Scorer(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v___pyx_type, long __pyx_v___pyx_checksum, PyObject *__pyx_v___pyx_state); /* proto */
@@ -4073,7 +4073,7 @@ namespace {
     PyObject *__pyx_slice[1];
     PyObject *__pyx_tuple[3];
     PyObject *__pyx_codeobj_tab[8];
-    PyObject *__pyx_string_tab[221];
+    PyObject *__pyx_string_tab[220];
     PyObject *__pyx_number_tab[7];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
@@ -4158,7 +4158,7 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_kp_u_numpy__core_multiarray_failed_to __pyx_string_tab[32]
 #define __pyx_kp_u_numpy__core_umath_failed_to_impo __pyx_string_tab[33]
 #define __pyx_kp_u_olproute__score_pyx __pyx_string_tab[34]
-#define __pyx_kp_u_p0_and_p1_need_shape_G_H_1_3 __pyx_string_tab[35]
+#define __pyx_kp_u_pp_needs_shape_G_H_1_4 __pyx_string_tab[35]
 #define __pyx_kp_u_shift_must_be_0 __pyx_string_tab[36]
 #define __pyx_kp_u_unable_to_allocate_array_data __pyx_string_tab[37]
 #define __pyx_kp_u_unable_to_allocate_shape_and_str __pyx_string_tab[38]
@@ -4293,57 +4293,56 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_n_u_numpy __pyx_string_tab[167]
 #define __pyx_n_u_obj __pyx_string_tab[168]
 #define __pyx_n_u_olproute__score __pyx_string_tab[169]
-#define __pyx_n_u_p0 __pyx_string_tab[170]
-#define __pyx_n_u_p1 __pyx_string_tab[171]
-#define __pyx_n_u_pack __pyx_string_tab[172]
-#define __pyx_n_u_pe __pyx_string_tab[173]
-#define __pyx_n_u_pop __pyx_string_tab[174]
-#define __pyx_n_u_prompt __pyx_string_tab[175]
-#define __pyx_n_u_ps __pyx_string_tab[176]
-#define __pyx_n_u_qe __pyx_string_tab[177]
-#define __pyx_n_u_qs __pyx_string_tab[178]
-#define __pyx_n_u_register __pyx_string_tab[179]
-#define __pyx_n_u_resident_context __pyx_string_tab[180]
-#define __pyx_n_u_s __pyx_string_tab[181]
-#define __pyx_n_u_score __pyx_string_tab[182]
-#define __pyx_n_u_score_columns __pyx_string_tab[183]
-#define __pyx_n_u_self __pyx_string_tab[184]
-#define __pyx_n_u_setdefault __pyx_string_tab[185]
-#define __pyx_n_u_shape __pyx_string_tab[186]
-#define __pyx_n_u_shift __pyx_string_tab[187]
-#define __pyx_n_u_size __pyx_string_tab[188]
-#define __pyx_n_u_slot_s __pyx_string_tab[189]
-#define __pyx_n_u_snapshots __pyx_string_tab[190]
-#define __pyx_n_u_start __pyx_string_tab[191]
-#define __pyx_n_u_state __pyx_string_tab[192]
-#define __pyx_n_u_step __pyx_string_tab[193]
-#define __pyx_n_u_stop __pyx_string_tab[194]
-#define __pyx_n_u_struct __pyx_string_tab[195]
-#define __pyx_n_u_subtract_column __pyx_string_tab[196]
-#define __pyx_n_u_t __pyx_string_tab[197]
-#define __pyx_n_u_table __pyx_string_tab[198]
-#define __pyx_n_u_target __pyx_string_tab[199]
-#define __pyx_n_u_ttft __pyx_string_tab[200]
-#define __pyx_n_u_uint8 __pyx_string_tab[201]
-#define __pyx_n_u_unpack __pyx_string_tab[202]
-#define __pyx_n_u_update __pyx_string_tab[203]
-#define __pyx_n_u_use_setstate __pyx_string_tab[204]
-#define __pyx_n_u_utility __pyx_string_tab[205]
-#define __pyx_n_u_values __pyx_string_tab[206]
-#define __pyx_n_u_view __pyx_string_tab[207]
-#define __pyx_n_u_w __pyx_string_tab[208]
-#define __pyx_n_u_waited __pyx_string_tab[209]
-#define __pyx_n_u_x __pyx_string_tab[210]
-#define __pyx_n_u_zeros __pyx_string_tab[211]
-#define __pyx_n_b_O __pyx_string_tab[212]
-#define __pyx_kp_b_iso88591_AV1 __pyx_string_tab[213]
-#define __pyx_kp_b_iso88591_q_0_kQR_6_7_1 __pyx_string_tab[214]
-#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_b_Bhc_83b_s_A_Q __pyx_string_tab[215]
-#define __pyx_kp_b_iso88591_6_2V1CvRq_RvQc_r_E_vQ_6 __pyx_string_tab[216]
-#define __pyx_kp_b_iso88591_WD_Zt9TXXggkkttxxy_q_l_vWE_Q_q __pyx_string_tab[217]
-#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_r_7_c_89Ba_V3b_B __pyx_string_tab[218]
-#define __pyx_kp_b_iso88591_AV_hhc_auA_6_6_QQR_XXXYcQUUV_a __pyx_string_tab[219]
-#define __pyx_kp_b_iso88591_A_D_V1A_5_5_as_S_as_U_Cq_AQ_vQhh __pyx_string_tab[220]
+#define __pyx_n_u_pack __pyx_string_tab[170]
+#define __pyx_n_u_pe __pyx_string_tab[171]
+#define __pyx_n_u_pop __pyx_string_tab[172]
+#define __pyx_n_u_pp __pyx_string_tab[173]
+#define __pyx_n_u_prompt __pyx_string_tab[174]
+#define __pyx_n_u_ps __pyx_string_tab[175]
+#define __pyx_n_u_qe __pyx_string_tab[176]
+#define __pyx_n_u_qs __pyx_string_tab[177]
+#define __pyx_n_u_register __pyx_string_tab[178]
+#define __pyx_n_u_resident_context __pyx_string_tab[179]
+#define __pyx_n_u_s __pyx_string_tab[180]
+#define __pyx_n_u_score __pyx_string_tab[181]
+#define __pyx_n_u_score_columns __pyx_string_tab[182]
+#define __pyx_n_u_self __pyx_string_tab[183]
+#define __pyx_n_u_setdefault __pyx_string_tab[184]
+#define __pyx_n_u_shape __pyx_string_tab[185]
+#define __pyx_n_u_shift __pyx_string_tab[186]
+#define __pyx_n_u_size __pyx_string_tab[187]
+#define __pyx_n_u_slot_s __pyx_string_tab[188]
+#define __pyx_n_u_snapshots __pyx_string_tab[189]
+#define __pyx_n_u_start __pyx_string_tab[190]
+#define __pyx_n_u_state __pyx_string_tab[191]
+#define __pyx_n_u_step __pyx_string_tab[192]
+#define __pyx_n_u_stop __pyx_string_tab[193]
+#define __pyx_n_u_struct __pyx_string_tab[194]
+#define __pyx_n_u_subtract_column __pyx_string_tab[195]
+#define __pyx_n_u_t __pyx_string_tab[196]
+#define __pyx_n_u_table __pyx_string_tab[197]
+#define __pyx_n_u_target __pyx_string_tab[198]
+#define __pyx_n_u_ttft __pyx_string_tab[199]
+#define __pyx_n_u_uint8 __pyx_string_tab[200]
+#define __pyx_n_u_unpack __pyx_string_tab[201]
+#define __pyx_n_u_update __pyx_string_tab[202]
+#define __pyx_n_u_use_setstate __pyx_string_tab[203]
+#define __pyx_n_u_utility __pyx_string_tab[204]
+#define __pyx_n_u_values __pyx_string_tab[205]
+#define __pyx_n_u_view __pyx_string_tab[206]
+#define __pyx_n_u_w __pyx_string_tab[207]
+#define __pyx_n_u_waited __pyx_string_tab[208]
+#define __pyx_n_u_x __pyx_string_tab[209]
+#define __pyx_n_u_zeros __pyx_string_tab[210]
+#define __pyx_n_b_O __pyx_string_tab[211]
+#define __pyx_kp_b_iso88591_AV1 __pyx_string_tab[212]
+#define __pyx_kp_b_iso88591_q_0_kQR_6_7_1 __pyx_string_tab[213]
+#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_b_Bhc_83b_s_A_Q __pyx_string_tab[214]
+#define __pyx_kp_b_iso88591_6_2V1CvRq_RvQc_r_E_vQ_6 __pyx_string_tab[215]
+#define __pyx_kp_b_iso88591_WD_Zt9TXXggkkttxxy_q_l_vWE_Q_q __pyx_string_tab[216]
+#define __pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_r_7_c_89Ba_V3b_B __pyx_string_tab[217]
+#define __pyx_kp_b_iso88591_AV_hhc_auA_6_6_QQR_XXXYcQUUV_q __pyx_string_tab[218]
+#define __pyx_kp_b_iso88591_A_D_V1A_5_5_as_S_as_U_Cq_AQ_vQhh __pyx_string_tab[219]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_neg_1 __pyx_number_tab[1]
 #define __pyx_int_4 __pyx_number_tab[2]
@@ -4397,7 +4396,7 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_slice[i]); }
   for (int i=0; i<3; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
   for (int i=0; i<8; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<221; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<220; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<7; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
@@ -4453,7 +4452,7 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_slice[i]); }
   for (int i=0; i<3; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
   for (int i=0; i<8; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<221; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<220; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<7; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
@@ -21666,14 +21665,13 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_memviewslice __pyx_v_ttft = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_waited = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_target = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_v_p0 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_v_p1 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_pp = { 0, 0, { 0 }, { 0 }, { 0 } };
   int64_t __pyx_v_shift;
   #if !CYTHON_VECTORCALL
   CYTHON_UNUSED Py_ssize_t __pyx_nargs;
   #endif
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[11] = {0,0,0,0,0,0,0,0,0,0,0};
+  PyObject* values[10] = {0,0,0,0,0,0,0,0,0,0};
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
@@ -21689,15 +21687,11 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   #endif
   __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
   {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_loads,&__pyx_mstate_global->__pyx_n_u_idx,&__pyx_mstate_global->__pyx_n_u_prompt,&__pyx_mstate_global->__pyx_n_u_decode,&__pyx_mstate_global->__pyx_n_u_utility,&__pyx_mstate_global->__pyx_n_u_ttft,&__pyx_mstate_global->__pyx_n_u_waited,&__pyx_mstate_global->__pyx_n_u_target,&__pyx_mstate_global->__pyx_n_u_p0,&__pyx_mstate_global->__pyx_n_u_p1,&__pyx_mstate_global->__pyx_n_u_shift,0};
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_loads,&__pyx_mstate_global->__pyx_n_u_idx,&__pyx_mstate_global->__pyx_n_u_prompt,&__pyx_mstate_global->__pyx_n_u_decode,&__pyx_mstate_global->__pyx_n_u_utility,&__pyx_mstate_global->__pyx_n_u_ttft,&__pyx_mstate_global->__pyx_n_u_waited,&__pyx_mstate_global->__pyx_n_u_target,&__pyx_mstate_global->__pyx_n_u_pp,&__pyx_mstate_global->__pyx_n_u_shift,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
     if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 114, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
-        case 11:
-        values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 114, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
         if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 114, __pyx_L3_error)
@@ -21743,10 +21737,10 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
       if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "score", 0) < (0)) __PYX_ERR(0, 114, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 11; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score", 1, 11, 11, i); __PYX_ERR(0, 114, __pyx_L3_error) }
+      for (Py_ssize_t i = __pyx_nargs; i < 10; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score", 1, 10, 10, i); __PYX_ERR(0, 114, __pyx_L3_error) }
       }
-    } else if (unlikely(__pyx_nargs != 11)) {
+    } else if (unlikely(__pyx_nargs != 10)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
@@ -21769,8 +21763,6 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
       if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 114, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
       if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 114, __pyx_L3_error)
-      values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 114, __pyx_L3_error)
     }
     __pyx_v_loads = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_loads.memview)) __PYX_ERR(0, 114, __pyx_L3_error)
     __pyx_v_idx = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_idx.memview)) __PYX_ERR(0, 114, __pyx_L3_error)
@@ -21780,13 +21772,12 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_ttft = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[5], 0); if (unlikely(!__pyx_v_ttft.memview)) __PYX_ERR(0, 116, __pyx_L3_error)
     __pyx_v_waited = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[6], 0); if (unlikely(!__pyx_v_waited.memview)) __PYX_ERR(0, 117, __pyx_L3_error)
     __pyx_v_target = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[7], 0); if (unlikely(!__pyx_v_target.memview)) __PYX_ERR(0, 117, __pyx_L3_error)
-    __pyx_v_p0 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[8], 0); if (unlikely(!__pyx_v_p0.memview)) __PYX_ERR(0, 118, __pyx_L3_error)
-    __pyx_v_p1 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[9], 0); if (unlikely(!__pyx_v_p1.memview)) __PYX_ERR(0, 118, __pyx_L3_error)
-    __pyx_v_shift = __Pyx_PyLong_As_int64_t(values[10]); if (unlikely((__pyx_v_shift == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 118, __pyx_L3_error)
+    __pyx_v_pp = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[8], 0); if (unlikely(!__pyx_v_pp.memview)) __PYX_ERR(0, 118, __pyx_L3_error)
+    __pyx_v_shift = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_shift == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 118, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("score", 1, 11, 11, __pyx_nargs); __PYX_ERR(0, 114, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("score", 1, 10, 10, __pyx_nargs); __PYX_ERR(0, 114, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -21801,13 +21792,12 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_ttft, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_waited, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_target, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p0, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p1, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_pp, 1);
   __Pyx_AddTraceback("olproute._score.Scorer.score", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_8olproute_6_score_6Scorer_2score(((struct __pyx_obj_8olproute_6_score_Scorer *)__pyx_v_self), __pyx_v_loads, __pyx_v_idx, __pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_waited, __pyx_v_target, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift);
+  __pyx_r = __pyx_pf_8olproute_6_score_6Scorer_2score(((struct __pyx_obj_8olproute_6_score_Scorer *)__pyx_v_self), __pyx_v_loads, __pyx_v_idx, __pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_waited, __pyx_v_target, __pyx_v_pp, __pyx_v_shift);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -21821,14 +21811,13 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_ttft, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_waited, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_target, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p0, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p1, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_pp, 1);
 
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, __Pyx_memviewslice __pyx_v_loads, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift) {
+static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olproute_6_score_Scorer *__pyx_v_self, __Pyx_memviewslice __pyx_v_loads, __Pyx_memviewslice __pyx_v_idx, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_pp, int64_t __pyx_v_shift) {
   Py_ssize_t __pyx_v_G;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
@@ -21922,7 +21911,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6Scorer_2score(struct __pyx_obj_8olp
  *             raise ValueError("loads needs shape (len(idx), 2)")
  *         return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,             # <<<<<<<<<<<<<<
  *                       waited, target, self.batch_cap, self.kv_cap, self.budget,
- *                       self.slot_s, self.horizon, self.w, p0, p1, shift, idx, G)
+ *                       self.slot_s, self.horizon, self.w, pp, shift, idx, G)
 */
   __pyx_t_6.data = __pyx_v_loads.data;
   __pyx_t_6.memview = __pyx_v_loads.memview;
@@ -21950,12 +21939,12 @@ __pyx_t_7.strides[0] = __pyx_v_loads.strides[0];
         __pyx_t_7.data += __pyx_tmp_idx * __pyx_tmp_stride;
 }
 
-__pyx_t_3 = __pyx_f_8olproute_6_score__score(__pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_t_6, __pyx_t_7, __pyx_v_self->beta, __pyx_v_waited, __pyx_v_target, __pyx_v_self->batch_cap, __pyx_v_self->kv_cap, __pyx_v_self->budget, __pyx_v_self->slot_s, __pyx_v_self->horizon, __pyx_v_self->w, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift, __pyx_v_idx, __pyx_v_G); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 125, __pyx_L1_error)
+__pyx_t_3 = __pyx_f_8olproute_6_score__score(__pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_t_6, __pyx_t_7, __pyx_v_self->beta, __pyx_v_waited, __pyx_v_target, __pyx_v_self->batch_cap, __pyx_v_self->kv_cap, __pyx_v_self->budget, __pyx_v_self->slot_s, __pyx_v_self->horizon, __pyx_v_self->w, __pyx_v_pp, __pyx_v_shift, __pyx_v_idx, __pyx_v_G); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 125, __pyx_L1_error)
 
   /* "olproute/_score.pyx":127
  *         return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,
  *                       waited, target, self.batch_cap, self.kv_cap, self.budget,
- *                       self.slot_s, self.horizon, self.w, p0, p1, shift, idx, G)             # <<<<<<<<<<<<<<
+ *                       self.slot_s, self.horizon, self.w, pp, shift, idx, G)             # <<<<<<<<<<<<<<
  * 
  * 
 */
@@ -22858,7 +22847,7 @@ PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_8olproute_6_score_2score_columns, "N requests on the d instances ``idx`` of G = ``num_instances``: ``prompt``,\n    ``waited`` and ``target`` (N,); ``decode``, ``utility`` (weight omega not applied) and\n    ``ttft`` (N, d) in the order of ``idx``; ``num_resident`` and ``resident_context``\n    (d,) from ``decode_loads``; ``beta`` (G, 4); ``batch_cap``, ``kv_cap``, ``budget``\n    (G,); the weights ``w`` (``W_*``; a TTFT threshold NaN: each request\047s target); the\n    price prefix sums ``p0``, ``p1`` (G, H + 1, 3) whose slot 0 is ``shift`` slots before\n    now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time\n    (N, G) bool).");
+PyDoc_STRVAR(__pyx_doc_8olproute_6_score_2score_columns, "N requests on the d instances ``idx`` of G = ``num_instances``: ``prompt``,\n    ``waited`` and ``target`` (N,); ``decode``, ``utility`` (weight omega not applied) and\n    ``ttft`` (N, d) in the order of ``idx``; ``num_resident`` and ``resident_context``\n    (d,) from ``decode_loads``; ``beta`` (G, 4); ``batch_cap``, ``kv_cap``, ``budget``\n    (G,); the weights ``w`` (``W_*``; a TTFT threshold NaN: each request\047s target); the\n    price prefix sums packed (``reward.pack_prefix``: P0 of the three rows, P1 of KV), (G,\n    H + 1, 4), whose slot 0 is ``shift`` slots before now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time\n    (N, G) bool).");
 static PyMethodDef __pyx_mdef_8olproute_6_score_3score_columns = {"score_columns", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_8olproute_6_score_3score_columns, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_8olproute_6_score_2score_columns};
 static PyObject *__pyx_pw_8olproute_6_score_3score_columns(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
@@ -22882,8 +22871,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   double __pyx_v_slot_s;
   int64_t __pyx_v_horizon;
   __Pyx_memviewslice __pyx_v_w = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_v_p0 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_v_p1 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_pp = { 0, 0, { 0 }, { 0 }, { 0 } };
   int64_t __pyx_v_shift;
   __Pyx_memviewslice __pyx_v_idx = { 0, 0, { 0 }, { 0 }, { 0 } };
   Py_ssize_t __pyx_v_num_instances;
@@ -22891,7 +22879,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   CYTHON_UNUSED Py_ssize_t __pyx_nargs;
   #endif
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[20] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
+  PyObject* values[19] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
@@ -22907,15 +22895,11 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   #endif
   __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
   {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_prompt,&__pyx_mstate_global->__pyx_n_u_decode,&__pyx_mstate_global->__pyx_n_u_utility,&__pyx_mstate_global->__pyx_n_u_ttft,&__pyx_mstate_global->__pyx_n_u_num_resident,&__pyx_mstate_global->__pyx_n_u_resident_context,&__pyx_mstate_global->__pyx_n_u_beta,&__pyx_mstate_global->__pyx_n_u_waited,&__pyx_mstate_global->__pyx_n_u_target,&__pyx_mstate_global->__pyx_n_u_batch_cap,&__pyx_mstate_global->__pyx_n_u_kv_cap,&__pyx_mstate_global->__pyx_n_u_budget,&__pyx_mstate_global->__pyx_n_u_slot_s,&__pyx_mstate_global->__pyx_n_u_horizon,&__pyx_mstate_global->__pyx_n_u_w,&__pyx_mstate_global->__pyx_n_u_p0,&__pyx_mstate_global->__pyx_n_u_p1,&__pyx_mstate_global->__pyx_n_u_shift,&__pyx_mstate_global->__pyx_n_u_idx,&__pyx_mstate_global->__pyx_n_u_num_instances,0};
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_prompt,&__pyx_mstate_global->__pyx_n_u_decode,&__pyx_mstate_global->__pyx_n_u_utility,&__pyx_mstate_global->__pyx_n_u_ttft,&__pyx_mstate_global->__pyx_n_u_num_resident,&__pyx_mstate_global->__pyx_n_u_resident_context,&__pyx_mstate_global->__pyx_n_u_beta,&__pyx_mstate_global->__pyx_n_u_waited,&__pyx_mstate_global->__pyx_n_u_target,&__pyx_mstate_global->__pyx_n_u_batch_cap,&__pyx_mstate_global->__pyx_n_u_kv_cap,&__pyx_mstate_global->__pyx_n_u_budget,&__pyx_mstate_global->__pyx_n_u_slot_s,&__pyx_mstate_global->__pyx_n_u_horizon,&__pyx_mstate_global->__pyx_n_u_w,&__pyx_mstate_global->__pyx_n_u_pp,&__pyx_mstate_global->__pyx_n_u_shift,&__pyx_mstate_global->__pyx_n_u_idx,&__pyx_mstate_global->__pyx_n_u_num_instances,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
     if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 147, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
-        case 20:
-        values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 147, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
         case 19:
         values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
         if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 147, __pyx_L3_error)
@@ -22997,10 +22981,10 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
       if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "score_columns", 0) < (0)) __PYX_ERR(0, 147, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 20; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score_columns", 1, 20, 20, i); __PYX_ERR(0, 147, __pyx_L3_error) }
+      for (Py_ssize_t i = __pyx_nargs; i < 19; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("score_columns", 1, 19, 19, i); __PYX_ERR(0, 147, __pyx_L3_error) }
       }
-    } else if (unlikely(__pyx_nargs != 20)) {
+    } else if (unlikely(__pyx_nargs != 19)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
@@ -23041,8 +23025,6 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
       if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 147, __pyx_L3_error)
       values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
       if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 147, __pyx_L3_error)
-      values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 147, __pyx_L3_error)
     }
     __pyx_v_prompt = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_prompt.memview)) __PYX_ERR(0, 147, __pyx_L3_error)
     __pyx_v_decode = __Pyx_PyObject_to_MemoryviewSlice_dsds_double__const__(values[1], 0); if (unlikely(!__pyx_v_decode.memview)) __PYX_ERR(0, 147, __pyx_L3_error)
@@ -23059,15 +23041,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_slot_s = __Pyx_PyFloat_AsDouble(values[12]); if (unlikely((__pyx_v_slot_s == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 152, __pyx_L3_error)
     __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[13]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 153, __pyx_L3_error)
     __pyx_v_w = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[14], 0); if (unlikely(!__pyx_v_w.memview)) __PYX_ERR(0, 153, __pyx_L3_error)
-    __pyx_v_p0 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[15], 0); if (unlikely(!__pyx_v_p0.memview)) __PYX_ERR(0, 153, __pyx_L3_error)
-    __pyx_v_p1 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[16], 0); if (unlikely(!__pyx_v_p1.memview)) __PYX_ERR(0, 154, __pyx_L3_error)
-    __pyx_v_shift = __Pyx_PyLong_As_int64_t(values[17]); if (unlikely((__pyx_v_shift == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 154, __pyx_L3_error)
-    __pyx_v_idx = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[18], 0); if (unlikely(!__pyx_v_idx.memview)) __PYX_ERR(0, 154, __pyx_L3_error)
-    __pyx_v_num_instances = __Pyx_PyIndex_AsSsize_t(values[19]); if (unlikely((__pyx_v_num_instances == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 155, __pyx_L3_error)
+    __pyx_v_pp = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double__const__(values[15], 0); if (unlikely(!__pyx_v_pp.memview)) __PYX_ERR(0, 153, __pyx_L3_error)
+    __pyx_v_shift = __Pyx_PyLong_As_int64_t(values[16]); if (unlikely((__pyx_v_shift == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 154, __pyx_L3_error)
+    __pyx_v_idx = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[17], 0); if (unlikely(!__pyx_v_idx.memview)) __PYX_ERR(0, 154, __pyx_L3_error)
+    __pyx_v_num_instances = __Pyx_PyIndex_AsSsize_t(values[18]); if (unlikely((__pyx_v_num_instances == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 154, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("score_columns", 1, 20, 20, __pyx_nargs); __PYX_ERR(0, 147, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("score_columns", 1, 19, 19, __pyx_nargs); __PYX_ERR(0, 147, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -23087,14 +23068,13 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_kv_cap, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_budget, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_w, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p0, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p1, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_pp, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_idx, 1);
   __Pyx_AddTraceback("olproute._score.score_columns", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_8olproute_6_score_2score_columns(__pyx_self, __pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_num_resident, __pyx_v_resident_context, __pyx_v_beta, __pyx_v_waited, __pyx_v_target, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_slot_s, __pyx_v_horizon, __pyx_v_w, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift, __pyx_v_idx, __pyx_v_num_instances);
+  __pyx_r = __pyx_pf_8olproute_6_score_2score_columns(__pyx_self, __pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_num_resident, __pyx_v_resident_context, __pyx_v_beta, __pyx_v_waited, __pyx_v_target, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_slot_s, __pyx_v_horizon, __pyx_v_w, __pyx_v_pp, __pyx_v_shift, __pyx_v_idx, __pyx_v_num_instances);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -23115,8 +23095,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 
 
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_w, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p0, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_p1, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_pp, 1);
 
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_idx, 1);
 
@@ -23124,7 +23103,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances) {
+static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_pp, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -23133,32 +23112,32 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("score_columns", 0);
 
-  /* "olproute/_score.pyx":164
- *     now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time
+  /* "olproute/_score.pyx":163
+ *     H + 1, 4), whose slot 0 is ``shift`` slots before now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time
  *     (N, G) bool)."""
  *     _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)             # <<<<<<<<<<<<<<
  *     _check_idx(idx, num_instances)
  *     return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,
 */
-  __pyx_f_8olproute_6_score__check_instances(__pyx_v_beta, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_w, __pyx_v_num_instances); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 164, __pyx_L1_error)
+  __pyx_f_8olproute_6_score__check_instances(__pyx_v_beta, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_w, __pyx_v_num_instances); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 163, __pyx_L1_error)
 
-  /* "olproute/_score.pyx":165
+  /* "olproute/_score.pyx":164
  *     (N, G) bool)."""
  *     _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)
  *     _check_idx(idx, num_instances)             # <<<<<<<<<<<<<<
  *     return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,
- *                   waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, p0, p1,
+ *                   waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, pp, shift,
 */
-  __pyx_f_8olproute_6_score__check_idx(__pyx_v_idx, __pyx_v_num_instances); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 165, __pyx_L1_error)
+  __pyx_f_8olproute_6_score__check_idx(__pyx_v_idx, __pyx_v_num_instances); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 164, __pyx_L1_error)
 
-  /* "olproute/_score.pyx":166
+  /* "olproute/_score.pyx":165
  *     _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)
  *     _check_idx(idx, num_instances)
  *     return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,             # <<<<<<<<<<<<<<
- *                   waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, p0, p1,
- *                   shift, idx, num_instances)
+ *                   waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, pp, shift,
+ *                   idx, num_instances)
 */
-  __pyx_t_1 = __pyx_f_8olproute_6_score__score(__pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_num_resident, __pyx_v_resident_context, __pyx_v_beta, __pyx_v_waited, __pyx_v_target, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_slot_s, __pyx_v_horizon, __pyx_v_w, __pyx_v_p0, __pyx_v_p1, __pyx_v_shift, __pyx_v_idx, __pyx_v_num_instances); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 166, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_8olproute_6_score__score(__pyx_v_prompt, __pyx_v_decode, __pyx_v_utility, __pyx_v_ttft, __pyx_v_num_resident, __pyx_v_resident_context, __pyx_v_beta, __pyx_v_waited, __pyx_v_target, __pyx_v_batch_cap, __pyx_v_kv_cap, __pyx_v_budget, __pyx_v_slot_s, __pyx_v_horizon, __pyx_v_w, __pyx_v_pp, __pyx_v_shift, __pyx_v_idx, __pyx_v_num_instances); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 165, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -23190,7 +23169,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":171
+/* "olproute/_score.pyx":170
  * 
  * 
  * cdef tuple _score(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
@@ -23198,7 +23177,7 @@ static PyObject *__pyx_pf_8olproute_6_score_2score_columns(CYTHON_UNUSED PyObjec
  *                   const double[:] num_resident, const double[:] resident_context,
 */
 
-static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_p0, __Pyx_memviewslice __pyx_v_p1, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances) {
+static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_prompt, __Pyx_memviewslice __pyx_v_decode, __Pyx_memviewslice __pyx_v_utility, __Pyx_memviewslice __pyx_v_ttft, __Pyx_memviewslice __pyx_v_num_resident, __Pyx_memviewslice __pyx_v_resident_context, __Pyx_memviewslice __pyx_v_beta, __Pyx_memviewslice __pyx_v_waited, __Pyx_memviewslice __pyx_v_target, __Pyx_memviewslice __pyx_v_batch_cap, __Pyx_memviewslice __pyx_v_kv_cap, __Pyx_memviewslice __pyx_v_budget, double __pyx_v_slot_s, int64_t __pyx_v_horizon, __Pyx_memviewslice __pyx_v_w, __Pyx_memviewslice __pyx_v_pp, int64_t __pyx_v_shift, __Pyx_memviewslice __pyx_v_idx, Py_ssize_t __pyx_v_num_instances) {
   Py_ssize_t __pyx_v_N;
   Py_ssize_t __pyx_v_d;
   Py_ssize_t __pyx_v_G;
@@ -23313,17 +23292,17 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_score", 0);
 
-  /* "olproute/_score.pyx":180
- *                   const double[:, :, ::1] p1, int64_t shift, const int64_t[::1] idx,
- *                   Py_ssize_t num_instances):
+  /* "olproute/_score.pyx":178
+ *                   int64_t horizon, const double[::1] w, const double[:, :, ::1] pp,
+ *                   int64_t shift, const int64_t[::1] idx, Py_ssize_t num_instances):
  *     cdef Py_ssize_t N = prompt.shape[0]             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
 */
   __pyx_v_N = (__pyx_v_prompt.shape[0]);
 
-  /* "olproute/_score.pyx":181
- *                   Py_ssize_t num_instances):
+  /* "olproute/_score.pyx":179
+ *                   int64_t shift, const int64_t[::1] idx, Py_ssize_t num_instances):
  *     cdef Py_ssize_t N = prompt.shape[0]
  *     cdef Py_ssize_t d = idx.shape[0]             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t G = num_instances
@@ -23331,7 +23310,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   __pyx_v_d = (__pyx_v_idx.shape[0]);
 
-  /* "olproute/_score.pyx":182
+  /* "olproute/_score.pyx":180
  *     cdef Py_ssize_t N = prompt.shape[0]
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances             # <<<<<<<<<<<<<<
@@ -23340,7 +23319,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   __pyx_v_G = __pyx_v_num_instances;
 
-  /* "olproute/_score.pyx":183
+  /* "olproute/_score.pyx":181
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \             # <<<<<<<<<<<<<<
@@ -23368,7 +23347,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "olproute/_score.pyx":184
+  /* "olproute/_score.pyx":182
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:             # <<<<<<<<<<<<<<
@@ -23412,7 +23391,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
   __pyx_L4_bool_binop_done:;
 
-  /* "olproute/_score.pyx":183
+  /* "olproute/_score.pyx":181
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \             # <<<<<<<<<<<<<<
@@ -23422,7 +23401,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":185
+    /* "olproute/_score.pyx":183
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")             # <<<<<<<<<<<<<<
@@ -23435,14 +23414,14 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_decode_utility_and_ttft_need_sha};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 185, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 183, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 185, __pyx_L1_error)
+    __PYX_ERR(0, 183, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":183
+    /* "olproute/_score.pyx":181
  *     cdef Py_ssize_t d = idx.shape[0]
  *     cdef Py_ssize_t G = num_instances
  *     if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \             # <<<<<<<<<<<<<<
@@ -23451,7 +23430,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   }
 
-  /* "olproute/_score.pyx":186
+  /* "olproute/_score.pyx":184
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")
  *     if waited.shape[0] != N or target.shape[0] != N:             # <<<<<<<<<<<<<<
@@ -23477,7 +23456,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":187
+    /* "olproute/_score.pyx":185
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")
  *     if waited.shape[0] != N or target.shape[0] != N:
  *         raise ValueError("waited and target need one entry per request")             # <<<<<<<<<<<<<<
@@ -23490,14 +23469,14 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_waited_and_target_need_one_entry};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 187, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 185, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 187, __pyx_L1_error)
+    __PYX_ERR(0, 185, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":186
+    /* "olproute/_score.pyx":184
  *             or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
  *         raise ValueError("decode, utility and ttft need shape (N, len(idx))")
  *     if waited.shape[0] != N or target.shape[0] != N:             # <<<<<<<<<<<<<<
@@ -23506,12 +23485,12 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   }
 
-  /* "olproute/_score.pyx":188
+  /* "olproute/_score.pyx":186
  *     if waited.shape[0] != N or target.shape[0] != N:
  *         raise ValueError("waited and target need one entry per request")
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:             # <<<<<<<<<<<<<<
  *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
+ *     if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:
 */
   __pyx_t_2 = ((__pyx_v_num_resident.shape[0]) != __pyx_v_d);
 
@@ -23532,17 +23511,82 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":189
+    /* "olproute/_score.pyx":187
  *         raise ValueError("waited and target need one entry per request")
  *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
  *         raise ValueError("num_resident and resident_context need one entry per instance")             # <<<<<<<<<<<<<<
- *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
- *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
+ *     if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:
+ *         raise ValueError("pp needs shape (G, H + 1, 4)")
 */
     __pyx_t_4 = NULL;
     __pyx_t_5 = 1;
     {
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_num_resident_and_resident_contex};
+      __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 187, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+    }
+    __Pyx_Raise(__pyx_t_3, 0, 0, 0);
+    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+    __PYX_ERR(0, 187, __pyx_L1_error)
+
+    /* "olproute/_score.pyx":186
+ *     if waited.shape[0] != N or target.shape[0] != N:
+ *         raise ValueError("waited and target need one entry per request")
+ *     if num_resident.shape[0] != d or resident_context.shape[0] != d:             # <<<<<<<<<<<<<<
+ *         raise ValueError("num_resident and resident_context need one entry per instance")
+ *     if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:
+*/
+  }
+
+  /* "olproute/_score.pyx":188
+ *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
+ *         raise ValueError("num_resident and resident_context need one entry per instance")
+ *     if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:             # <<<<<<<<<<<<<<
+ *         raise ValueError("pp needs shape (G, H + 1, 4)")
+ *     if shift < 0:
+*/
+  __pyx_t_2 = ((__pyx_v_pp.shape[0]) != __pyx_v_G);
+
+  if (!__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L17_bool_binop_done;
+  }
+  __pyx_t_2 = ((__pyx_v_pp.shape[1]) != (__pyx_v_horizon + 1));
+
+  if (!__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L17_bool_binop_done;
+  }
+  __pyx_t_2 = ((__pyx_v_pp.shape[2]) != 4);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L17_bool_binop_done:;
+  if (unlikely(__pyx_t_1)) {
+
+
+    /* "olproute/_score.pyx":189
+ *         raise ValueError("num_resident and resident_context need one entry per instance")
+ *     if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:
+ *         raise ValueError("pp needs shape (G, H + 1, 4)")             # <<<<<<<<<<<<<<
+ *     if shift < 0:
+ *         raise ValueError("shift must be >= 0")
+*/
+    __pyx_t_4 = NULL;
+    __pyx_t_5 = 1;
+    {
+      PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_pp_needs_shape_G_H_1_4};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 189, __pyx_L1_error)
@@ -23553,128 +23597,17 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __PYX_ERR(0, 189, __pyx_L1_error)
 
     /* "olproute/_score.pyx":188
- *     if waited.shape[0] != N or target.shape[0] != N:
- *         raise ValueError("waited and target need one entry per request")
- *     if num_resident.shape[0] != d or resident_context.shape[0] != d:             # <<<<<<<<<<<<<<
+ *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
  *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
+ *     if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:             # <<<<<<<<<<<<<<
+ *         raise ValueError("pp needs shape (G, H + 1, 4)")
+ *     if shift < 0:
 */
   }
 
   /* "olproute/_score.pyx":190
- *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
- *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \             # <<<<<<<<<<<<<<
- *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
- *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
-*/
-  __pyx_t_2 = ((__pyx_v_p0.shape[0]) != __pyx_v_G);
-
-  if (!__pyx_t_2) {
-
-  } else {
-
-    __pyx_t_1 = __pyx_t_2;
-
-    goto __pyx_L17_bool_binop_done;
-  }
-  __pyx_t_2 = ((__pyx_v_p1.shape[0]) != __pyx_v_G);
-
-  if (!__pyx_t_2) {
-
-  } else {
-
-    __pyx_t_1 = __pyx_t_2;
-
-    goto __pyx_L17_bool_binop_done;
-  }
-
-  /* "olproute/_score.pyx":191
- *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
- *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:             # <<<<<<<<<<<<<<
- *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
- *     if shift < 0:
-*/
-  __pyx_t_2 = ((__pyx_v_p0.shape[1]) != (__pyx_v_horizon + 1));
-
-  if (!__pyx_t_2) {
-
-  } else {
-
-    __pyx_t_1 = __pyx_t_2;
-
-    goto __pyx_L17_bool_binop_done;
-  }
-  __pyx_t_2 = ((__pyx_v_p1.shape[1]) != (__pyx_v_horizon + 1));
-
-  if (!__pyx_t_2) {
-
-  } else {
-
-    __pyx_t_1 = __pyx_t_2;
-
-    goto __pyx_L17_bool_binop_done;
-  }
-  __pyx_t_2 = ((__pyx_v_p0.shape[2]) != 3);
-
-  if (!__pyx_t_2) {
-
-  } else {
-
-    __pyx_t_1 = __pyx_t_2;
-
-    goto __pyx_L17_bool_binop_done;
-  }
-  __pyx_t_2 = ((__pyx_v_p1.shape[2]) != 3);
-
-
-  __pyx_t_1 = __pyx_t_2;
-
-  __pyx_L17_bool_binop_done:;
-
-  /* "olproute/_score.pyx":190
- *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
- *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \             # <<<<<<<<<<<<<<
- *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
- *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
-*/
-  if (unlikely(__pyx_t_1)) {
-
-
-    /* "olproute/_score.pyx":192
- *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
- *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
- *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")             # <<<<<<<<<<<<<<
- *     if shift < 0:
- *         raise ValueError("shift must be >= 0")
-*/
-    __pyx_t_4 = NULL;
-    __pyx_t_5 = 1;
-    {
-      PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_p0_and_p1_need_shape_G_H_1_3};
-      __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 192, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_3);
-    }
-    __Pyx_Raise(__pyx_t_3, 0, 0, 0);
-    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 192, __pyx_L1_error)
-
-    /* "olproute/_score.pyx":190
- *     if num_resident.shape[0] != d or resident_context.shape[0] != d:
- *         raise ValueError("num_resident and resident_context need one entry per instance")
- *     if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \             # <<<<<<<<<<<<<<
- *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
- *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
-*/
-  }
-
-  /* "olproute/_score.pyx":193
- *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
- *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
+ *     if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:
+ *         raise ValueError("pp needs shape (G, H + 1, 4)")
  *     if shift < 0:             # <<<<<<<<<<<<<<
  *         raise ValueError("shift must be >= 0")
  *     cdef Py_ssize_t k, j
@@ -23684,8 +23617,8 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":194
- *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
+    /* "olproute/_score.pyx":191
+ *         raise ValueError("pp needs shape (G, H + 1, 4)")
  *     if shift < 0:
  *         raise ValueError("shift must be >= 0")             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t k, j
@@ -23697,23 +23630,23 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_shift_must_be_0};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 194, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 191, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 194, __pyx_L1_error)
+    __PYX_ERR(0, 191, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":193
- *             or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
- *         raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
+    /* "olproute/_score.pyx":190
+ *     if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:
+ *         raise ValueError("pp needs shape (G, H + 1, 4)")
  *     if shift < 0:             # <<<<<<<<<<<<<<
  *         raise ValueError("shift must be >= 0")
  *     cdef Py_ssize_t k, j
 */
   }
 
-  /* "olproute/_score.pyx":198
+  /* "olproute/_score.pyx":195
  *     cdef int64_t g
  * 
  *     f_np = np.empty((NUM_F, N, G), dtype=np.float64)             # <<<<<<<<<<<<<<
@@ -23721,31 +23654,31 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
  *     on_np = np.zeros((N, G), dtype=np.bool_)
 */
   __pyx_t_4 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 198, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 195, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 198, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 195, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 198, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 195, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_8 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 198, __pyx_L1_error)
+  __pyx_t_8 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 195, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 198, __pyx_L1_error)
+  __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 195, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_10 = PyTuple_New(3); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 198, __pyx_L1_error)
+  __pyx_t_10 = PyTuple_New(3); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 195, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 198, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 195, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 198, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 195, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_9);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 198, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 195, __pyx_L1_error);
   __pyx_t_6 = 0;
   __pyx_t_8 = 0;
   __pyx_t_9 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 198, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 195, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 198, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 195, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
   #if CYTHON_VECTORCALL
@@ -23766,13 +23699,13 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     PyObject *__pyx_callargs[3] = {__pyx_t_4, __pyx_t_10, __pyx_t_8};
     #if CYTHON_VECTORCALL
     __pyx_t_9 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 198, __pyx_L1_error)
+    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 195, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_9);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_9 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 198, __pyx_L1_error)
+      if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 195, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_9);
     }
     #endif
@@ -23784,13 +23717,13 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
     __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 198, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 195, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_f_np = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "olproute/_score.pyx":199
+  /* "olproute/_score.pyx":196
  * 
  *     f_np = np.empty((NUM_F, N, G), dtype=np.float64)
  *     i_np = np.empty((4, N, G), dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -23798,29 +23731,29 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
  *     cdef double[:, :, ::1] f = f_np
 */
   __pyx_t_7 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 199, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 196, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 199, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 196, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-  __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 199, __pyx_L1_error)
+  __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 196, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 199, __pyx_L1_error)
+  __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 196, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
-  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 199, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 196, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_INCREF(__pyx_mstate_global->__pyx_int_4);
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_int_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_mstate_global->__pyx_int_4) != (0)) __PYX_ERR(0, 199, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_mstate_global->__pyx_int_4) != (0)) __PYX_ERR(0, 196, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_9);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_9) != (0)) __PYX_ERR(0, 199, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_9) != (0)) __PYX_ERR(0, 196, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_10);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_10) != (0)) __PYX_ERR(0, 199, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_10) != (0)) __PYX_ERR(0, 196, __pyx_L1_error);
   __pyx_t_9 = 0;
   __pyx_t_10 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 199, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 196, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
-  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 199, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 196, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
   __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
   #if CYTHON_VECTORCALL
@@ -23841,13 +23774,13 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     PyObject *__pyx_callargs[3] = {__pyx_t_7, __pyx_t_4, __pyx_t_9};
     #if CYTHON_VECTORCALL
     __pyx_t_10 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 199, __pyx_L1_error)
+    if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 196, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_10);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_10 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 199, __pyx_L1_error)
+      if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 196, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_10);
     }
     #endif
@@ -23859,13 +23792,13 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 199, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 196, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_i_np = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "olproute/_score.pyx":200
+  /* "olproute/_score.pyx":197
  *     f_np = np.empty((NUM_F, N, G), dtype=np.float64)
  *     i_np = np.empty((4, N, G), dtype=np.int64)
  *     on_np = np.zeros((N, G), dtype=np.bool_)             # <<<<<<<<<<<<<<
@@ -23873,26 +23806,26 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
  *     cdef int64_t[:, :, ::1] iv = i_np
 */
   __pyx_t_8 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 197, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
-  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_zeros); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyObject_GetAttrStr(__pyx_t_10, __pyx_mstate_global->__pyx_n_u_zeros); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 197, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
   __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
-  __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_N); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 197, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
-  __pyx_t_4 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __pyx_t_4 = PyLong_FromSsize_t(__pyx_v_G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 197, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 197, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_GIVEREF(__pyx_t_10);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_10) != (0)) __PYX_ERR(0, 200, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_10) != (0)) __PYX_ERR(0, 197, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 200, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 197, __pyx_L1_error);
   __pyx_t_10 = 0;
   __pyx_t_4 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 197, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_bool); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_bool); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 197, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   #if CYTHON_VECTORCALL
@@ -23913,13 +23846,13 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     PyObject *__pyx_callargs[3] = {__pyx_t_8, __pyx_t_7, __pyx_t_10};
     #if CYTHON_VECTORCALL
     __pyx_t_4 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 197, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_4);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_4 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 197, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     #endif
@@ -23931,37 +23864,37 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 200, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 197, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_on_np = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "olproute/_score.pyx":201
+  /* "olproute/_score.pyx":198
  *     i_np = np.empty((4, N, G), dtype=np.int64)
  *     on_np = np.zeros((N, G), dtype=np.bool_)
  *     cdef double[:, :, ::1] f = f_np             # <<<<<<<<<<<<<<
  *     cdef int64_t[:, :, ::1] iv = i_np
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
 */
-  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double(__pyx_v_f_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 201, __pyx_L1_error)
+  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_double(__pyx_v_f_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 198, __pyx_L1_error)
   __pyx_v_f = __pyx_t_11;
   __pyx_t_11.memview = NULL;
   __pyx_t_11.data = NULL;
 
-  /* "olproute/_score.pyx":202
+  /* "olproute/_score.pyx":199
  *     on_np = np.zeros((N, G), dtype=np.bool_)
  *     cdef double[:, :, ::1] f = f_np
  *     cdef int64_t[:, :, ::1] iv = i_np             # <<<<<<<<<<<<<<
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
  *     cdef Py_ssize_t r
 */
-  __pyx_t_12 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_nn_int64_t(__pyx_v_i_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_12.memview)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __pyx_t_12 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_nn_int64_t(__pyx_v_i_np, PyBUF_WRITABLE); if (unlikely(!__pyx_t_12.memview)) __PYX_ERR(0, 199, __pyx_L1_error)
   __pyx_v_iv = __pyx_t_12;
   __pyx_t_12.memview = NULL;
   __pyx_t_12.data = NULL;
 
-  /* "olproute/_score.pyx":203
+  /* "olproute/_score.pyx":200
  *     cdef double[:, :, ::1] f = f_np
  *     cdef int64_t[:, :, ::1] iv = i_np
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)             # <<<<<<<<<<<<<<
@@ -23970,9 +23903,9 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   __pyx_t_9 = __pyx_v_on_np;
   __Pyx_INCREF(__pyx_t_9);
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   __pyx_t_5 = 0;
@@ -23981,16 +23914,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_view, __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_9); __pyx_t_9 = 0;
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 203, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 200, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
-  __pyx_t_13 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_uint8_t(__pyx_t_3, PyBUF_WRITABLE); if (unlikely(!__pyx_t_13.memview)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __pyx_t_13 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_uint8_t(__pyx_t_3, PyBUF_WRITABLE); if (unlikely(!__pyx_t_13.memview)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_v_on = __pyx_t_13;
   __pyx_t_13.memview = NULL;
   __pyx_t_13.data = NULL;
 
-  /* "olproute/_score.pyx":205
+  /* "olproute/_score.pyx":202
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
  *     cdef Py_ssize_t r
  *     if d < G:   # instances not looked at: never started there             # <<<<<<<<<<<<<<
@@ -24002,7 +23935,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":206
+    /* "olproute/_score.pyx":203
  *     cdef Py_ssize_t r
  *     if d < G:   # instances not looked at: never started there
  *         for j in range(N):             # <<<<<<<<<<<<<<
@@ -24016,7 +23949,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
       __pyx_v_j = __pyx_t_16;
 
-      /* "olproute/_score.pyx":207
+      /* "olproute/_score.pyx":204
  *     if d < G:   # instances not looked at: never started there
  *         for j in range(N):
  *             for g in range(G):             # <<<<<<<<<<<<<<
@@ -24030,23 +23963,23 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       for (__pyx_t_19 = 0; __pyx_t_19 < __pyx_t_18; __pyx_t_19+=1) {
         __pyx_v_g = __pyx_t_19;
 
-        /* "olproute/_score.pyx":208
+        /* "olproute/_score.pyx":205
  *         for j in range(N):
  *             for g in range(G):
  *                 for r in range(NUM_F):             # <<<<<<<<<<<<<<
  *                     f[r, j, g] = NAN
  *                 f[F_TTFT, j, g] = INFINITY
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 208, __pyx_L1_error)
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_NUM_F); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 205, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
-        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 208, __pyx_L1_error)
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 205, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
         __pyx_t_21 = __pyx_t_20;
 
         for (__pyx_t_22 = 0; __pyx_t_22 < __pyx_t_21; __pyx_t_22+=1) {
           __pyx_v_r = __pyx_t_22;
 
-          /* "olproute/_score.pyx":209
+          /* "olproute/_score.pyx":206
  *             for g in range(G):
  *                 for r in range(NUM_F):
  *                     f[r, j, g] = NAN             # <<<<<<<<<<<<<<
@@ -24061,16 +23994,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
 
 
-        /* "olproute/_score.pyx":210
+        /* "olproute/_score.pyx":207
  *                 for r in range(NUM_F):
  *                     f[r, j, g] = NAN
  *                 f[F_TTFT, j, g] = INFINITY             # <<<<<<<<<<<<<<
  *                 f[F_REWARD, j, g] = -INFINITY
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 210, __pyx_L1_error)
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 207, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
-        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 210, __pyx_L1_error)
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 207, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
         __pyx_t_25 = __pyx_t_20;
         __pyx_t_24 = __pyx_v_j;
@@ -24078,16 +24011,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_25 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_23)) )) = INFINITY;
 
 
-        /* "olproute/_score.pyx":211
+        /* "olproute/_score.pyx":208
  *                     f[r, j, g] = NAN
  *                 f[F_TTFT, j, g] = INFINITY
  *                 f[F_REWARD, j, g] = -INFINITY             # <<<<<<<<<<<<<<
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
  *                 f[F_FINITE_TTFT, j, g] = 1e9
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 211, __pyx_L1_error)
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 208, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
-        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 211, __pyx_L1_error)
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 208, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
         __pyx_t_23 = __pyx_t_20;
         __pyx_t_24 = __pyx_v_j;
@@ -24095,16 +24028,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_23 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_25)) )) = (-INFINITY);
 
 
-        /* "olproute/_score.pyx":212
+        /* "olproute/_score.pyx":209
  *                 f[F_TTFT, j, g] = INFINITY
  *                 f[F_REWARD, j, g] = -INFINITY
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY             # <<<<<<<<<<<<<<
  *                 f[F_FINITE_TTFT, j, g] = 1e9
  *                 for r in range(4):
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 212, __pyx_L1_error)
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 209, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
-        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 212, __pyx_L1_error)
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 209, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
         __pyx_t_25 = __pyx_t_20;
         __pyx_t_24 = __pyx_v_j;
@@ -24112,16 +24045,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_25 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_23)) )) = (-INFINITY);
 
 
-        /* "olproute/_score.pyx":213
+        /* "olproute/_score.pyx":210
  *                 f[F_REWARD, j, g] = -INFINITY
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
  *                 f[F_FINITE_TTFT, j, g] = 1e9             # <<<<<<<<<<<<<<
  *                 for r in range(4):
  *                     iv[r, j, g] = horizon
 */
-        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 213, __pyx_L1_error)
+        __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 210, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
-        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 213, __pyx_L1_error)
+        __pyx_t_20 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_20 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 210, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
         __pyx_t_23 = __pyx_t_20;
         __pyx_t_24 = __pyx_v_j;
@@ -24129,7 +24062,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_23 * __pyx_v_f.strides[0]) ) + __pyx_t_24 * __pyx_v_f.strides[1]) )) + __pyx_t_25)) )) = 1e9;
 
 
-        /* "olproute/_score.pyx":214
+        /* "olproute/_score.pyx":211
  *                 f[F_LAGRANGIAN, j, g] = -INFINITY
  *                 f[F_FINITE_TTFT, j, g] = 1e9
  *                 for r in range(4):             # <<<<<<<<<<<<<<
@@ -24139,7 +24072,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         for (__pyx_t_20 = 0; __pyx_t_20 < 4; __pyx_t_20+=1) {
           __pyx_v_r = __pyx_t_20;
 
-          /* "olproute/_score.pyx":215
+          /* "olproute/_score.pyx":212
  *                 f[F_FINITE_TTFT, j, g] = 1e9
  *                 for r in range(4):
  *                     iv[r, j, g] = horizon             # <<<<<<<<<<<<<<
@@ -24156,7 +24089,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     }
 
 
-    /* "olproute/_score.pyx":205
+    /* "olproute/_score.pyx":202
  *     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
  *     cdef Py_ssize_t r
  *     if d < G:   # instances not looked at: never started there             # <<<<<<<<<<<<<<
@@ -24165,116 +24098,116 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
   }
 
-  /* "olproute/_score.pyx":216
+  /* "olproute/_score.pyx":213
  *                 for r in range(4):
  *                     iv[r, j, g] = horizon
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]             # <<<<<<<<<<<<<<
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_SIGMA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_SIGMA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 213, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 213, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_sigma = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ALPHA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ALPHA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 213, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 213, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_alpha = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_TOKEN_NORM); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_TOKEN_NORM); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 213, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 213, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_token_norm = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":217
+  /* "olproute/_score.pyx":214
  *                     iv[r, j, g] = horizon
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]             # <<<<<<<<<<<<<<
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]
  *     cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_BETA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 217, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_BETA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 214, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 217, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 214, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_wbeta = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_GAMMA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 217, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_GAMMA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 214, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 217, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 214, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_gamma = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ZETA1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 217, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ZETA1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 214, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 217, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 214, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_zeta1 = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":218
+  /* "olproute/_score.pyx":215
  *     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]             # <<<<<<<<<<<<<<
  *     cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]
  *     cdef double s, o, t, tp, tw, kv_a, kv_b, ca, work, qps, thr, eel_saved, ttft_saved
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_EEL_THRESHOLD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 218, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_EEL_THRESHOLD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 215, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 218, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 215, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_eel_thr = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ZETA2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 218, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_ZETA2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 215, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 218, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 215, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_zeta2 = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":219
+  /* "olproute/_score.pyx":216
  *     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
  *     cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]
  *     cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]             # <<<<<<<<<<<<<<
  *     cdef double s, o, t, tp, tw, kv_a, kv_b, ca, work, qps, thr, eel_saved, ttft_saved
  *     cdef double eel_slo, ttft_slo, util, reward, decode_in_h, tokens, eel, t2, price
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_TTFT_THRESHOLD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_TTFT_THRESHOLD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_ttft_thr = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_OMEGA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_OMEGA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_omega = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_DELTA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_W_DELTA); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 219, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_14 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 216, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_23 = __pyx_t_14;
   __pyx_v_delta = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_w.data) + __pyx_t_23)) )));
 
 
-  /* "olproute/_score.pyx":224
+  /* "olproute/_score.pyx":221
  *     cdef double fin, batch_a
  *     cdef int64_t k0, end, n_slots, ps, pe, kw, dw, kept, s0, e0, ps0, pe0
  *     for k in range(d):             # <<<<<<<<<<<<<<
@@ -24288,7 +24221,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
     __pyx_v_k = __pyx_t_16;
 
-    /* "olproute/_score.pyx":225
+    /* "olproute/_score.pyx":222
  *     cdef int64_t k0, end, n_slots, ps, pe, kw, dw, kept, s0, e0, ps0, pe0
  *     for k in range(d):
  *         g = idx[k]             # <<<<<<<<<<<<<<
@@ -24298,7 +24231,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __pyx_t_23 = __pyx_v_k;
     __pyx_v_g = (*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_idx.data) + __pyx_t_23)) )));
 
-    /* "olproute/_score.pyx":226
+    /* "olproute/_score.pyx":223
  *     for k in range(d):
  *         g = idx[k]
  *         batch_a = 1.0 / batch_cap[g]             # <<<<<<<<<<<<<<
@@ -24308,7 +24241,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     __pyx_t_23 = __pyx_v_g;
     __pyx_v_batch_a = (1.0 / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_batch_cap.data) + __pyx_t_23)) )))));
 
-    /* "olproute/_score.pyx":227
+    /* "olproute/_score.pyx":224
  *         g = idx[k]
  *         batch_a = 1.0 / batch_cap[g]
  *         for j in range(N):             # <<<<<<<<<<<<<<
@@ -24322,7 +24255,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
     for (__pyx_t_20 = 0; __pyx_t_20 < __pyx_t_18; __pyx_t_20+=1) {
       __pyx_v_j = __pyx_t_20;
 
-      /* "olproute/_score.pyx":228
+      /* "olproute/_score.pyx":225
  *         batch_a = 1.0 / batch_cap[g]
  *         for j in range(N):
  *             s = prompt[j]             # <<<<<<<<<<<<<<
@@ -24332,7 +24265,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_23 = __pyx_v_j;
       __pyx_v_s = (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_prompt.data) + __pyx_t_23)) )));
 
-      /* "olproute/_score.pyx":229
+      /* "olproute/_score.pyx":226
  *         for j in range(N):
  *             s = prompt[j]
  *             o = decode[j, k]             # <<<<<<<<<<<<<<
@@ -24343,7 +24276,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_24 = __pyx_v_k;
       __pyx_v_o = (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_decode.data + __pyx_t_23 * __pyx_v_decode.strides[0]) ) + __pyx_t_24 * __pyx_v_decode.strides[1]) )));
 
-      /* "olproute/_score.pyx":230
+      /* "olproute/_score.pyx":227
  *             s = prompt[j]
  *             o = decode[j, k]
  *             t = ttft[j, k]             # <<<<<<<<<<<<<<
@@ -24354,7 +24287,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_23 = __pyx_v_k;
       __pyx_v_t = (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_ttft.data + __pyx_t_24 * __pyx_v_ttft.strides[0]) ) + __pyx_t_23 * __pyx_v_ttft.strides[1]) )));
 
-      /* "olproute/_score.pyx":232
+      /* "olproute/_score.pyx":229
  *             t = ttft[j, k]
  *             # bea.decode_step_times_s
  *             tp = (beta[g, 0] + beta[g, 1] * (num_resident[k] + 1)) \             # <<<<<<<<<<<<<<
@@ -24367,7 +24300,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_26 = 1;
       __pyx_t_27 = __pyx_v_k;
 
-      /* "olproute/_score.pyx":233
+      /* "olproute/_score.pyx":230
  *             # bea.decode_step_times_s
  *             tp = (beta[g, 0] + beta[g, 1] * (num_resident[k] + 1)) \
  *                 + beta[g, 2] * (resident_context[k] + s)             # <<<<<<<<<<<<<<
@@ -24379,7 +24312,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_30 = __pyx_v_k;
       __pyx_v_tp = (((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_23 * __pyx_v_beta.strides[0]) )) + __pyx_t_24)) ))) + ((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_25 * __pyx_v_beta.strides[0]) )) + __pyx_t_26)) ))) * ((*((double const  *) ( /* dim=0 */ (__pyx_v_num_resident.data + __pyx_t_27 * __pyx_v_num_resident.strides[0]) ))) + 1.0))) + ((*((double const  *) ( /* dim=1 */ ((char *) (((double const  *) ( /* dim=0 */ (__pyx_v_beta.data + __pyx_t_28 * __pyx_v_beta.strides[0]) )) + __pyx_t_29)) ))) * ((*((double const  *) ( /* dim=0 */ (__pyx_v_resident_context.data + __pyx_t_30 * __pyx_v_resident_context.strides[0]) ))) + __pyx_v_s)));
 
-      /* "olproute/_score.pyx":235
+      /* "olproute/_score.pyx":232
  *                 + beta[g, 2] * (resident_context[k] + s)
  *             # reward.usage_columns (TTFT from now)
  *             k0 = _first_slot(t, slot_s, horizon)             # <<<<<<<<<<<<<<
@@ -24388,7 +24321,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_k0 = __pyx_f_8olproute_6_score__first_slot(__pyx_v_t, __pyx_v_slot_s, __pyx_v_horizon);
 
-      /* "olproute/_score.pyx":236
+      /* "olproute/_score.pyx":233
  *             # reward.usage_columns (TTFT from now)
  *             k0 = _first_slot(t, slot_s, horizon)
  *             end = k0 + _decode_slots(o, tp, slot_s)             # <<<<<<<<<<<<<<
@@ -24397,7 +24330,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_end = (__pyx_v_k0 + __pyx_f_8olproute_6_score__decode_slots(__pyx_v_o, __pyx_v_tp, __pyx_v_slot_s));
 
-      /* "olproute/_score.pyx":237
+      /* "olproute/_score.pyx":234
  *             k0 = _first_slot(t, slot_s, horizon)
  *             end = k0 + _decode_slots(o, tp, slot_s)
  *             if end > horizon:             # <<<<<<<<<<<<<<
@@ -24409,7 +24342,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":238
+        /* "olproute/_score.pyx":235
  *             end = k0 + _decode_slots(o, tp, slot_s)
  *             if end > horizon:
  *                 end = horizon             # <<<<<<<<<<<<<<
@@ -24418,7 +24351,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_end = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":237
+        /* "olproute/_score.pyx":234
  *             k0 = _first_slot(t, slot_s, horizon)
  *             end = k0 + _decode_slots(o, tp, slot_s)
  *             if end > horizon:             # <<<<<<<<<<<<<<
@@ -24427,7 +24360,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":240
+      /* "olproute/_score.pyx":237
  *                 end = horizon
  *             # reward.prefill_span
  *             work = s / budget[g]             # <<<<<<<<<<<<<<
@@ -24437,7 +24370,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_30 = __pyx_v_g;
       __pyx_v_work = (__pyx_v_s / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_budget.data) + __pyx_t_30)) )))));
 
-      /* "olproute/_score.pyx":241
+      /* "olproute/_score.pyx":238
  *             # reward.prefill_span
  *             work = s / budget[g]
  *             n_slots = <int64_t>ceil(work - 1e-9)             # <<<<<<<<<<<<<<
@@ -24446,7 +24379,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_n_slots = ((int64_t)ceil((__pyx_v_work - 1e-9)));
 
-      /* "olproute/_score.pyx":242
+      /* "olproute/_score.pyx":239
  *             work = s / budget[g]
  *             n_slots = <int64_t>ceil(work - 1e-9)
  *             if n_slots < 1:             # <<<<<<<<<<<<<<
@@ -24458,7 +24391,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":243
+        /* "olproute/_score.pyx":240
  *             n_slots = <int64_t>ceil(work - 1e-9)
  *             if n_slots < 1:
  *                 n_slots = 1             # <<<<<<<<<<<<<<
@@ -24467,7 +24400,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_n_slots = 1;
 
-        /* "olproute/_score.pyx":242
+        /* "olproute/_score.pyx":239
  *             work = s / budget[g]
  *             n_slots = <int64_t>ceil(work - 1e-9)
  *             if n_slots < 1:             # <<<<<<<<<<<<<<
@@ -24476,7 +24409,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":244
+      /* "olproute/_score.pyx":241
  *             if n_slots < 1:
  *                 n_slots = 1
  *             if k0 >= horizon:             # <<<<<<<<<<<<<<
@@ -24488,7 +24421,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":245
+        /* "olproute/_score.pyx":242
  *                 n_slots = 1
  *             if k0 >= horizon:
  *                 pe = horizon             # <<<<<<<<<<<<<<
@@ -24497,7 +24430,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_pe = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":246
+        /* "olproute/_score.pyx":243
  *             if k0 >= horizon:
  *                 pe = horizon
  *                 ps = horizon             # <<<<<<<<<<<<<<
@@ -24506,17 +24439,17 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_ps = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":244
+        /* "olproute/_score.pyx":241
  *             if n_slots < 1:
  *                 n_slots = 1
  *             if k0 >= horizon:             # <<<<<<<<<<<<<<
  *                 pe = horizon
  *                 ps = horizon
 */
-        goto __pyx_L39;
+        goto __pyx_L36;
       }
 
-      /* "olproute/_score.pyx":248
+      /* "olproute/_score.pyx":245
  *                 ps = horizon
  *             else:
  *                 pe = k0             # <<<<<<<<<<<<<<
@@ -24526,7 +24459,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       /*else*/ {
         __pyx_v_pe = __pyx_v_k0;
 
-        /* "olproute/_score.pyx":249
+        /* "olproute/_score.pyx":246
  *             else:
  *                 pe = k0
  *                 ps = k0 - n_slots             # <<<<<<<<<<<<<<
@@ -24535,7 +24468,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_ps = (__pyx_v_k0 - __pyx_v_n_slots);
 
-        /* "olproute/_score.pyx":250
+        /* "olproute/_score.pyx":247
  *                 pe = k0
  *                 ps = k0 - n_slots
  *                 if ps < 0:             # <<<<<<<<<<<<<<
@@ -24547,7 +24480,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         if (__pyx_t_1) {
 
 
-          /* "olproute/_score.pyx":251
+          /* "olproute/_score.pyx":248
  *                 ps = k0 - n_slots
  *                 if ps < 0:
  *                     ps = 0             # <<<<<<<<<<<<<<
@@ -24556,17 +24489,17 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
           __pyx_v_ps = 0;
 
-          /* "olproute/_score.pyx":250
+          /* "olproute/_score.pyx":247
  *                 pe = k0
  *                 ps = k0 - n_slots
  *                 if ps < 0:             # <<<<<<<<<<<<<<
  *                     ps = 0
  *                 elif ps > horizon:
 */
-          goto __pyx_L40;
+          goto __pyx_L37;
         }
 
-        /* "olproute/_score.pyx":252
+        /* "olproute/_score.pyx":249
  *                 if ps < 0:
  *                     ps = 0
  *                 elif ps > horizon:             # <<<<<<<<<<<<<<
@@ -24578,7 +24511,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
         if (__pyx_t_1) {
 
 
-          /* "olproute/_score.pyx":253
+          /* "olproute/_score.pyx":250
  *                     ps = 0
  *                 elif ps > horizon:
  *                     ps = horizon             # <<<<<<<<<<<<<<
@@ -24587,7 +24520,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
           __pyx_v_ps = __pyx_v_horizon;
 
-          /* "olproute/_score.pyx":252
+          /* "olproute/_score.pyx":249
  *                 if ps < 0:
  *                     ps = 0
  *                 elif ps > horizon:             # <<<<<<<<<<<<<<
@@ -24595,11 +24528,11 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
  *             kept = pe - ps
 */
         }
-        __pyx_L40:;
+        __pyx_L37:;
       }
-      __pyx_L39:;
+      __pyx_L36:;
 
-      /* "olproute/_score.pyx":254
+      /* "olproute/_score.pyx":251
  *                 elif ps > horizon:
  *                     ps = horizon
  *             kept = pe - ps             # <<<<<<<<<<<<<<
@@ -24608,7 +24541,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_kept = (__pyx_v_pe - __pyx_v_ps);
 
-      /* "olproute/_score.pyx":255
+      /* "olproute/_score.pyx":252
  *                     ps = horizon
  *             kept = pe - ps
  *             if kept < 1:             # <<<<<<<<<<<<<<
@@ -24620,7 +24553,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":256
+        /* "olproute/_score.pyx":253
  *             kept = pe - ps
  *             if kept < 1:
  *                 kept = 1             # <<<<<<<<<<<<<<
@@ -24629,7 +24562,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_kept = 1;
 
-        /* "olproute/_score.pyx":255
+        /* "olproute/_score.pyx":252
  *                     ps = horizon
  *             kept = pe - ps
  *             if kept < 1:             # <<<<<<<<<<<<<<
@@ -24638,7 +24571,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":257
+      /* "olproute/_score.pyx":254
  *             if kept < 1:
  *                 kept = 1
  *             ca = work / kept             # <<<<<<<<<<<<<<
@@ -24647,7 +24580,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_ca = (__pyx_v_work / ((double)__pyx_v_kept));
 
-      /* "olproute/_score.pyx":258
+      /* "olproute/_score.pyx":255
  *                 kept = 1
  *             ca = work / kept
  *             if ca > 1.0:             # <<<<<<<<<<<<<<
@@ -24659,7 +24592,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":259
+        /* "olproute/_score.pyx":256
  *             ca = work / kept
  *             if ca > 1.0:
  *                 ca = 1.0             # <<<<<<<<<<<<<<
@@ -24668,7 +24601,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_ca = 1.0;
 
-        /* "olproute/_score.pyx":258
+        /* "olproute/_score.pyx":255
  *                 kept = 1
  *             ca = work / kept
  *             if ca > 1.0:             # <<<<<<<<<<<<<<
@@ -24677,7 +24610,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":260
+      /* "olproute/_score.pyx":257
  *             if ca > 1.0:
  *                 ca = 1.0
  *             kv_a = (s + 1.0) / kv_cap[g]             # <<<<<<<<<<<<<<
@@ -24687,7 +24620,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_30 = __pyx_v_g;
       __pyx_v_kv_a = ((__pyx_v_s + 1.0) / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_kv_cap.data) + __pyx_t_30)) )))));
 
-      /* "olproute/_score.pyx":261
+      /* "olproute/_score.pyx":258
  *                 ca = 1.0
  *             kv_a = (s + 1.0) / kv_cap[g]
  *             kv_b = (slot_s / tp) / kv_cap[g]             # <<<<<<<<<<<<<<
@@ -24697,7 +24630,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_30 = __pyx_v_g;
       __pyx_v_kv_b = ((__pyx_v_slot_s / __pyx_v_tp) / ((double)(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_kv_cap.data) + __pyx_t_30)) )))));
 
-      /* "olproute/_score.pyx":263
+      /* "olproute/_score.pyx":260
  *             kv_b = (slot_s / tp) / kv_cap[g]
  *             # reward.reward_terms (TTFT from the arrival)
  *             tw = t + waited[j]             # <<<<<<<<<<<<<<
@@ -24707,7 +24640,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_30 = __pyx_v_j;
       __pyx_v_tw = (__pyx_v_t + (*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_waited.data) + __pyx_t_30)) ))));
 
-      /* "olproute/_score.pyx":264
+      /* "olproute/_score.pyx":261
  *             # reward.reward_terms (TTFT from the arrival)
  *             tw = t + waited[j]
  *             kw = _first_slot(tw, slot_s, horizon)             # <<<<<<<<<<<<<<
@@ -24716,7 +24649,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_kw = __pyx_f_8olproute_6_score__first_slot(__pyx_v_tw, __pyx_v_slot_s, __pyx_v_horizon);
 
-      /* "olproute/_score.pyx":265
+      /* "olproute/_score.pyx":262
  *             tw = t + waited[j]
  *             kw = _first_slot(tw, slot_s, horizon)
  *             dw = _decode_slots(o, tp, slot_s)             # <<<<<<<<<<<<<<
@@ -24725,7 +24658,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_dw = __pyx_f_8olproute_6_score__decode_slots(__pyx_v_o, __pyx_v_tp, __pyx_v_slot_s);
 
-      /* "olproute/_score.pyx":266
+      /* "olproute/_score.pyx":263
  *             kw = _first_slot(tw, slot_s, horizon)
  *             dw = _decode_slots(o, tp, slot_s)
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp             # <<<<<<<<<<<<<<
@@ -24745,7 +24678,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_v_decode_in_h = ((__pyx_t_31 * __pyx_v_slot_s) / __pyx_v_tp);
 
 
-      /* "olproute/_score.pyx":267
+      /* "olproute/_score.pyx":264
  *             dw = _decode_slots(o, tp, slot_s)
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
  *             if o < decode_in_h:             # <<<<<<<<<<<<<<
@@ -24757,7 +24690,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":268
+        /* "olproute/_score.pyx":265
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
  *             if o < decode_in_h:
  *                 decode_in_h = o             # <<<<<<<<<<<<<<
@@ -24766,7 +24699,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_decode_in_h = __pyx_v_o;
 
-        /* "olproute/_score.pyx":267
+        /* "olproute/_score.pyx":264
  *             dw = _decode_slots(o, tp, slot_s)
  *             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
  *             if o < decode_in_h:             # <<<<<<<<<<<<<<
@@ -24775,7 +24708,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":269
+      /* "olproute/_score.pyx":266
  *             if o < decode_in_h:
  *                 decode_in_h = o
  *             tokens = s + decode_in_h if kw < horizon else 0.0             # <<<<<<<<<<<<<<
@@ -24794,7 +24727,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
       __pyx_v_tokens = __pyx_t_31;
 
-      /* "olproute/_score.pyx":270
+      /* "olproute/_score.pyx":267
  *                 decode_in_h = o
  *             tokens = s + decode_in_h if kw < horizon else 0.0
  *             eel = tw + o * tp             # <<<<<<<<<<<<<<
@@ -24803,7 +24736,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_eel = (__pyx_v_tw + (__pyx_v_o * __pyx_v_tp));
 
-      /* "olproute/_score.pyx":271
+      /* "olproute/_score.pyx":268
  *             tokens = s + decode_in_h if kw < horizon else 0.0
  *             eel = tw + o * tp
  *             t2 = target[j] if ttft_thr != ttft_thr else ttft_thr   # NaN: the target             # <<<<<<<<<<<<<<
@@ -24823,7 +24756,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
       __pyx_v_t2 = __pyx_t_31;
 
-      /* "olproute/_score.pyx":272
+      /* "olproute/_score.pyx":269
  *             eel = tw + o * tp
  *             t2 = target[j] if ttft_thr != ttft_thr else ttft_thr   # NaN: the target
  *             qps = sigma             # <<<<<<<<<<<<<<
@@ -24832,7 +24765,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_qps = __pyx_v_sigma;
 
-      /* "olproute/_score.pyx":273
+      /* "olproute/_score.pyx":270
  *             t2 = target[j] if ttft_thr != ttft_thr else ttft_thr   # NaN: the target
  *             qps = sigma
  *             thr = alpha * tokens / token_norm             # <<<<<<<<<<<<<<
@@ -24841,7 +24774,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_thr = ((__pyx_v_alpha * __pyx_v_tokens) / __pyx_v_token_norm);
 
-      /* "olproute/_score.pyx":274
+      /* "olproute/_score.pyx":271
  *             qps = sigma
  *             thr = alpha * tokens / token_norm
  *             eel_saved = wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)             # <<<<<<<<<<<<<<
@@ -24861,7 +24794,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_v_eel_saved = (__pyx_v_wbeta * ((double)__pyx_t_19));
 
 
-      /* "olproute/_score.pyx":275
+      /* "olproute/_score.pyx":272
  *             thr = alpha * tokens / token_norm
  *             eel_saved = wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)
  *             ttft_saved = gamma * <double>(horizon - kw if horizon - kw > 0 else 0)             # <<<<<<<<<<<<<<
@@ -24881,7 +24814,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_v_ttft_saved = (__pyx_v_gamma * ((double)__pyx_t_19));
 
 
-      /* "olproute/_score.pyx":276
+      /* "olproute/_score.pyx":273
  *             eel_saved = wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)
  *             ttft_saved = gamma * <double>(horizon - kw if horizon - kw > 0 else 0)
  *             eel_slo = zeta1 * (1.0 if eel <= eel_thr else 0.0)             # <<<<<<<<<<<<<<
@@ -24901,7 +24834,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_v_eel_slo = (__pyx_v_zeta1 * __pyx_t_31);
 
 
-      /* "olproute/_score.pyx":277
+      /* "olproute/_score.pyx":274
  *             ttft_saved = gamma * <double>(horizon - kw if horizon - kw > 0 else 0)
  *             eel_slo = zeta1 * (1.0 if eel <= eel_thr else 0.0)
  *             ttft_slo = zeta2 * (1.0 if tw <= t2 else 0.0)             # <<<<<<<<<<<<<<
@@ -24921,7 +24854,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_v_ttft_slo = (__pyx_v_zeta2 * __pyx_t_31);
 
 
-      /* "olproute/_score.pyx":278
+      /* "olproute/_score.pyx":275
  *             eel_slo = zeta1 * (1.0 if eel <= eel_thr else 0.0)
  *             ttft_slo = zeta2 * (1.0 if tw <= t2 else 0.0)
  *             util = omega * utility[j, k]             # <<<<<<<<<<<<<<
@@ -24932,7 +24865,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_29 = __pyx_v_k;
       __pyx_v_util = (__pyx_v_omega * (*((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_utility.data + __pyx_t_30 * __pyx_v_utility.strides[0]) ) + __pyx_t_29 * __pyx_v_utility.strides[1]) ))));
 
-      /* "olproute/_score.pyx":279
+      /* "olproute/_score.pyx":276
  *             ttft_slo = zeta2 * (1.0 if tw <= t2 else 0.0)
  *             util = omega * utility[j, k]
  *             reward = qps + thr + eel_saved + ttft_saved + eel_slo + ttft_slo + util             # <<<<<<<<<<<<<<
@@ -24941,7 +24874,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_reward = ((((((__pyx_v_qps + __pyx_v_thr) + __pyx_v_eel_saved) + __pyx_v_ttft_saved) + __pyx_v_eel_slo) + __pyx_v_ttft_slo) + __pyx_v_util);
 
-      /* "olproute/_score.pyx":281
+      /* "olproute/_score.pyx":278
  *             reward = qps + thr + eel_saved + ttft_saved + eel_slo + ttft_slo + util
  *             # reward.column_price on the columns moved by the book's shift
  *             s0 = k0 + shift             # <<<<<<<<<<<<<<
@@ -24950,7 +24883,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_s0 = (__pyx_v_k0 + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":282
+      /* "olproute/_score.pyx":279
  *             # reward.column_price on the columns moved by the book's shift
  *             s0 = k0 + shift
  *             e0 = end + shift             # <<<<<<<<<<<<<<
@@ -24959,7 +24892,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_e0 = (__pyx_v_end + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":283
+      /* "olproute/_score.pyx":280
  *             s0 = k0 + shift
  *             e0 = end + shift
  *             ps0 = ps + shift             # <<<<<<<<<<<<<<
@@ -24968,7 +24901,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_ps0 = (__pyx_v_ps + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":284
+      /* "olproute/_score.pyx":281
  *             e0 = end + shift
  *             ps0 = ps + shift
  *             pe0 = pe + shift             # <<<<<<<<<<<<<<
@@ -24977,7 +24910,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       __pyx_v_pe0 = (__pyx_v_pe + __pyx_v_shift);
 
-      /* "olproute/_score.pyx":285
+      /* "olproute/_score.pyx":282
  *             ps0 = ps + shift
  *             pe0 = pe + shift
  *             if s0 > horizon:             # <<<<<<<<<<<<<<
@@ -24989,7 +24922,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":286
+        /* "olproute/_score.pyx":283
  *             pe0 = pe + shift
  *             if s0 > horizon:
  *                 s0 = horizon             # <<<<<<<<<<<<<<
@@ -24998,7 +24931,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_s0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":285
+        /* "olproute/_score.pyx":282
  *             ps0 = ps + shift
  *             pe0 = pe + shift
  *             if s0 > horizon:             # <<<<<<<<<<<<<<
@@ -25007,7 +24940,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":287
+      /* "olproute/_score.pyx":284
  *             if s0 > horizon:
  *                 s0 = horizon
  *             if e0 > horizon:             # <<<<<<<<<<<<<<
@@ -25019,7 +24952,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":288
+        /* "olproute/_score.pyx":285
  *                 s0 = horizon
  *             if e0 > horizon:
  *                 e0 = horizon             # <<<<<<<<<<<<<<
@@ -25028,7 +24961,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_e0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":287
+        /* "olproute/_score.pyx":284
  *             if s0 > horizon:
  *                 s0 = horizon
  *             if e0 > horizon:             # <<<<<<<<<<<<<<
@@ -25037,7 +24970,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":289
+      /* "olproute/_score.pyx":286
  *             if e0 > horizon:
  *                 e0 = horizon
  *             if ps0 > horizon:             # <<<<<<<<<<<<<<
@@ -25049,7 +24982,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":290
+        /* "olproute/_score.pyx":287
  *                 e0 = horizon
  *             if ps0 > horizon:
  *                 ps0 = horizon             # <<<<<<<<<<<<<<
@@ -25058,7 +24991,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
         __pyx_v_ps0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":289
+        /* "olproute/_score.pyx":286
  *             if e0 > horizon:
  *                 e0 = horizon
  *             if ps0 > horizon:             # <<<<<<<<<<<<<<
@@ -25067,42 +25000,42 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 */
       }
 
-      /* "olproute/_score.pyx":291
+      /* "olproute/_score.pyx":288
  *             if ps0 > horizon:
  *                 ps0 = horizon
  *             if pe0 > horizon:             # <<<<<<<<<<<<<<
  *                 pe0 = horizon
- *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])
+ *             price = (batch_a * (pp[g, e0, 0] - pp[g, s0, 0])
 */
       __pyx_t_1 = (__pyx_v_pe0 > __pyx_v_horizon);
 
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":292
+        /* "olproute/_score.pyx":289
  *                 ps0 = horizon
  *             if pe0 > horizon:
  *                 pe0 = horizon             # <<<<<<<<<<<<<<
- *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])
- *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])
+ *             price = (batch_a * (pp[g, e0, 0] - pp[g, s0, 0])
+ *                      + ((kv_a - kv_b * s0) * (pp[g, e0, 1] - pp[g, s0, 1])
 */
         __pyx_v_pe0 = __pyx_v_horizon;
 
-        /* "olproute/_score.pyx":291
+        /* "olproute/_score.pyx":288
  *             if ps0 > horizon:
  *                 ps0 = horizon
  *             if pe0 > horizon:             # <<<<<<<<<<<<<<
  *                 pe0 = horizon
- *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])
+ *             price = (batch_a * (pp[g, e0, 0] - pp[g, s0, 0])
 */
       }
 
-      /* "olproute/_score.pyx":293
+      /* "olproute/_score.pyx":290
  *             if pe0 > horizon:
  *                 pe0 = horizon
- *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])             # <<<<<<<<<<<<<<
- *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])
- *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
+ *             price = (batch_a * (pp[g, e0, 0] - pp[g, s0, 0])             # <<<<<<<<<<<<<<
+ *                      + ((kv_a - kv_b * s0) * (pp[g, e0, 1] - pp[g, s0, 1])
+ *                         + kv_b * (pp[g, e0, 3] - pp[g, s0, 3]))
 */
       __pyx_t_29 = __pyx_v_g;
       __pyx_t_30 = __pyx_v_e0;
@@ -25111,12 +25044,12 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_26 = __pyx_v_s0;
       __pyx_t_25 = 0;
 
-      /* "olproute/_score.pyx":294
+      /* "olproute/_score.pyx":291
  *                 pe0 = horizon
- *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])
- *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])             # <<<<<<<<<<<<<<
- *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
- *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
+ *             price = (batch_a * (pp[g, e0, 0] - pp[g, s0, 0])
+ *                      + ((kv_a - kv_b * s0) * (pp[g, e0, 1] - pp[g, s0, 1])             # <<<<<<<<<<<<<<
+ *                         + kv_b * (pp[g, e0, 3] - pp[g, s0, 3]))
+ *                      + ca * (pp[g, pe0, 2] - pp[g, ps0, 2]))
 */
       __pyx_t_24 = __pyx_v_g;
       __pyx_t_23 = __pyx_v_e0;
@@ -25125,24 +25058,24 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_34 = __pyx_v_s0;
       __pyx_t_35 = 1;
 
-      /* "olproute/_score.pyx":295
- *             price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])
- *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])
- *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))             # <<<<<<<<<<<<<<
- *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
+      /* "olproute/_score.pyx":292
+ *             price = (batch_a * (pp[g, e0, 0] - pp[g, s0, 0])
+ *                      + ((kv_a - kv_b * s0) * (pp[g, e0, 1] - pp[g, s0, 1])
+ *                         + kv_b * (pp[g, e0, 3] - pp[g, s0, 3]))             # <<<<<<<<<<<<<<
+ *                      + ca * (pp[g, pe0, 2] - pp[g, ps0, 2]))
  *             fin = t if isfinite(t) else 1e9
 */
       __pyx_t_36 = __pyx_v_g;
       __pyx_t_37 = __pyx_v_e0;
-      __pyx_t_38 = 1;
+      __pyx_t_38 = 3;
       __pyx_t_39 = __pyx_v_g;
       __pyx_t_40 = __pyx_v_s0;
-      __pyx_t_41 = 1;
+      __pyx_t_41 = 3;
 
-      /* "olproute/_score.pyx":296
- *                      + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])
- *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
- *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))             # <<<<<<<<<<<<<<
+      /* "olproute/_score.pyx":293
+ *                      + ((kv_a - kv_b * s0) * (pp[g, e0, 1] - pp[g, s0, 1])
+ *                         + kv_b * (pp[g, e0, 3] - pp[g, s0, 3]))
+ *                      + ca * (pp[g, pe0, 2] - pp[g, ps0, 2]))             # <<<<<<<<<<<<<<
  *             fin = t if isfinite(t) else 1e9
  *             f[F_TTFT, j, g] = t
 */
@@ -25152,11 +25085,11 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       __pyx_t_45 = __pyx_v_g;
       __pyx_t_46 = __pyx_v_ps0;
       __pyx_t_47 = 2;
-      __pyx_v_price = (((__pyx_v_batch_a * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_29 * __pyx_v_p0.strides[0]) ) + __pyx_t_30 * __pyx_v_p0.strides[1]) )) + __pyx_t_28)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_27 * __pyx_v_p0.strides[0]) ) + __pyx_t_26 * __pyx_v_p0.strides[1]) )) + __pyx_t_25)) ))))) + (((__pyx_v_kv_a - (__pyx_v_kv_b * __pyx_v_s0)) * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_24 * __pyx_v_p0.strides[0]) ) + __pyx_t_23 * __pyx_v_p0.strides[1]) )) + __pyx_t_32)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_33 * __pyx_v_p0.strides[0]) ) + __pyx_t_34 * __pyx_v_p0.strides[1]) )) + __pyx_t_35)) ))))) + (__pyx_v_kv_b * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p1.data + __pyx_t_36 * __pyx_v_p1.strides[0]) ) + __pyx_t_37 * __pyx_v_p1.strides[1]) )) + __pyx_t_38)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p1.data + __pyx_t_39 * __pyx_v_p1.strides[0]) ) + __pyx_t_40 * __pyx_v_p1.strides[1]) )) + __pyx_t_41)) ))))))) + (__pyx_v_ca * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_42 * __pyx_v_p0.strides[0]) ) + __pyx_t_43 * __pyx_v_p0.strides[1]) )) + __pyx_t_44)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_p0.data + __pyx_t_45 * __pyx_v_p0.strides[0]) ) + __pyx_t_46 * __pyx_v_p0.strides[1]) )) + __pyx_t_47)) ))))));
+      __pyx_v_price = (((__pyx_v_batch_a * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_pp.data + __pyx_t_29 * __pyx_v_pp.strides[0]) ) + __pyx_t_30 * __pyx_v_pp.strides[1]) )) + __pyx_t_28)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_pp.data + __pyx_t_27 * __pyx_v_pp.strides[0]) ) + __pyx_t_26 * __pyx_v_pp.strides[1]) )) + __pyx_t_25)) ))))) + (((__pyx_v_kv_a - (__pyx_v_kv_b * __pyx_v_s0)) * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_pp.data + __pyx_t_24 * __pyx_v_pp.strides[0]) ) + __pyx_t_23 * __pyx_v_pp.strides[1]) )) + __pyx_t_32)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_pp.data + __pyx_t_33 * __pyx_v_pp.strides[0]) ) + __pyx_t_34 * __pyx_v_pp.strides[1]) )) + __pyx_t_35)) ))))) + (__pyx_v_kv_b * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_pp.data + __pyx_t_36 * __pyx_v_pp.strides[0]) ) + __pyx_t_37 * __pyx_v_pp.strides[1]) )) + __pyx_t_38)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_pp.data + __pyx_t_39 * __pyx_v_pp.strides[0]) ) + __pyx_t_40 * __pyx_v_pp.strides[1]) )) + __pyx_t_41)) ))))))) + (__pyx_v_ca * ((*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_pp.data + __pyx_t_42 * __pyx_v_pp.strides[0]) ) + __pyx_t_43 * __pyx_v_pp.strides[1]) )) + __pyx_t_44)) ))) - (*((double const  *) ( /* dim=2 */ ((char *) (((double const  *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_pp.data + __pyx_t_45 * __pyx_v_pp.strides[0]) ) + __pyx_t_46 * __pyx_v_pp.strides[1]) )) + __pyx_t_47)) ))))));
 
-      /* "olproute/_score.pyx":297
- *                         + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
- *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
+      /* "olproute/_score.pyx":294
+ *                         + kv_b * (pp[g, e0, 3] - pp[g, s0, 3]))
+ *                      + ca * (pp[g, pe0, 2] - pp[g, ps0, 2]))
  *             fin = t if isfinite(t) else 1e9             # <<<<<<<<<<<<<<
  *             f[F_TTFT, j, g] = t
  *             f[F_TPOT, j, g] = tp
@@ -25173,16 +25106,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
 
       __pyx_v_fin = __pyx_t_31;
 
-      /* "olproute/_score.pyx":298
- *                      + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
+      /* "olproute/_score.pyx":295
+ *                      + ca * (pp[g, pe0, 2] - pp[g, ps0, 2]))
  *             fin = t if isfinite(t) else 1e9
  *             f[F_TTFT, j, g] = t             # <<<<<<<<<<<<<<
  *             f[F_TPOT, j, g] = tp
  *             f[F_KV_A, j, g] = kv_a
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 298, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 295, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 298, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 295, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25190,16 +25123,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_t;
 
 
-      /* "olproute/_score.pyx":299
+      /* "olproute/_score.pyx":296
  *             fin = t if isfinite(t) else 1e9
  *             f[F_TTFT, j, g] = t
  *             f[F_TPOT, j, g] = tp             # <<<<<<<<<<<<<<
  *             f[F_KV_A, j, g] = kv_a
  *             f[F_KV_B, j, g] = kv_b
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TPOT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 299, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TPOT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 296, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 299, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 296, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25207,16 +25140,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_tp;
 
 
-      /* "olproute/_score.pyx":300
+      /* "olproute/_score.pyx":297
  *             f[F_TTFT, j, g] = t
  *             f[F_TPOT, j, g] = tp
  *             f[F_KV_A, j, g] = kv_a             # <<<<<<<<<<<<<<
  *             f[F_KV_B, j, g] = kv_b
  *             f[F_COMPUTE_A, j, g] = ca
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_KV_A); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 300, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_KV_A); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 297, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 300, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 297, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25224,16 +25157,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_kv_a;
 
 
-      /* "olproute/_score.pyx":301
+      /* "olproute/_score.pyx":298
  *             f[F_TPOT, j, g] = tp
  *             f[F_KV_A, j, g] = kv_a
  *             f[F_KV_B, j, g] = kv_b             # <<<<<<<<<<<<<<
  *             f[F_COMPUTE_A, j, g] = ca
  *             f[F_QPS, j, g] = qps
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_KV_B); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 301, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_KV_B); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 298, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 301, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 298, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25241,16 +25174,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_kv_b;
 
 
-      /* "olproute/_score.pyx":302
+      /* "olproute/_score.pyx":299
  *             f[F_KV_A, j, g] = kv_a
  *             f[F_KV_B, j, g] = kv_b
  *             f[F_COMPUTE_A, j, g] = ca             # <<<<<<<<<<<<<<
  *             f[F_QPS, j, g] = qps
  *             f[F_THROUGHPUT, j, g] = thr
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_COMPUTE_A); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 302, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_COMPUTE_A); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 299, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 302, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 299, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25258,16 +25191,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ca;
 
 
-      /* "olproute/_score.pyx":303
+      /* "olproute/_score.pyx":300
  *             f[F_KV_B, j, g] = kv_b
  *             f[F_COMPUTE_A, j, g] = ca
  *             f[F_QPS, j, g] = qps             # <<<<<<<<<<<<<<
  *             f[F_THROUGHPUT, j, g] = thr
  *             f[F_EEL_SAVED, j, g] = eel_saved
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_QPS); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 303, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_QPS); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 300, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 303, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 300, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25275,16 +25208,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_qps;
 
 
-      /* "olproute/_score.pyx":304
+      /* "olproute/_score.pyx":301
  *             f[F_COMPUTE_A, j, g] = ca
  *             f[F_QPS, j, g] = qps
  *             f[F_THROUGHPUT, j, g] = thr             # <<<<<<<<<<<<<<
  *             f[F_EEL_SAVED, j, g] = eel_saved
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_THROUGHPUT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 304, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_THROUGHPUT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 301, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 301, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25292,16 +25225,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_thr;
 
 
-      /* "olproute/_score.pyx":305
+      /* "olproute/_score.pyx":302
  *             f[F_QPS, j, g] = qps
  *             f[F_THROUGHPUT, j, g] = thr
  *             f[F_EEL_SAVED, j, g] = eel_saved             # <<<<<<<<<<<<<<
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
  *             f[F_EEL_SLO, j, g] = eel_slo
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_EEL_SAVED); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 305, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_EEL_SAVED); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 302, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 305, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 302, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25309,16 +25242,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_eel_saved;
 
 
-      /* "olproute/_score.pyx":306
+      /* "olproute/_score.pyx":303
  *             f[F_THROUGHPUT, j, g] = thr
  *             f[F_EEL_SAVED, j, g] = eel_saved
  *             f[F_TTFT_SAVED, j, g] = ttft_saved             # <<<<<<<<<<<<<<
  *             f[F_EEL_SLO, j, g] = eel_slo
  *             f[F_TTFT_SLO, j, g] = ttft_slo
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT_SAVED); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 306, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT_SAVED); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 303, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 306, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 303, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25326,16 +25259,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ttft_saved;
 
 
-      /* "olproute/_score.pyx":307
+      /* "olproute/_score.pyx":304
  *             f[F_EEL_SAVED, j, g] = eel_saved
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
  *             f[F_EEL_SLO, j, g] = eel_slo             # <<<<<<<<<<<<<<
  *             f[F_TTFT_SLO, j, g] = ttft_slo
  *             f[F_UTILITY, j, g] = util
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_EEL_SLO); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 307, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_EEL_SLO); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 304, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 307, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25343,16 +25276,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_eel_slo;
 
 
-      /* "olproute/_score.pyx":308
+      /* "olproute/_score.pyx":305
  *             f[F_TTFT_SAVED, j, g] = ttft_saved
  *             f[F_EEL_SLO, j, g] = eel_slo
  *             f[F_TTFT_SLO, j, g] = ttft_slo             # <<<<<<<<<<<<<<
  *             f[F_UTILITY, j, g] = util
  *             f[F_REWARD, j, g] = reward
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT_SLO); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 308, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_TTFT_SLO); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 305, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 308, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 305, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25360,16 +25293,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ttft_slo;
 
 
-      /* "olproute/_score.pyx":309
+      /* "olproute/_score.pyx":306
  *             f[F_EEL_SLO, j, g] = eel_slo
  *             f[F_TTFT_SLO, j, g] = ttft_slo
  *             f[F_UTILITY, j, g] = util             # <<<<<<<<<<<<<<
  *             f[F_REWARD, j, g] = reward
  *             f[F_PRICE, j, g] = price
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_UTILITY); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 309, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_UTILITY); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 306, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 306, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25377,16 +25310,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_util;
 
 
-      /* "olproute/_score.pyx":310
+      /* "olproute/_score.pyx":307
  *             f[F_TTFT_SLO, j, g] = ttft_slo
  *             f[F_UTILITY, j, g] = util
  *             f[F_REWARD, j, g] = reward             # <<<<<<<<<<<<<<
  *             f[F_PRICE, j, g] = price
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 310, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_REWARD); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 307, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 310, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 307, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25394,16 +25327,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_reward;
 
 
-      /* "olproute/_score.pyx":311
+      /* "olproute/_score.pyx":308
  *             f[F_UTILITY, j, g] = util
  *             f[F_REWARD, j, g] = reward
  *             f[F_PRICE, j, g] = price             # <<<<<<<<<<<<<<
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
  *             f[F_FINITE_TTFT, j, g] = fin
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_PRICE); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 311, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_PRICE); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 308, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 308, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25411,16 +25344,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_price;
 
 
-      /* "olproute/_score.pyx":312
+      /* "olproute/_score.pyx":309
  *             f[F_REWARD, j, g] = reward
  *             f[F_PRICE, j, g] = price
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price             # <<<<<<<<<<<<<<
  *             f[F_FINITE_TTFT, j, g] = fin
  *             iv[I_START, j, g] = k0
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 312, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_LAGRANGIAN); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 309, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 312, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25428,16 +25361,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_47 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_45)) )) = ((__pyx_v_reward - (__pyx_v_delta * __pyx_v_fin)) - __pyx_v_price);
 
 
-      /* "olproute/_score.pyx":313
+      /* "olproute/_score.pyx":310
  *             f[F_PRICE, j, g] = price
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
  *             f[F_FINITE_TTFT, j, g] = fin             # <<<<<<<<<<<<<<
  *             iv[I_START, j, g] = k0
  *             iv[I_END, j, g] = end
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 313, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_F_FINITE_TTFT); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 310, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 313, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 310, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25445,16 +25378,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((double *) ( /* dim=2 */ ((char *) (((double *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_f.data + __pyx_t_45 * __pyx_v_f.strides[0]) ) + __pyx_t_46 * __pyx_v_f.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_fin;
 
 
-      /* "olproute/_score.pyx":314
+      /* "olproute/_score.pyx":311
  *             f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
  *             f[F_FINITE_TTFT, j, g] = fin
  *             iv[I_START, j, g] = k0             # <<<<<<<<<<<<<<
  *             iv[I_END, j, g] = end
  *             iv[I_PRE_START, j, g] = ps
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_START); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 314, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_START); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 311, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 314, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25462,16 +25395,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_47 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_k0;
 
 
-      /* "olproute/_score.pyx":315
+      /* "olproute/_score.pyx":312
  *             f[F_FINITE_TTFT, j, g] = fin
  *             iv[I_START, j, g] = k0
  *             iv[I_END, j, g] = end             # <<<<<<<<<<<<<<
  *             iv[I_PRE_START, j, g] = ps
  *             iv[I_PRE_END, j, g] = pe
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_END); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 315, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_END); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 312, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 315, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 312, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25479,16 +25412,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_45 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_end;
 
 
-      /* "olproute/_score.pyx":316
+      /* "olproute/_score.pyx":313
  *             iv[I_START, j, g] = k0
  *             iv[I_END, j, g] = end
  *             iv[I_PRE_START, j, g] = ps             # <<<<<<<<<<<<<<
  *             iv[I_PRE_END, j, g] = pe
  *             on[j, g] = tw <= target[j]
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_PRE_START); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 316, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_PRE_START); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 313, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 316, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 313, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_47 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25496,16 +25429,16 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_47 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_45)) )) = __pyx_v_ps;
 
 
-      /* "olproute/_score.pyx":317
+      /* "olproute/_score.pyx":314
  *             iv[I_END, j, g] = end
  *             iv[I_PRE_START, j, g] = ps
  *             iv[I_PRE_END, j, g] = pe             # <<<<<<<<<<<<<<
  *             on[j, g] = tw <= target[j]
  *     return f_np, i_np, on_np
 */
-      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_PRE_END); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 317, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_I_PRE_END); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 314, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 317, __pyx_L1_error)
+      __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_3); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 314, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __pyx_t_45 = __pyx_t_21;
       __pyx_t_46 = __pyx_v_j;
@@ -25513,7 +25446,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
       *((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_iv.data + __pyx_t_45 * __pyx_v_iv.strides[0]) ) + __pyx_t_46 * __pyx_v_iv.strides[1]) )) + __pyx_t_47)) )) = __pyx_v_pe;
 
 
-      /* "olproute/_score.pyx":318
+      /* "olproute/_score.pyx":315
  *             iv[I_PRE_START, j, g] = ps
  *             iv[I_PRE_END, j, g] = pe
  *             on[j, g] = tw <= target[j]             # <<<<<<<<<<<<<<
@@ -25529,24 +25462,24 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   }
 
 
-  /* "olproute/_score.pyx":319
+  /* "olproute/_score.pyx":316
  *             iv[I_PRE_END, j, g] = pe
  *             on[j, g] = tw <= target[j]
  *     return f_np, i_np, on_np             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_3 = PyTuple_New(3); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 319, __pyx_L1_error)
+  __pyx_t_3 = PyTuple_New(3); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 316, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_INCREF(__pyx_v_f_np);
   __Pyx_GIVEREF(__pyx_v_f_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_v_f_np) != (0)) __PYX_ERR(0, 319, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_v_f_np) != (0)) __PYX_ERR(0, 316, __pyx_L1_error);
   __Pyx_INCREF(__pyx_v_i_np);
   __Pyx_GIVEREF(__pyx_v_i_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_v_i_np) != (0)) __PYX_ERR(0, 319, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_v_i_np) != (0)) __PYX_ERR(0, 316, __pyx_L1_error);
   __Pyx_INCREF(__pyx_v_on_np);
   __Pyx_GIVEREF(__pyx_v_on_np);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 2, __pyx_v_on_np) != (0)) __PYX_ERR(0, 319, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 2, __pyx_v_on_np) != (0)) __PYX_ERR(0, 316, __pyx_L1_error);
   {
     PyObject *__pyx_temp;
     {
@@ -25558,7 +25491,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   __pyx_t_3 = 0;
   goto __pyx_L0;
 
-  /* "olproute/_score.pyx":171
+  /* "olproute/_score.pyx":170
  * 
  * 
  * cdef tuple _score(const double[::1] prompt, const double[:, :] decode,             # <<<<<<<<<<<<<<
@@ -25646,7 +25579,7 @@ static PyObject *__pyx_f_8olproute_6_score__score(__Pyx_memviewslice __pyx_v_pro
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":322
+/* "olproute/_score.pyx":319
  * 
  * 
  * def fits_column(const double[:, ::1] free, int64_t s, int64_t e, double ba, double ka,             # <<<<<<<<<<<<<<
@@ -25703,95 +25636,95 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_free,&__pyx_mstate_global->__pyx_n_u_s,&__pyx_mstate_global->__pyx_n_u_e,&__pyx_mstate_global->__pyx_n_u_ba,&__pyx_mstate_global->__pyx_n_u_ka,&__pyx_mstate_global->__pyx_n_u_kb,&__pyx_mstate_global->__pyx_n_u_ps,&__pyx_mstate_global->__pyx_n_u_pe,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_horizon,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 322, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 319, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 322, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 319, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 322, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 319, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 322, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 319, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 322, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 319, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 322, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 319, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 322, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 319, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 322, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 319, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 322, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 319, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 322, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 319, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 322, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 319, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "fits_column", 0) < (0)) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "fits_column", 0) < (0)) __PYX_ERR(0, 319, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 10; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, i); __PYX_ERR(0, 322, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, i); __PYX_ERR(0, 319, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 10)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 319, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 319, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 319, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 319, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 319, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 319, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 319, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 319, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 319, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 322, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 319, __pyx_L3_error)
     }
-    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 322, __pyx_L3_error)
-    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 322, __pyx_L3_error)
-    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 322, __pyx_L3_error)
-    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 322, __pyx_L3_error)
-    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 322, __pyx_L3_error)
-    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L3_error)
-    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L3_error)
-    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L3_error)
-    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[8]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L3_error)
-    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L3_error)
+    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 319, __pyx_L3_error)
+    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 319, __pyx_L3_error)
+    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 319, __pyx_L3_error)
+    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 319, __pyx_L3_error)
+    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 319, __pyx_L3_error)
+    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 320, __pyx_L3_error)
+    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 320, __pyx_L3_error)
+    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 320, __pyx_L3_error)
+    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[8]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 320, __pyx_L3_error)
+    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 320, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, __pyx_nargs); __PYX_ERR(0, 322, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("fits_column", 1, 10, 10, __pyx_nargs); __PYX_ERR(0, 319, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -25846,7 +25779,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("fits_column", 0);
 
-  /* "olproute/_score.pyx":327
+  /* "olproute/_score.pyx":324
  *     ka + kb (slot - start), prefill [ps, pe)) on a capacity curve ``free`` (H, 3)
  *     computed k slots ago keep every slot it covers at free batch and KV >= 0?"""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -25872,7 +25805,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":328
+    /* "olproute/_score.pyx":325
  *     computed k slots ago keep every slot it covers at free batch and KV >= 0?"""
  *     if free.shape[0] < horizon or free.shape[1] != 3:
  *         raise ValueError("free needs shape (H, 3)")             # <<<<<<<<<<<<<<
@@ -25885,14 +25818,14 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_free_needs_shape_H_3};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 328, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 325, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 328, __pyx_L1_error)
+    __PYX_ERR(0, 325, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":327
+    /* "olproute/_score.pyx":324
  *     ka + kb (slot - start), prefill [ps, pe)) on a capacity curve ``free`` (H, 3)
  *     computed k slots ago keep every slot it covers at free batch and KV >= 0?"""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -25901,7 +25834,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":330
+  /* "olproute/_score.pyx":327
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t lo, hi, ds, de, t
  *     lo = (s if e > s else horizon)             # <<<<<<<<<<<<<<
@@ -25920,7 +25853,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
   __pyx_v_lo = __pyx_t_6;
 
-  /* "olproute/_score.pyx":331
+  /* "olproute/_score.pyx":328
  *     cdef int64_t lo, hi, ds, de, t
  *     lo = (s if e > s else horizon)
  *     if (ps if pe > ps else horizon) < lo:             # <<<<<<<<<<<<<<
@@ -25943,7 +25876,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":332
+    /* "olproute/_score.pyx":329
  *     lo = (s if e > s else horizon)
  *     if (ps if pe > ps else horizon) < lo:
  *         lo = ps if pe > ps else horizon             # <<<<<<<<<<<<<<
@@ -25962,7 +25895,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
     __pyx_v_lo = __pyx_t_6;
 
-    /* "olproute/_score.pyx":331
+    /* "olproute/_score.pyx":328
  *     cdef int64_t lo, hi, ds, de, t
  *     lo = (s if e > s else horizon)
  *     if (ps if pe > ps else horizon) < lo:             # <<<<<<<<<<<<<<
@@ -25971,7 +25904,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":333
+  /* "olproute/_score.pyx":330
  *     if (ps if pe > ps else horizon) < lo:
  *         lo = ps if pe > ps else horizon
  *     lo = lo + k             # <<<<<<<<<<<<<<
@@ -25980,7 +25913,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_lo = (__pyx_v_lo + __pyx_v_k);
 
-  /* "olproute/_score.pyx":334
+  /* "olproute/_score.pyx":331
  *         lo = ps if pe > ps else horizon
  *     lo = lo + k
  *     if lo < 0:             # <<<<<<<<<<<<<<
@@ -25992,7 +25925,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":335
+    /* "olproute/_score.pyx":332
  *     lo = lo + k
  *     if lo < 0:
  *         lo = 0             # <<<<<<<<<<<<<<
@@ -26001,7 +25934,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_lo = 0;
 
-    /* "olproute/_score.pyx":334
+    /* "olproute/_score.pyx":331
  *         lo = ps if pe > ps else horizon
  *     lo = lo + k
  *     if lo < 0:             # <<<<<<<<<<<<<<
@@ -26010,7 +25943,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":336
+  /* "olproute/_score.pyx":333
  *     if lo < 0:
  *         lo = 0
  *     hi = (e if e > s else 0)             # <<<<<<<<<<<<<<
@@ -26029,7 +25962,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
   __pyx_v_hi = __pyx_t_6;
 
-  /* "olproute/_score.pyx":337
+  /* "olproute/_score.pyx":334
  *         lo = 0
  *     hi = (e if e > s else 0)
  *     if (pe if pe > ps else 0) > hi:             # <<<<<<<<<<<<<<
@@ -26052,7 +25985,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":338
+    /* "olproute/_score.pyx":335
  *     hi = (e if e > s else 0)
  *     if (pe if pe > ps else 0) > hi:
  *         hi = pe if pe > ps else 0             # <<<<<<<<<<<<<<
@@ -26071,7 +26004,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 
     __pyx_v_hi = __pyx_t_6;
 
-    /* "olproute/_score.pyx":337
+    /* "olproute/_score.pyx":334
  *         lo = 0
  *     hi = (e if e > s else 0)
  *     if (pe if pe > ps else 0) > hi:             # <<<<<<<<<<<<<<
@@ -26080,7 +26013,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":339
+  /* "olproute/_score.pyx":336
  *     if (pe if pe > ps else 0) > hi:
  *         hi = pe if pe > ps else 0
  *     hi = hi + k             # <<<<<<<<<<<<<<
@@ -26089,7 +26022,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_hi = (__pyx_v_hi + __pyx_v_k);
 
-  /* "olproute/_score.pyx":340
+  /* "olproute/_score.pyx":337
  *         hi = pe if pe > ps else 0
  *     hi = hi + k
  *     if hi > horizon:             # <<<<<<<<<<<<<<
@@ -26101,7 +26034,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":341
+    /* "olproute/_score.pyx":338
  *     hi = hi + k
  *     if hi > horizon:
  *         hi = horizon             # <<<<<<<<<<<<<<
@@ -26110,7 +26043,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_hi = __pyx_v_horizon;
 
-    /* "olproute/_score.pyx":340
+    /* "olproute/_score.pyx":337
  *         hi = pe if pe > ps else 0
  *     hi = hi + k
  *     if hi > horizon:             # <<<<<<<<<<<<<<
@@ -26119,7 +26052,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":342
+  /* "olproute/_score.pyx":339
  *     if hi > horizon:
  *         hi = horizon
  *     if lo >= hi:             # <<<<<<<<<<<<<<
@@ -26131,7 +26064,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":343
+    /* "olproute/_score.pyx":340
  *         hi = horizon
  *     if lo >= hi:
  *         return True             # <<<<<<<<<<<<<<
@@ -26149,7 +26082,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
     }
     goto __pyx_L0;
 
-    /* "olproute/_score.pyx":342
+    /* "olproute/_score.pyx":339
  *     if hi > horizon:
  *         hi = horizon
  *     if lo >= hi:             # <<<<<<<<<<<<<<
@@ -26158,7 +26091,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":344
+  /* "olproute/_score.pyx":341
  *     if lo >= hi:
  *         return True
  *     ds = s + k             # <<<<<<<<<<<<<<
@@ -26167,7 +26100,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_ds = (__pyx_v_s + __pyx_v_k);
 
-  /* "olproute/_score.pyx":345
+  /* "olproute/_score.pyx":342
  *         return True
  *     ds = s + k
  *     if ds < lo:             # <<<<<<<<<<<<<<
@@ -26179,7 +26112,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":346
+    /* "olproute/_score.pyx":343
  *     ds = s + k
  *     if ds < lo:
  *         ds = lo             # <<<<<<<<<<<<<<
@@ -26188,7 +26121,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_ds = __pyx_v_lo;
 
-    /* "olproute/_score.pyx":345
+    /* "olproute/_score.pyx":342
  *         return True
  *     ds = s + k
  *     if ds < lo:             # <<<<<<<<<<<<<<
@@ -26197,7 +26130,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":347
+  /* "olproute/_score.pyx":344
  *     if ds < lo:
  *         ds = lo
  *     if ds > hi:             # <<<<<<<<<<<<<<
@@ -26209,7 +26142,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":348
+    /* "olproute/_score.pyx":345
  *         ds = lo
  *     if ds > hi:
  *         ds = hi             # <<<<<<<<<<<<<<
@@ -26218,7 +26151,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_ds = __pyx_v_hi;
 
-    /* "olproute/_score.pyx":347
+    /* "olproute/_score.pyx":344
  *     if ds < lo:
  *         ds = lo
  *     if ds > hi:             # <<<<<<<<<<<<<<
@@ -26227,7 +26160,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":349
+  /* "olproute/_score.pyx":346
  *     if ds > hi:
  *         ds = hi
  *     de = e + k             # <<<<<<<<<<<<<<
@@ -26236,7 +26169,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   __pyx_v_de = (__pyx_v_e + __pyx_v_k);
 
-  /* "olproute/_score.pyx":350
+  /* "olproute/_score.pyx":347
  *         ds = hi
  *     de = e + k
  *     if de > hi:             # <<<<<<<<<<<<<<
@@ -26248,7 +26181,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":351
+    /* "olproute/_score.pyx":348
  *     de = e + k
  *     if de > hi:
  *         de = hi             # <<<<<<<<<<<<<<
@@ -26257,7 +26190,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_de = __pyx_v_hi;
 
-    /* "olproute/_score.pyx":350
+    /* "olproute/_score.pyx":347
  *         ds = hi
  *     de = e + k
  *     if de > hi:             # <<<<<<<<<<<<<<
@@ -26266,7 +26199,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":352
+  /* "olproute/_score.pyx":349
  *     if de > hi:
  *         de = hi
  *     if de < lo:             # <<<<<<<<<<<<<<
@@ -26278,7 +26211,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":353
+    /* "olproute/_score.pyx":350
  *         de = hi
  *     if de < lo:
  *         de = lo             # <<<<<<<<<<<<<<
@@ -26287,7 +26220,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
     __pyx_v_de = __pyx_v_lo;
 
-    /* "olproute/_score.pyx":352
+    /* "olproute/_score.pyx":349
  *     if de > hi:
  *         de = hi
  *     if de < lo:             # <<<<<<<<<<<<<<
@@ -26296,7 +26229,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
   }
 
-  /* "olproute/_score.pyx":354
+  /* "olproute/_score.pyx":351
  *     if de < lo:
  *         de = lo
  *     for t in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -26310,7 +26243,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   for (__pyx_t_8 = __pyx_v_lo; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
     __pyx_v_t = __pyx_t_8;
 
-    /* "olproute/_score.pyx":355
+    /* "olproute/_score.pyx":352
  *         de = lo
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:             # <<<<<<<<<<<<<<
@@ -26336,7 +26269,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
     if (__pyx_t_1) {
 
 
-      /* "olproute/_score.pyx":356
+      /* "olproute/_score.pyx":353
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:             # <<<<<<<<<<<<<<
@@ -26366,7 +26299,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       if (__pyx_t_1) {
 
 
-        /* "olproute/_score.pyx":357
+        /* "olproute/_score.pyx":354
  *         if t >= ds and t < de:
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:
  *                 return False             # <<<<<<<<<<<<<<
@@ -26384,7 +26317,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
         }
         goto __pyx_L0;
 
-        /* "olproute/_score.pyx":356
+        /* "olproute/_score.pyx":353
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:             # <<<<<<<<<<<<<<
@@ -26393,7 +26326,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
 */
       }
 
-      /* "olproute/_score.pyx":355
+      /* "olproute/_score.pyx":352
  *         de = lo
  *     for t in range(lo, hi):
  *         if t >= ds and t < de:             # <<<<<<<<<<<<<<
@@ -26403,7 +26336,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       goto __pyx_L17;
     }
 
-    /* "olproute/_score.pyx":358
+    /* "olproute/_score.pyx":355
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:
  *                 return False
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:             # <<<<<<<<<<<<<<
@@ -26433,7 +26366,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
     if (__pyx_t_1) {
 
 
-      /* "olproute/_score.pyx":359
+      /* "olproute/_score.pyx":356
  *                 return False
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:
  *             return False             # <<<<<<<<<<<<<<
@@ -26451,7 +26384,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
       }
       goto __pyx_L0;
 
-      /* "olproute/_score.pyx":358
+      /* "olproute/_score.pyx":355
  *             if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:
  *                 return False
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:             # <<<<<<<<<<<<<<
@@ -26463,7 +26396,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   }
 
 
-  /* "olproute/_score.pyx":360
+  /* "olproute/_score.pyx":357
  *         elif free[t, 0] < 0.0 or free[t, 1] < 0.0:
  *             return False
  *     return True             # <<<<<<<<<<<<<<
@@ -26481,7 +26414,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   }
   goto __pyx_L0;
 
-  /* "olproute/_score.pyx":322
+  /* "olproute/_score.pyx":319
  * 
  * 
  * def fits_column(const double[:, ::1] free, int64_t s, int64_t e, double ba, double ka,             # <<<<<<<<<<<<<<
@@ -26506,7 +26439,7 @@ static PyObject *__pyx_pf_8olproute_6_score_4fits_column(CYTHON_UNUSED PyObject 
   return __pyx_r;
 }
 
-/* "olproute/_score.pyx":363
+/* "olproute/_score.pyx":360
  * 
  * 
  * def subtract_column(double[:, ::1] free, int64_t s, int64_t e, double ba, double ka, double kb,             # <<<<<<<<<<<<<<
@@ -26564,102 +26497,102 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_free,&__pyx_mstate_global->__pyx_n_u_s,&__pyx_mstate_global->__pyx_n_u_e,&__pyx_mstate_global->__pyx_n_u_ba,&__pyx_mstate_global->__pyx_n_u_ka,&__pyx_mstate_global->__pyx_n_u_kb,&__pyx_mstate_global->__pyx_n_u_ps,&__pyx_mstate_global->__pyx_n_u_pe,&__pyx_mstate_global->__pyx_n_u_ca,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_horizon,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 363, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 360, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 363, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 360, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "subtract_column", 0) < (0)) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "subtract_column", 0) < (0)) __PYX_ERR(0, 360, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 11; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, i); __PYX_ERR(0, 363, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, i); __PYX_ERR(0, 360, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 11)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 360, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 360, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 360, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 360, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 360, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 360, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 360, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 360, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 360, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 360, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 363, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 360, __pyx_L3_error)
     }
-    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 363, __pyx_L3_error)
-    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L3_error)
-    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L3_error)
-    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L3_error)
-    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L3_error)
-    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L3_error)
-    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L3_error)
-    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L3_error)
-    __pyx_v_ca = __Pyx_PyFloat_AsDouble(values[8]); if (unlikely((__pyx_v_ca == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L3_error)
-    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L3_error)
-    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[10]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L3_error)
+    __pyx_v_free = __Pyx_PyObject_to_MemoryviewSlice_d_dc_double(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_free.memview)) __PYX_ERR(0, 360, __pyx_L3_error)
+    __pyx_v_s = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_s == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
+    __pyx_v_e = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_e == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
+    __pyx_v_ba = __Pyx_PyFloat_AsDouble(values[3]); if (unlikely((__pyx_v_ba == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
+    __pyx_v_ka = __Pyx_PyFloat_AsDouble(values[4]); if (unlikely((__pyx_v_ka == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
+    __pyx_v_kb = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_kb == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
+    __pyx_v_ps = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_ps == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 361, __pyx_L3_error)
+    __pyx_v_pe = __Pyx_PyLong_As_int64_t(values[7]); if (unlikely((__pyx_v_pe == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 361, __pyx_L3_error)
+    __pyx_v_ca = __Pyx_PyFloat_AsDouble(values[8]); if (unlikely((__pyx_v_ca == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 361, __pyx_L3_error)
+    __pyx_v_k = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_k == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 361, __pyx_L3_error)
+    __pyx_v_horizon = __Pyx_PyLong_As_int64_t(values[10]); if (unlikely((__pyx_v_horizon == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 361, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, __pyx_nargs); __PYX_ERR(0, 363, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("subtract_column", 1, 11, 11, __pyx_nargs); __PYX_ERR(0, 360, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -26715,7 +26648,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("subtract_column", 0);
 
-  /* "olproute/_score.pyx":367
+  /* "olproute/_score.pyx":364
  *     """``reward.take_column``, compiled: subtract the column, on a curve computed k slots
  *     ago, from ``free`` (H, 3) in place."""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -26741,7 +26674,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "olproute/_score.pyx":368
+    /* "olproute/_score.pyx":365
  *     ago, from ``free`` (H, 3) in place."""
  *     if free.shape[0] < horizon or free.shape[1] != 3:
  *         raise ValueError("free needs shape (H, 3)")             # <<<<<<<<<<<<<<
@@ -26754,14 +26687,14 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_free_needs_shape_H_3};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 368, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 365, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 368, __pyx_L1_error)
+    __PYX_ERR(0, 365, __pyx_L1_error)
 
-    /* "olproute/_score.pyx":367
+    /* "olproute/_score.pyx":364
  *     """``reward.take_column``, compiled: subtract the column, on a curve computed k slots
  *     ago, from ``free`` (H, 3) in place."""
  *     if free.shape[0] < horizon or free.shape[1] != 3:             # <<<<<<<<<<<<<<
@@ -26770,7 +26703,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":369
+  /* "olproute/_score.pyx":366
  *     if free.shape[0] < horizon or free.shape[1] != 3:
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t             # <<<<<<<<<<<<<<
@@ -26782,7 +26715,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   __pyx_v_qs = (__pyx_v_ps + __pyx_v_k);
   __pyx_v_qe = (__pyx_v_pe + __pyx_v_k);
 
-  /* "olproute/_score.pyx":370
+  /* "olproute/_score.pyx":367
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t
  *     if ds < 0:             # <<<<<<<<<<<<<<
@@ -26794,7 +26727,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":371
+    /* "olproute/_score.pyx":368
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t
  *     if ds < 0:
  *         ds = 0             # <<<<<<<<<<<<<<
@@ -26803,7 +26736,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_ds = 0;
 
-    /* "olproute/_score.pyx":370
+    /* "olproute/_score.pyx":367
  *         raise ValueError("free needs shape (H, 3)")
  *     cdef int64_t ds = s + k, de = e + k, qs = ps + k, qe = pe + k, t
  *     if ds < 0:             # <<<<<<<<<<<<<<
@@ -26812,7 +26745,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":372
+  /* "olproute/_score.pyx":369
  *     if ds < 0:
  *         ds = 0
  *     if de > horizon:             # <<<<<<<<<<<<<<
@@ -26824,7 +26757,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":373
+    /* "olproute/_score.pyx":370
  *         ds = 0
  *     if de > horizon:
  *         de = horizon             # <<<<<<<<<<<<<<
@@ -26833,7 +26766,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_de = __pyx_v_horizon;
 
-    /* "olproute/_score.pyx":372
+    /* "olproute/_score.pyx":369
  *     if ds < 0:
  *         ds = 0
  *     if de > horizon:             # <<<<<<<<<<<<<<
@@ -26842,7 +26775,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":374
+  /* "olproute/_score.pyx":371
  *     if de > horizon:
  *         de = horizon
  *     for t in range(ds, de):             # <<<<<<<<<<<<<<
@@ -26856,7 +26789,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   for (__pyx_t_8 = __pyx_v_ds; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
     __pyx_v_t = __pyx_t_8;
 
-    /* "olproute/_score.pyx":375
+    /* "olproute/_score.pyx":372
  *         de = horizon
  *     for t in range(ds, de):
  *         free[t, 0] -= ba             # <<<<<<<<<<<<<<
@@ -26867,7 +26800,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
     __pyx_t_10 = 0;
     *((double *) ( /* dim=1 */ ((char *) (((double *) ( /* dim=0 */ (__pyx_v_free.data + __pyx_t_9 * __pyx_v_free.strides[0]) )) + __pyx_t_10)) )) -= __pyx_v_ba;
 
-    /* "olproute/_score.pyx":376
+    /* "olproute/_score.pyx":373
  *     for t in range(ds, de):
  *         free[t, 0] -= ba
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))             # <<<<<<<<<<<<<<
@@ -26880,7 +26813,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   }
 
 
-  /* "olproute/_score.pyx":377
+  /* "olproute/_score.pyx":374
  *         free[t, 0] -= ba
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))
  *     if qs < 0:             # <<<<<<<<<<<<<<
@@ -26892,7 +26825,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":378
+    /* "olproute/_score.pyx":375
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))
  *     if qs < 0:
  *         qs = 0             # <<<<<<<<<<<<<<
@@ -26901,7 +26834,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_qs = 0;
 
-    /* "olproute/_score.pyx":377
+    /* "olproute/_score.pyx":374
  *         free[t, 0] -= ba
  *         free[t, 1] -= ka + kb * <double>(t - (s + k))
  *     if qs < 0:             # <<<<<<<<<<<<<<
@@ -26910,7 +26843,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":379
+  /* "olproute/_score.pyx":376
  *     if qs < 0:
  *         qs = 0
  *     if qe > horizon:             # <<<<<<<<<<<<<<
@@ -26922,7 +26855,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   if (__pyx_t_1) {
 
 
-    /* "olproute/_score.pyx":380
+    /* "olproute/_score.pyx":377
  *         qs = 0
  *     if qe > horizon:
  *         qe = horizon             # <<<<<<<<<<<<<<
@@ -26931,7 +26864,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
     __pyx_v_qe = __pyx_v_horizon;
 
-    /* "olproute/_score.pyx":379
+    /* "olproute/_score.pyx":376
  *     if qs < 0:
  *         qs = 0
  *     if qe > horizon:             # <<<<<<<<<<<<<<
@@ -26940,7 +26873,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
 */
   }
 
-  /* "olproute/_score.pyx":381
+  /* "olproute/_score.pyx":378
  *     if qe > horizon:
  *         qe = horizon
  *     for t in range(qs, qe):             # <<<<<<<<<<<<<<
@@ -26953,7 +26886,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   for (__pyx_t_8 = __pyx_v_qs; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
     __pyx_v_t = __pyx_t_8;
 
-    /* "olproute/_score.pyx":382
+    /* "olproute/_score.pyx":379
  *         qe = horizon
  *     for t in range(qs, qe):
  *         free[t, 2] -= ca             # <<<<<<<<<<<<<<
@@ -26964,7 +26897,7 @@ static PyObject *__pyx_pf_8olproute_6_score_6subtract_column(CYTHON_UNUSED PyObj
   }
 
 
-  /* "olproute/_score.pyx":363
+  /* "olproute/_score.pyx":360
  * 
  * 
  * def subtract_column(double[:, ::1] free, int64_t s, int64_t e, double ba, double ka, double kb,             # <<<<<<<<<<<<<<
@@ -30206,34 +30139,34 @@ __Pyx_RefNannySetupContext("PyInit__score", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_score_columns, __pyx_t_4) < (0)) __PYX_ERR(0, 147, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "olproute/_score.pyx":322
+  /* "olproute/_score.pyx":319
  * 
  * 
  * def fits_column(const double[:, ::1] free, int64_t s, int64_t e, double ba, double ka,             # <<<<<<<<<<<<<<
  *                 double kb, int64_t ps, int64_t pe, int64_t k, int64_t horizon):
  *     """``reward.fits_under``, compiled: does the column (start s, end e, batch ba, KV
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_5fits_column, 0, __pyx_mstate_global->__pyx_n_u_fits_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 322, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_5fits_column, 0, __pyx_mstate_global->__pyx_n_u_fits_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 319, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_fits_column, __pyx_t_4) < (0)) __PYX_ERR(0, 322, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_fits_column, __pyx_t_4) < (0)) __PYX_ERR(0, 319, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "olproute/_score.pyx":363
+  /* "olproute/_score.pyx":360
  * 
  * 
  * def subtract_column(double[:, ::1] free, int64_t s, int64_t e, double ba, double ka, double kb,             # <<<<<<<<<<<<<<
  *                 int64_t ps, int64_t pe, double ca, int64_t k, int64_t horizon):
  *     """``reward.take_column``, compiled: subtract the column, on a curve computed k slots
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_7subtract_column, 0, __pyx_mstate_global->__pyx_n_u_subtract_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 363, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_8olproute_6_score_7subtract_column, 0, __pyx_mstate_global->__pyx_n_u_subtract_column, NULL, __pyx_mstate_global->__pyx_n_u_olproute__score, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 360, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_subtract_column, __pyx_t_4) < (0)) __PYX_ERR(0, 363, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_subtract_column, __pyx_t_4) < (0)) __PYX_ERR(0, 360, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   /* "(tree fragment)":4
@@ -30455,38 +30388,38 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{8},{15},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{8},{60},{15},{49},{7},{6},{23},{2},{16},{9},{31},{41},{50},{61},{39},{34},{19},{34},{18},{30},{37},{8},{44},{5},{8},{11},{11},{9},{13},{6},{6},{12},{7},{5},{8},{12},{6},{6},{12},{10},{9},{1},{5},{9},{11},{7},{5},{5},{6},{24},{26},{12},{8},{15},{7},{6},{7},{15},{7},{7},{7},{12},{16},{7},{7},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{12},{11},{10},{19},{21},{14},{12},{10},{17},{13},{12},{12},{19},{8},{5},{13},{3},{15},{18},{2},{4},{9},{4},{5},{6},{1},{2},{18},{5},{6},{1},{2},{6},{12},{2},{5},{15},{1},{5},{6},{9},{5},{11},{5},{7},{6},{7},{4},{2},{7},{2},{3},{5},{5},{5},{8},{1},{2},{2},{6},{2},{5},{12},{7},{4},{4},{4},{4},{2},{13},{12},{5},{3},{15},{2},{2},{4},{2},{3},{6},{2},{2},{2},{8},{16},{1},{5},{13},{4},{10},{5},{5},{4},{6},{9},{5},{5},{4},{4},{6},{15},{1},{5},{6},{4},{5},{6},{6},{12},{7},{6},{4},{1},{6},{1},{5}};
-    const struct { const unsigned int length: 9; } bytes_length_index[] = {{1},{11},{55},{202},{71},{130},{393},{83},{142}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{8},{15},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{8},{60},{15},{49},{7},{6},{23},{2},{16},{9},{31},{41},{50},{61},{39},{34},{19},{28},{18},{30},{37},{8},{44},{5},{8},{11},{11},{9},{13},{6},{6},{12},{7},{5},{8},{12},{6},{6},{12},{10},{9},{1},{5},{9},{11},{7},{5},{5},{6},{24},{26},{12},{8},{15},{7},{6},{7},{15},{7},{7},{7},{12},{16},{7},{7},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{12},{11},{10},{19},{21},{14},{12},{10},{17},{13},{12},{12},{19},{8},{5},{13},{3},{15},{18},{2},{4},{9},{4},{5},{6},{1},{2},{18},{5},{6},{1},{2},{6},{12},{2},{5},{15},{1},{5},{6},{9},{5},{11},{5},{7},{6},{7},{4},{2},{7},{2},{3},{5},{5},{5},{8},{1},{2},{2},{6},{2},{5},{12},{7},{4},{4},{4},{4},{2},{13},{12},{5},{3},{15},{4},{2},{3},{2},{6},{2},{2},{2},{8},{16},{1},{5},{13},{4},{10},{5},{5},{4},{6},{9},{5},{5},{4},{4},{6},{15},{1},{5},{6},{4},{5},{6},{6},{12},{7},{6},{4},{1},{6},{1},{5}};
+    const struct { const unsigned int length: 9; } bytes_length_index[] = {{1},{11},{55},{202},{71},{130},{393},{81},{140}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2010 bytes) */
-static const char cstring[] = "x\332\235V\315S\333H\026\017\023HL\2761Lf3S\233\355|\314\000;\304\213\003\303f6\263\231\022`\203k\300\340\0170ImUWKj\333\032\313\222\254n\031;\265\007\216:\352\250\243\216:\372\350#G\216>\372\230?a\376\204}-\331|$\263S\251\201\242\273\325\375\336\353\367~\357\365\357\201\010G\313\035d\312\277R\205\277A\307T\253\3259[\3406\245\250j\223Z\223\032|1\365/\364\323.m\232v\367P\243\307\310\254\242\237\024\323\340Z\3151\035\206\210\241\"U\263\205\376\307\333\2321>`\334\326T\252^\022F\246\375\207\347W\367\316%\337\374\274A\014\303\344\2100\246\325\014\304MdS\242\2760\r\275\213\232\221\223mp2g\264\211\256\251\250i\252t\t\321\216\005\272`j^\231\027\367\316WM\233\333\304\230_B505\026fubQ\270\n\221\216\306P\336\344\024\361:\000\264\321\345u\323@\260\247R]\223\251M8\205\333\204\177`\325\026B\006\332\317\354\277X}\265\032ykS\001\047C\314\221\025\035\034\245L\200&;\232\316\301:\357Z\224\245P\256\212\272\246\203\014\n~A\024\026\310]V\340uj F\271X\240\371(f\3025\323\300\240\256\031\265\371\021LZ\233\n\355,\321\031M\021U\305 Ge\312\311\022\222\tW\352X!\326\022j\264\305\034\371&;j\r\254F\327\232\006E\266y\214,*r\30181\024\252\230\272.\354\232\006K\021YQaC@\350pM\327x72\301yud Fl!\277\204tj,hjgqQ\325\030\221uJ\r1VE\035\tI6\026\335^B+\2135\005D\221\351p\001\013\344\241F5\026+\250\272I@\370\212\312\330\364\022z\271\330$\035l8M\314hk,%\202\200*\265\273W\3020LHV\2258:G\030\333Tu\024\2121R\235\010-\3034^@\362\332\032\321\341T\321\014\215\343\310\254M\031\224\234\301GY\214?\260\250j\332\271\204\331\357\\\3474\255n\n$m\232j\302\245\032\261m\322EU\242\351qz\265\246\0055wY\314i\022^\377D\302\324-\033\200\241\377\300,\222\262\272\035k9r\307J_\301|k\tm\243\357QZ\340\311\352\032d\244\3510\216d\212\336\374\033-;\021\232\302,\321uS\201\202E\261G*\341$\365;\247\261UqO\374\354X\352x\204\3571\321\370\350\025rb_\251\235\013\034l\332r(\343Ri#\227\313\350\272f1\215e\361\306\336\356\376A9\203\245,\316dvpI:\314l\216\226;{Y\234\315\345spZ.g\313Y\374\313\241\020\203q=\213w\244\255\242\224\337\312I\371,\336/""\34662Y\\\330/eq1S\221\212`\241\274]\334;\330\332\006\333\260\336\337\023cdC\214\343[\342\265\270\346\240\234\333\311\225\337n\345p&\277\231\003\203\231\213E\251,\025\313\271x\312\037\354\342\254\030*%\001\275\035\217\251\363\362Q\"\032\300\370|\037^\047d\237\177r\022e\256$\020\201\312\020\224\231\272`\317\n\226v\366\267\245\n^\317\224a\334\314\354\210I@\002AeJ\333{;\233\025\274%\355\356\302\356\336nf\013\246RnK|\225\367~\311\344q~\257\270[\211\203\273\244\360\016\214\245\343\351%\306\373\335\016\374m\0029\341<\324m\221V1\036\021\010<\002(xA1\027\013H)d\270)6T\241\003?U\307P\304\\\033G\010?q}\212U\223hF4\233\252\243Gg\006i\3063=\026\023\024-V\352Ti0xS\321\027\274%x\025\361zdQ,\005\025\306+\307\2604\245\001\3262\306X\347|+\2065\336lsQ\272\342\222\226C\364\361\275\343\007\376I\256\3167hG|@\306\316}e\227b\373$\223\030s(\3471\"\032\023O\026\236\245fP\340\304\361\243\301\262S\255B7`]C\321\314\324\271\010\223\211L\030=\347_A\307\262i\3528\346^E!\212\016b\030P\204.\244\200\240\322PL\307\340\n\007v\263Thz\021\353\306#\216(\021~\005X\321 \374\211;6\245M\213w\241\314@NpP\324\232\250m\233vU\343\302i\335i\032U\235\324X\025\254\360\265Uh|@;\243\366\047\330\271\256\325M[{o\032\232\n\034\013m\226\302\000\202\242\"X<\274\247\215\006i\310q\017\321\315\310\235\313<\014]W\264\\\321j\rp_\340\013\335\272\t+\020\030\023$\273L\257\021\rB\004c\262K\305dg-[i\013\260\260\250eZp\002\261Y\254\0057\330\264\2461\350\264\03732\213\324\242a\024+\264N\275\n\331\034q\177\304j\021;\2120\230nr\314\230A,V7A\031\350,N;\330\266\0307\341\317v\240o;\262H\013\037\231\344Q\305\305\324\047:\237\003\370\274\202\332\004G\035\013\350\224:\214\236\027\320\250M\302\377\023@\207\002\225\343\230>;\357\251m\262\275\223\211\341\344\363@\n\016\303\364\311\304\207\311\277\371\255\001Z\356\335\356\277>m\014\n\305\341\344\254\267\346\377%\230\t\236\014\047o\236\374\327\373\247\377d\230X\010\047\302G\275\324)\250\336vA\355\267\304\265\251\304\tw\327\274\031\357\231W\364:>\013\236\007\325P\nK\275\353\275\3640q\317\375\325""\237\360g\206\223\017=\331\377\302_\010\236\006\353A=Tz\311\336\253\376J_\026\226n\2360\367\251+\r\023w\335\302\307_\tw\312=\360\236x\253^k\230\270\343Jn\311\273\341\221\213\245\342\047\375\025_\016\246\303d\270\022\312\275/zO\376\214\3018\222G\376u\177-\216\370\266\373\322=\364\322\336\206\327\366\213~k8y\327-\272m\257\000\027>\364\355\000\002z\340Mx\337\370\231\340q\330\356\025\204\002`\020\231\271\365\215@j\306\233\363\376\023\314\005\225p\2637\335\237\353\277;\345g?\016\312G\203\243\332\240\326\0304\370\200w\006\235\3560\361\300\273\351\265\374\033\276\036F\236\267\335\212\227\361\347\374\3020\221\364\300\316W^\353\203\030\304\031x|\177p\177>\340a:\334\352\275\356\327N\013\037\256\356\210@n}^J>L\336r\277um/\031e\026p\271\341*\360\361\312\377\0212D\004Z\207\336\n$-\021@\212\246\335Yw\335%\037\203\371\177,\210\204L|\236\005\361\365\014\026\211\373nK\010%\001\367\302\037g\360\263\204\256\244Y$\263\344]\207\017\033\312%=\274s\337\345Qn\231\377\324\337\200t\316\005\245pr\204\320JO\351\047\243\322\234>K\236\255\234\311\203\375\342\240X\031T\336\016\336\276\033>\020\251\270;\023a[\202\202~\356+\240]\010\224p6\\\017\311\360\316\254\227\036\277\215\247\327\246\276\364$\357\320\177\r\025_\007\263P5\367\\\342:\2364\252\027o\001^\304b\270\326{<\370\271 \036]\362k\330\370><\352\035\365\217N\337\236)\203\302\301\340\340p\230|\344\177\351\223\023\351\267{\327\246\377\352o\006S\342\321\206RT\"\336\017\376\204\010\361\007Q\307\020\3213\277\024\334\010H\300\302g\341A\357\273\376D\177\266\277\321o\r\357$\275\277\373\222\037A-\n\271\356\327\003\rj\367\240\377\274\257\236~\013\345\271z\306\007\245\362\360\341c8Q\303\245\236\332_<]=m\r\037~\355/\006\253\301\373\336\\\257\014\225\\>\375\352l\352\254\360?6A:6";
-    PyObject *data = __Pyx_DecompressString(cstring, 2010, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2000 bytes) */
+static const char cstring[] = "x\332\235V\315s\3336\026\217\033\047\221\363m\331\233\335\266\263Y\344\243\265\275U\264q\354f\323M7\035\331\226lMm\331\372\260\345dv\006\003\222\220\304\212\"(\002\224\245\314\036|\344\221G\036y\344QG\035}\364QG\035\363\047\364O\330\007R\362G\322\355d\252\214\001\020xx\300\373\275\037~/\210\010\364\274\213\230\362\013U\305\033tD\365zC\360EaS\212j6\251\267\250)\226\322\377B?\356\320\026\263{\007:=B\254\206~T\231)\364\272\303\034\216\210\251!M\267\345\376\217\247us\262\300\205\255kT\273`\214\230\375\273\353\227\347\316,\337\374\264NL\223\tD8\327\353&\022\014\331\224h\317\230i\364P+\272d\007.\2317;\304\3205\324b\032M!\332\265`/\270ZP\027\344\271\0135f\013\233\230\013)T\007W\023c\336 \026\205\243\020\351\352\034\025\230\240H4\000\240\365\236h0\023\301\234F\r]\2416\021\024N\223\367\003\257\26642\321^v\357\331\352\253\325\350\2666\225pr\304\035E5\340\242\224K\320\024G7\004x\027=\213\3624\312\327P\2179\310\244p/\210\302\002\273\213\033D\203\232\210S!\007h!\212\231\010\235\231\030\266\353f}a\014\223\336\241rw\216\030\234\246\211\246a\260\243\n\025$\205\024\"\324\006V\211\225B\315\216\354\243\273)\216V\007\257\321\261\314\244\310fG\310\2422\027\\\020S\245*3\014\351\227\231<M\024U\203\t\t\241#tC\027\275\310\205\020\265\261\203\030\261\305B\n\031\324\\\324\265\356\322\222\246s\242\030\224\232\262\255I\036IK>1\335J\241\225\245\272\n\246\2109B\302\002y\250S\235\307\0334\203\0210\276\264e\342:\205^,\265H\027\233N\013s\332\236X\311 \200\245v\357R\030&\203d\325\210c\010\204\261M5G\245\030#\315\211\3202\231\371\014\222\327\321\211\001\253\252n\352\002Gnm\312\201r\246\030g1\376\300\222\325\264{\001\263\3378\316iY\2754X\3324\335\202Cub\333\244\207jD7\342\364\352-\0138w\321\314i\021\321\370\304\202\031\226\r\300\320\177`\036YY\275\256e]\306c3\205\266\320wh9\205V\227xC\207\\\264\034.\220B\321\233\177\243\347N\204\243tH\014\203\251@U\024\337E#\202\244\177c5\366*\003\216\037\034O\037\215\317;\"\272\030\277?A\354K\2549G\300\246m\207r\221)\257\347\363Y\303\320-\256\363\034^\337\335\331\333""\257dq&\207\263\331m\\\316\034d7\306\303\355\335\034\316\345\013yX\255Tr\225\034\376\371@\232A\273\226\303\333\231\315R\246\260\231\317\024rx\257\224_\317\346pq\257\234\303\245l5S\002\017\225\255\322\356\376\346\026\370\206\361\336\256l#\037\262\235\234\022\217\3451\373\225\374v\276\362v3\217\263\205\215<8\314\236\017\312\225L\251\222\217\273\302\376\016\316\311\246Z\226\240\333q\233>#\216\032\t\000\306g\363\360.!\357\342\223\225(ge\211\010pB\212e\372\\7\2538\263\275\267\225\251\342\265l\005\332\215\354\266\354$$\020T\266\274\265\273\275Q\305\233\231\235\035\230\335\335\311nBW\316o\312\257\312\356\317\331\002.\354\226v\252qp\0276\274\003g\313q\367\002\343\275^\027\3766@\226p\001\030[\2425\214\307\322\001\364\007\252Kq9\037@J!\303-9\241\311=\360\2539\246*\373\372$B\370\305\314\224\243\026\321\315\250g\232cDk&i\305==\222\035\320\025\253\r\25269\274\246\350\013^\021\274\207x<\366(\207R\004\343\221cZ\272\332\004oYs\262\347l*\2065\236\354\010I]yH\333!\306\344\334\311\323\376$Wg\023\264+? cgw\345\027b\373$\223\030\013\240\363\004\021\235\313\307\n\017R7)\250\341\344\321`\305\251\325\240\016\360\236\251\352,}f\302\025\242\020N\317\224W\n\261\302\230\201c\325UU\242\032`\206\001E\250?*\030\252M\2259\246P\005\350\232\245A\271\213\3646nq$\206\360O\202\0255\362>q\255\246\264e\211\036\320\014\354\244\372DE\211\3326\263k\272\220\2276\234\226Y3H\235\327\300\213x\271\n%\017\004g\\\370\244.7\364\006\263\365\367\314\3245PW(\260\024\0320\224\214\340q\363\2366\233\244\251\304\325\303`\321u.*0\324[Yle\2215\341\372\022_\250\323-\030\201\301D\032\371Ea\215\004\020\"\230\310\\:\2269\013p\260\250\305,\370\331\014\"\263x\033\374\333\264\256s\250\260\037+1\2176E\3158R(\231F\rr9\326\374H\323\"m\224Ap\203\t\314\271I,\336`\260\031\304,N:\370\266\270`\360g;P\257\035E&E\214]\212\210o\261\360\311\212\347\000:\257\200\231pU\307\0021\245\016\247g\364\031\227G\370\177\004\210\241\304\344(\026\317\356{j3\276{<5\232~\032d\202\203p\371x\352\303\364\337\374\366\020=\357\337\032\274>i\016\213\245\321\364""\234\367\322\377K0\033<\032M\3378\376\257\367O\377\321(\261\030N\205_\366\323\047\260\365\226\013\333~M\\\271\2268\026\356Ko\326{\342\225\274\256\317\203\247A-\314\204\345\376\325\376\362(q\327\375\305\237\362gG\323\017<\305\377\302_\014\036\007kA#T\373\311\376\253\301\312@\221\236n\034s\367\261\233\031%\356\270\305\217\277\022\3565w\337{\344\255z\355Q\342\266\233q\313\336u\217\234\017U?\351\257\370J0\023&\303\225P\351\177\321\177\364G\034\306\221|\351_\365_\306\021\337r_\270\007\336\262\267\356u\374\222\337\036M\337qKn\307+\302\201\017|;\200\200\356{S\336\327~6x\030v\372E\271\0010\210\334\334\374Z\"5\353\315{\377\t\346\203j\270\321\237\031\314\017\336\235\210\323\037\206\225\303\341a}Xo\016\233b(\272\303no\224\270\357\335\360\332\376u\337\010\243\233w\334\252\227\365\347\375\342(\221\364\300\317\237\275\366\007\331\3105\270\361\275\341\275\205@\204\313\341f\377\365\240~R\374pyF\006r\363\363R\362a\372\246\373\215k{\311(\263\200\313uW\205\217W\376\017\220!\"\321:\360V i\211\000R4\343\316\271k.\371\030\314\377\343A&d\352\363<\310\257\0470H\334s\333\322(\t\270\027\177?\203\237et)\3152\231e\357*|\330@\227\345\321\355{\256\210r\313\375\307\376:\244s>(\207\323c\204V\372\352 \031Qs\3464y\272r\252\014\367J\303RuX};|\373nt_\246\342\316l\204m\031\010\375\324Waw1P\303\271p-$\243\333s\336\362\344m\240+\327\376\344e\274\003\37750\276\001n\2015w]\342:^f\314\027o\021^\304R\370\262\377p\370SQ>\272\344W0\361]x\330?\034\034\236\274=U\207\305\375\341\376\301(\t\247\036g~\275{e\346\257\376FpM>\3310\023\021\304\373\336\237\222\001~/Y\014\361<\361\313\301\365\200\004<|\022\356\367\277\035L\r\346\006\353\203\366\350v\322\373\273\237\361#\240%\215\033~#\320\201\271\373\203\247\003\355\344\033 \347\352\251\030\226+\243\007\017aE\013S}m\260t\262z\322\036=\370\312_\nV\203\367\375\371~\005x\\=\311\236\316\376\017T\2236\360";
+    PyObject *data = __Pyx_DecompressString(cstring, 2000, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (2625 bytes) */
-static const char cstring[] = "\377 at 0x o\377bject> w\377eights(t\377ree frag\377ment).: \377<MemoryV\377iew of <\377contiguo\377us and d\263ir<\001\007\rin\021\005s\277trided\"\010 7or \004\031><(\tA\006\377>?Cannot\377 assign \377to read-\277only m\240\002v\376\242\000Invalid\377 mode, esxp\334\000|\000\047c\047t\001\377\047fortran\317\047, gH\000%\005sh\367ape\222\000 axi\377s Note t\375h\236 Cython\375 \021\000delibe\317ratek\000\320\001ct\373er!\001n PEPo-484\212\"re\313!\177s subcl\246\000\373es\261!built\375i\260\000ypes. \377If you n\311e\224 \303\000p\316\000%\tth\277en set\200\000e\373 \047\357\002ation\377_typing\047\366\355$iv\242\000o Fa\377lse.add_\376\231 ebeta, \377batch_ca\237p, kv\004\001\246Bb\347udgS\000r\002one\277 row p\302\000i\377nstancec\347oll\211`g\000s.a\347bcd\016\000\277!uti\357lity\351Bttf\371t\262\003\254#(N, l\377en(idx))\377disablee\205n\002\001f\304a\336\001\211 \330\"(\177H, 3)gc(\000\317 out\310a\205@ge\373is+\003dload\363s &\nS\005, 2)\377max_num_\347seq\036\005\301\001ent\373ry\272\nno de\377fault __\377reduce__\367 du\251\"non-\177trivial\033\000\277cinit_R\002r\177esident\277D\232\007\003_\351\204\001ex\354\004X\024u\357mpy.\047\000re.\375mr\000iarray\337 fail\331Cim\365p\361`n\034\010umat\275h\021\016olpr\226 e\337/_scoJ\000py\267xp0\337\205\002p1\347*G\177, H + 1\314!\367shi\217@must\377 be >= 0\371u\372\"\232\205\001alloc\357ate \214\003dat\303a.\013\020\366\204\003\310\206\001\245\206\003s.\275w\377$wait\263\206\004t\363ar\257j\355\047requ\377estASCII\377Ellipsis\377F_COMPUT\377E_AF_EEL\277_SAVED\004\004L\177OF_FINI\033\000\377TTFTF_KV\374#\001\003\000BF_LAG\377RANGIANF\377_PRICEF_\377QPSF_REW\373AR?\000THROU\373GHY\000F_TPO\300;\000>\003F\001^\005\006\003c\001UT\377ILITYGI_\257ENDIN\000E\000\006_\277STARTI\001\003NoUM_F\001\001WS\367!\325r\000\003.\266fc\202\207\002__\376\017\006setstat\323e_\013\014\265BS\216!nc\365e\257\211\001.\264\211\007W_AL\377PHAW_BET\216\003\000DEL\003\001\232!\322\000E\377SHOLDW_G\367AMM \000OMEG\356\047\000SIG\n\001TOK""\377EN_NORMW\351_\344\002&\010ZJ\0001W_~\003\0012__Pyx\001\000\377Dict_Nex\277tRef__\272\207\004e\317____\217\210\002\000\006_g+et\337@m\026\001d0\001 \000/func&\001g\332\0054\000\274\274\204\003<\001main\003\002owdulM\002nam\002\003\353ew]\001p~\000che\317cksuT\000\n\001re?sult__\026\001\256#\336\006\002type\017\003unopickK\000En,\005\230\n\006\211C7\003vt\332\207\001\302\001q\207ualp\005\331\206\005\233N\363\206\006e\275x\366\001set_\244\005s\374\321\010\271N__test\354\252 \215\"is\326\206\001out\277ineabc\313\205\005_\377bufferas\377yncio.co\375r\035\003sbabas\371e\367\211\006\213\212\001bool_\276\366\211\003ccaclG\000_\336\303 trac&\000ck\377countctx?_npdde\360\211\003\366\211\003\235_\216\211\002dsd\251!\000\002_\374\215\000\254\216\003eempty\377encodeen\373um\226\214\002error\367fit\261\001lumn\377flagsflo\377at64form\363at\370\214\004\232\212\001hiho\377rizonidi?dxinde\002\000&\000\372\216as\000\002izekk7akb\276\213\003lo\235\212\002\374\211\t\047mem\357\215\001\347\215\001n\274\000\210a?ndimnp\245\212\001\317\213\005qs\262\212\001\327\211\005\202\211\002obj\345\210\005\375.\347\210\003p0p1pa\377ckpepopp\373ro\331\000psqeq\177sregist\325\000\345e\204\212\013s\237\211\002\244\211\002_co\376\350\001sselfse\321t\365\212\004\315\216\002\231\211\002s\304\000sl\377ot_ssnap\377shotsstayr\273\206\003Y\000psto\001\000\177ructsub\223A\305tL\004t\355b\365\210\003\366\214\001ui\337nt8un\245\001up\377dateuse_\374\203\207\005\240\215\004values\372\205\220\001w\271\211\003xzero\377sO\200\001\330\004$\240\377A\240V\2501\200\001\340\377\004\037\230q\320 0\260\377\013\270;\300k\320QR\377\330\004\023\2206\230\030\240\377\021\240!\330\004\007\200|\377\2207\230!\330\010(\250\277\001\250\031\260.\3008\000\013\375\2104\000\360\010\000\005\010\200\377t\2106\220\021\220#\220\377R\220x\230s\240$\240\377f\250A\250S\260\003\260\3771\330\010\016\210j\230\001\377\230\021\330\004\026\220b\230\377\002\230(\240\"\240B\240\377h\250c\260\022\2608\270\3673\270bF\001\007\200s\210\377\"\210A\330""\010\r\210Q\374h\001\002\t\010\210\005\210U\220\377!\2204\220q\330\010\014\377\210A\210S\220\006\220a\376\001\007c\230\022\2303\230b\377\240\t\250\022\2503\250b\217\260\002\260!3\rQ\013;\023\200}\001\306\001\031\230\003\2306\354\003\377\013\2102\210V\2201\220\377C\220v\230R\230q\330\377\004\r\210R\210v\220Q\177\220c\230\026\230r\240\316\000\377\020\220\001\220\033\230E\240/\036\250v\260\264\000\013\200!B\002\373\n\033\246!\021\220\024\220\\\377\240\024\240W\250D\260\t\377\270\024\270Z\300t\3109\377\320TX\320Xg\320g\377k\320kt\320tx\320\377xy\330\010\020\220\007\220\277q\230\006\230l\250\344\"v\377\210W\220E\230\024\230Q\357\330\010\022\220\357 \027\220q\343\340\010\002\000\201A\200 \017\320\017\377\047\240t\2501\250G\260\177;\270g\300Q\340\010\005\n\365a\306\000\n\355\201#\340\004\n\210\337%\210r\220\022\325B\004\010\357\210\006\210c\n\0008\2309\324\237@\337 \r\375\0003\262@\010\240\376\245`\t\210\023\210B\210ah\216M+\024\215A\001\313AV\220\"\035\272\370A#\364@\010\017\210\342 \t\013\210\022\365 Q\244[\000\"\253j\311A\327S\220\003\302`r\254`1\330\357\014\017\210t\327Bs\230\"\373\230C\314@\024\240S\250\004\276\256\204\0043\260c\270\022\226\204\002\t\377\310\022\3103\310b\320P\377R\320RW\320WY\320oYZ\330\020\207A\r\021\352\204\002\177S\230\002\230$\230c\342@\377Q\240c\250\023\250B\250\377a\330\014\023\2201\330\004\376\226\205\003\"\000\005\025\220A\220\177V\230;\240h\250hT\000\377\021\330\004\016\210a\210u\363\220A\037\001\260\205\001(\230(\240\377)\2506\260\036\320?Q\376\361\205\001\022\032\230(\240+\250\377X\260X\270X\300Y\310\377c\320QU\320UV\330\377\022\031\230\025\230a\200A\377\360\016\000\t\035\230D\240\355\005\261\206\001\250A\236b\2205\230\356\351 \013\2105\225\205\001\220s\230\377#\230S\240\006\240a\240\377s\250#\250U\260&\270\377\001\270\023\270C\270q\330\277\014\022\220*\230A\324a\017\376\304\204\002h\230h\240i\250v\377\260U\270$\270d\300%\377\300t\3104\310t\320S\357T\330\026\036\027\000d\250,\377\260d\270)\3004\300q\377\330\026\032\230)\2404\240\377z\260""\024\260T\270\024\270\177T\300\027\310\005\310Q";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 2625, 3502);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (2614 bytes) */
+static const char cstring[] = "\377 at 0x o\377bject> w\377eights(t\377ree frag\377ment).: \377<MemoryV\377iew of <\377contiguo\377us and d\263ir<\001\007\rin\021\005s\277trided\"\010 7or \004\031><(\tA\006\377>?Cannot\377 assign \377to read-\277only m\240\002v\376\242\000Invalid\377 mode, esxp\334\000|\000\047c\047t\001\377\047fortran\317\047, gH\000%\005sh\367ape\222\000 axi\377s Note t\375h\236 Cython\375 \021\000delibe\317ratek\000\320\001ct\373er!\001n PEPo-484\212\"re\313!\177s subcl\246\000\373es\261!built\375i\260\000ypes. \377If you n\311e\224 \303\000p\316\000%\tth\277en set\200\000e\373 \047\357\002ation\377_typing\047\366\355$iv\242\000o Fa\377lse.add_\376\231 ebeta, \377batch_ca\237p, kv\004\001\246Bb\347udgS\000r\002one\277 row p\302\000i\377nstancec\347oll\211`g\000s.a\347bcd\016\000\277!uti\357lity\351Bttf\371t\262\003\254#(N, l\377en(idx))\377disablee\205n\002\001f\304a\336\001\211 \330\"(\177H, 3)gc(\000\317 out\310a\205@ge\373is+\003dload\363s &\nS\005, 2)\377max_num_\347seq\036\005\301\001ent\373ry\272\nno de\377fault __\377reduce__\367 du\251\"non-\177trivial\033\000\277cinit_R\002r\177esident\277D\232\007\003_\351\204\001ex\354\004X\024u\357mpy.\047\000re.\375mr\000iarray\337 fail\331Cim\365p\361`n\034\010umat\275h\021\016olpr\226 e\337/_scoJ\000py\367xpp\202+G, H\377 + 1, 4)\367shi\211@must\377 be >= 0\371u\364\"\224\205\001alloc\357ate \206\003dat\303a.\013\020\360\204\003\302\206\001\237\206\003s.\275w\371$wait\255\206\004t\363ar\251j\347\047requ\377estASCII\377Ellipsis\377F_COMPUT\377E_AF_EEL\277_SAVED\004\004L\177OF_FINI\033\000\377TTFTF_KV\374#\001\003\000BF_LAG\377RANGIANF\377_PRICEF_\377QPSF_REW\373AR?\000THROU\373GHY\000F_TPO\300;\000>\003F\001^\005\006\003c\001UT\377ILITYGI_\257ENDIN\000E\000\006_\277STARTI\001\003NoUM_F\001\001WS\361!\325r\000\003.\260fc\374\206\002__\376\017\006setstat\323e_\013\014\257BS\216!nc\365e\251\211\001.\256\211\007W_AL\377PHAW_BET\216\003\000DEL\003\001\232!\322\000E\377SHOLDW_G\367AMM \000OMEG\356\047\000SIG\n\001TOK\377EN_NORMW\351_""\344\002&\010ZJ\0001W_~\003\0012__Pyx\001\000\377Dict_Nex\277tRef__\264\207\004e\317____\211\210\002\000\006_g+et\337@m\026\001d0\001 \000/func&\001g\332\0054\000\274\266\204\003<\001main\003\002owdulM\002nam\002\003\353ew]\001p~\000che\317cksuT\000\n\001re?sult__\026\001\256#\336\006\002type\017\003unopickK\000En,\005\230\n\006\211C7\003vt\324\207\001\302\001q\207ualp\005\323\206\005\233N\355\206\006e\275x\366\001set_\244\005s\374\321\010\271N__test\354\252 \215\"is\320\206\001out\277ineabc\313\205\005_\377bufferas\377yncio.co\375r\035\003sbabas\371e\361\211\006\205\212\001bool_\276\360\211\003ccaclG\000_\336\303 trac&\000ck\377countctx?_npdde\352\211\003\360\211\003\235_\210\211\002dsd\251!\000\002_\374\215\000\246\216\003eempty\377encodeen\373um\220\214\002error\367fit\261\001lumn\377flagsflo\377at64form\363at\362\214\004\224\212\001hiho\377rizonidi?dxinde\002\000&\000\372\216as\000\002izekk7akb\270\213\003lo\227\212\002\366\211\t\047mem\351\215\001\341\215\001n\274\000\210a?ndimnp\237\212\001\311\213\005qs\254\212\001\321\211\005\374\210\002obj\337\210\005\375.\341\210\003packpe\377poppppro\376\327\000psqeqsr_egist\323\000e\374\211\013\271s\227\211\002\234\211\002_co\346\001s\177selfset\355\212\004\364\305\216\002\227\211\002s\302\000slot\377_ssnapsh\177otsstar\271\206\003\336Y\000psto\001\000ru_ctsub\221AtL\004\361t\353b\363\210\003\356\214\001uint\3678un\247\001upda?teuse_\201\207\005\230\215\004\277values\375\217\001w\376\267\211\003xzerosO\377\200\001\330\004$\240A\240\377V\2501\200\001\340\004\037\377\230q\320 0\260\013\270\377;\300k\320QR\330\004\377\023\2206\230\030\240\021\240\377!\330\004\007\200|\2207\377\230!\330\010(\250\001\250o\031\260.\3008\000\013\2104\000\377\360\010\000\005\010\200t\210\3776\220\021\220#\220R\220\377x\230s\240$\240f\250\377A\250S\260\003\2601\330\377\010\016\210j\230\001\230\021\377\330\004\026\220b\230\002\230\377(\240\"\240B\240h\250\377c\260\022\2608\2703\270\375bF\001\007\200s\210\"\210?A\330\010\r\210Qh\001\002\t\377\010""\210\005\210U\220!\220\3774\220q\330\010\014\210A\277\210S\220\006\220a\001\007c\377\230\022\2303\230b\240\t\377\250\022\2503\250b\260\002c\260!3\rQ\013;\023\200\001\306\001\337\031\230\003\2306\354\003\013\210\3772\210V\2201\220C\220\377v\230R\230q\330\004\r\377\210R\210v\220Q\220c\337\230\026\230r\240\316\000\020\220\377\001\220\033\230E\240\036\250\313v\260\264\000\013\200!B\002\n\033\376\246!\021\220\024\220\\\240\024\377\240W\250D\260\t\270\024\377\270Z\300t\3109\320T\377X\320Xg\320gk\320\377kt\320tx\320xy\377\330\010\020\220\007\220q\230\357\006\230l\250\344\"v\210W\377\220E\230\024\230Q\330\010\373\022\220\357 \027\220q\340\010\370\002\000\201A\200 \017\320\017\047\240\377t\2501\250G\260;\270_g\300Q\340\010\005\na\306\000\375\n\355\201#\340\004\n\210%\210\367r\220\022\325B\004\010\210\006;\210c\n\0008\2309\237@\337 \265\r\375\0003\262@\010\240\245`\t?\210\023\210B\210a\216M+\024\232\215A\001\313AV\220\"\035\370A#\356\364@\010\017\210\342 \t\210\022\302\365 Q\244[\000\"\253j\311AS\220\365\003\302`r\254`1\330\014\017\373\210t\327Bs\230\"\230C\276\314@\024\240S\250\004\256\204\0043\357\260c\270\022\226\204\002\t\310\022\377\3103\310b\320PR\320\377RW\320WY\320YZ\333\330\020\207A\r\021\352\204\002S\230\337\002\230$\230c\342@Q\240\377c\250\023\250B\250a\330\277\014\023\2201\330\004\226\205\003 \377\000\005\025\220A\220V\230\337;\240h\250hT\000\021\330\377\004\016\210a\210u\220A\374\037\001\260\205\001(\230(\240)\250\2776\260\036\320?Q\361\205\001\022\377\032\230(\240+\250X\260\377X\270X\300Y\310c\320\177QU\320UV\330\022\203`\377\200A\360\016\000\t\035\230\267D\240\005\257\206\001\250A\234b\220\2735\230\347 \013\2105\223\205\001\220\377s\230#\230S\240\006\240\377a\240s\250#\250U\260\377&\270\001\270\023\270C\270\377q\330\014\022\220*\230A\372\322a\017\302\204\002h\230h\240i\377\250v\260U\270$\270d\377\300%\300t\3104\310t\277\320ST\330\026\036\027\000d\377\250,\260d\270)\3004\377\300q\330\026\032\230)\240\3774\240z\260\024\260T\270\177\024\270W\300E\310\021";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 2614, 3490);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (3502 bytes) */
-static const char bytes[] = " at 0x object> weights(tree fragment).: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.add_notebeta, batch_cap, kv_cap and budget need one row per instancecollections.abcdecode, utility and ttft need shape (N, len(idx))disableenablefree needs shape (H, 3)gcidx out of rangeisenabledloads needs shape (len(idx), 2)max_num_seqs needs one entry per instanceno default __reduce__ due to non-trivial __cinit__num_resident and resident_context need one entry per instancenumpy._core.multiarray failed to importnumpy._core.umath failed to importolproute/_score.pyxp0 and p1 need shape (G, H + 1, 3)shift must be >= 0unable to allocate array data.unable to allocate shape and strides.w needs waited and target need one entry per requestASCIIEllipsisF_COMPUTE_AF_EEL_SAVEDF_EEL_SLOF_FINITE_TTFTF_KV_AF_KV_BF_LAGRANGIANF_PRICEF_QPSF_REWARDF_THROUGHPUTF_TPOTF_TTFTF_TTFT_SAVEDF_TTFT_SLOF_UTILITYGI_ENDI_PRE_ENDI_PRE_STARTI_STARTNUM_FNUM_WScorerScorer.__reduce_cython__Scorer.__setstate_cython__Scorer.scoreSequenceView.MemoryViewW_ALPHAW_BETAW_DELTAW_EEL_THRESHOLDW_GAMMAW_OMEGAW_SIGMAW_TOKEN_NORMW_TTFT_THRESHOLDW_ZETA1W_ZETA2__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_result__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_unpickle_Scorer__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___dict_is_coroutineabcallocate_bufferasyncio.coroutinesbabasebatch_capbetabool_budgetccacline_in_tracebackcountctx_npddedecodedecode_loadsdsdtypedtype_is_objec""teemptyencodeenumerateerrorfits_columnflagsfloat64formatfortranfreehihorizonididxindexint64itemsitemsizekkakbkv_caploloadsmax_num_seqsmemviewmoden_npnamendimnpnum_instancesnum_residentnumpyobjolproute._scorep0p1packpepoppromptpsqeqsregisterresident_contextsscorescore_columnsselfsetdefaultshapeshiftsizeslot_ssnapshotsstartstatestepstopstructsubtract_columnttabletargetttftuint8unpackupdateuse_setstateutilityvaluesviewwwaitedxzerosO\200\001\330\004$\240A\240V\2501\200\001\340\004\037\230q\320 0\260\013\270;\300k\320QR\330\004\023\2206\230\030\240\021\240!\330\004\007\200|\2207\230!\330\010(\250\001\250\031\260.\300\001\330\004\013\2101\200\001\360\010\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601\330\010\016\210j\230\001\230\021\330\004\026\220b\230\002\230(\240\"\240B\240h\250c\260\022\2608\2703\270b\300\001\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\330\010\014\210A\210S\220\006\220c\230\022\2303\230b\240\t\250\022\2503\250b\260\002\260!\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\200\001\360\010\000\005\031\230\003\2306\240\021\240!\330\004\013\2102\210V\2201\220C\220v\230R\230q\330\004\r\210R\210v\220Q\220c\230\026\230r\240\021\330\004\020\220\001\220\033\230E\240\036\250v\260Q\330\004\013\2106\220\021\200\001\360\010\000\n\033\230!\330\010\021\220\024\220\\\240\024\240W\250D\260\t\270\024\270Z\300t\3109\320TX\320Xg\320gk\320kt\320tx\320xy\330\010\020\220\007\220q\230\006\230l\250!\330\004\007\200v\210W\220E\230\024\230Q\330\010\022\220!\330\010\027\220q\340\010\027\220q\330\004\007\200q\330\010\017\320\017\047\240t\2501\250G\260;\270g\300Q\340\010\017\320\017\047\240t\2501\250G\260;\270a\200\001\360\n\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601\330\010\016""\210j\230\001\230\021\340\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2309\240B\240a\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2303\230b\240\001\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210#\210Q\330\010\017\210q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\013\2102\210S\220\003\2204\220r\230\022\2301\330\014\017\210t\2201\220C\220s\230\"\230C\230r\240\024\240S\250\004\250A\250S\260\003\2603\260c\270\022\2703\270b\300\t\310\022\3103\310b\320PR\320RW\320WY\320YZ\330\020\027\220q\330\r\021\220\021\220#\220S\230\002\230$\230c\240\024\240Q\240c\250\023\250B\250a\330\014\023\2201\330\004\013\2101\200\001\360\"\000\005\025\220A\220V\230;\240h\250h\260c\270\021\330\004\016\210a\210u\220A\330\004\013\2106\220\021\220(\230(\240)\2506\260\036\320?Q\320QR\330\022\032\230(\240+\250X\260X\270X\300Y\310c\320QU\320UV\330\022\031\230\025\230a\200A\360\016\000\t\035\230D\240\005\240V\2501\250A\330\010\022\220!\2205\230\001\330\010\013\2105\220\006\220a\220s\230#\230S\240\006\240a\240s\250#\250U\260&\270\001\270\023\270C\270q\330\014\022\220*\230A\230Q\330\010\017\210v\220Q\220h\230h\240i\250v\260U\270$\270d\300%\300t\3104\310t\320ST\330\026\036\230h\240d\250,\260d\270)\3004\300q\330\026\032\230)\2404\240z\260\024\260T\270\024\270T\300\027\310\005\310Q";
+    #else /* compression: none (3490 bytes) */
+static const char bytes[] = " at 0x object> weights(tree fragment).: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.add_notebeta, batch_cap, kv_cap and budget need one row per instancecollections.abcdecode, utility and ttft need shape (N, len(idx))disableenablefree needs shape (H, 3)gcidx out of rangeisenabledloads needs shape (len(idx), 2)max_num_seqs needs one entry per instanceno default __reduce__ due to non-trivial __cinit__num_resident and resident_context need one entry per instancenumpy._core.multiarray failed to importnumpy._core.umath failed to importolproute/_score.pyxpp needs shape (G, H + 1, 4)shift must be >= 0unable to allocate array data.unable to allocate shape and strides.w needs waited and target need one entry per requestASCIIEllipsisF_COMPUTE_AF_EEL_SAVEDF_EEL_SLOF_FINITE_TTFTF_KV_AF_KV_BF_LAGRANGIANF_PRICEF_QPSF_REWARDF_THROUGHPUTF_TPOTF_TTFTF_TTFT_SAVEDF_TTFT_SLOF_UTILITYGI_ENDI_PRE_ENDI_PRE_STARTI_STARTNUM_FNUM_WScorerScorer.__reduce_cython__Scorer.__setstate_cython__Scorer.scoreSequenceView.MemoryViewW_ALPHAW_BETAW_DELTAW_EEL_THRESHOLDW_GAMMAW_OMEGAW_SIGMAW_TOKEN_NORMW_TTFT_THRESHOLDW_ZETA1W_ZETA2__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_result__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_unpickle_Scorer__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___dict_is_coroutineabcallocate_bufferasyncio.coroutinesbabasebatch_capbetabool_budgetccacline_in_tracebackcountctx_npddedecodedecode_loadsdsdtypedtype_is_objecteempt""yencodeenumerateerrorfits_columnflagsfloat64formatfortranfreehihorizonididxindexint64itemsitemsizekkakbkv_caploloadsmax_num_seqsmemviewmoden_npnamendimnpnum_instancesnum_residentnumpyobjolproute._scorepackpepoppppromptpsqeqsregisterresident_contextsscorescore_columnsselfsetdefaultshapeshiftsizeslot_ssnapshotsstartstatestepstopstructsubtract_columnttabletargetttftuint8unpackupdateuse_setstateutilityvaluesviewwwaitedxzerosO\200\001\330\004$\240A\240V\2501\200\001\340\004\037\230q\320 0\260\013\270;\300k\320QR\330\004\023\2206\230\030\240\021\240!\330\004\007\200|\2207\230!\330\010(\250\001\250\031\260.\300\001\330\004\013\2101\200\001\360\010\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601\330\010\016\210j\230\001\230\021\330\004\026\220b\230\002\230(\240\"\240B\240h\250c\260\022\2608\2703\270b\300\001\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\330\010\014\210A\210S\220\006\220c\230\022\2303\230b\240\t\250\022\2503\250b\260\002\260!\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\014\210A\210S\220\006\220a\200\001\360\010\000\005\031\230\003\2306\240\021\240!\330\004\013\2102\210V\2201\220C\220v\230R\230q\330\004\r\210R\210v\220Q\220c\230\026\230r\240\021\330\004\020\220\001\220\033\230E\240\036\250v\260Q\330\004\013\2106\220\021\200\001\360\010\000\n\033\230!\330\010\021\220\024\220\\\240\024\240W\250D\260\t\270\024\270Z\300t\3109\320TX\320Xg\320gk\320kt\320tx\320xy\330\010\020\220\007\220q\230\006\230l\250!\330\004\007\200v\210W\220E\230\024\230Q\330\010\022\220!\330\010\027\220q\340\010\027\220q\330\004\007\200q\330\010\017\320\017\047\240t\2501\250G\260;\270g\300Q\340\010\017\320\017\047\240t\2501\250G\260;\270a\200\001\360\n\000\005\010\200t\2106\220\021\220#\220R\220x\230s\240$\240f\250A\250S\260\003\2601\330\010\016\210j\230""\001\230\021\340\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2309\240B\240a\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\n\210%\210r\220\022\2207\230!\330\004\010\210\006\210c\220\022\2208\2303\230b\240\001\330\010\r\210V\2203\220b\230\010\240\001\330\004\t\210\023\210B\210a\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210#\210Q\330\010\017\210q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\t\210\022\2102\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\007\200s\210\"\210A\330\010\r\210Q\330\004\010\210\005\210U\220!\2204\220q\330\010\013\2102\210S\220\003\2204\220r\230\022\2301\330\014\017\210t\2201\220C\220s\230\"\230C\230r\240\024\240S\250\004\250A\250S\260\003\2603\260c\270\022\2703\270b\300\t\310\022\3103\310b\320PR\320RW\320WY\320YZ\330\020\027\220q\330\r\021\220\021\220#\220S\230\002\230$\230c\240\024\240Q\240c\250\023\250B\250a\330\014\023\2201\330\004\013\2101\200\001\360 \000\005\025\220A\220V\230;\240h\250h\260c\270\021\330\004\016\210a\210u\220A\330\004\013\2106\220\021\220(\230(\240)\2506\260\036\320?Q\320QR\330\022\032\230(\240+\250X\260X\270X\300Y\310c\320QU\320UV\330\022\027\220q\200A\360\016\000\t\035\230D\240\005\240V\2501\250A\330\010\022\220!\2205\230\001\330\010\013\2105\220\006\220a\220s\230#\230S\240\006\240a\240s\250#\250U\260&\270\001\270\023\270C\270q\330\014\022\220*\230A\230Q\330\010\017\210v\220Q\220h\230h\240i\250v\260U\270$\270d\300%\300t\3104\310t\320ST\330\026\036\230h\240d\250,\260d\270)\3004\300q\330\026\032\230)\2404\240z\260\024\260T\270\024\270W\300E\310\021";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 212; i++) {
+    for (int i = 0; i < 211; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
       if (likely(string) && i >= 41) PyUnicode_InternInPlace(&string);
@@ -30497,8 +30430,8 @@ static const char bytes[] = " at 0x object> weights(tree fragment).: <MemoryView
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 212; i < 221; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-212].length;
+    for (int i = 211; i < 220; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-211].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -30508,14 +30441,14 @@ static const char bytes[] = " at 0x object> weights(tree fragment).: <MemoryView
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 221; i++) {
+    for (Py_ssize_t i = 0; i < 220; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 212;
+      PyObject **table = stringtab + 211;
       for (Py_ssize_t i=0; i<9; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
@@ -30608,8 +30541,8 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_decode_loads, __pyx_mstate->__pyx_kp_b_iso88591_6_2V1CvRq_RvQc_r_E_vQ_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {12, 0, 0, 13, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 114};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_loads, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_prompt, __pyx_mstate->__pyx_n_u_decode, __pyx_mstate->__pyx_n_u_utility, __pyx_mstate->__pyx_n_u_ttft, __pyx_mstate->__pyx_n_u_waited, __pyx_mstate->__pyx_n_u_target, __pyx_mstate->__pyx_n_u_p0, __pyx_mstate->__pyx_n_u_p1, __pyx_mstate->__pyx_n_u_shift, __pyx_mstate->__pyx_n_u_G};
+    const __Pyx_PyCode_New_function_description descr = {11, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 114};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_loads, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_prompt, __pyx_mstate->__pyx_n_u_decode, __pyx_mstate->__pyx_n_u_utility, __pyx_mstate->__pyx_n_u_ttft, __pyx_mstate->__pyx_n_u_waited, __pyx_mstate->__pyx_n_u_target, __pyx_mstate->__pyx_n_u_pp, __pyx_mstate->__pyx_n_u_shift, __pyx_mstate->__pyx_n_u_G};
     __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_score, __pyx_mstate->__pyx_kp_b_iso88591_A_D_V1A_5_5_as_S_as_U_Cq_AQ_vQhh, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
   }
   {
@@ -30623,17 +30556,17 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[3] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_AV1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[3])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {20, 0, 0, 20, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 147};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_prompt, __pyx_mstate->__pyx_n_u_decode, __pyx_mstate->__pyx_n_u_utility, __pyx_mstate->__pyx_n_u_ttft, __pyx_mstate->__pyx_n_u_num_resident, __pyx_mstate->__pyx_n_u_resident_context, __pyx_mstate->__pyx_n_u_beta, __pyx_mstate->__pyx_n_u_waited, __pyx_mstate->__pyx_n_u_target, __pyx_mstate->__pyx_n_u_batch_cap, __pyx_mstate->__pyx_n_u_kv_cap, __pyx_mstate->__pyx_n_u_budget, __pyx_mstate->__pyx_n_u_slot_s, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_w, __pyx_mstate->__pyx_n_u_p0, __pyx_mstate->__pyx_n_u_p1, __pyx_mstate->__pyx_n_u_shift, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_num_instances};
-    __pyx_mstate_global->__pyx_codeobj_tab[4] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_score_columns, __pyx_mstate->__pyx_kp_b_iso88591_AV_hhc_auA_6_6_QQR_XXXYcQUUV_a, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[4])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {19, 0, 0, 19, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 147};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_prompt, __pyx_mstate->__pyx_n_u_decode, __pyx_mstate->__pyx_n_u_utility, __pyx_mstate->__pyx_n_u_ttft, __pyx_mstate->__pyx_n_u_num_resident, __pyx_mstate->__pyx_n_u_resident_context, __pyx_mstate->__pyx_n_u_beta, __pyx_mstate->__pyx_n_u_waited, __pyx_mstate->__pyx_n_u_target, __pyx_mstate->__pyx_n_u_batch_cap, __pyx_mstate->__pyx_n_u_kv_cap, __pyx_mstate->__pyx_n_u_budget, __pyx_mstate->__pyx_n_u_slot_s, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_w, __pyx_mstate->__pyx_n_u_pp, __pyx_mstate->__pyx_n_u_shift, __pyx_mstate->__pyx_n_u_idx, __pyx_mstate->__pyx_n_u_num_instances};
+    __pyx_mstate_global->__pyx_codeobj_tab[4] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_score_columns, __pyx_mstate->__pyx_kp_b_iso88591_AV_hhc_auA_6_6_QQR_XXXYcQUUV_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[4])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {10, 0, 0, 15, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 322};
+    const __Pyx_PyCode_New_function_description descr = {10, 0, 0, 15, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 319};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_free, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_e, __pyx_mstate->__pyx_n_u_ba, __pyx_mstate->__pyx_n_u_ka, __pyx_mstate->__pyx_n_u_kb, __pyx_mstate->__pyx_n_u_ps, __pyx_mstate->__pyx_n_u_pe, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_lo, __pyx_mstate->__pyx_n_u_hi, __pyx_mstate->__pyx_n_u_ds, __pyx_mstate->__pyx_n_u_de, __pyx_mstate->__pyx_n_u_t};
     __pyx_mstate_global->__pyx_codeobj_tab[5] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_fits_column, __pyx_mstate->__pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_r_7_c_89Ba_V3b_B, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[5])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {11, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 363};
+    const __Pyx_PyCode_New_function_description descr = {11, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 360};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_free, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_e, __pyx_mstate->__pyx_n_u_ba, __pyx_mstate->__pyx_n_u_ka, __pyx_mstate->__pyx_n_u_kb, __pyx_mstate->__pyx_n_u_ps, __pyx_mstate->__pyx_n_u_pe, __pyx_mstate->__pyx_n_u_ca, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_horizon, __pyx_mstate->__pyx_n_u_ds, __pyx_mstate->__pyx_n_u_de, __pyx_mstate->__pyx_n_u_qs, __pyx_mstate->__pyx_n_u_qe, __pyx_mstate->__pyx_n_u_t};
     __pyx_mstate_global->__pyx_codeobj_tab[6] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_olproute__score_pyx, __pyx_mstate->__pyx_n_u_subtract_column, __pyx_mstate->__pyx_kp_b_iso88591_t6_Rxs_fAS_1_j_b_Bhc_83b_s_A_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[6])) goto bad;
   }

@@ -44,7 +44,7 @@ def decode_loads(snapshots: list[object], idx: _I, max_num_seqs: _I) -> tuple[_F
 def score_columns(
     prompt: _F, decode: _F, utility: _F, ttft: _F, num_resident: _F, resident_context: _F,
     beta: _F, waited: _F, target: _F, batch_cap: _F, kv_cap: _F, budget: _F, slot_s: float,
-    horizon: int, w: _F, p0: _F, p1: _F, shift: int, idx: _I, num_instances: int,
+    horizon: int, w: _F, pp: _F, shift: int, idx: _I, num_instances: int,
 ) -> tuple[_F, _I, npt.NDArray[np.bool_]]: ...
 def fits_column(free: _F, s: int, e: int, ba: float, ka: float, kb: float, ps: int, pe: int,
                 k: int, horizon: int) -> bool: ...
@@ -55,5 +55,5 @@ class Scorer:
     def __init__(self, beta: _F, max_num_seqs: _I, batch_cap: _F, kv_cap: _F, budget: _F,
                  w: _F, slot_s: float, horizon: int) -> None: ...
     def score(self, loads: _F, idx: _I, prompt: _F, decode: _F, utility: _F, ttft: _F,
-              waited: _F, target: _F, p0: _F, p1: _F,
+              waited: _F, target: _F, pp: _F,
               shift: int) -> tuple[_F, _I, npt.NDArray[np.bool_]]: ...

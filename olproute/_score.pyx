@@ -115,7 +115,7 @@ cdef class Scorer:
               const double[::1] prompt, const double[:, :] decode,
               const double[:, :] utility, const double[:, :] ttft,
               const double[::1] waited, const double[::1] target,
-              const double[:, :, ::1] p0, const double[:, :, ::1] p1, int64_t shift):
+              const double[:, :, ::1] pp, int64_t shift):
         """``score_columns`` for the instances ``idx``, their decode loads (d, 2) as
         ``decode_loads`` counts them (``replay_ttft_many`` writes them in its pass)."""
         cdef Py_ssize_t G = self.beta.shape[0]
@@ -124,7 +124,7 @@ cdef class Scorer:
             raise ValueError("loads needs shape (len(idx), 2)")
         return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,
                       waited, target, self.batch_cap, self.kv_cap, self.budget,
-                      self.slot_s, self.horizon, self.w, p0, p1, shift, idx, G)
+                      self.slot_s, self.horizon, self.w, pp, shift, idx, G)
 
 
 cdef void _check_instances(const double[:, ::1] beta, const double[::1] batch_cap,
@@ -150,22 +150,21 @@ def score_columns(const double[::1] prompt, const double[:, :] decode,
                   const double[:, ::1] beta, const double[::1] waited,
                   const double[::1] target, const double[::1] batch_cap,
                   const double[::1] kv_cap, const double[::1] budget, double slot_s,
-                  int64_t horizon, const double[::1] w, const double[:, :, ::1] p0,
-                  const double[:, :, ::1] p1, int64_t shift, const int64_t[::1] idx,
-                  Py_ssize_t num_instances):
+                  int64_t horizon, const double[::1] w, const double[:, :, ::1] pp,
+                  int64_t shift, const int64_t[::1] idx, Py_ssize_t num_instances):
     """N requests on the d instances ``idx`` of G = ``num_instances``: ``prompt``,
     ``waited`` and ``target`` (N,); ``decode``, ``utility`` (weight omega not applied) and
     ``ttft`` (N, d) in the order of ``idx``; ``num_resident`` and ``resident_context``
     (d,) from ``decode_loads``; ``beta`` (G, 4); ``batch_cap``, ``kv_cap``, ``budget``
     (G,); the weights ``w`` (``W_*``; a TTFT threshold NaN: each request's target); the
-    price prefix sums ``p0``, ``p1`` (G, H + 1, 3) whose slot 0 is ``shift`` slots before
-    now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time
+    price prefix sums packed (``reward.pack_prefix``: P0 of the three rows, P1 of KV), (G,
+    H + 1, 4), whose slot 0 is ``shift`` slots before now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time
     (N, G) bool)."""
     _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)
     _check_idx(idx, num_instances)
     return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,
-                  waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, p0, p1,
-                  shift, idx, num_instances)
+                  waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, pp, shift,
+                  idx, num_instances)
 
 
 cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
@@ -174,9 +173,8 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
                   const double[:, ::1] beta, const double[::1] waited,
                   const double[::1] target, const double[::1] batch_cap,
                   const double[::1] kv_cap, const double[::1] budget, double slot_s,
-                  int64_t horizon, const double[::1] w, const double[:, :, ::1] p0,
-                  const double[:, :, ::1] p1, int64_t shift, const int64_t[::1] idx,
-                  Py_ssize_t num_instances):
+                  int64_t horizon, const double[::1] w, const double[:, :, ::1] pp,
+                  int64_t shift, const int64_t[::1] idx, Py_ssize_t num_instances):
     cdef Py_ssize_t N = prompt.shape[0]
     cdef Py_ssize_t d = idx.shape[0]
     cdef Py_ssize_t G = num_instances
@@ -187,9 +185,8 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
         raise ValueError("waited and target need one entry per request")
     if num_resident.shape[0] != d or resident_context.shape[0] != d:
         raise ValueError("num_resident and resident_context need one entry per instance")
-    if p0.shape[0] != G or p1.shape[0] != G or p0.shape[1] != horizon + 1 \
-            or p1.shape[1] != horizon + 1 or p0.shape[2] != 3 or p1.shape[2] != 3:
-        raise ValueError("p0 and p1 need shape (G, H + 1, 3)")
+    if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:
+        raise ValueError("pp needs shape (G, H + 1, 4)")
     if shift < 0:
         raise ValueError("shift must be >= 0")
     cdef Py_ssize_t k, j
@@ -290,10 +287,10 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
                 ps0 = horizon
             if pe0 > horizon:
                 pe0 = horizon
-            price = (batch_a * (p0[g, e0, 0] - p0[g, s0, 0])
-                     + ((kv_a - kv_b * s0) * (p0[g, e0, 1] - p0[g, s0, 1])
-                        + kv_b * (p1[g, e0, 1] - p1[g, s0, 1]))
-                     + ca * (p0[g, pe0, 2] - p0[g, ps0, 2]))
+            price = (batch_a * (pp[g, e0, 0] - pp[g, s0, 0])
+                     + ((kv_a - kv_b * s0) * (pp[g, e0, 1] - pp[g, s0, 1])
+                        + kv_b * (pp[g, e0, 3] - pp[g, s0, 3]))
+                     + ca * (pp[g, pe0, 2] - pp[g, ps0, 2]))
             fin = t if isfinite(t) else 1e9
             f[F_TTFT, j, g] = t
             f[F_TPOT, j, g] = tp

@@ -72,6 +72,7 @@ from olproute.reward import (
     SampleExtent,
     capacities,
     column_price,
+    pack_prefix,
     prefill_share,
     price_prefix,
     shift_columns,
@@ -454,7 +455,7 @@ class PriceBook:
         self._iterate = np.zeros((g, horizon, NUM_RESOURCES))  # the steps' own prices
         self.c = np.ones((g, horizon, NUM_RESOURCES))
         self._acc = np.zeros((g, horizon, NUM_RESOURCES))
-        self._p0, self._p1 = price_prefix(self.p)
+        self.set_prefix()
         self.samples = Samples.empty(w, g, cfg.sample_delays_slots)
         batch_cap, _ = capacities(specs)
         self.samples.batch_a[:] = 1.0 / batch_cap
@@ -484,13 +485,18 @@ class PriceBook:
                                                              self.slot_s)
         return column_price(shift_columns(cols, shift, self.horizon), self._p0, self._p1)
 
-    def prefix(self, now_s: float) -> tuple[FloatArray, FloatArray, int]:
-        """What ``price`` reads: the prices' prefix sums (``reward.price_prefix``) and the
-        slots elapsed from their slot 0 to now (the compiled decision kernel prices from
-        these)."""
+    def prefix(self, now_s: float) -> tuple[FloatArray, int]:
+        """What the compiled decision kernel prices from: the prices' prefix sums packed
+        (``reward.pack_prefix``) and the slots elapsed from their slot 0 to now."""
         shift = 0 if self._origin_s is None else slots_since(now_s, self._origin_s,
                                                              self.slot_s)
-        return self._p0, self._p1, shift
+        return self._packed, shift
+
+    def set_prefix(self) -> None:
+        """The prefix sums of ``p`` that ``price`` and ``prefix`` read, after a change of
+        ``p`` (each update does this itself)."""
+        p0, p1 = price_prefix(self.p)
+        self._p0, self._p1, self._packed = p0, p1, pack_prefix(p0, p1)
 
     def observe_arrival(self, now_s: float) -> None:
         """Count an arrival for the rate estimate behind N_H (exponential decay)."""
@@ -582,7 +588,7 @@ class PriceBook:
         self._origin_s += shift * self.slot_s
         for arr in (self.p, self._iterate, self._acc):
             roll_tail(arr, shift)
-        self._p0, self._p1 = price_prefix(self.p)
+        self.set_prefix()
         return shift
 
     def _minibatches(self) -> tuple[IntArray, BoolArray, IntArray]:
@@ -628,7 +634,7 @@ class PriceBook:
         self.p[:, inside] = sched[:, ks[inside]]
         self._iterate = self.p.copy()
         self.num_updates += 1
-        self._p0, self._p1 = price_prefix(self.p)
+        self.set_prefix()
 
     def update(self, now_s: float) -> None:
         """Shift to now, then K projected mini-batch steps on the window (or, with a
@@ -650,7 +656,7 @@ class PriceBook:
         self.p = keep * self.p + (1.0 - keep) * self._iterate
         self.num_steps += k
         self.num_updates += 1
-        self._p0, self._p1 = price_prefix(self.p)
+        self.set_prefix()
 
 
 def roll_tail(arr: FloatArray, shift: int) -> None:

@@ -349,7 +349,7 @@ def test_a_decision_prices_its_column_on_the_slots_of_now() -> None:
     book = _book()
     book.update(1.0)                       # slot 0 of the book starts at t = 1 s
     book.p[:, :, 0] = np.arange(H)[None, :]
-    book._p0, book._p1 = price_prefix(book.p)
+    book.set_prefix()
     cols = usage_columns(100, np.full(2, 2 * SLOT / 0.025), np.full(2, 0.01),
                          np.full(2, 0.025), np.full(2, 4.0), np.full(2, 1e9),
                          np.full(2, 1e4), SLOT, H)     # batch 1/4 on slots [1, 3)
@@ -484,9 +484,8 @@ def test_an_instance_with_a_huge_price_is_never_chosen() -> None:
     policy = _policy()
     policy.book.p[1] = 1e6
     policy.book.advance(0.0)
-    from olproute.reward import price_prefix as pp
 
-    policy.book._p0, policy.book._p1 = pp(policy.book.p)
+    policy.book.set_prefix()
     for n in range(4):
         d = policy.decide(_ctx((_snap(n_running=n), _snap(n_running=0)), rid=n))
         assert d.instance in (0, None)
@@ -583,10 +582,9 @@ def test_a_free_instance_beats_waiting_for_a_busy_better_one() -> None:
     slow = EngineSnapshot(time_s=0.0, table=long_ctx, num_running=3, num_free_blocks=61,
                           inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=0.0,
                           request_ids=np.arange(3))
-    from olproute.reward import price_prefix as pp
 
     policy.book.p[1] = 0.6  # instance 1 is dearer, so the full instance 0 scores best
-    policy.book._p0, policy.book._p1 = pp(policy.book.p)
+    policy.book.set_prefix()
     d = policy.decide(_ctx((_snap(n_running=4), slow), rid=2))
     score = d.explanation["score"]
     assert score[0] > score[1] > 0, "the full instance must be the better-scoring one"
@@ -596,11 +594,10 @@ def test_a_free_instance_beats_waiting_for_a_busy_better_one() -> None:
 
 def _priced(policy: BidPrice, g: int, batch_price: float) -> BidPrice:
     """Instance g's batch slots priced at ``batch_price`` on every slot from t = 0."""
-    from olproute.reward import price_prefix as pp
 
     policy.book.advance(0.0)
     policy.book.p[g, :, 0] = batch_price
-    policy.book._p0, policy.book._p1 = pp(policy.book.p)
+    policy.book.set_prefix()
     return policy
 
 

@@ -11,7 +11,7 @@ from olproute import _score
 from olproute._core import replay_ttft_many
 from olproute.bea import decode_step_times_s
 from olproute.config_schema import RewardConfig
-from olproute.reward import price_prefix, reward_weights, score_reference
+from olproute.reward import pack_prefix, price_prefix, reward_weights, score_reference
 from olproute.types import EngineSnapshot, InstanceSpec
 
 H = 40
@@ -71,8 +71,8 @@ def test_the_kernel_gives_the_twins_numbers(seed: int, n: int, g: int, sampled: 
     n_res, ctx = _score.decode_loads(snaps, idx, max_seqs)
     args = (prompt, decode, utility, ttft, n_res, ctx, beta, waited, target, batch_cap,
             kv_cap, budget, SLOT, H)
-    got_f, got_i, got_on = _score.score_columns(*args, reward_weights(w), p0, p1, shift, idx,
-                                                g)
+    got_f, got_i, got_on = _score.score_columns(*args, reward_weights(w),
+                                                pack_prefix(p0, p1), shift, idx, g)
     want_f, want_i, want_on = score_reference(*args, w, p0, p1, shift, idx, g)
     np.testing.assert_array_equal(got_f, want_f)
     np.testing.assert_array_equal(got_i, want_i)
@@ -90,8 +90,8 @@ def test_the_kernel_gives_the_twins_numbers(seed: int, n: int, g: int, sampled: 
     np.testing.assert_array_equal(loads, np.column_stack([n_res, ctx]))
     scorer = _score.Scorer(beta, max_seqs, batch_cap, kv_cap, budget, reward_weights(w),
                            SLOT, H)
-    bound = scorer.score(loads, idx, prompt, decode, utility, ttft, waited, target, p0, p1,
-                         shift)
+    bound = scorer.score(loads, idx, prompt, decode, utility, ttft, waited, target,
+                         pack_prefix(p0, p1), shift)
     for got, want in zip(bound, (want_f, want_i, want_on), strict=True):
         np.testing.assert_array_equal(got, want)
 
@@ -106,8 +106,8 @@ def test_instances_not_sampled_read_as_never_started() -> None:
     f, i, on = _score.score_columns(
         np.array([100.0]), np.array([[50.0]]), np.zeros((1, 1)), np.array([[0.2]]), n_res,
         ctx, np.full((g, 4), 1e-4), np.zeros(1), np.ones(1), np.full(g, 8.0),
-        np.full(g, 1e4), np.full(g, 500.0), SLOT, H, reward_weights(RewardConfig()), p0, p1,
-        0, idx, g)
+        np.full(g, 1e4), np.full(g, 500.0), SLOT, H, reward_weights(RewardConfig()),
+        pack_prefix(p0, p1), 0, idx, g)
     assert np.isfinite(f[_score.F_LAGRANGIAN, 0, 1])
     for other in (0, 2):
         assert f[_score.F_TTFT, 0, other] == np.inf
