@@ -698,8 +698,12 @@ _EMPTY_EXTRAS = np.zeros((0, 3), dtype=np.float64)
 
 
 cdef inline cnp.ndarray _int_rows(object a, Py_ssize_t columns, Py_ssize_t g, str name):
-    """``a`` as a C-ordered int64 (n, columns) array, or ValueError naming it."""
-    if (not isinstance(a, cnp.ndarray) or cnp.PyArray_TYPE(<cnp.ndarray>a) != cnp.NPY_INT64
+    """``a`` as a C-ordered, aligned, native-order int64 (n, columns) array (any type
+    number equivalent to int64), or ValueError naming it."""
+    if (not isinstance(a, cnp.ndarray)
+            or not cnp.PyArray_EquivTypenums(cnp.PyArray_TYPE(<cnp.ndarray>a), cnp.NPY_INT64)
+            or not cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>a)
+            or not cnp.PyArray_ISALIGNED(<cnp.ndarray>a)
             or cnp.PyArray_NDIM(<cnp.ndarray>a) != 2
             or cnp.PyArray_DIM(<cnp.ndarray>a, 1) != columns
             or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a)):
@@ -759,6 +763,7 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
     cdef double[:, :, ::1] out = out_np
     cdef cnp.ndarray table, inflight
     cdef const int64_t* rows
+    cdef const int64_t* flights
     cdef int64_t n_rows
     cdef const double[:, ::1] extra
     cdef const double[:, ::1] no_extras = _EMPTY_EXTRAS   # acquired once, not per instance
@@ -798,11 +803,15 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
             raise ValueError(f"extras[{g}] needs 3 columns (prompt, decode, dispatch time)")
         if n_free > limits[g, 0] or n_running > n_rows:
             raise ValueError(f"snapshot {g} is inconsistent with the instance limits")
+        flights = <const int64_t*>cnp.PyArray_DATA(inflight)
+        for i in range(cnp.PyArray_DIM(inflight, 0)):
+            if flights[2 * i] < 0 or flights[2 * i] >= n_rows:
+                raise ValueError(f"snapshot {g}: its in-flight batch names row "
+                                 f"{flights[2 * i]} of a table of {n_rows}")
         # with the GIL held: an instance's replay takes microseconds, and letting the
         # GIL go per instance let another thread (the server's price tick) take it for
         # a switch interval each time
-        rc = _replay_one(rows, n_rows, n_running, n_free,
-                         <const int64_t*>cnp.PyArray_DATA(inflight),
+        rc = _replay_one(rows, n_rows, n_running, n_free, flights,
                          cnp.PyArray_DIM(inflight, 0), start_s, snap_s, extra, limits[g, 0],
                          limits[g, 1], limits[g, 2], limits[g, 3], &beta[g, 0],
                          &new_prompts[0], &new_decode[0, g], N, G, now_s, max_batches,

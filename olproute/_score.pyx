@@ -47,10 +47,20 @@ cdef inline int64_t _first_slot(double ttft, double slot_s, int64_t horizon) noe
     return <int64_t>k
 
 
-cdef inline int64_t _decode_slots(double decode, double tpot, double slot_s) noexcept nogil:
-    """reward.decode_slots: max(ceil(o tpot / slot - 1e-9), 1)."""
-    cdef double d = ceil(decode * tpot / slot_s - 1e-9)
+cdef inline int64_t _slots(double x, int64_t horizon) noexcept nogil:
+    """max(ceil(x - 1e-9), 1) as slots, at most horizon + 1: every count of slots past the
+    horizon reads the same there (ends and starts are cut at it), and NaN or a value
+    past int64 must not become a negative index."""
+    cdef double d = ceil(x - 1e-9)
+    if not (d < horizon + 1):   # NaN too
+        return horizon + 1
     return 1 if d < 1 else <int64_t>d
+
+
+cdef inline int64_t _decode_slots(double decode, double tpot, double slot_s,
+                                  int64_t horizon) noexcept nogil:
+    """reward.decode_slots: max(ceil(o tpot / slot - 1e-9), 1) (``_slots``)."""
+    return _slots(decode * tpot / slot_s, horizon)
 
 
 def decode_loads(list snapshots, const int64_t[::1] idx, const int64_t[::1] max_num_seqs):
@@ -58,6 +68,9 @@ def decode_loads(list snapshots, const int64_t[::1] idx, const int64_t[::1] max_
     ``bea.decode_step_times_s`` counts them: the first ``max_num_seqs - 1`` rows of its
     snapshot (the new request takes the last slot). Two float64 arrays (len(idx),)."""
     cdef Py_ssize_t d = idx.shape[0]
+    _check_idx(idx, len(snapshots))
+    if max_num_seqs.shape[0] != len(snapshots):
+        raise ValueError("max_num_seqs needs one entry per snapshot")
     n_np = np.empty(d, dtype=np.float64)
     ctx_np = np.empty(d, dtype=np.float64)
     _count_loads(snapshots, idx, max_num_seqs, n_np, ctx_np)
@@ -73,6 +86,8 @@ cdef void _count_loads(list snapshots, const int64_t[::1] idx,
     for k in range(idx.shape[0]):
         g = idx[k]
         table = snapshots[g].table
+        if table.shape[1] < 2:
+            raise ValueError(f"snapshot {g}: its table needs the prompt and output columns")
         n = table.shape[0]
         if n > max_num_seqs[g] - 1:
             n = max_num_seqs[g] - 1
@@ -206,6 +221,7 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
                     f[r, j, g] = NAN
                 f[F_TTFT, j, g] = INFINITY
                 f[F_REWARD, j, g] = -INFINITY
+                f[F_PRICE, j, g] = 0.0   # reward - price: -inf, not NaN
                 f[F_LAGRANGIAN, j, g] = -INFINITY
                 f[F_FINITE_TTFT, j, g] = 1e9
                 for r in range(4):
@@ -230,14 +246,12 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
                 + beta[g, 2] * (resident_context[k] + s)
             # reward.usage_columns (TTFT from now)
             k0 = _first_slot(t, slot_s, horizon)
-            end = k0 + _decode_slots(o, tp, slot_s)
+            end = k0 + _decode_slots(o, tp, slot_s, horizon)
             if end > horizon:
                 end = horizon
             # reward.prefill_span
             work = s / budget[g]
-            n_slots = <int64_t>ceil(work - 1e-9)
-            if n_slots < 1:
-                n_slots = 1
+            n_slots = _slots(work, horizon)
             if k0 >= horizon:
                 pe = horizon
                 ps = horizon
@@ -259,7 +273,7 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
             # reward.reward_terms (TTFT from the arrival)
             tw = t + waited[j]
             kw = _first_slot(tw, slot_s, horizon)
-            dw = _decode_slots(o, tp, slot_s)
+            dw = _decode_slots(o, tp, slot_s, horizon)
             decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
             if o < decode_in_h:
                 decode_in_h = o
@@ -350,9 +364,11 @@ def fits_column(const double[:, ::1] free, int64_t s, int64_t e, double ba, doub
         de = lo
     for t in range(lo, hi):
         if t >= ds and t < de:
-            if free[t, 0] - ba < 0.0 or free[t, 1] - (ka + kb * <double>(t - (s + k))) < 0.0:
+            # written as not (x >= 0) so that NaN does not fit, as in the twin's min()
+            if not (free[t, 0] - ba >= 0.0) \
+                    or not (free[t, 1] - (ka + kb * <double>(t - (s + k))) >= 0.0):
                 return False
-        elif free[t, 0] < 0.0 or free[t, 1] < 0.0:
+        elif not (free[t, 0] >= 0.0) or not (free[t, 1] >= 0.0):
             return False
     return True
 

@@ -491,6 +491,7 @@ def score_reference(prompt: FloatArray, decode: FloatArray, utility: FloatArray,
     finite = np.where(np.isfinite(ttft), ttft, 1e9)
     f = np.full((k.NUM_F, n, num_instances), np.nan)
     f[k.F_TTFT], f[k.F_REWARD], f[k.F_LAGRANGIAN] = np.inf, -np.inf, -np.inf
+    f[k.F_PRICE] = 0.0
     f[k.F_FINITE_TTFT] = 1e9
     rows = {k.F_TTFT: ttft, k.F_TPOT: tpot, k.F_KV_A: cols.kv_a, k.F_KV_B: cols.kv_b,
             k.F_COMPUTE_A: cols.compute_a, k.F_QPS: terms.qps,

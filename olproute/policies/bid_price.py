@@ -185,6 +185,18 @@ class _Scores:
         return row
 
 
+@dataclass(slots=True)
+class _Figures:
+    """What a decision's explanation is built from: request j of the decision's scores,
+    its context, and (built when a figure of an instance the decision did not sample is
+    first read) the request scored on every instance."""
+
+    sc: _Scores
+    j: int
+    ctx: RoutingContext
+    full: _Scores | None = None
+
+
 POOL_ONLY = ("decode_slack", "kv_headroom")
 # a decision's explanation: its keys, and the kernel's row of each that is one
 _TERM_ROWS = {"ttft_s": F_TTFT, "tpot_s": F_TPOT, "reward": F_REWARD, "price_cost": F_PRICE,
@@ -288,7 +300,7 @@ class BidPrice(Policy):
         score, order = self._ranking(candidates, row.lagrangian, row.net, row.on_time,
                                      row.finite_ttft)
         g = int(order[0])
-        explanation = self._explanation(req, sc, 0, score, candidates)
+        explanation = self._explanation(req, sc, 0, score, candidates, ctx)
         snaps = ctx.snapshots
         assert snaps is not None
         c = next(self._startable_in(self._eligible(order, row), score, lambda c: can_start_now(
@@ -323,7 +335,7 @@ class BidPrice(Policy):
             req = requests[j]
             row, score, order = self._ranked(src[j], cands[j])
             yield self._dispatch(req, c, int(order[0]), score, row.on_time, cands[j],
-                                 self._explanation(req, *src[j], score, cands[j]),
+                                 self._explanation(req, *src[j], score, cands[j], ctx),
                                  f" (released {rank} of {len(requests)} held, by "
                                  f"{self._release})")
         for j, req in enumerate(requests):
@@ -331,7 +343,8 @@ class BidPrice(Policy):
                 continue
             row, score, order = self._ranked(src[j], cands[j])
             yield self._not_now(replace(ctx, request=req), row, int(order[0]), score,
-                                cands[j], self._explanation(req, *src[j], score, cands[j]),
+                                cands[j], self._explanation(req, *src[j], score, cands[j],
+                                                            ctx),
                                 LOST_PLACE if j in had else None)
 
     def _assign(self, ctx: RoutingContext, requests: Sequence[Request],
@@ -537,30 +550,43 @@ class BidPrice(Policy):
                                 self._budget, self._slot_s))
 
     def _explanation(self, req: Request, sc: _Scores, j: int, score: FloatArray,
-                     candidates: npt.NDArray[np.int64]) -> Explanation:
+                     candidates: npt.NDArray[np.int64], ctx: RoutingContext) -> Explanation:
         """Request j's explanation, each key built when read (``_explain``)."""
-        return Explanation(EXPLAINED, partial(self._explain, req, sc, j, score, candidates))
+        return Explanation(EXPLAINED, partial(self._explain, req, _Figures(sc, j, ctx),
+                                              score, candidates))
 
-    def _explain(self, req: Request, sc: _Scores, j: int, score: FloatArray,
+    def _explain(self, req: Request, fig: _Figures, score: FloatArray,
                  candidates: npt.NDArray[np.int64], key: str) -> tuple[float, ...]:
-        """One key of ``EXPLAINED``: per instance, that figure of request j."""
-        f = sc.figures
+        """One key of ``EXPLAINED``: per instance, that figure of the request. ``score``
+        and ``candidates`` are the decision's (an instance it did not sample scores
+        -inf); every other figure covers all instances, those the decision did not score
+        scored when first read, from the decision's context (the LP checks read them)."""
+        if key == "score":
+            return tuple(score.tolist())
+        if key == "candidates":
+            return tuple(float(c) for c in candidates.tolist())
+        row = self._figure(req, fig.sc, fig.j, key)
+        if not fig.sc.complete:
+            if fig.full is None:
+                fig.full = self._score(fig.ctx, (req,))
+            row = self._figure(req, fig.full, 0, key).copy()
+            row[candidates] = self._figure(req, fig.sc, fig.j, key)[candidates]
+        return tuple(row.tolist())
+
+    def _figure(self, req: Request, sc: _Scores, j: int, key: str) -> npt.NDArray[Any]:
         row: npt.NDArray[Any]
         if key in _TERM_ROWS:
-            row = f[_TERM_ROWS[key], j]
-        elif key == "score":
-            row = score
-        elif key == "on_time":
+            row = sc.figures[_TERM_ROWS[key], j]
+            return row
+        if key == "on_time":
             row = sc.on_time[j].astype(np.float64)
-        elif key == "decode_tokens":
-            row = sc.outlooks[j].decode_tokens
-        elif key == "utility":
-            row = sc.outlooks[j].utility(self._w.cost_lambda)
-        elif key == "exec_ttft_s":
-            row = req.prompt_tokens / self._theta
-        else:   # candidates
-            return tuple(float(c) for c in candidates.tolist())
-        return tuple(row.tolist())
+            return row
+        if key == "decode_tokens":
+            return sc.outlooks[j].decode_tokens
+        if key == "utility":
+            return sc.outlooks[j].utility(self._w.cost_lambda)
+        result: npt.NDArray[Any] = req.prompt_tokens / self._theta   # exec_ttft_s
+        return result
 
     def _delayed_rewards(self, prompt: FloatArray, target: FloatArray,
                          out: Outlook, ttft: FloatArray, tpot: FloatArray,

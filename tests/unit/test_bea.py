@@ -379,3 +379,32 @@ def test_the_replay_refuses_a_snapshot_array_it_cannot_read_in_place() -> None:
                         inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=0.0,
                         request_ids=np.arange(2))
     assert np.isfinite(replay_ttft_many([ok], *args)[0, 0, 0])
+
+
+def test_the_replay_refuses_a_swapped_table_and_a_batch_naming_no_row() -> None:
+    """A big-endian table would be misread through its data pointer, and an in-flight
+    batch row naming no table row would index out of the replay's scratch: both are a
+    ValueError. An int64 of another type number (longlong) is read as int64."""
+    from olproute._core import replay_ttft_many
+    from olproute.types import EngineSnapshot
+
+    table = np.zeros((2, 5), dtype=np.int64)
+    table[:, 0], table[:, 1], table[:, 3] = 100, 5, 104
+    limits = np.array([[1000, 16, 8, 512]], dtype=np.int64)
+    args = (limits, np.full((1, 4), 1e-4), np.array([10], dtype=np.int64),
+            np.ones((1, 1), dtype=np.int64), 0.0)
+
+    def snap(t: np.ndarray, inflight: np.ndarray) -> EngineSnapshot:  # type: ignore[type-arg]
+        return EngineSnapshot(time_s=0.0, table=t, num_running=2, num_free_blocks=10,
+                              inflight=inflight, inflight_start_s=0.0,
+                              request_ids=np.arange(2))
+
+    none = np.zeros((0, 2), dtype=np.int64)
+    with pytest.raises(ValueError, match="table"):
+        replay_ttft_many([snap(table.astype(">i8"), none)], *args)
+    with pytest.raises(ValueError, match="names row 7"):
+        replay_ttft_many([snap(table, np.array([[7, 1]], dtype=np.int64))], *args)
+    want = replay_ttft_many([snap(table, np.array([[1, 1]], dtype=np.int64))], *args)
+    got = replay_ttft_many([snap(table.astype(np.longlong),
+                                 np.array([[1, 1]], dtype=np.longlong))], *args)
+    np.testing.assert_array_equal(got, want)

@@ -916,9 +916,10 @@ def test_the_explanations_utility_is_unweighted_and_its_term_weighted() -> None:
 
 
 def test_with_candidates_only_the_sampled_instances_are_replayed_and_scored() -> None:
-    """``admission.candidates: 2`` of 6: the BEA replay sees the 2 sampled snapshots only,
-    the others read as never started (TTFT inf, score -inf), and the demand sample the
-    tick adds still prices all 6 (scored again there)."""
+    """``admission.candidates: 2`` of 6: the decision replays the 2 sampled snapshots only
+    and scores the others -inf; its explanation's figures still cover all 6 (the LP checks
+    read them: every instance scored when they are first read, the sampled two as the
+    decision saw them), and so does the demand sample the tick adds."""
     policy = _policy(admission=AdmissionConfig(candidates=2), g=6)
     replayed: list[int] = []
     inner = policy._bea._replay
@@ -934,8 +935,11 @@ def test_with_candidates_only_the_sampled_instances_are_replayed_and_scored() ->
     cands = [int(c) for c in d.explanation["candidates"]]
     assert len(cands) == 2 and d.instance in cands
     for g in range(6):
-        assert np.isfinite(d.explanation["ttft_s"][g]) == (g in cands)
         assert (d.explanation["score"][g] == -np.inf) == (g not in cands)
+    assert replayed == [2]                 # score and candidates are the decision's own
+    for key in ("ttft_s", "tpot_s", "reward", "price_cost", "utility"):
+        assert np.isfinite(d.explanation[key]).all(), key
+    assert replayed == [2, 6]              # scored on every instance once, when read
     policy.tick(0.0, snaps)
-    assert replayed == [2, 6]
+    assert replayed == [2, 6, 6]
     assert np.isfinite(policy.book.samples.reward[0, :, 0]).all()

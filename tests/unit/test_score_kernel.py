@@ -139,3 +139,35 @@ def test_fits_and_take_compiled_as_their_twins(seed: int, k: int) -> None:
     _score.subtract_column(mine, s_, e_, ba, ka, kb, ps_, pe_, ca, k, H)
     reward.take_column(theirs, col, k, H)
     np.testing.assert_array_equal(mine, theirs)
+
+
+def test_a_decode_past_any_horizon_or_nan_ends_at_the_horizon() -> None:
+    """An output estimate that is NaN, infinite or past int64 in slots (a predictor's
+    inf, a zero budget) ends the column at the horizon instead of wrapping to a negative
+    slot (boundscheck is off: that would read another instance's prices)."""
+    g, idx = 2, np.arange(2, dtype=np.int64)
+    p0, p1 = price_prefix(np.ones((g, H, 3)))
+    loads = np.zeros((2, 2))
+    scorer = _score.Scorer(np.full((g, 4), 1e-4), np.full(g, 8, dtype=np.int64),
+                           np.full(g, 8.0), np.full(g, 1e4), np.array([500.0, 0.0]),
+                           reward_weights(RewardConfig()), SLOT, H)
+    for decode in (np.nan, np.inf, 1e30):
+        f, i, _ = scorer.score(loads, idx, np.array([100.0]), np.full((1, 2), decode),
+                               np.zeros((1, 2)), np.array([[0.2, 0.2]]), np.zeros(1),
+                               np.ones(1), pack_prefix(p0, p1), 3)
+        assert (i >= 0).all() and (i <= H).all(), decode
+        assert (i[_score.I_END] == H).all()
+        assert np.isfinite(f[_score.F_PRICE]).all()
+
+
+def test_a_nan_in_the_free_curve_never_fits() -> None:
+    """As the twin's min() says: a slot whose free capacity is NaN has no room."""
+    from olproute import reward
+
+    free = np.ones((H, 3))
+    free[3, 1] = np.nan
+    col = (2, 6, 0.01, 0.01, 0.0, 0, 0, 0.0)
+    s, e, ba, ka, kb, ps, pe, _ = col
+    assert not reward.fits_under(free, col, 0, H)
+    assert not _score.fits_column(free, s, e, ba, ka, kb, ps, pe, 0, H)
+    assert _score.fits_column(free, s, e, ba, ka, kb, ps, pe, 10, H)   # moved past it
