@@ -744,7 +744,7 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
     ``new_decode`` (N, G). Returns float64 (N, G, 3). With ``loads`` (G, 2), also writes
     each instance's decode load as ``bea.decode_step_times_s`` counts it from the same
     snapshot table: (residents counted, the sum of their contexts), the first
-    ``max_num_seqs - 1`` rows (``_score.decode_loads``; N >= 1)."""
+    ``max_num_seqs - 1`` rows (what ``_score.Scorer`` reads; N >= 1)."""
     cdef Py_ssize_t G = len(snapshots)
     cdef Py_ssize_t N = new_prompts.shape[0]
     if limits.shape[0] != G or beta.shape[0] != G or new_decode.shape[1] != G:

@@ -30,10 +30,6 @@ I_START, I_END, I_PRE_START, I_PRE_END = range(4)
 (W_SIGMA, W_ALPHA, W_TOKEN_NORM, W_BETA, W_GAMMA, W_ZETA1, W_EEL_THRESHOLD, W_ZETA2,
  W_TTFT_THRESHOLD, W_OMEGA, W_DELTA) = range(11)
 NUM_W = 11
-# snapshot table columns (olproute.types.SNAP_PROMPT, SNAP_OUTPUT)
-cdef enum:
-    SNAP_PROMPT = 0
-    SNAP_OUTPUT = 1
 
 
 cdef inline int64_t _first_slot(double ttft, double slot_s, int64_t horizon) noexcept nogil:
@@ -63,50 +59,14 @@ cdef inline int64_t _decode_slots(double decode, double tpot, double slot_s,
     return _slots(decode * tpot / slot_s, horizon)
 
 
-def decode_loads(list snapshots, const int64_t[::1] idx, const int64_t[::1] max_num_seqs):
-    """(num_resident, resident context tokens) of each instance of ``idx``, as
-    ``bea.decode_step_times_s`` counts them: the first ``max_num_seqs - 1`` rows of its
-    snapshot (the new request takes the last slot). Two float64 arrays (len(idx),)."""
-    cdef Py_ssize_t d = idx.shape[0]
-    _check_idx(idx, len(snapshots))
-    if max_num_seqs.shape[0] != len(snapshots):
-        raise ValueError("max_num_seqs needs one entry per snapshot")
-    n_np = np.empty(d, dtype=np.float64)
-    ctx_np = np.empty(d, dtype=np.float64)
-    _count_loads(snapshots, idx, max_num_seqs, n_np, ctx_np)
-    return n_np, ctx_np
-
-
-cdef void _count_loads(list snapshots, const int64_t[::1] idx,
-                       const int64_t[::1] max_num_seqs, double[::1] n_out,
-                       double[::1] ctx_out) except *:
-    cdef const int64_t[:, ::1] table
-    cdef Py_ssize_t k, i, n
-    cdef int64_t g, total
-    for k in range(idx.shape[0]):
-        g = idx[k]
-        table = snapshots[g].table
-        if table.shape[1] < 2:
-            raise ValueError(f"snapshot {g}: its table needs the prompt and output columns")
-        n = table.shape[0]
-        if n > max_num_seqs[g] - 1:
-            n = max_num_seqs[g] - 1
-        if n < 0:
-            n = 0
-        total = 0
-        for i in range(n):
-            total += table[i, SNAP_PROMPT] + table[i, SNAP_OUTPUT]
-        n_out[k] = <double>n
-        ctx_out[k] = <double>total
-
-
 cdef class Scorer:
-    """``score_columns`` with the per-instance constants bound once (one policy's): a
-    decision passes only what changes. ``beta`` is read where it lies, so a recalibration
-    written into that array in place is seen at the next call."""
+    """The kernel with one policy's per-instance constants bound once (``beta`` (G, 4);
+    ``batch_cap``, ``kv_cap``, ``budget`` (G,); the weights ``w`` by ``W_*``, a TTFT
+    threshold NaN: each request's target): a decision passes only what changes. ``beta``
+    is read where it lies, so a recalibration written into that array in place is seen at
+    the next call."""
 
     cdef const double[:, ::1] beta
-    cdef const int64_t[::1] max_num_seqs
     cdef const double[::1] batch_cap
     cdef const double[::1] kv_cap
     cdef const double[::1] budget
@@ -114,15 +74,12 @@ cdef class Scorer:
     cdef double slot_s
     cdef int64_t horizon
 
-    def __init__(self, const double[:, ::1] beta, const int64_t[::1] max_num_seqs,
-                 const double[::1] batch_cap, const double[::1] kv_cap,
-                 const double[::1] budget, const double[::1] w, double slot_s,
-                 int64_t horizon):
+    def __init__(self, const double[:, ::1] beta, const double[::1] batch_cap,
+                 const double[::1] kv_cap, const double[::1] budget, const double[::1] w,
+                 double slot_s, int64_t horizon):
         cdef Py_ssize_t G = beta.shape[0]
-        if max_num_seqs.shape[0] != G:
-            raise ValueError("max_num_seqs needs one entry per instance")
         _check_instances(beta, batch_cap, kv_cap, budget, w, G)
-        self.beta, self.max_num_seqs, self.w = beta, max_num_seqs, w
+        self.beta, self.w = beta, w
         self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget
         self.slot_s, self.horizon = slot_s, horizon
 
@@ -131,8 +88,14 @@ cdef class Scorer:
               const double[:, :] utility, const double[:, :] ttft,
               const double[::1] waited, const double[::1] target,
               const double[:, :, ::1] pp, int64_t shift):
-        """``score_columns`` for the instances ``idx``, their decode loads (d, 2) as
-        ``decode_loads`` counts them (``replay_ttft_many`` writes them in its pass)."""
+        """N requests on the d instances ``idx`` of the G: ``prompt``, ``waited`` and
+        ``target`` (N,); ``decode``, ``utility`` (weight omega not applied) and ``ttft``
+        (N, d) in the order of ``idx``; ``loads`` (d, 2), each instance's residents
+        counted and their contexts' sum as ``bea.decode_step_times_s`` counts them
+        (``replay_ttft_many`` writes them in its pass); the price prefix sums packed
+        (``reward.pack_prefix``: P0 of the three rows, P1 of KV), (G, H + 1, 4), whose slot
+        0 is ``shift`` slots before now. Returns (F (16, N, G) float64 by ``F_*``,
+        I (4, N, G) int64 by ``I_*``, on_time (N, G) bool)."""
         cdef Py_ssize_t G = self.beta.shape[0]
         _check_idx(idx, G)
         if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:
@@ -157,29 +120,6 @@ cdef void _check_idx(const int64_t[::1] idx, Py_ssize_t G) except *:
     for k in range(idx.shape[0]):
         if idx[k] < 0 or idx[k] >= G:
             raise ValueError("idx out of range")
-
-
-def score_columns(const double[::1] prompt, const double[:, :] decode,
-                  const double[:, :] utility, const double[:, :] ttft,
-                  const double[::1] num_resident, const double[::1] resident_context,
-                  const double[:, ::1] beta, const double[::1] waited,
-                  const double[::1] target, const double[::1] batch_cap,
-                  const double[::1] kv_cap, const double[::1] budget, double slot_s,
-                  int64_t horizon, const double[::1] w, const double[:, :, ::1] pp,
-                  int64_t shift, const int64_t[::1] idx, Py_ssize_t num_instances):
-    """N requests on the d instances ``idx`` of G = ``num_instances``: ``prompt``,
-    ``waited`` and ``target`` (N,); ``decode``, ``utility`` (weight omega not applied) and
-    ``ttft`` (N, d) in the order of ``idx``; ``num_resident`` and ``resident_context``
-    (d,) from ``decode_loads``; ``beta`` (G, 4); ``batch_cap``, ``kv_cap``, ``budget``
-    (G,); the weights ``w`` (``W_*``; a TTFT threshold NaN: each request's target); the
-    price prefix sums packed (``reward.pack_prefix``: P0 of the three rows, P1 of KV), (G,
-    H + 1, 4), whose slot 0 is ``shift`` slots before now. Returns (F (16, N, G) float64 by ``F_*``, I (4, N, G) int64 by ``I_*``, on_time
-    (N, G) bool)."""
-    _check_instances(beta, batch_cap, kv_cap, budget, w, num_instances)
-    _check_idx(idx, num_instances)
-    return _score(prompt, decode, utility, ttft, num_resident, resident_context, beta,
-                  waited, target, batch_cap, kv_cap, budget, slot_s, horizon, w, pp, shift,
-                  idx, num_instances)
 
 
 cdef tuple _score(const double[::1] prompt, const double[:, :] decode,

@@ -436,7 +436,7 @@ def decode_step_times_s(snapshots: Sequence[EngineSnapshot], specs: Sequence[Ins
 def decode_step_time(beta: FloatArray, num_resident: FloatArray, resident_context: FloatArray,
                      prompt_tokens: FloatArray | IntArray) -> FloatArray:
     """``decode_step_times_s`` from each instance's residents counted (G,): their number
-    and their contexts' sum (``_score.decode_loads`` counts them compiled)."""
+    and their contexts' sum (``replay_ttft_many`` counts them compiled, ``loads``)."""
     fixed = beta[:, 0] + beta[:, 1] * (num_resident + 1)
     prompt = np.asarray(prompt_tokens, dtype=np.float64)[..., None]
     out: FloatArray = fixed + beta[:, 2] * (resident_context + prompt)

@@ -473,10 +473,11 @@ def score_reference(prompt: FloatArray, decode: FloatArray, utility: FloatArray,
                     slot_s: float, horizon: int, w: RewardConfig, p0: FloatArray,
                     p1: FloatArray, shift: int, idx: IntArray, num_instances: int
                     ) -> tuple[FloatArray, IntArray, npt.NDArray[np.bool_]]:
-    """The NumPy twin of ``_score.score_columns`` (same arguments, but the weights as a
-    ``RewardConfig``; same results), built from the functions the price step and the LP
-    read: ``bea.decode_step_time``, ``usage_columns``, ``reward_terms`` and
-    ``column_price``. For tests; bid_price runs the kernel."""
+    """The NumPy twin of ``_score.Scorer.score`` (its bound constants and its loads as
+    arguments, the weights as a ``RewardConfig``; the same results for finite inputs),
+    built from the functions the price step and the LP read: ``bea.decode_step_time``,
+    ``usage_columns``, ``reward_terms`` and ``column_price``. For tests; bid_price runs the
+    kernel."""
     from olproute import _score as k
 
     n = prompt.shape[0]

@@ -78,7 +78,6 @@ from olproute.reward import (
     HARD,
     TERMS,
     Columns,
-    RewardTerms,
     capacities,
     column_at,
     column_mass,
@@ -163,13 +162,6 @@ class _Scores:
     complete: bool                    # every instance scored (else a sample of them)
     rows: list[_Row | None] = field(default_factory=list)   # row(j), built once
 
-    @property
-    def terms(self) -> RewardTerms:
-        """Each reward term (N, G), for the explanation."""
-        f = self.figures
-        return RewardTerms(*(f[r] for r in (F_QPS, F_THROUGHPUT, F_EEL_SAVED, F_TTFT_SAVED,
-                                             F_EEL_SLO, F_TTFT_SLO, F_UTILITY)))
-
     def row(self, j: int) -> _Row:
         if not self.rows:
             self.rows.extend([None] * len(self.ttft))
@@ -228,12 +220,11 @@ class BidPrice(Policy):
         self._horizon = env.horizon_slots
         self._batch_cap, self._kv_cap = capacities(env.specs)
         self._batch_a = 1.0 / self._batch_cap
-        self._max_num_seqs = np.array([s.max_num_seqs for s in env.specs], dtype=np.int64)
         self._all = np.arange(len(env.specs), dtype=np.int64)
         self._budget = compute_budget(self._cal, env.slot_s)
-        self._scorer = Scorer(self._bea.beta_view, self._max_num_seqs, self._batch_cap,
-                              self._kv_cap, self._budget, reward_weights(env.reward),
-                              self._slot_s, self._horizon)
+        self._scorer = Scorer(self._bea.beta_view, self._batch_cap, self._kv_cap,
+                              self._budget, reward_weights(env.reward), self._slot_s,
+                              self._horizon)
         self._theta = np.array([c.prefill_tokens_per_s for c in self._cal])
         self._rng = env.rng
         self.book = PriceBook(env.specs, env.slot_s, env.horizon_slots, env.prices, env.rng,
@@ -259,8 +250,8 @@ class BidPrice(Policy):
                instances: npt.NDArray[np.int64] | None = None) -> _Scores:
         """Every figure a decision reads, for N requests deciding on the same context,
         each as if it alone joined now: (N, G) arrays, from one BEA call and one call of
-        the compiled kernel (``_score.Scorer``, ``score_columns`` with this policy's
-        constants bound; its twin is ``reward.score_reference``). With ``instances``,
+        the compiled kernel (``_score.Scorer``, with this policy's constants bound; its
+        twin is ``reward.score_reference``). With ``instances``,
         only those are estimated and scored; the others read as never started there
         (``complete`` is then False)."""
         snaps = ctx.snapshots
