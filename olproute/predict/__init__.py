@@ -50,7 +50,7 @@ from olproute.predict.features import (
     tokenize,
 )
 from olproute.predict.heads import RowHeads
-from olproute.predict.predictor import Predictor, apply_predictor
+from olproute.predict.predictor import SHIPPED_DIR, Predictor, apply_predictor
 from olproute.predict.training import (
     REQUIRED_COLUMNS,
     PromptMatrix,
@@ -65,10 +65,10 @@ from olproute.predict.training import (
 
 __all__ = [
     "FEATURE_VERSION", "MODEL_FEATURE_NAMES", "NUM_HASH_DIMS", "NUM_PCA", "REQUIRED_COLUMNS",
-    "STAT_NAMES", "TOKENIZER", "TOKEN_HASH", "Evaluation", "FeatureSpec", "Featurizer",
-    "ModelTraits", "Pca", "Predictor", "PredictorError", "PromptMatrix", "RowHeads",
-    "TrainConfig", "TrainingData", "apply_predictor", "count_tokens", "decode_errors",
-    "evaluate", "featurize_prompts", "fit_pca", "model_traits", "prompt_stats",
-    "read_training_file", "spearman", "split_prompts", "token_slot", "tokenize",
-    "train_and_evaluate", "train_predictor",
+    "SHIPPED_DIR", "STAT_NAMES", "TOKENIZER", "TOKEN_HASH", "Evaluation", "FeatureSpec",
+    "Featurizer", "ModelTraits", "Pca", "Predictor", "PredictorError", "PromptMatrix",
+    "RowHeads", "TrainConfig", "TrainingData", "apply_predictor", "count_tokens",
+    "decode_errors", "evaluate", "featurize_prompts", "fit_pca", "model_traits",
+    "prompt_stats", "read_training_file", "spearman", "split_prompts", "token_slot",
+    "tokenize", "train_and_evaluate", "train_predictor",
 ]

@@ -25,6 +25,9 @@ FloatArray = npt.NDArray[np.float64]
 
 
 _HEAD_FILES = {"decode": "decode_mean.txt", "quality": "quality.txt", "p90": "decode_p90.txt"}
+# the predictor the package ships (package data; how it was trained: its README.md), which
+# ``olproute serve`` runs unless the config's ``prediction`` section names another or none
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 
 @dataclass(frozen=True, slots=True)
