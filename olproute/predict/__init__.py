@@ -16,7 +16,9 @@ processes (Python's ``hash()`` is salted per process).
 The modules: ``features`` (tokenizer, statistics, hashing, PCA, the feature spec; the
 compiled kernel ``olproute._featurize`` computes them, the Python functions are its twin),
 ``heads`` (the C API's single-row path, called from ``olproute._rowheads``),
-``predictor`` (``Predictor``, saving and loading, ``apply_predictor``), ``training``
+``predictor`` (``Predictor``, saving and loading, ``apply_predictor``, the shipped
+predictor's folder ``SHIPPED_DIR``), ``pool`` (``PoolPredictor``: the predictor on the
+request path of one pool, as ``olproute serve`` runs it), ``training``
 (training files, featurising, fitting) and ``evaluation`` (held-out figures,
 ``train_and_evaluate``); their public names are re-exported here.
 
@@ -50,7 +52,14 @@ from olproute.predict.features import (
     tokenize,
 )
 from olproute.predict.heads import RowHeads
-from olproute.predict.predictor import SHIPPED_DIR, Predictor, apply_predictor
+from olproute.predict.pool import PoolPredictor, RequestPredictions
+from olproute.predict.predictor import (
+    SHIPPED_DIR,
+    Predictor,
+    apply_predictor,
+    decode_prediction,
+    quality_prediction,
+)
 from olproute.predict.training import (
     REQUIRED_COLUMNS,
     PromptMatrix,
@@ -66,9 +75,10 @@ from olproute.predict.training import (
 __all__ = [
     "FEATURE_VERSION", "MODEL_FEATURE_NAMES", "NUM_HASH_DIMS", "NUM_PCA", "REQUIRED_COLUMNS",
     "SHIPPED_DIR", "STAT_NAMES", "TOKENIZER", "TOKEN_HASH", "Evaluation", "FeatureSpec",
-    "Featurizer", "ModelTraits", "Pca", "Predictor", "PredictorError", "PromptMatrix",
-    "RowHeads", "TrainConfig", "TrainingData", "apply_predictor", "count_tokens",
-    "decode_errors", "evaluate", "featurize_prompts", "fit_pca", "model_traits",
-    "prompt_stats", "read_training_file", "spearman", "split_prompts", "token_slot",
-    "tokenize", "train_and_evaluate", "train_predictor",
+    "Featurizer", "ModelTraits", "Pca", "PoolPredictor", "Predictor", "PredictorError",
+    "PromptMatrix", "RequestPredictions", "RowHeads", "TrainConfig", "TrainingData",
+    "apply_predictor", "count_tokens", "decode_errors", "decode_prediction", "evaluate",
+    "featurize_prompts", "fit_pca", "model_traits", "prompt_stats", "quality_prediction",
+    "read_training_file", "spearman", "split_prompts", "token_slot", "tokenize",
+    "train_and_evaluate", "train_predictor",
 ]

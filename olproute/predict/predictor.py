@@ -51,12 +51,14 @@ class Predictor:
     """
 
     __slots__ = ("_decode", "_featurizer", "_model_index", "_model_rows", "_p90", "_plans",
-                 "_quality", "_row_heads", "pca", "spec")
+                 "_quality", "_row_heads", "directory", "pca", "spec")
 
     def __init__(self, spec: FeatureSpec, pca: Pca, decode: lightgbm.Booster,
-                 quality: lightgbm.Booster, decode_p90: lightgbm.Booster | None = None) -> None:
+                 quality: lightgbm.Booster, decode_p90: lightgbm.Booster | None = None,
+                 directory: Path | None = None) -> None:
         self.spec = spec
         self.pca = pca
+        self.directory = directory   # the folder ``load`` read it from (None: trained here)
         self._decode = decode
         self._quality = quality
         self._p90 = decode_p90
@@ -204,7 +206,19 @@ class Predictor:
                                      f"features, the spec {len(spec.feature_names)}")
         if "decode" not in heads or "quality" not in heads:
             raise PredictorError(f"{spec_path}: heads must include 'decode' and 'quality'")
-        return cls(spec, pca, heads["decode"], heads["quality"], heads.get("p90"))
+        return cls(spec, pca, heads["decode"], heads["quality"], heads.get("p90"), d)
+
+
+def decode_prediction(tokens: float, max_tokens: int | None = None) -> int:
+    """A predicted output length as a request carries it: rounded, at least 1, and at most
+    ``max_tokens`` when given (the most the backend will generate)."""
+    n = max(1, round(float(tokens)))
+    return n if max_tokens is None else min(n, max_tokens)
+
+
+def quality_prediction(quality: float) -> float:
+    """A predicted quality as a request carries it: clipped to [0, 1]."""
+    return min(max(float(quality), 0.0), 1.0)
 
 
 def apply_predictor(requests: Sequence[Request], predictor: Predictor,
@@ -226,8 +240,8 @@ def apply_predictor(requests: Sequence[Request], predictor: Predictor,
     quality: dict[str, list[float]] = {}
     for m in names:
         dec, qual = predictor.predict_prompts(texts, m)
-        decode[m] = [max(1, round(float(o))) for o in dec]
-        quality[m] = [min(max(float(q), 0.0), 1.0) for q in qual]
+        decode[m] = [decode_prediction(o) for o in dec]
+        quality[m] = [quality_prediction(q) for q in qual]
     return [replace(r, predicted_decode_tokens=decode[names[0]][i],
                     predicted_decode_by_model={m: decode[m][i] for m in names},
                     predicted_quality_by_model={m: quality[m][i] for m in names})
