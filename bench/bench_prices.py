@@ -14,7 +14,8 @@
    8 Qwen3-8B / H100 instances under a synthetic workload at about 60% load, the
    LightGBM predictor trained here on synthetic prompts (prediction mode ``predictor``),
    every ``decide`` call timed with perf_counter (the simulator calls it exactly as the
-   server will; the predictor runs inside each decision, as in the server); and the
+   server will), the predictor's run on the request's text (``PoolPredictor``, as the
+   server's router runs it when the request arrives) timed with its first decision; and the
    same with the lengths given (``noisy`` mode, no predictor), to
    separate the predictor's share (its featurisation grows with the prompt: the
    synthetic document prompts run to thousands of tokens). Price updates run off the
@@ -155,11 +156,12 @@ def decision_times(quick: bool, use_predictor: bool,
                    policy_name: str = "bid_price") -> dict[str, float]:
     """Decision times of one policy on the 8 Qwen3-8B / H100 instances (part 3), overall
     and for the decisions on short prompts (<= 256 tokens) and on prompts of about 2k
-    tokens (1,500 to 2,500). With the predictor, it runs inside each decision (as in the
-    server), not once over the workload."""
+    tokens (1,500 to 2,500). With the predictor, it runs on each request's text when the
+    request is first decided, timed with that decision (as the server runs it on each
+    request when it arrives), not once over the workload."""
     from dataclasses import replace
 
-    from olproute.predict import TrainConfig, train_and_evaluate
+    from olproute.predict import PoolPredictor, TrainConfig, train_and_evaluate
     from olproute.sim.prompts import generate_prompts, training_data
     from olproute.sim.scenario import (
         CalibrationSource,
@@ -188,12 +190,13 @@ def decision_times(quick: bool, use_predictor: bool,
         cal = CalibrationSource(loaded)
         cal()
         policy = make_policy(loaded, policy_name, calibration=cal)
-        times, lengths = _timed(policy)
+        pool = PoolPredictor(predictor, [s.model for s in loaded.specs])
+        times, lengths = _timed(policy, pool if use_predictor else None)
         requests = build_requests(loaded)
         if use_predictor:
             # the simulator predicts a whole workload at once when it builds it; the
-            # server predicts each request as it decides: drop the batch's predictions
-            # so that the predictor runs inside every decision, as it does there
+            # server predicts each request as it arrives: drop the batch's predictions
+            # so that the predictor runs at each request's first decision, timed with it
             requests = [replace(r, predicted_decode_by_model=None,
                                 predicted_quality_by_model=None) for r in requests]
         make_cluster(loaded, policy).run(requests)
@@ -208,14 +211,29 @@ def decision_times(quick: bool, use_predictor: bool,
     return out
 
 
-def _timed(policy: Any) -> tuple[list[float], list[int]]:
-    """Wrap ``policy.decide`` to record each call's time and the request's prompt."""
+def _timed(policy: Any, pool: Any = None) -> tuple[list[float], list[int]]:
+    """Wrap ``policy.decide`` to record each call's time and the request's prompt; with a
+    ``PoolPredictor``, a request's first decision runs it on the request's text first
+    (timed with the decision) and every decision of it reads those predictions."""
+    from dataclasses import replace
+
     times: list[float] = []
     lengths: list[int] = []
+    predicted: dict[int, Any] = {}
     inner = policy.decide
 
     def timed(ctx):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
+        if pool is not None:
+            r = ctx.request
+            req = predicted.get(r.request_id)
+            if req is None:
+                found = pool.predict(r.text, 1_000_000)
+                req = predicted[r.request_id] = replace(
+                    r, predicted_decode_tokens=found.decode_tokens,
+                    predicted_decode_by_model=found.decode_by_model,
+                    predicted_quality_by_model=found.quality_by_model)
+            ctx = replace(ctx, request=req)
         d = inner(ctx)
         times.append(time.perf_counter() - t0)
         lengths.append(ctx.request.prompt_tokens)

@@ -4,11 +4,13 @@
 
 Runs the simulator (G Llama-2-7B / A100 instances, Poisson at 4.25 req/s per instance,
 noisy lengths; with ``--predictor``, 8 Qwen3-8B / H100 instances on synthetic prompts
-with the LightGBM predictor inside each decision) with bid_price's parts wrapped in
-perf_counter timers: the outlook (the predictor, when on), the BEA replay, the compiled
-counts for the step times and scoring kernel, the fit check and the accounting; and
-the whole ``decide``. Prints each part's median per decision and its share of the
-median decision; ``--out`` writes the same text to a file (docs/profile-decision.txt).
+with the LightGBM predictor run on each request's text before its first decision, as
+the server's router runs it when a request arrives) with bid_price's parts wrapped in
+perf_counter timers: the predictor (``PoolPredictor.predict``, outside ``decide``), the
+outlook, the BEA replay, the compiled counts for the step times and scoring kernel, the
+fit check and the accounting; and the whole ``decide``. Prints each part's median per
+decision and its share of the median decision (the predictor's share is of the decide
+it precedes); ``--out`` writes the same text to a file (docs/profile-decision.txt).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import bench_prices
 
 from olproute import bea, outlook
 from olproute.policies import bid_price as bp
+from olproute.predict import PoolPredictor
 
 PARTS: tuple[tuple[str, Any, str], ...] = (
+    ("predictor (before decide)", PoolPredictor, "predict"),
     ("outlook (predictions, cost)", outlook.OutlookSource, "__call__"),
     ("BEA replay (compiled)", bea.BeaEstimator, "ttft_many"),
     ("counts and scoring (compiled)", bp, "Scorer"),
@@ -72,7 +76,8 @@ def main() -> None:
     try:
         if args.predictor:
             bench_prices.decision_times(False, use_predictor=True)
-            setup = "8 Qwen3-8B / H100 instances, LightGBM predictor in each decision"
+            setup = ("8 Qwen3-8B / H100 instances, LightGBM predictor before each "
+                     "request's first decision")
         else:
             bench_prices.fleet_run(args.instances, "bid_price", None, False)
             setup = f"{args.instances} Llama-2-7B / A100 instances, lengths given"

@@ -65,15 +65,9 @@ class CalibrationSource:
 
 
 def outlook_source(loaded: LoadedConfig) -> OutlookSource:
-    """Per-request expectations in the configured prediction mode."""
-    cfg = loaded.config
-    predictor = None
-    if cfg.prediction.mode == "predictor":
-        from olproute.predict import Predictor
-
-        assert cfg.prediction.model_dir is not None
-        predictor = Predictor.load(loaded.resolve(cfg.prediction.model_dir))
-    return OutlookSource(loaded.specs, loaded.profiles, cfg.prediction.mode, predictor)
+    """Per-request expectations from the requests' own predictions (made by the
+    simulator's workload, or by the server's router as a request arrives)."""
+    return OutlookSource(loaded.specs, loaded.profiles)
 
 
 def kv_transfer(loaded: LoadedConfig) -> KvTransfer:

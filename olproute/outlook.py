@@ -2,15 +2,13 @@
 response quality, and serving cost.
 
 Only predictions are read, never the truth (``Request``'s docstring says which fields are
-which). In order:
-- the request's own per-model predictions (``predicted_decode_by_model``,
-  ``predicted_quality_by_model``), which the simulator's workload sets for every model of
-  the pool (noisy truth with independent noise per model, the truth itself in ``oracle``
-  mode, or a trained predictor's output);
-- otherwise, with ``prediction.mode: predictor``, the trained LightGBM predictor
-  (``olproute.predict``), one batched call for all instances of a request (the server);
-- otherwise the request's single ``predicted_decode_tokens`` on every model, and quality
-  0 where nothing predicts it (every model equal: utility is then minus the cost).
+which), and only the request's own: per model, its entry in ``predicted_decode_by_model``
+and ``predicted_quality_by_model``, else its single ``predicted_decode_tokens`` and
+quality 0 (every model equal: utility is then minus the cost). Whoever makes a request
+predicts it, once: the simulator's workload for every model of the pool (noisy truth
+with independent noise per model, the truth itself in ``oracle`` mode, or a trained
+predictor's output), the server's router when the request arrives (its predictor on the
+prompt text, ``prediction.serve``).
 Cost is in micro-USD: prompt x input price + predicted output x output price, with
 prices per million tokens from the model profiles (BEAR paper Table 1 for Qwen3).
 """
@@ -20,7 +18,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -29,7 +26,6 @@ from olproute.config_schema import Profiles
 from olproute.types import InstanceSpec, Request
 
 FloatArray = npt.NDArray[np.float64]
-Mode = Literal["oracle", "noisy", "predictor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +46,8 @@ class OutlookSource:
     """Builds the Outlook of a request for a fixed list of instances; remembers the last
     ``cache_size`` requests so a held request re-scored every slot costs nothing more."""
 
-    def __init__(self, specs: Sequence[InstanceSpec], profiles: Profiles, mode: Mode,
-                 predictor: Any | None = None, cache_size: int = 4096) -> None:
-        if mode == "predictor" and predictor is None:
-            raise ValueError("prediction mode 'predictor' needs a loaded predictor")
+    def __init__(self, specs: Sequence[InstanceSpec], profiles: Profiles,
+                 cache_size: int = 4096) -> None:
         self._models = [s.model for s in specs]
         self._distinct = list(dict.fromkeys(self._models))
         self._model_of = np.array([self._distinct.index(m) for m in self._models],
@@ -62,7 +56,6 @@ class OutlookSource:
                                    for m in self._models])
         self._price_out = np.array([profiles.models[m].price_output_per_mtok
                                     for m in self._models])
-        self._predictor = predictor
         self._cache: OrderedDict[int, Outlook] = OrderedDict()
         self._cache_size = cache_size
 
@@ -77,25 +70,13 @@ class OutlookSource:
         return out
 
     def _build(self, r: Request) -> Outlook:
-        models = self._models
-        if self._predictor is not None and not _predicts_all(r, models):
-            pred = self._predictor.predict(r, models)
-            decode = np.maximum(np.asarray(pred.decode_tokens, dtype=np.float64), 1.0)
-            quality = np.asarray(pred.quality, dtype=np.float64)
-        else:   # per distinct model, then one row per instance
-            decode = np.array([r.predicted_decode_tokens_for(m) for m in self._distinct],
-                              dtype=np.float64)[self._model_of]
-            quality = np.array([_or_zero(r.predicted_quality_for(m)) for m in self._distinct],
-                               dtype=np.float64)[self._model_of]
+        # per distinct model, then one row per instance
+        decode = np.array([r.predicted_decode_tokens_for(m) for m in self._distinct],
+                          dtype=np.float64)[self._model_of]
+        quality = np.array([_or_zero(r.predicted_quality_for(m)) for m in self._distinct],
+                           dtype=np.float64)[self._model_of]
         cost = r.prompt_tokens * self._price_in + decode * self._price_out
         return Outlook(decode_tokens=decode, quality=quality, cost_musd=cost)
-
-
-def _predicts_all(r: Request, models: Sequence[str]) -> bool:
-    """The request carries its own decode and quality predictions for every model."""
-    dec, qual = r.predicted_decode_by_model, r.predicted_quality_by_model
-    return (dec is not None and qual is not None
-            and all(m in dec and m in qual for m in models))
 
 
 def _or_zero(x: float | None) -> float:

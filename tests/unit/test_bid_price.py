@@ -453,7 +453,7 @@ def _policy(reward: RewardConfig | None = None, admission: AdmissionConfig | Non
                     reward=reward or RewardConfig(), admission=admission or AdmissionConfig(),
                     prices=PriceConfig(window=100, minibatch=32),
                     calibration_source=lambda: (CAL,) * g,
-                    outlook_source=OutlookSource(specs, load_profiles(PROFILES), "noisy"),
+                    outlook_source=OutlookSource(specs, load_profiles(PROFILES)),
                     params={"backend": "numpy", "form": form, "release": release})
     policy = REGISTRY.create("bid_price", env)
     assert isinstance(policy, BidPrice)
