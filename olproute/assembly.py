@@ -1,7 +1,8 @@
 """The one place a policy is built with its environment, for the simulator and the server
 alike: the calibration it may read (``CalibrationSource``), its per-request expectations
 (``outlook_source``), the KV transfer time between pools (``kv_transfer``), and the
-policy itself from the configuration (``policy_env``, ``build_policy``).
+policy itself from the configuration (``policy_env``, ``build_policy``); and the
+predictor the server runs on each request (``served_predictor``).
 
 ``calibration: auto`` means a profiling run of the scenario in the simulator, which sits
 above this module: whoever builds a ``CalibrationSource`` for an ``auto`` configuration
@@ -12,6 +13,7 @@ simulator's).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +22,9 @@ from olproute.config import ConfigError, LoadedConfig
 from olproute.disagg import KvTransfer
 from olproute.outlook import OutlookSource
 from olproute.policies import REGISTRY, Policy, PolicyEnv
+
+if TYPE_CHECKING:
+    from olproute.predict import Predictor
 
 Profiler = Callable[[LoadedConfig], Sequence[InstanceCalibration]]
 
@@ -68,6 +73,26 @@ def outlook_source(loaded: LoadedConfig) -> OutlookSource:
     """Per-request expectations from the requests' own predictions (made by the
     simulator's workload, or by the server's router as a request arrives)."""
     return OutlookSource(loaded.specs, loaded.profiles)
+
+
+def served_predictor(loaded: LoadedConfig) -> Predictor | None:
+    """The predictor ``olproute serve`` runs on each request (``prediction.serve``), loaded
+    and warmed for the pool's models: None for ``max_tokens``; for ``predictor``, the
+    folder ``prediction.model_dir`` names (relative to the config file), else the shipped
+    one. A folder that does not load is a ConfigError naming the key and the path."""
+    pred = loaded.config.prediction
+    if pred.serve == "max_tokens":
+        return None
+    from olproute.predict import SHIPPED_DIR, PoolPredictor, Predictor, PredictorError
+
+    path = SHIPPED_DIR if pred.model_dir is None else loaded.resolve(pred.model_dir)
+    try:
+        predictor = Predictor.load(path)
+    except PredictorError as exc:
+        key = "prediction.serve" if pred.model_dir is None else "prediction.model_dir"
+        raise ConfigError(loaded.path, [(key, f"cannot load a predictor: {exc}")]) from exc
+    PoolPredictor(predictor, [s.model for s in loaded.specs]).warm()
+    return predictor
 
 
 def kv_transfer(loaded: LoadedConfig) -> KvTransfer:

@@ -236,6 +236,7 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from olproute.assembly import served_predictor
     from olproute.server import run_server
     from olproute.sim.scenario import CalibrationSource
     from solvers.live import certify
@@ -247,10 +248,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.policy not in REGISTRY.names():
             raise PolicyError(f"unknown policy {args.policy!r} "
                               f"(known: {', '.join(REGISTRY.names())})")
+    # the predictor first: a folder that does not load stops serve before anything starts
+    predictor = served_predictor(loaded)
     # calibration: auto profiles the scenario in the simulator, at start-up; the live
     # certificate checks bid_price's prices with the exact LP in a worker process
     run_server(loaded, host=args.host, port=args.port, calibration=CalibrationSource(loaded),
-               certifier=certify)
+               certifier=certify, predictor=predictor)
     return 0
 
 

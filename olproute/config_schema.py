@@ -138,21 +138,43 @@ class SloConfig(_Frozen):
 
 class PredictionConfig(_Frozen):
     """What the router is told of each request's output length and quality, per model of
-    the pool (made once per workload, so every policy sees the same predictions):
-    ``oracle``, the truth; ``noisy``, the truth times an independent uniform factor in
-    [1 - ``noise``, 1 + ``noise``] per model, and quality plus an independent uniform
-    error in [-``quality_noise``, +``quality_noise``] per model, clipped to [0, 1]
+    the pool.
+
+    In the simulator (``mode``; made once per workload, so every policy sees the same
+    predictions): ``oracle``, the truth; ``noisy``, the truth times an independent uniform
+    factor in [1 - ``noise``, 1 + ``noise``] per model, and quality plus an independent
+    uniform error in [-``quality_noise``, +``quality_noise``] per model, clipped to [0, 1]
     (workloads with per-model quality: ``synthetic``); ``predictor``, a trained predictor
     (``olproute train-predictors``) saved in ``model_dir``, a path relative to the config
     file, predicting from the prompt text (``synthetic`` workloads). The default
     ``quality_noise`` is the size of a trained predictor's quality error: held out on the
     Qwen3 pool its MAE is 0.13, and +/-0.3 uniform, clipped to [0, 1], gives 0.12 (but
-    independent per model, where the predictor's errors are correlated across models)."""
+    independent per model, where the predictor's errors are correlated across models).
+
+    Served (``olproute serve``; ``serve``): the server has no truth, so ``oracle`` and
+    ``noisy`` cannot apply there, and ``mode`` is not read. ``serve: predictor`` (the
+    default) runs a trained predictor on each request's prompt text when it arrives: the
+    one saved in ``model_dir`` when that is given (the folder ``mode: predictor`` reads),
+    else the package's shipped one (``olproute/predict/shipped``, trained on synthetic
+    prompts of every model with synthetic truth). It is loaded and warmed at start-up (a
+    folder that does not load stops it, naming ``prediction.model_dir``), and gives each
+    request its predicted output length (rounded, at least 1, at most the request's
+    ``max_tokens``) and quality on every model of the pool, the fields ``mode: predictor``
+    gives a simulated request. A request without prompt text (token ids, or ``/route``
+    with ``prompt_tokens`` alone) is predicted ``max_tokens``, and so is every request
+    on a model the predictor was not trained for (said once at start-up, and in
+    ``/instances``); ``/route``'s ``predicted_tokens`` overrides the length. ``serve:
+    max_tokens``: no predictor; every request is predicted its ``max_tokens``, the most
+    the backend will generate."""
 
     mode: Literal["oracle", "noisy", "predictor"] = "noisy"
     noise: float = Field(default=0.2, ge=0, lt=1)
     quality_noise: float = Field(default=0.3, ge=0, le=1)
     model_dir: str | None = None
+    serve: Literal["predictor", "max_tokens"] = Field(
+        default="predictor", description="olproute serve: 'predictor' predicts each "
+        "request's output length and quality from its prompt text (model_dir's predictor, "
+        "else the shipped one); 'max_tokens' predicts every request its max_tokens")
 
 
 class SimConfig(_Frozen):

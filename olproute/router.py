@@ -1,6 +1,7 @@
 """The router: one policy object (the same the simulator runs, built by
 ``olproute.assembly``) with what it needs around it — request ids, the objective,
-predictions, calibration — and no I/O.
+predictions (the served predictor on each request's prompt text), calibration — and no
+I/O.
 
 The server builds the routing context from its tracker (loads, snapshots) and health
 checks, calls ``decide``, and reports back with ``observe``; prices are learned in
@@ -13,7 +14,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -32,14 +33,25 @@ from olproute.types import (
     RoutingContext,
 )
 
+if TYPE_CHECKING:
+    from olproute.predict import PoolPredictor, Predictor
+
+# where a request's predicted output length came from: the router's predictor on its
+# prompt text, the caller's own figure (``/route``'s ``predicted_tokens``), or the
+# request's ``max_tokens`` (no predictor, no text, or no model of the pool it knows)
+PredictionSource = Literal["predictor", "request", "max_tokens"]
+
 
 class Router:
     """``calibration``: what estimating policies read; without one, the config's file
     (``calibration: auto`` needs a profiler: the server passes the simulator's,
-    ``olproute.sim.scenario.CalibrationSource``)."""
+    ``olproute.sim.scenario.CalibrationSource``). ``predictor``: the one that predicts
+    each request's output length and quality from its prompt text
+    (``olproute.assembly.served_predictor``); None: every request is predicted its
+    ``max_tokens``."""
 
     def __init__(self, loaded: LoadedConfig, calibration: CalibrationSource | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, predictor: Predictor | None = None) -> None:
         self.loaded = loaded
         self.specs = loaded.specs
         self.policy_name = loaded.config.router.policy
@@ -47,19 +59,39 @@ class Router:
         self.calibration = calibration or CalibrationSource(loaded)
         self.policy: Policy = build_policy(loaded, self.policy_name, rng, self.calibration)
         self.pools = Pools.of(self.specs)
+        self.models = tuple(dict.fromkeys(s.model for s in self.specs))   # the pool's
         self.needs_snapshots = self.policy.needs_snapshots
         self.tick_s = self.policy.tick_s
         self._ids = itertools.count()
+        self.predictor = predictor
+        self.predictions: PoolPredictor | None = None
+        if predictor is not None:
+            from olproute.predict import PoolPredictor
+
+            self.predictions = PoolPredictor(predictor, self.models)
 
     def new_request(self, now_s: float, prompt_tokens: int, max_tokens: int,
                     ttft_target_s: float, slo_class: str = "default",
-                    text: str | None = None) -> Request:
-        """A Request for the policy. Without a predictor, the predicted output length is
-        ``max_tokens`` (the most the backend will generate)."""
+                    text: str | None = None, predicted_tokens: int | None = None) -> Request:
+        """A Request for the policy, with its predictions. With a predictor and prompt
+        text: the predictor's output length (capped at ``max_tokens``) and quality on each
+        model of the pool it knows, the fields ``apply_predictor`` gives a simulated
+        request (``PoolPredictor``), and ``max_tokens`` on any other model. Without:
+        ``max_tokens`` (the most the backend will generate) on every model.
+        ``predicted_tokens`` (the caller's own figure) is the length on every model; the
+        predictor still gives the quality."""
+        found = (None if self.predictions is None or text is None
+                 else self.predictions.predict(text, max_tokens))
+        decode = max_tokens if found is None else found.decode_tokens
+        by_model = None if found is None else found.decode_by_model
+        if predicted_tokens is not None:
+            decode, by_model = predicted_tokens, None
         return Request(request_id=next(self._ids), arrival_s=now_s,
                        prompt_tokens=prompt_tokens, decode_tokens=max_tokens,
-                       predicted_decode_tokens=max_tokens, ttft_target_s=ttft_target_s,
-                       slo_class=slo_class, text=text)
+                       predicted_decode_tokens=decode, ttft_target_s=ttft_target_s,
+                       slo_class=slo_class, text=text, predicted_decode_by_model=by_model,
+                       predicted_quality_by_model=None if found is None
+                       else found.quality_by_model)
 
     def decide(self, request: Request, now_s: float, loads: tuple[InstanceLoad, ...],
                snapshots: tuple[EngineSnapshot, ...] | None,
@@ -211,6 +243,15 @@ class Router:
                  "compute_budget_tokens_per_slot": _budget(float(view.compute_budget[g]))}
                 for g, s in enumerate(self.specs)],
         }
+
+
+def prediction_source(request: Request, given: bool) -> PredictionSource:
+    """Where the predicted length of a request ``Router.new_request`` made came from:
+    ``given`` it (``predicted_tokens``), per-model lengths (only its predictor gives
+    them), else ``max_tokens``."""
+    if given:
+        return "request"
+    return "max_tokens" if request.predicted_decode_by_model is None else "predictor"
 
 
 def _finite(x: float) -> float:

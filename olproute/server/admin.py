@@ -21,12 +21,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from olproute.assembly import CalibrationSource
+from olproute.assembly import CalibrationSource, served_predictor
 from olproute.config import ConfigError, LoadedConfig, load_config
 from olproute.router import Router
 from olproute.server import proxy
 from olproute.server.schema import BadRequest, ReloadBody, validate
-from olproute.server.state import STATE, ServerState
+from olproute.server.state import STATE, ServerState, log_unpredicted
 from olproute.weights import WEIGHTS_DIR, resolve_profile
 
 LOG = logging.getLogger("olproute.server")
@@ -137,16 +137,25 @@ def _load(path: Path, weights: list[Path]) -> LoadedConfig:
 
 
 def _build_router(st: ServerState, new: LoadedConfig) -> Router:
-    """The router of a reloaded config, calibrated as the running one; a failure (the
-    policy refusing its parameters) is a ConfigError naming the policy's keys."""
+    """The router of a reloaded config, calibrated as the running one, with the running
+    predictor unless ``prediction.serve`` or ``prediction.model_dir`` changed (then the
+    one they name, loaded now; a folder that does not load is a ConfigError naming the
+    key); a failure of the policy (refusing its parameters) is a ConfigError naming the
+    policy's keys."""
+    old, now = st.loaded.config.prediction, new.config.prediction
+    same = (old.serve, old.model_dir) == (now.serve, now.model_dir)
+    predictor = st.router.predictor if same else served_predictor(new)
     try:
         calibration = CalibrationSource(new, known=st.router.calibration())
-        return Router(new, calibration)
+        router = Router(new, calibration, predictor=predictor)
     except Exception as exc:
-        router = new.config.router
-        key = (f"router.policy_params.{router.policy}" if router.policy in router.policy_params
-               else "router.policy")
+        router_cfg = new.config.router
+        key = (f"router.policy_params.{router_cfg.policy}"
+               if router_cfg.policy in router_cfg.policy_params else "router.policy")
         if isinstance(exc, ValueError):
             raise ConfigError(new.path, [(key, str(exc))]) from None
         LOG.warning("reload: building the router failed", exc_info=exc)
         raise ConfigError(new.path, [(key, f"{type(exc).__name__}: {exc}")]) from None
+    if not same:
+        log_unpredicted(router)
+    return router

@@ -14,19 +14,19 @@ import gc
 import math
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, replace
-from typing import Any
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from olproute.assembly import CalibrationSource
+from olproute.assembly import CalibrationSource, served_predictor
 from olproute.calibration import OnlineCalibrator
 from olproute.config import LoadedConfig
 from olproute.prices import PriceView
-from olproute.router import Router
+from olproute.router import Router, prediction_source
 from olproute.server import admin, dashboard, live, proxy
 from olproute.server.capture import LiveCapture
 from olproute.server.certify import Certifier, LiveCert
@@ -39,11 +39,15 @@ from olproute.server.schema import (
     count_words,
     explanation_doc,
     openapi,
+    prediction_doc,
     validate,
 )
-from olproute.server.state import STATE, ServerState
+from olproute.server.state import STATE, ServerState, log_unpredicted, prediction_status
 from olproute.server.tracker import Tracker
 from olproute.types import EngineSnapshot
+
+if TYPE_CHECKING:
+    from olproute.predict import Predictor
 
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                "vllm:kv_cache_usage_perc")
@@ -52,7 +56,8 @@ BACKEND_URLS = web.AppKey("olproute_backend_urls", list)
 
 def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
              calibration: CalibrationSource | None = None,
-             certifier: Certifier | None = None) -> web.Application:
+             certifier: Certifier | None = None,
+             predictor: Predictor | None = None) -> web.Application:
     """The router application. ``backend_urls`` (one per instance, in order) overrides the
     config's backends; with neither, the instances are emulated in-process.
     ``calibration``: what estimating policies read (``olproute.assembly``); without one,
@@ -60,11 +65,14 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
     ``olproute serve`` passes ``olproute.sim.scenario.CalibrationSource``).
     ``certifier``: checks a window of bid_price's prices against the exact LP, in a
     worker process (a picklable function; ``olproute serve`` passes
-    ``solvers.live.certify``); without one, no live certificate."""
+    ``solvers.live.certify``); without one, no live certificate. ``predictor``: the one
+    ``prediction.serve`` names, already loaded (``olproute serve`` loads it first, so a
+    bad folder stops it before anything starts); without one, it is loaded at start-up
+    (``olproute.assembly.served_predictor``)."""
     app = web.Application(client_max_size=loaded.config.server.max_body_bytes,
                           middlewares=[json_errors])  # every error in one JSON shape
     app[BACKEND_URLS] = list(backend_urls or [])
-    app.cleanup_ctx.append(_lifecycle(loaded, calibration, certifier))
+    app.cleanup_ctx.append(_lifecycle(loaded, calibration, certifier, predictor))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.completions)
     app.router.add_post("/route", route)
@@ -80,7 +88,7 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
 
 
 def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
-               certifier: Certifier | None,
+               certifier: Certifier | None, predictor: Predictor | None,
                ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         server = loaded.config.server
@@ -111,7 +119,8 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 timeout=aiohttp.ClientTimeout(total=5.0, sock_connect=server.connect_timeout_s))
             stack.push_async_callback(control.close)
             loop = asyncio.get_running_loop()
-            router = await loop.run_in_executor(None, _build_router, loaded, calibration)
+            router = await loop.run_in_executor(None, _build_router, loaded, calibration,
+                                                predictor)
             st = ServerState(loaded=loaded, router=router,
                              tracker=Tracker(loaded.specs, urls), metrics=ServerMetrics(),
                              session=session, t0=loop.time(), emulators=running,
@@ -151,23 +160,30 @@ async def _stop_all(running: list[Any]) -> None:
         await r.stop()
 
 
-def _build_router(loaded: LoadedConfig, calibration: CalibrationSource | None) -> Router:
-    """The router, calibrated now (at start-up, not on the first request), its policy's
-    first-call costs paid (``_warm``)."""
-    router = Router(loaded, calibration)
+def _build_router(loaded: LoadedConfig, calibration: CalibrationSource | None,
+                  predictor: Predictor | None) -> Router:
+    """The router, calibrated now (at start-up, not on the first request), with its
+    predictor (``predictor``, else the one the config names, loaded and warmed now), its
+    policy's first-call costs paid (``_warm``)."""
+    if predictor is None:
+        predictor = served_predictor(loaded)
+    router = Router(loaded, calibration, predictor=predictor)
     router.calibration()
-    _warm(loaded, router.calibration)
+    _warm(loaded, router.calibration, predictor)
+    log_unpredicted(router)
     return router
 
 
-def _warm(loaded: LoadedConfig, calibration: CalibrationSource) -> None:
+def _warm(loaded: LoadedConfig, calibration: CalibrationSource,
+          predictor: Predictor | None) -> None:
     """Pay at start-up, on a throwaway router, what a policy pays at its first decision
     and first tick: bid_price's first price update compiles its jitted steps (1.4 s, in
     the tick's thread but holding the GIL while it traces, a second of lag while
-    serving); the shapes are fixed by the config, so the router's own ticks reuse it."""
-    warm = Router(loaded, calibration)
+    serving); the shapes are fixed by the config, so the router's own ticks reuse it. Its
+    request has text, so the predictor runs too."""
+    warm = Router(loaded, calibration, predictor=predictor)
     tracker = Tracker(loaded.specs, ["http://warm"] * len(loaded.specs))
-    req = warm.new_request(0.0, 100, 16, 1.0)
+    req = warm.new_request(0.0, 100, 16, 1.0, text="warm up the router")
     warm.decide(req, 0.0, tracker.loads(0.0), tracker.snapshots(0.0),
                 [True] * len(loaded.specs))
     warm.tick(warm.tick_s, tracker.snapshots(warm.tick_s))
@@ -346,9 +362,7 @@ async def route(request: web.Request) -> web.Response:
     max_tokens = body.max_tokens or server.default_max_tokens
     ttft_ms = body.ttft_target_ms or server.default_ttft_ms
     req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_ms / 1e3,
-                                body.slo_class, body.prompt)
-    if body.predicted_tokens is not None:
-        req = replace(req, predicted_decode_tokens=body.predicted_tokens)
+                                body.slo_class, body.prompt, body.predicted_tokens)
     d = st.decide(req, exclude)
     # a decision only: nothing is dispatched, so the policy keeps nothing for it
     st.router.forget(req.request_id)
@@ -358,7 +372,10 @@ async def route(request: web.Request) -> web.Response:
               "decode_instance": None if d.decode_instance is None
               else names[d.decode_instance],
               "reason": d.reason, "policy": st.router.policy_name, "instances": names,
-              "explanation": explanation_doc(d.explanation)}   # schema.RouteAnswer
+              "explanation": explanation_doc(d.explanation, prediction_doc(
+                  req, st.router.models, max_tokens,
+                  prediction_source(req, body.predicted_tokens is not None)))
+              }   # schema.RouteAnswer
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 
@@ -392,7 +409,8 @@ async def instances(request: web.Request) -> web.Response:
             "scraped_age_s": None if b.scraped_at_s is None else now - b.scraped_at_s,
             "beta": ([float(x) for x in st.calibrators[b.index].beta] if has_bea
                      else None)})
-    return web.json_response({"policy": st.router.policy_name, "instances": out})
+    return web.json_response({"policy": st.router.policy_name, "instances": out,
+                              "prediction": prediction_status(st)})
 
 
 def public_url(url: str) -> str:
@@ -457,9 +475,10 @@ async def _freeze_heap(app: web.Application) -> None:
 
 def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None,
                calibration: CalibrationSource | None = None,
-               certifier: Certifier | None = None) -> None:
-    """Serve on uvloop until interrupted; ``calibration`` and ``certifier`` as for
-    ``init_app``."""
+               certifier: Certifier | None = None,
+               predictor: Predictor | None = None) -> None:
+    """Serve on uvloop until interrupted; ``calibration``, ``certifier`` and ``predictor``
+    as for ``init_app``."""
     import uvloop
 
     server = loaded.config.server
@@ -467,7 +486,7 @@ def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None =
     # the price tick runs in a thread: while it holds the GIL the loop waits for it up
     # to the switch interval (5 ms by default) at every turn
     sys.setswitchinterval(GIL_SWITCH_S)
-    app = init_app(loaded, calibration=calibration, certifier=certifier)
+    app = init_app(loaded, calibration=calibration, certifier=certifier, predictor=predictor)
     app.on_startup.append(_freeze_heap)   # after the lifecycle's start-up
     # a client that leaves cancels its handler: a held request leaves the buffer, a
     # backend request in flight is closed (the backend stops generating for it)

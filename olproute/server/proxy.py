@@ -30,6 +30,7 @@ import orjson
 from aiohttp import web
 
 from olproute.policies.admission import patience_s
+from olproute.router import prediction_source
 from olproute.server.schema import (
     BadRequest,
     ChatBody,
@@ -37,6 +38,7 @@ from olproute.server.schema import (
     dump_json,
     explanation_doc,
     parse_json,
+    prediction_doc,
     prompt_tokens_of,
     validate,
 )
@@ -46,20 +48,24 @@ from olproute.types import Decision, Outcome, Request
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 # a client asks for the decision's explanation with x-olproute-explain: 1 (or true); it
-# comes back as JSON in x-olproute-explanation. Unasked, nothing on the proxy path reads
-# it (a policy may build it lazily), except the live certificate's capture
+# comes back as JSON in x-olproute-explanation, with the request's prediction. Unasked,
+# nothing on the proxy path reads it (a policy may build it lazily), except the live
+# certificate's capture
 EXPLAIN_HEADER = "x-olproute-explain"
 EXPLANATION_HEADER = "x-olproute-explanation"
 _ASKED = frozenset(("1", "true"))
 
 
-def decision_headers(request: web.Request, decision: Decision,
-                     headers: dict[str, str]) -> dict[str, str]:
-    """``headers`` and, when the client asked for it, the decision's explanation."""
+def decision_headers(request: web.Request, decision: Decision, req: Request,
+                     max_tokens: int, headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` and, when the client asked for it, the decision's explanation and the
+    prediction ``req`` (of ``max_tokens`` at most) carries."""
     asked = request.headers.get(EXPLAIN_HEADER)
     if asked is not None and asked.strip().lower() in _ASKED:
+        prediction = prediction_doc(req, request.app[STATE].router.models, max_tokens,
+                                    prediction_source(req, given=False))
         headers[EXPLANATION_HEADER] = orjson.dumps(
-            explanation_doc(decision.explanation)).decode()
+            explanation_doc(decision.explanation, prediction)).decode()
     return headers
 
 
@@ -225,7 +231,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if decision.action == "shed":
         st.observe(_outcome(req, None, None, None, None, 0))
         return error_response(429, f"request refused: {decision.reason}", kind="rate_limited",
-                              headers=decision_headers(request, decision, {
+                              headers=decision_headers(request, decision, req, max_tokens, {
                                   "Retry-After": str(server.retry_after_s),
                                   "x-olproute-reason": _ascii(decision.reason)}))
     if decision.decode_instance is not None:
@@ -270,7 +276,7 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
             return error_response(503, f"no backend after a failure: {decision.reason}",
                                   kind="backend_error")
     assert upstream is not None
-    headers = decision_headers(request, decision, {
+    headers = decision_headers(request, decision, req, data["max_tokens"], {
         "x-olproute-instance": backend.spec.name, "x-olproute-reason": _ascii(decision.reason)})
     completed = False
     try:
@@ -495,7 +501,7 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
     p, q = decision.instance, decision.decode_instance
     assert p is not None and q is not None
     bp, bq = st.tracker.backends[p], st.tracker.backends[q]
-    headers = decision_headers(request, decision, {
+    headers = decision_headers(request, decision, req, data["max_tokens"], {
         "x-olproute-instance": bp.spec.name, "x-olproute-decode-instance": bq.spec.name,
         "x-olproute-reason": _ascii(decision.reason)})
     rid = req.request_id

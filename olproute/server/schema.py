@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from olproute.config_read import key_path, problem, problems_of
+from olproute.types import Request
 
 # Nesting of a request body, counted in arrays and objects. OpenAI bodies nest a few
 # levels (messages, content parts, tool schemas); far below where json.dumps, forwarding
@@ -117,6 +118,31 @@ class ReloadBody(BaseModel):
         "shipped profile; absent: re-read the profiles the router runs with")
 
 
+class PredictionDoc(BaseModel):
+    """Where a request's predictions came from, and what they are."""
+
+    source: Literal["predictor", "request", "max_tokens"] = Field(
+        description="predictor: the router's predictor on the prompt text "
+        "(prediction.serve); request: /route's predicted_tokens; max_tokens: no "
+        "prediction (no predictor, no prompt text, or no model of the pool it knows)")
+    max_tokens: int = Field(description="the most the backend generates")
+    decode_tokens: dict[str, int] = Field(
+        description="predicted output tokens per model of the pool (a model the predictor "
+        "does not know: max_tokens)")
+    quality: dict[str, float] | None = Field(
+        default=None, description="predicted quality in [0, 1] per model the predictor "
+        "knows, when it ran")
+
+
+class ExplanationDoc(BaseModel):
+    """A decision's explanation: per-instance figures in ``instances`` order (ttft_s,
+    reward terms, price_cost, score: what the policy reports), and ``prediction``."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, list[float]] = Field(init=False)
+    prediction: PredictionDoc
+
+
 class RouteAnswer(BaseModel):
     request_id: int
     action: Literal["dispatch", "hold", "shed"]
@@ -127,17 +153,32 @@ class RouteAnswer(BaseModel):
     reason: str
     policy: str
     instances: list[str]
-    explanation: dict[str, list[float]] = Field(
-        description="per-instance figures in `instances` order: ttft_s, reward terms, "
-                    "price_cost, score (what the policy reports)")
+    explanation: ExplanationDoc
 
 
-def explanation_doc(explanation: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
-    """A decision's explanation for JSON: its per-instance figures as floats, a
-    non-finite one as 1e308 (JSON has no infinity). Reading it builds it (a policy may
-    make it lazily): only what answers with it calls this."""
-    return {k: [float(x) if math.isfinite(x) else 1e308 for x in v]
-            for k, v in explanation.items()}
+def explanation_doc(explanation: Mapping[str, Sequence[float]],
+                    prediction: dict[str, Any]) -> dict[str, Any]:
+    """A decision's explanation for JSON (``ExplanationDoc``): its per-instance figures as
+    floats, a non-finite one as 1e308 (JSON has no infinity), and ``prediction``
+    (``prediction_doc``). Reading it builds it (a policy may make it lazily): only what
+    answers with it calls this."""
+    doc: dict[str, Any] = {k: [float(x) if math.isfinite(x) else 1e308 for x in v]
+                           for k, v in explanation.items()}
+    doc["prediction"] = prediction
+    return doc
+
+
+def prediction_doc(request: Request, models: Sequence[str], max_tokens: int,
+                   source: str) -> dict[str, Any]:
+    """A request's predictions on each of the pool's ``models`` for JSON
+    (``PredictionDoc``)."""
+    doc: dict[str, Any] = {
+        "source": source, "max_tokens": max_tokens,
+        "decode_tokens": {m: request.predicted_decode_tokens_for(m) for m in models}}
+    quality = request.predicted_quality_by_model
+    if quality:
+        doc["quality"] = {m: float(quality[m]) for m in models if m in quality}
+    return doc
 
 
 def count_words(text: str) -> int:
@@ -312,9 +353,10 @@ _SLO_HEADERS = [
                                            "maximum": 3_600_000}},
     {"name": "x-slo-class", "in": "header", "schema": {"type": "string"}},
     {"name": "x-olproute-explain", "in": "header", "description": "1 (or true): the answer "
-     "carries the decision's explanation in x-olproute-explanation, as JSON (the "
-     "per-instance figures of RouteAnswer.explanation); absent, the router does not "
-     "build it", "schema": {"type": "string", "enum": ["1", "true"]}}]
+     "carries the decision's explanation in x-olproute-explanation, as JSON (an "
+     "ExplanationDoc, as RouteAnswer.explanation: the per-instance figures and the "
+     "request's prediction); absent, the router does not build it",
+     "schema": {"type": "string", "enum": ["1", "true"]}}]
 
 
 def _proxied(summary: str, body: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,8 @@ from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics
 from olproute.server.tracker import Tracker
 from olproute.types import Decision, EngineSnapshot, Outcome, Request
+
+LOG = logging.getLogger("olproute.server")
 
 
 @dataclass(slots=True)
@@ -119,6 +122,30 @@ class ServerState:
         self.router.forget(request_id)
         if self.live is not None:
             self.live.capture.dropped(request_id)
+
+
+def log_unpredicted(router: Router) -> None:
+    """Log the pool's models the router's predictor was not trained for (their requests
+    are predicted ``max_tokens``): once, when a router gets a predictor (at start-up, or a
+    reload that names another)."""
+    found = router.predictions
+    if found is not None and found.unknown:
+        LOG.warning("the predictor in %s was not trained for model(s) %s: their requests "
+                    "are predicted max_tokens (it knows: %s)", found.predictor.directory,
+                    ", ".join(found.unknown), ", ".join(found.predictor.models))
+
+
+def prediction_status(st: ServerState) -> dict[str, Any]:
+    """What ``/instances`` says of the predictions: ``prediction.serve``, the predictor
+    (``shipped``, or ``prediction.model_dir`` as the config gives it; None without one),
+    the pool's models it predicts and those predicted ``max_tokens``."""
+    found = st.router.predictions
+    if found is None:
+        return {"serve": "max_tokens", "predictor": None, "models": [],
+                "max_tokens_for": list(st.router.models)}
+    return {"serve": "predictor",
+            "predictor": st.loaded.config.prediction.model_dir or "shipped",
+            "models": list(found.known), "max_tokens_for": list(found.unknown)}
 
 
 def _healthy_but(healthy: Sequence[bool], exclude: frozenset[int]) -> list[bool]:

@@ -102,7 +102,8 @@ def decode_view(request: Request) -> tuple[Request, int]:
 def prefill_view(request: Request) -> Request:
     """The request as its prefill backend serves it: the prompt and one output token
     (discarded by the proxy)."""
-    return replace(request, decode_tokens=1, predicted_decode_tokens=1)
+    return replace(request, decode_tokens=1, predicted_decode_tokens=1,
+                   predicted_decode_by_model=None)
 
 
 @dataclass(slots=True)
@@ -237,9 +238,10 @@ class Tracker:
             if not b.inbound:
                 out.append(None)
                 continue
-            out.append(np.array([(i.request.prompt_tokens, i.request.predicted_decode_tokens,
-                                  i.dispatch_s) for i in b.inbound.values()],
-                                dtype=np.float64))
+            model = b.spec.model
+            out.append(np.array([(i.request.prompt_tokens,
+                                  i.request.predicted_decode_tokens_for(model), i.dispatch_s)
+                                 for i in b.inbound.values()], dtype=np.float64))
         return tuple(out)
 
     def set_scraped(self, g: int, gauges: dict[str, float], now_s: float) -> None:
@@ -337,14 +339,16 @@ class Tracker:
         run_ids = {f.request.request_id for f in running}
         waiting = [f for f in flights if f.request.request_id not in run_ids]
         rows = []
+        model = b.spec.model   # each request's predicted output on this backend's model
         for f in running:
             out = max(f.tokens, 1)  # a non-streamed request: assume its first token is out
             ctx = f.request.prompt_tokens + out
-            rows.append((f.request.prompt_tokens, out, f.request.predicted_decode_tokens,
-                         ctx - 1, math.ceil(ctx / b.spec.block_size)))
+            rows.append((f.request.prompt_tokens, out,
+                         f.request.predicted_decode_tokens_for(model), ctx - 1,
+                         math.ceil(ctx / b.spec.block_size)))
         for f in waiting:
-            rows.append((f.request.prompt_tokens, 0, f.request.predicted_decode_tokens,
-                         f.computed_tokens, 0))
+            rows.append((f.request.prompt_tokens, 0,
+                         f.request.predicted_decode_tokens_for(model), f.computed_tokens, 0))
         table = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
         used = self._counts(b)[1]
         return EngineSnapshot(

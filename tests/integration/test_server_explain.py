@@ -1,7 +1,8 @@
 """The explanation on the request path: built only when an answer carries it. ``/route``
 always does; the proxy only when the client sends ``x-olproute-explain: 1``, and then in
-``x-olproute-explanation``. A recording explanation counts every read of it. And the
-loop-lag endpoint."""
+``x-olproute-explanation`` (the policy's per-instance figures and the request's
+``prediction``: tests/integration/test_server_predictor.py). A recording explanation counts
+every read of it. And the loop-lag endpoint."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def test_proxy_returns_the_explanation_when_asked(recorded: tuple[Stack, list[st
                                  headers={"x-olproute-explain": "1"})
     assert status == 200
     doc = json.loads(headers["x-olproute-explanation"])
+    assert doc.pop("prediction")["source"] == "predictor"
     assert doc and all(len(v) == 3 and all(isinstance(x, float) for x in v)
                        for v in doc.values())
     assert "score" in doc and reads
