@@ -1,11 +1,17 @@
 """The router over HTTP: decisions per second and the latency the proxy adds.
 
-    python bench/bench_http.py [--seconds S] [--json PATH]
+    python bench/bench_http.py [--seconds S] [--quick] [--prompts counts|text]
+                               [--serve-predictions predictor|max_tokens] [--json PATH]
 
 1. ``POST /route`` at concurrency 32 for ``--seconds`` against the router (bid_price,
    8 emulated Qwen3-8B / H100 instances, BEA and the request's predicted length in
    every decision), and the same load against a null aiohttp-on-uvloop handler that
-   parses the JSON body and returns a small JSON answer, measured in the same run: rate
+   parses the JSON body and returns a small JSON answer, measured in the same run. The
+   bodies give prompt token counts (``--prompts counts``, the default: no text, so the
+   router predicts ``max_tokens``) or synthetic prompt texts (``--prompts text``:
+   ``olproute.sim.prompts``, the four task families, 6 to 6,092 words, median 32; the
+   router runs its predictor on each, unless ``--serve-predictions max_tokens`` sets
+   ``prediction.serve`` so; without the flag the config leaves the key out). Figures: rate
    and p50 / p99 latency of each, and the router's share of the null handler's rate
    (``router_over_null``, goal >= 50%). During the router's load, its event loop's lag
    (``GET /debug/loop-lag``: a timer every 10 ms, timed with ``perf_counter``):
@@ -18,6 +24,9 @@
    a null aiohttp proxy in front of that backend (no decision: the cost of the hop
    alone); the p50 and p99 of each, and the router's p99 over the direct one
    (``proxy_ttft_p99_ratio``, goal <= 1.10).
+
+``--quick``: 3 s of load per server and 60 TTFT requests (a before/after check, not the
+README's figures).
 
 Each server runs in a process of its own: the null handler, the router, and the 8
 emulated instances (``olproute emulate``, named to the router as ``server.backends``),
@@ -106,10 +115,24 @@ async def wait_up(url: str, timeout: float = 120.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-async def load(url: str, seconds: float, concurrency: int) -> dict[str, float]:
-    bodies = [{"prompt_tokens": int(p), "max_tokens": int(o), "ttft_target_ms": 1000}
-              for p, o in zip(np.random.default_rng(0).integers(50, 3000, 256),
-                              np.random.default_rng(1).integers(10, 600, 256), strict=True)]
+def route_bodies(prompts: str) -> list[dict[str, Any]]:
+    """256 ``/route`` bodies: prompt token counts, or synthetic prompt texts (``text``),
+    with the same output limits."""
+    limits = np.random.default_rng(1).integers(10, 600, 256)
+    if prompts == "text":
+        from olproute.sim.prompts import generate_prompts
+
+        texts = [p.text for p in generate_prompts(256, ["qwen3-8b"],
+                                                  np.random.default_rng(2))]
+        return [{"prompt": t, "max_tokens": int(o), "ttft_target_ms": 1000}
+                for t, o in zip(texts, limits, strict=True)]
+    return [{"prompt_tokens": int(p), "max_tokens": int(o), "ttft_target_ms": 1000}
+            for p, o in zip(np.random.default_rng(0).integers(50, 3000, 256), limits,
+                            strict=True)]
+
+
+async def load(url: str, seconds: float, concurrency: int,
+               bodies: list[dict[str, Any]]) -> dict[str, float]:
     lat: list[float] = []
     errors = 0
     stop = time.monotonic() + seconds
@@ -170,10 +193,11 @@ def start_emulators(config: Path, env: dict[str, str]
     raise RuntimeError(f"olproute emulate exited ({proc.returncode}) before serving")
 
 
-def emulated_fleet(env: dict[str, str]) -> tuple[subprocess.Popen[str], Path]:
+def emulated_fleet(env: dict[str, str], serve_predictions: str | None = None
+                   ) -> tuple[subprocess.Popen[str], Path]:
     """The benchmark's fleet: 8 emulated Qwen3-8B / H100 instances in a process of their
     own (``start_emulators``), and the router's config naming them as its backends
-    (bid_price, noisy lengths)."""
+    (bid_price, noisy lengths in the simulator; ``prediction.serve`` when given)."""
     tmp = Path(tempfile.mkdtemp())
     cfg: dict[str, Any] = {
         "profiles": str(REPO / "configs" / "profiles.yaml"),
@@ -184,6 +208,8 @@ def emulated_fleet(env: dict[str, str]) -> tuple[subprocess.Popen[str], Path]:
     (tmp / "emulate.yaml").write_text(yaml.safe_dump(cfg))
     emulators, backends = start_emulators(tmp / "emulate.yaml", env)
     cfg["server"] = {"backends": backends}
+    if serve_predictions is not None:
+        cfg["prediction"] = {**cfg["prediction"], "serve": serve_predictions}
     (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
     return emulators, tmp / "bench.yaml"
 
@@ -201,27 +227,38 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0, help="load duration per server")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--ttft-requests", type=int, default=200)
+    ap.add_argument("--quick", action="store_true",
+                    help="3 s of load per server and 60 TTFT requests")
+    ap.add_argument("--prompts", choices=("counts", "text"), default="counts",
+                    help="/route bodies: prompt token counts or synthetic prompt texts "
+                         "(default: %(default)s)")
+    ap.add_argument("--serve-predictions", choices=("predictor", "max_tokens"),
+                    help="the router's prediction.serve (default: the config's default)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ap.add_argument("--router-log", metavar="PATH",
                     help="write the router's stderr here (e.g. with JAX_LOG_COMPILES=1)")
     args = ap.parse_args()
+    if args.quick:
+        args.seconds, args.ttft_requests = 3.0, 60
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    emulators, config = emulated_fleet(env)
+    emulators, config = emulated_fleet(env, args.serve_predictions)
+    bodies = route_bodies(args.prompts)
     rport, nport = free_port(), free_port()
     log = open(args.router_log, "w") if args.router_log else subprocess.DEVNULL  # noqa: SIM115
     router = subprocess.Popen([sys.executable, "-m", "olproute.cli", "serve", "--config",
                                str(config), "--port", str(rport)],
                               stdout=subprocess.DEVNULL, stderr=log, env=env)
     null = subprocess.Popen([sys.executable, "-c", NULL_SERVER, str(nport)], env=env)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"prompts": args.prompts,
+                               "serve_predictions": args.serve_predictions}
     procs: list[subprocess.Popen[bytes]] = []
     try:
         rurl, nurl = f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{nport}"
         asyncio.run(wait_up(nurl))
         asyncio.run(wait_up(rurl))
-        results["null"] = asyncio.run(load(nurl, args.seconds, args.concurrency))
-        results["router"] = asyncio.run(load(rurl, args.seconds, args.concurrency))
+        results["null"] = asyncio.run(load(nurl, args.seconds, args.concurrency, bodies))
+        results["router"] = asyncio.run(load(rurl, args.seconds, args.concurrency, bodies))
         results["loop_lag_ms"] = asyncio.run(loop_lag(rurl, args.seconds))
 
         async def backend_url() -> str:
