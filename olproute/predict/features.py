@@ -35,6 +35,8 @@ class PredictorError(ValueError):
 
 
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+# a lone surrogate (a JSON body may carry one, "\ud800") has no UTF-8 form to hash
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 _WINDOW_TOKENS = 80  # instructions sit at a prompt's start or end: indicators look there
 _LOOKAHEAD_TOKENS = 3  # a unit counts if it follows its number within this many tokens
 _NUMBERS = {w: float(i) for i, w in enumerate((
@@ -250,7 +252,14 @@ class Featurizer:
         return vec / max(1, num_tokens)
 
     def stats_and_hashed(self, text: str) -> tuple[list[float], FloatArray]:
-        """``STAT_NAMES`` values and the hashed token vector of one prompt."""
+        """``STAT_NAMES`` values and the hashed token vector of one prompt. A lone
+        surrogate (no UTF-8 form) counts as U+FFFD, the replacement character."""
+        try:
+            return self._stats_and_hashed(text)
+        except UnicodeEncodeError:
+            return self._stats_and_hashed(_SURROGATE_RE.sub("\ufffd", text))
+
+    def _stats_and_hashed(self, text: str) -> tuple[list[float], FloatArray]:
         if self._kernel is None:
             tokens = tokenize(text)
             counts = Counter(tokens)

@@ -115,6 +115,19 @@ def test_the_proxy_explains_its_prediction(stack: Stack, shipped: Predictor) -> 
     assert status == 200 and "x-olproute-explanation" not in headers
 
 
+def test_a_lone_surrogate_in_a_chat_part_is_predicted(stack: Stack) -> None:
+    """JSON may carry a lone surrogate, which has no UTF-8 form: a string field refuses it
+    (400), but a chat's content parts reach the predictor as they are; it reads one as
+    U+FFFD rather than failing the request."""
+    raw = (b'{"messages": [{"role": "user", "content": [{"type": "text", '
+           b'"text": "Write a poem \\ud800 about rain."}]}], "max_tokens": 3}')
+    status, headers, body = request(stack.url, "POST", "/v1/chat/completions", raw=raw,
+                                    headers=EXPLAIN)
+    assert status == 200, body
+    doc = json.loads(headers["x-olproute-explanation"])
+    assert doc["prediction"]["source"] == "predictor"
+
+
 def test_instances_say_what_is_predicted(stack: Stack) -> None:
     status, _, raw = request(stack.url, "GET", "/instances")
     assert status == 200

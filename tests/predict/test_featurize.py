@@ -164,10 +164,15 @@ def test_kernel_crc32_is_zlibs(data: bytes) -> None:
     assert _featurize.crc32(data) == zlib.crc32(data)
 
 
-def test_a_lone_surrogate_is_refused_by_both() -> None:
-    for featurizer in TWINS[512]:
-        with pytest.raises(UnicodeEncodeError):
-            featurizer.stats_and_hashed("a \ud800 b")
+def test_a_lone_surrogate_counts_as_the_replacement_character() -> None:
+    """A JSON body may carry a lone surrogate ("\\ud800"), which has no UTF-8 form: both
+    featurisers read it as U+FFFD (a request's prediction must not fail on it)."""
+    for text in ("a \ud800 b", "\udfff", "x\ud83d", "\ud83d\ude00"):
+        replaced = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
+        assert_twins_agree(text)
+        for featurizer in TWINS[512]:
+            got, want = featurizer.stats_and_hashed(text), featurizer.stats_and_hashed(replaced)
+            assert got[0] == want[0] and got[1].tobytes() == want[1].tobytes()
 
 
 def test_predictions_on_the_compiled_path_equal_those_on_the_twin() -> None:
