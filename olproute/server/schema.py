@@ -92,7 +92,8 @@ class ChatBody(_Body):
 
 class RouteBody(BaseModel):
     """``POST /route``: the decision alone (nothing is dispatched or counted). Give
-    ``prompt`` or ``prompt_tokens`` (the count wins when both are given)."""
+    ``prompt`` or ``prompt_tokens`` (the count wins when both are given; the predictor
+    reads the prompt's text, so without it the prediction is ``max_tokens``)."""
 
     model_config = ConfigDict(**_STRICT, extra="forbid", json_schema_extra={"anyOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
@@ -101,8 +102,9 @@ class RouteBody(BaseModel):
     prompt: str | None = Field(default=None, description="prompt text (or give prompt_tokens)")
     prompt_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
-    predicted_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS,
-                                         description="predicted output tokens, if known")
+    predicted_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_TOKENS, description="predicted output tokens, if known: "
+        "overrides the router's prediction on every model (prediction.source: request)")
     ttft_target_ms: float | None = Field(default=None, gt=0, le=3_600_000)
     slo_class: str = "default"
     model: str | None = Field(default=None, description="only instances serving this model")
