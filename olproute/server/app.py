@@ -367,15 +367,14 @@ async def route(request: web.Request) -> web.Response:
     # a decision only: nothing is dispatched, so the policy keeps nothing for it
     st.router.forget(req.request_id)
     names = [s.name for s in st.loaded.specs]
+    prediction = prediction_doc(req, st.router.models, max_tokens,
+                                prediction_source(req, body.predicted_tokens is not None))
     answer = {"request_id": req.request_id, "action": d.action,
               "instance": None if d.instance is None else names[d.instance],
               "decode_instance": None if d.decode_instance is None
               else names[d.decode_instance],
               "reason": d.reason, "policy": st.router.policy_name, "instances": names,
-              "explanation": explanation_doc(d.explanation, prediction_doc(
-                  req, st.router.models, max_tokens,
-                  prediction_source(req, body.predicted_tokens is not None)))
-              }   # schema.RouteAnswer
+              "explanation": explanation_doc(d.explanation, prediction)}   # schema.RouteAnswer
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 
