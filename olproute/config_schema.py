@@ -169,6 +169,11 @@ class SimConfig(_Frozen):
     snapshot_age_ms: float = Field(
         default=0.0, ge=0, description="how old the instance snapshots are that "
         "snapshot-reading policies see (BEAR: 0-1000)")
+    snapshot_view: Literal["engine", "router"] = Field(
+        default="engine", description="what snapshot-reading policies see of an engine: "
+        "its exact scheduler state, or what a router rebuilds of it from its own traffic "
+        "(olproute.tracked: no batch in flight, no prefill progress, preempted requests "
+        "still running), as olproute serve sees real backends")
 
 
 class TransferConfig(_Frozen):
