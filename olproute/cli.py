@@ -196,7 +196,8 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
                              trace_path=args.lengths_trace or DEFAULT_TRACE,
                              exact=args.exact_lengths)
     uvloop.run(serve_emulators(loaded, host=args.host, base_port=args.base_port,
-                               time_scale=args.time_scale, seed=args.seed, lengths=lengths))
+                               time_scale=args.time_scale, seed=args.seed, lengths=lengths,
+                               stream_interval=args.stream_interval))
     return 0
 
 
@@ -410,6 +411,10 @@ def _add_emulate(sub: Any) -> None:
     p.add_argument("--exact-lengths", action="store_true",
                    help="every request generates exactly max_tokens (finish_reason "
                         "length), the emulator's behaviour before it stopped like a model")
+    p.add_argument("--stream-interval", type=_positive_int, default=1, metavar="N",
+                   help="as vLLM's: a stream sends its first token at once, then every N "
+                        "tokens (one SSE event each, in one write), the rest at its end "
+                        "(default: 1)")
     p.set_defaults(handler=_cmd_emulate)
 
 

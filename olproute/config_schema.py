@@ -329,6 +329,9 @@ class ServerConfig(_Frozen):
     emulator_exact_lengths: bool = Field(
         default=False, description="emulated requests generate exactly max_tokens, instead "
         "of stopping where their prompt's model would (olproute.emulator.lengths)")
+    emulator_stream_interval: int = Field(
+        default=1, ge=1, description="emulated streams send their first token at once, then "
+        "every N tokens (vLLM's --stream-interval)")
     emulator_truth: str | None = Field(
         default=None, description="CSV or JSONL of prompt, model, output_tokens (relative "
         "to this file): where emulated requests with these prompts stop")

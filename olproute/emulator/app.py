@@ -14,7 +14,9 @@ new, the first one included.
 A request generates as many tokens as ``olproute.emulator.lengths`` says for its prompt
 and the served model (its model's EOS, capped at ``max_tokens``; all ``max_tokens`` with
 exact lengths), decided when it arrives, on a decode instance from the same prompt text
-the prefill instance saw.
+the prefill instance saw. A stream sends one SSE event per token; with a stream interval
+N > 1 (vLLM's ``--stream-interval``) it writes them in groups: the first token at once,
+then every N tokens, the rest when the request ends.
 
 Stopping an emulator is abrupt, like killing a vLLM process: requests in flight are
 dropped and their connections closed without a final chunk or ``[DONE]``.
@@ -104,7 +106,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     headers = {INSTANCE_HEADER: inst.spec.name}
     try:
         if gen.stream:
-            return await _stream(request, req, ChunkWriter(gen, request_id, output), headers)
+            return await _stream(request, req, ChunkWriter(gen, request_id, output), headers,
+                                 inst.stream_interval)
         await req.wait_done()
         if req.failed:
             _cut(request)
@@ -122,18 +125,22 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, req: EmulatedRequest, writer: ChunkWriter,
-                  headers: dict[str, str]) -> web.StreamResponse:
+                  headers: dict[str, str], interval: int = 1) -> web.StreamResponse:
+    """Send the tokens as they come, one SSE event each, in one write per ``interval``
+    new tokens (vLLM's ``--stream-interval``: the first token at once, then whenever
+    ``interval`` more exist, the rest when the request ends), then the end events.
+    Unlike vLLM, which puts the text of a write's tokens in one event, each token keeps
+    its event, so whoever counts tokens by events (the router's proxy) counts right."""
     resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     sent = 0
     try:
         while sent < req.output_tokens:
-            await req.wait_beyond(sent)
+            n = await req.wait_to_send(sent, interval)
             if req.failed or req.aborted:
                 _cut(request)
                 return resp
-            n = req.num_tokens
             await resp.write(b"".join(writer.token(i) for i in range(sent, n)))
             sent = n
         await resp.write(writer.end(sent))
@@ -268,6 +275,7 @@ async def start_emulators(
     time_scale: float = 1.0,
     max_body_bytes: int = MAX_BODY_BYTES,
     exact_lengths: bool = False,
+    stream_interval: int = 1,
     lengths: OutputLengths | None = None,
     truth_path: str | os.PathLike[str] | None = None,
 ) -> list[RunningEmulator]:
@@ -279,8 +287,9 @@ async def start_emulators(
     ``sim.seed``). A request stops where ``lengths`` says, by default
     ``olproute.emulator.lengths.output_lengths(loaded, seed=seed, truth_path=truth_path)``
     (the synthetic workload's truth and the truth file's, else trace draws); with
-    ``exact_lengths`` it generates all its ``max_tokens``. Stop them with
-    ``stop_emulators`` (or use ``emulators(...)``)."""
+    ``exact_lengths`` it generates all its ``max_tokens``. ``stream_interval``: vLLM's
+    ``--stream-interval`` (``EmulatedInstance``). Stop them with ``stop_emulators`` (or use
+    ``emulators(...)``)."""
     if loaded is None:
         loaded = load_config()
     if timers is None:
@@ -299,7 +308,7 @@ async def start_emulators(
                 max_model_len=None if model is None else model.max_context_tokens,
                 kv_transfer=None if model is None else KvTransfer.of(
                     model, loaded.config.transfer),
-                lengths=lengths, exact_lengths=exact_lengths)
+                lengths=lengths, exact_lengths=exact_lengths, stream_interval=stream_interval)
             runner = web.AppRunner(init_app(inst, max_body_bytes=max_body_bytes),
                                    handler_cancellation=True, access_log=None,
                                    shutdown_timeout=1.0)
@@ -358,8 +367,8 @@ def emulation_config(loaded: LoadedConfig, num_instances: int | None = None,
 
 async def serve_emulators(loaded: LoadedConfig, *, host: str, base_port: int,
                           time_scale: float, seed: int | None = None,
-                          lengths: OutputLengths | None = None,
-                          exact_lengths: bool = False) -> None:
+                          lengths: OutputLengths | None = None, exact_lengths: bool = False,
+                          stream_interval: int = 1) -> None:
     """Run the config's instances as emulators, printing their URLs, until SIGINT or
     SIGTERM (or cancellation); then stop them. Keywords as ``start_emulators``."""
     stop = asyncio.Event()
@@ -369,14 +378,17 @@ async def serve_emulators(loaded: LoadedConfig, *, host: str, base_port: int,
         loop.add_signal_handler(sig, stop.set)
     running = await start_emulators(loaded.specs, loaded=loaded, seed=seed, host=host,
                                     base_port=base_port, time_scale=time_scale,
-                                    lengths=lengths, exact_lengths=exact_lengths)
+                                    lengths=lengths, exact_lengths=exact_lengths,
+                                    stream_interval=stream_interval)
     try:
         for r in running:
             s = r.instance.spec
             print(f"{s.name:<24} {r.url}  ({s.model} on {s.gpu} x{s.tensor_parallel}, "
                   f"{s.max_num_seqs} seqs, {s.kv_capacity_tokens:,} KV tokens)", flush=True)
+        interval = (f"stream interval {stream_interval}; " if stream_interval > 1 else "")
         print(f"{len(running)} emulated instance(s) serving; "
-              f"{describe_lengths(running[0].instance.lengths)}; Ctrl-C stops", flush=True)
+              f"{describe_lengths(running[0].instance.lengths)}; {interval}Ctrl-C stops",
+              flush=True)
         await stop.wait()
     finally:
         await stop_emulators(running)

@@ -112,6 +112,14 @@ class EmulatedRequest:
             self._changed.clear()
             await self._changed.wait()
 
+    async def wait_to_send(self, sent: int, interval: int = 1) -> int:
+        """The number of tokens a stream that has sent ``sent`` should have sent after its
+        next write, once that write is due (vLLM's ``--stream-interval``): the first token
+        at once, then ``interval`` more (or all that exist by then), and the rest when the
+        request is done. Check ``failed`` / ``aborted`` after it."""
+        await self.wait_beyond(sent + interval - 1 if sent else 0)
+        return self.num_tokens
+
     def _notify(self) -> None:
         self._changed.set()
 
@@ -139,7 +147,9 @@ class EmulatedInstance:
     loop's ``time`` (the tests do). Default: ``time.monotonic``.
     ``lengths`` says where each request the HTTP face admits stops (default: draws from
     the default trace, seed 0); ``exact_lengths`` makes every request generate all its
-    ``max_tokens`` instead.
+    ``max_tokens`` instead. ``stream_interval`` (>= 1) is vLLM's ``--stream-interval``:
+    a stream sends its first token at once, then whenever ``stream_interval`` more tokens
+    exist, and the rest when the request ends.
     """
 
     def __init__(self, spec: InstanceSpec, timer: BatchTimer, *, index: int = 0,
@@ -147,12 +157,16 @@ class EmulatedInstance:
                  max_model_len: int | None = None, batch_log_size: int = 65_536,
                  kv_transfer: KvTransfer | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 lengths: OutputLengths | None = None, exact_lengths: bool = False) -> None:
+                 lengths: OutputLengths | None = None, exact_lengths: bool = False,
+                 stream_interval: int = 1) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         if exact_lengths:
             lengths = OutputLengths([1], exact=True)
         self.lengths = lengths if lengths is not None else OutputLengths.from_trace()
+        self.stream_interval = stream_interval
         self.spec = spec
         self.index = index
         self.time_scale = time_scale

@@ -97,6 +97,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 running = await start_emulators(
                     loaded.specs, loaded=loaded, time_scale=server.emulator_time_scale,
                     exact_lengths=server.emulator_exact_lengths,
+                    stream_interval=server.emulator_stream_interval,
                     truth_path=None if truth is None else loaded.resolve(truth))
                 stack.push_async_callback(_stop_all, running)
                 urls = [r.url for r in running]

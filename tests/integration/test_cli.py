@@ -300,16 +300,25 @@ def test_compare_on_pools_runs_the_pool_policies_by_default(
 
 
 # -- emulate ------------------------------------------------------------------------------------
-def test_emulate_length_options_parse() -> None:
+def test_emulate_length_and_stream_options_parse() -> None:
     from olproute.cli import _cmd_emulate, build_parser
 
-    args = build_parser().parse_args(["emulate", "--exact-lengths"])
-    assert args.exact_lengths is True
+    args = build_parser().parse_args(["emulate", "--exact-lengths", "--stream-interval", "4"])
+    assert args.exact_lengths is True and args.stream_interval == 4
     assert args.handler is _cmd_emulate and args.truth is None
     args = build_parser().parse_args(["emulate", "--truth", "t.jsonl", "--lengths-trace",
                                       "x.csv", "--seed", "3"])
-    assert args.exact_lengths is False  # the default
+    assert (args.exact_lengths, args.stream_interval) == (False, 1)  # the defaults
     assert (args.truth, args.lengths_trace, args.seed) == ("t.jsonl", "x.csv", 3)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5", "many"])
+def test_emulate_stream_interval_must_be_a_positive_integer(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["emulate", "--stream-interval", value])
+    assert info.value.code == 2
+    assert "argument --stream-interval" in capsys.readouterr().err
 
 
 def test_emulate_with_a_bad_truth_file_exits_2_naming_file_and_line(
@@ -330,6 +339,6 @@ def test_emulate_help_names_the_length_options(capsys: pytest.CaptureFixture[str
         main(["emulate", "--help"])
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    for words in ("--exact-lengths", "--truth PATH", "--lengths-trace",
+    for words in ("--exact-lengths", "--stream-interval N", "--truth PATH", "--lengths-trace",
                   "finish_reason stop, or length when capped"):
         assert words in out, words

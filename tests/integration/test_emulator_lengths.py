@@ -1,27 +1,33 @@
 """Emulated requests stop like a model's, over HTTP: the finish reason, the text and the
 usage of every answer (streamed or not, completion or chat) are what
 ``olproute.emulator.lengths`` computes offline; ``exact_lengths`` gives ``max_tokens``;
-the router's proxy counts every token of them."""
+``stream_interval`` groups a stream's token events into fewer writes, the same text, and
+the router's proxy still counts every token."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from olproute.config import load_config
-from olproute.emulator import RunningEmulator, start_emulators
+from olproute.emulator import EmulatedInstance, RunningEmulator, start_emulators
 from olproute.emulator.protocol import generated_text
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
+from olproute.sim.timing import LinearTiming
 from olproute.types import InstanceSpec
 from tests.integration.server_harness import Stack, record_outcomes, wait_until
 from tests.integration.test_server import CAL, _config, stream
+from tests.virtual_time import run_virtual
 
 MODEL = "llama-2-7b"
 SPEC = InstanceSpec(name="emu-l", model=MODEL, gpu="a100-80gb", tensor_parallel=1,
@@ -173,20 +179,76 @@ async def test_exact_lengths_generate_max_tokens(tmp_path: Path,
         await emu.stop()
 
 
-@pytest.mark.parametrize("exact", [False, True])
-def test_the_router_counts_every_token(tmp_path: Path, exact: bool) -> None:
+@pytest.mark.anyio
+@pytest.mark.parametrize("interval", [1, 4, 50])
+async def test_a_stream_interval_groups_token_events_into_writes(
+        tmp_path: Path, http: aiohttp.ClientSession, interval: int) -> None:
+    emu = await _start(tmp_path, stream_interval=interval)
+    try:
+        lengths = emu.instance.lengths
+        for prompt in ("count to twenty", "a prompt of the trace"):
+            for chat in (False, True):
+                body = _body(prompt, chat, True, max_tokens=30,
+                             stream_options={"include_usage": True})
+                n, reason = lengths.tokens_of_body(body, MODEL, 30)
+                text, got, tokens, per_write = await _ask(http, emu, body)
+                assert (text, got, tokens) == (generated_text(n), reason, n)
+                assert sum(per_write) == n
+                # the first token at once; then a write per `interval` tokens, or more if
+                # the stream fell behind (a loaded machine: so exact counts are checked on
+                # a virtual clock below); the rest at the end: at most 1 + ceil((n-1)/N)
+                assert all(k >= interval for k in per_write[1:-1])
+                assert len(per_write) <= 1 + math.ceil((n - 1) / interval)
+    finally:
+        await emu.stop()
+
+
+def test_a_stream_writes_at_the_interval_on_a_virtual_clock() -> None:
+    """Exactly when each write is due, on an engine whose batches take 20 ms of a virtual
+    clock (so the stream always keeps up): tokens 1, 1+N, 1+2N, ..., then the rest."""
+    async def sends(output_tokens: int, interval: int) -> list[int]:
+        timer = LinearTiming((0.02, 0.0, 0.0, 0.0), 0.0, np.random.default_rng(0))
+        inst = EmulatedInstance(SPEC, timer, clock=asyncio.get_running_loop().time,
+                                stream_interval=interval)
+        await inst.start()
+        try:
+            req = inst.submit(30, 100, output_tokens)
+            sent, out = 0, []
+            while sent < req.output_tokens:
+                sent = await req.wait_to_send(sent, inst.stream_interval)
+                out.append(sent)
+            assert req.finish_reason == ("length" if output_tokens == 100 else "stop")
+            return out
+        finally:
+            await inst.close()
+
+    async def main() -> None:
+        assert await sends(10, 1) == list(range(1, 11))
+        assert await sends(10, 4) == [1, 5, 9, 10]
+        assert await sends(13, 4) == [1, 5, 9, 13]
+        assert await sends(10, 50) == [1, 10]
+        assert await sends(1, 4) == [1]
+        assert await sends(100, 25) == [1, 26, 51, 76, 100]
+
+    run_virtual(main)
+
+
+@pytest.mark.parametrize(("interval", "exact"), [(1, False), (4, False), (4, True)])
+def test_the_router_counts_every_token_of_grouped_events(tmp_path: Path, interval: int,
+                                                         exact: bool) -> None:
     """Through the router's proxy to embedded emulators (the config's server keys): the
     client gets the emulator's answer, and the router's own count of each request's
     tokens (fed back to the policy) is the emulator's length."""
     _truth_file(tmp_path)  # beside the config, which names it relative to itself
     server = {"emulator_time_scale": TIME_SCALE, "health_period_s": 0.2,
-              "emulator_truth": "truth.csv",
+              "emulator_stream_interval": interval, "emulator_truth": "truth.csv",
               "emulator_exact_lengths": exact}
     loaded = load_config(_config(tmp_path, server=server, instances=[
         {"name": "q", "model": MODEL, "gpu": "a100-80gb", "replicas": 2}]))
     s = Stack(loaded, num_fakes=0, calibration=CalibrationSource(loaded, known=[CAL] * 2))
     try:
         emus = s.app[STATE].emulators
+        assert all(e.instance.stream_interval == interval for e in emus)
         lengths = emus[0].instance.lengths
         assert lengths.exact == exact and len(lengths.truth) == (0 if exact else len(TRUTH))
         outcomes = record_outcomes(s)
