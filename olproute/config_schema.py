@@ -331,6 +331,15 @@ class ServerConfig(_Frozen):
     backends: tuple[BackendConfig, ...] = ()
     emulator_time_scale: float = Field(default=1.0, gt=0,
                                        description="emulated batch-time multiplier")
+    emulator_exact_lengths: bool = Field(
+        default=False, description="emulated requests generate exactly max_tokens, instead "
+        "of stopping where their prompt's model would (olproute.emulator.lengths)")
+    emulator_stream_interval: int = Field(
+        default=1, ge=1, description="emulated streams send their first token at once, then "
+        "every N tokens (vLLM's --stream-interval)")
+    emulator_truth: str | None = Field(
+        default=None, description="CSV or JSONL of prompt, model, output_tokens (relative "
+        "to this file): where emulated requests with these prompts stop")
     admin_token_env: str = Field(default="OLPROUTE_ADMIN_TOKEN",
                                  description="bearer token for /admin, from the env")
     admin_token: str | None = Field(default=None, description="or given here (the env wins)")
