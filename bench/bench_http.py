@@ -178,9 +178,11 @@ async def ttft(url: str, n: int) -> list[float]:
 def start_emulators(config: Path, env: dict[str, str]
                     ) -> tuple[subprocess.Popen[str], list[dict[str, str]]]:
     """``olproute emulate`` in a process of its own: the process and the backends it
-    serves (``server.backends`` entries), read from the lines it prints."""
+    serves (``server.backends`` entries), read from the lines it prints. Exact lengths:
+    every streamed request generates its ``max_tokens`` (4), as in the runs this
+    benchmark has reported, whatever the length the prompt would draw."""
     proc = subprocess.Popen([sys.executable, "-m", "olproute.cli", "emulate", "--config",
-                             str(config)], stdout=subprocess.PIPE,
+                             str(config), "--exact-lengths"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env)
     assert proc.stdout is not None
     backends = []

@@ -6,7 +6,8 @@ load, the page rendered by headless Chromium.
 1. ``olproute serve`` in its own process on ``configs/default.yaml`` (bid_price, four
    emulated Llama-2-7B / A100 instances in-process) with ``max_num_seqs: 12`` (batch
    slots scarce enough to be priced), ``prices.certify_period_s`` (default 5 s, so that a
-   live LP check has finished before the picture) and ``--weights tail_latency``.
+   live LP check has finished before the picture), ``server.emulator_exact_lengths``
+   (every request generates its ``max_tokens``) and ``--weights tail_latency``.
 2. From this process: streamed ``/v1/completions``, Poisson arrivals at ``--rate`` req/s
    (seeded), prompts of 20-600 words, ``max_tokens`` 20-300, each read to its end.
 3. After ``--seconds`` of load, while it goes on: ``/dashboard`` screenshot by Debian's
@@ -59,6 +60,8 @@ def write_config(tmp: Path, max_num_seqs: int, certify_period_s: float) -> Path:
     for inst in cfg["instances"]:
         inst["max_num_seqs"] = max_num_seqs
     cfg.setdefault("prices", {})["certify_period_s"] = certify_period_s
+    # every request generates its max_tokens, as when the README's picture was taken
+    cfg.setdefault("server", {})["emulator_exact_lengths"] = True
     path = tmp / "dashboard.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

@@ -4,13 +4,14 @@ four emulated Llama-2-7B / A100 engines), and what the router does about it.
 
     python bench/overload.py [--minutes N] [--json PATH] [--step-s S] [--seed S]
 
-1. Start ``olproute serve`` in a process of its own on a free port, and measure the idle
-   TTFT of a small probe request.
+1. Start ``olproute serve`` in a process of its own on a free port (configs/default.yaml
+   with ``server.emulator_exact_lengths``: every request generates its ``max_tokens``),
+   and measure the idle TTFT of a small probe request.
 2. Ramp: Poisson arrivals of streamed completions with splitwise_conv lengths (prompts
-   sent as token ids, ``max_tokens`` the trace's output length), at 4, 8, 12, ... req/s,
-   ``--step-s`` seconds each. The sustainable rate is the last one where at most 1% of
-   requests are refused, none fails, and the served requests' P99 TTFT is within the
-   default TTFT target (2 s).
+   sent as token ids, ``max_tokens`` the trace's output length, which exact lengths make
+   the length generated), at 4, 8, 12, ... req/s, ``--step-s`` seconds each. The
+   sustainable rate is the last one where at most 1% of requests are refused, none
+   fails, and the served requests' P99 TTFT is within the default TTFT target (2 s).
 3. Overload: twice that rate for ``--minutes`` (default 10). Every request's status,
    TTFT and whether its stream completed are recorded; every 10 s the server's RSS, its
    loop lag (``olproute_loop_lag_seconds``), which backends it holds down and its failed
@@ -46,6 +47,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import yaml
 from common import jsonable
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -383,6 +385,20 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _exact_lengths_config(path: Path) -> Path:
+    """configs/default.yaml, its paths made absolute, with exact emulated lengths: each
+    request generates the trace's output length it asks for as ``max_tokens``, not the
+    length its (token-id) prompt would draw."""
+    src = REPO / "configs" / "default.yaml"
+    cfg: dict[str, Any] = yaml.safe_load(src.read_text())
+    cfg["profiles"] = str(src.parent / cfg["profiles"])
+    if cfg.get("workload", {}).get("path"):
+        cfg["workload"]["path"] = str((src.parent / cfg["workload"]["path"]).resolve())
+    cfg.setdefault("server", {})["emulator_exact_lengths"] = True
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0, help="overload duration")
@@ -394,8 +410,9 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w+b", prefix="olproute-serve-", suffix=".log",
                                      delete=False) as log:
+        config = _exact_lengths_config(Path(log.name).with_suffix(".yaml"))
         server = subprocess.Popen([sys.executable, "-m", "olproute.cli", "serve", "--port",
-                                   str(port)], stdout=log, stderr=log,
+                                   str(port), "--config", str(config)], stdout=log, stderr=log,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
         print(f"olproute serve on {url} (pid {server.pid}, log {log.name})", file=sys.stderr)
         try:

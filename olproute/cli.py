@@ -188,10 +188,16 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     import uvloop
 
     from olproute.emulator import emulation_config, serve_emulators
+    from olproute.emulator.lengths import DEFAULT_TRACE, output_lengths
 
     loaded = emulation_config(load_config(args.config), args.instances, args.profile)
+    # read before serving, so that a bad truth file is an error naming its line
+    lengths = output_lengths(loaded, seed=args.seed, truth_path=args.truth,
+                             trace_path=args.lengths_trace or DEFAULT_TRACE,
+                             exact=args.exact_lengths)
     uvloop.run(serve_emulators(loaded, host=args.host, base_port=args.base_port,
-                               time_scale=args.time_scale, seed=args.seed))
+                               time_scale=args.time_scale, seed=args.seed, lengths=lengths,
+                               stream_interval=args.stream_interval))
     return 0
 
 
@@ -378,7 +384,11 @@ def _add_emulate(sub: Any) -> None:
                                    "server (OpenAI-compatible completions with streaming, "
                                    "/metrics with vLLM names, /health), batches timed in "
                                    "real time by the simulator's ground truth, on its own "
-                                   "port, until Ctrl-C.")
+                                   "port, until Ctrl-C. A request stops like a model, at a "
+                                   "length set by its prompt (the truth of a synthetic "
+                                   "workload's or --truth's prompts, else a seeded draw "
+                                   "from a trace), capped at max_tokens: finish_reason "
+                                   "stop, or length when capped.")
     p.add_argument("--config", default=str(DEFAULT_CONFIG),
                    help="configuration YAML (default: %(default)s)")
     p.add_argument("--instances", type=_positive_int, metavar="N",
@@ -390,7 +400,24 @@ def _add_emulate(sub: Any) -> None:
                    help="instance i listens on P+i (default: 0, free ports)")
     p.add_argument("--time-scale", type=positive_float, default=1.0, metavar="X",
                    help="multiply every batch duration by X (<1 runs faster; default: 1)")
-    p.add_argument("--seed", type=_seed, help="batch-time noise seed (default: sim.seed)")
+    p.add_argument("--seed", type=_seed,
+                   help="seed of the batch-time noise, of the output-length draws and of a "
+                        "synthetic workload's regenerated prompts (default: sim.seed)")
+    p.add_argument("--truth", metavar="PATH",
+                   help="true output lengths of known prompts: CSV or JSONL with prompt, "
+                        "model, output_tokens (as train-predictors --save-data writes); a "
+                        "request with such a prompt stops there (capped at max_tokens)")
+    p.add_argument("--lengths-trace", metavar="CSV",
+                   help="other prompts stop at a length drawn, seeded by the prompt, from "
+                        "this trace's num_decode_tokens (default: "
+                        "data/traces/splitwise_conv.csv)")
+    p.add_argument("--exact-lengths", action="store_true",
+                   help="every request generates exactly max_tokens (finish_reason "
+                        "length), the emulator's behaviour before it stopped like a model")
+    p.add_argument("--stream-interval", type=_positive_int, default=1, metavar="N",
+                   help="as vLLM's: a stream sends its first token at once, then every N "
+                        "tokens (one SSE event each, in one write), the rest at its end "
+                        "(default: 1)")
     p.set_defaults(handler=_cmd_emulate)
 
 

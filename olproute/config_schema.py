@@ -191,6 +191,11 @@ class SimConfig(_Frozen):
     snapshot_age_ms: float = Field(
         default=0.0, ge=0, description="how old the instance snapshots are that "
         "snapshot-reading policies see (BEAR: 0-1000)")
+    snapshot_view: Literal["engine", "router"] = Field(
+        default="engine", description="what snapshot-reading policies see of an engine: "
+        "its exact scheduler state, or what a router rebuilds of it from its own traffic "
+        "(olproute.tracked: no batch in flight, no prefill progress, preempted requests "
+        "still running), as olproute serve sees real backends")
 
 
 class TransferConfig(_Frozen):
@@ -348,6 +353,15 @@ class ServerConfig(_Frozen):
     backends: tuple[BackendConfig, ...] = ()
     emulator_time_scale: float = Field(default=1.0, gt=0,
                                        description="emulated batch-time multiplier")
+    emulator_exact_lengths: bool = Field(
+        default=False, description="emulated requests generate exactly max_tokens, instead "
+        "of stopping where their prompt's model would (olproute.emulator.lengths)")
+    emulator_stream_interval: int = Field(
+        default=1, ge=1, description="emulated streams send their first token at once, then "
+        "every N tokens (vLLM's --stream-interval)")
+    emulator_truth: str | None = Field(
+        default=None, description="CSV or JSONL of prompt, model, output_tokens (relative "
+        "to this file): where emulated requests with these prompts stop")
     admin_token_env: str = Field(default="OLPROUTE_ADMIN_TOKEN",
                                  description="bearer token for /admin, from the env")
     admin_token: str | None = Field(default=None, description="or given here (the env wins)")

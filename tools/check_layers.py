@@ -47,7 +47,8 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # files, weight profiles, per-request outlook, prefill/decode pools, the live window the
     # exact LP checks)
     (("olproute.bea", "olproute.predict", "olproute.config_schema", "olproute.config_read",
-      "olproute.weights", "olproute.outlook", "olproute.disagg", "olproute.live_window"),),
+      "olproute.weights", "olproute.outlook", "olproute.disagg", "olproute.live_window",
+      "olproute.tracked"),),
     # the multi-objective reward and usage columns
     (("olproute.reward",),),
     # shadow prices

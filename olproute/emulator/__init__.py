@@ -3,6 +3,9 @@ ground-truth batch-time model (for ``olproute emulate``, the router's embedded d
 and the tests).
 
 - ``engine``: ``EmulatedInstance``, the real-time engine loop around a ``SimEngine``.
+- ``lengths``: ``OutputLengths``, where each request stops (its prompt's truth, or a
+  seeded draw from a trace's output lengths; capped at ``max_tokens``), computable
+  offline with the same result.
 - ``protocol``: the OpenAI-compatible request validation and response/chunk formats.
 - ``metrics``: Prometheus metrics under vLLM's names, one registry per instance.
 - ``app``: the aiohttp app factory ``init_app`` and ``start_emulators`` / ``emulators``.
@@ -20,7 +23,9 @@ from olproute.emulator.app import (
     stop_emulators,
 )
 from olproute.emulator.engine import BATCH_COLUMNS, EmulatedInstance, EmulatedRequest
+from olproute.emulator.lengths import OutputLengths, body_prompt_key, output_lengths, prompt_key
 
 __all__ = ["BATCH_COLUMNS", "INSTANCE_HEADER", "EmulatedInstance", "EmulatedRequest",
-           "RunningEmulator", "emulation_config", "emulators", "ground_truth_timers",
-           "init_app", "serve_emulators", "start_emulators", "stop_emulators"]
+           "OutputLengths", "RunningEmulator", "body_prompt_key", "emulation_config",
+           "emulators", "ground_truth_timers", "init_app", "output_lengths", "prompt_key",
+           "serve_emulators", "start_emulators", "stop_emulators"]

@@ -11,6 +11,13 @@ transfer time of the config's ``transfer`` section, then decoding with all but t
 prompt token computed (``olproute.disagg.decode_admission``): every token it sends is
 new, the first one included.
 
+A request generates as many tokens as ``olproute.emulator.lengths`` says for its prompt
+and the served model (its model's EOS, capped at ``max_tokens``; all ``max_tokens`` with
+exact lengths), decided when it arrives, on a decode instance from the same prompt text
+the prefill instance saw. A stream sends one SSE event per token; with a stream interval
+N > 1 (vLLM's ``--stream-interval``) it writes them in groups: the first token at once,
+then every N tokens, the rest when the request ends.
+
 Stopping an emulator is abrupt, like killing a vLLM process: requests in flight are
 dropped and their connections closed without a final chunk or ``[DONE]``.
 """
@@ -18,6 +25,7 @@ dropped and their connections closed without a final chunk or ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 import uuid
@@ -32,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from olproute.config import LoadedConfig, Profiles, SimConfig, load_config
 from olproute.disagg import KvTransfer
 from olproute.emulator.engine import BATCH_COLUMNS, EmulatedInstance, EmulatedRequest
+from olproute.emulator.lengths import OutputLengths, describe_lengths, output_lengths
 from olproute.emulator.protocol import (
     ApiError,
     ChunkWriter,
@@ -74,18 +83,21 @@ def _cut(request: web.Request) -> None:
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     inst = request.app[INSTANCE_KEY]
     try:
-        gen = parse_request(parse_body(await _read_body(request)), kind, inst.model_name,
-                            inst.max_model_len)
+        body = parse_body(await _read_body(request))
+        gen = parse_request(body, kind, inst.model_name, inst.max_model_len)
         check_role(gen, inst.spec.role)
+        # where the model stops: decided by the prompt, so a decode instance given the
+        # same prompt as its prefill instance decides the same
+        output, _ = inst.lengths.tokens_of_body(body, inst.model_name, gen.max_tokens, kind)
         if gen.remote_prefill:
             if inst.kv_transfer is None:
                 raise ApiError(400, "kv_transfer_params.do_remote_prefill: this instance has "
                                     "no KV transfer model", "kv_transfer_params")
             arrival = inst.clock()
             await inst.receive_kv(gen.prompt_tokens, gen.remote_engine_id)
-            req = inst.submit_decode(gen.prompt_tokens, gen.max_tokens, arrival)
+            req = inst.submit_decode(gen.prompt_tokens, gen.max_tokens, arrival, output)
         else:
-            req = inst.submit(gen.prompt_tokens, gen.max_tokens)
+            req = inst.submit(gen.prompt_tokens, gen.max_tokens, output)
     except ApiError as err:
         return _error(err)
     except RuntimeError:  # the engine is stopping
@@ -94,7 +106,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     headers = {INSTANCE_HEADER: inst.spec.name}
     try:
         if gen.stream:
-            return await _stream(request, req, ChunkWriter(gen, request_id), headers)
+            return await _stream(request, req, ChunkWriter(gen, request_id, output), headers,
+                                 inst.stream_interval)
         await req.wait_done()
         if req.failed:
             _cut(request)
@@ -112,18 +125,22 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, req: EmulatedRequest, writer: ChunkWriter,
-                  headers: dict[str, str]) -> web.StreamResponse:
+                  headers: dict[str, str], interval: int = 1) -> web.StreamResponse:
+    """Send the tokens as they come, one SSE event each, in one write per ``interval``
+    new tokens (vLLM's ``--stream-interval``: the first token at once, then whenever
+    ``interval`` more exist, the rest when the request ends), then the end events.
+    Unlike vLLM, which puts the text of a write's tokens in one event, each token keeps
+    its event, so whoever counts tokens by events (the router's proxy) counts right."""
     resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     sent = 0
     try:
-        while sent < req.max_tokens:
-            await req.wait_beyond(sent)
+        while sent < req.output_tokens:
+            n = await req.wait_to_send(sent, interval)
             if req.failed or req.aborted:
                 _cut(request)
                 return resp
-            n = req.num_tokens
             await resp.write(b"".join(writer.token(i) for i in range(sent, n)))
             sent = n
         await resp.write(writer.end(sent))
@@ -257,19 +274,31 @@ async def start_emulators(
     base_port: int = 0,
     time_scale: float = 1.0,
     max_body_bytes: int = MAX_BODY_BYTES,
+    exact_lengths: bool = False,
+    stream_interval: int = 1,
+    lengths: OutputLengths | None = None,
+    truth_path: str | os.PathLike[str] | None = None,
 ) -> list[RunningEmulator]:
     """Start one emulated instance per spec in the running event loop, instance i on port
     ``base_port + i`` (``base_port=0``: free ports chosen by the OS).
 
     Batch times come from ``timers`` or else from the ground truth of ``loaded`` (default:
     ``configs/default.yaml``'s profiles and ``sim`` section, seeded by ``seed`` or
-    ``sim.seed``). Stop them with ``stop_emulators`` (or use ``emulators(...)``)."""
+    ``sim.seed``). A request stops where ``lengths`` says, by default
+    ``olproute.emulator.lengths.output_lengths(loaded, seed=seed, truth_path=truth_path)``
+    (the synthetic workload's truth and the truth file's, else trace draws); with
+    ``exact_lengths`` it generates all its ``max_tokens``. ``stream_interval``: vLLM's
+    ``--stream-interval`` (``EmulatedInstance``). Stop them with ``stop_emulators`` (or use
+    ``emulators(...)``)."""
     if loaded is None:
         loaded = load_config()
     if timers is None:
         timers = ground_truth_timers(specs, loaded.profiles, loaded.config.sim, seed)
     if len(timers) != len(specs):
         raise ValueError(f"{len(specs)} specs but {len(timers)} timers")
+    if lengths is None:
+        lengths = output_lengths(loaded, seed=seed, truth_path=truth_path,
+                                 exact=exact_lengths)
     started: list[RunningEmulator] = []
     try:
         for i, (spec, timer) in enumerate(zip(specs, timers, strict=True)):
@@ -278,7 +307,8 @@ async def start_emulators(
                 spec, timer, index=i, time_scale=time_scale,
                 max_model_len=None if model is None else model.max_context_tokens,
                 kv_transfer=None if model is None else KvTransfer.of(
-                    model, loaded.config.transfer))
+                    model, loaded.config.transfer),
+                lengths=lengths, exact_lengths=exact_lengths, stream_interval=stream_interval)
             runner = web.AppRunner(init_app(inst, max_body_bytes=max_body_bytes),
                                    handler_cancellation=True, access_log=None,
                                    shutdown_timeout=1.0)
@@ -336,22 +366,29 @@ def emulation_config(loaded: LoadedConfig, num_instances: int | None = None,
 
 
 async def serve_emulators(loaded: LoadedConfig, *, host: str, base_port: int,
-                          time_scale: float, seed: int | None = None) -> None:
+                          time_scale: float, seed: int | None = None,
+                          lengths: OutputLengths | None = None, exact_lengths: bool = False,
+                          stream_interval: int = 1) -> None:
     """Run the config's instances as emulators, printing their URLs, until SIGINT or
-    SIGTERM (or cancellation); then stop them."""
+    SIGTERM (or cancellation); then stop them. Keywords as ``start_emulators``."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         # explicit handlers: a SIGINT ignored by a parent shell still stops us
         loop.add_signal_handler(sig, stop.set)
     running = await start_emulators(loaded.specs, loaded=loaded, seed=seed, host=host,
-                                    base_port=base_port, time_scale=time_scale)
+                                    base_port=base_port, time_scale=time_scale,
+                                    lengths=lengths, exact_lengths=exact_lengths,
+                                    stream_interval=stream_interval)
     try:
         for r in running:
             s = r.instance.spec
             print(f"{s.name:<24} {r.url}  ({s.model} on {s.gpu} x{s.tensor_parallel}, "
                   f"{s.max_num_seqs} seqs, {s.kv_capacity_tokens:,} KV tokens)", flush=True)
-        print(f"{len(running)} emulated instance(s) serving; Ctrl-C stops", flush=True)
+        interval = (f"stream interval {stream_interval}; " if stream_interval > 1 else "")
+        print(f"{len(running)} emulated instance(s) serving; "
+              f"{describe_lengths(running[0].instance.lengths)}; {interval}Ctrl-C stops",
+              flush=True)
         await stop.wait()
     finally:
         await stop_emulators(running)

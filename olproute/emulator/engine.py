@@ -1,5 +1,12 @@
 """One emulated vLLM-like engine, run in real time on the event loop.
 
+A request is admitted with the number of tokens it will generate (``output_tokens``, at
+most ``max_tokens``: where its model stops, ``olproute.emulator.lengths``), and the engine
+runs exactly that many, as the simulator's engine runs a request's true decode length:
+batches, KV blocks, ``vllm:generation_tokens`` and the batch records all follow it. The
+length it is told to expect (``SimEngine``'s predicted length) is ``max_tokens``, all
+that a vLLM engine knows in advance.
+
 A ``SimEngine`` (the compiled batch-formation core: continuous batching, chunked prefill,
 paged KV, preemption by recompute) forms each batch; the simulator's ground-truth timer
 (``RooflineTiming`` of the instance's model and GPU, seeded noise) gives its duration,
@@ -11,9 +18,9 @@ Disaggregated pools (``olproute.disagg``, as vLLM with its NIXL connector): a de
 request whose prompt's KV cache comes from a prefill instance (``receive_kv`` then
 ``submit_decode``) waits the transfer time (``olproute.disagg.KvTransfer``, times
 ``time_scale``); the engine then admits it as ``olproute.disagg.decode_admission`` says:
-the whole prompt, all but its last token computed, and all ``max_tokens`` outputs. Its
-first step recomputes the last prompt token and samples the first output token, which is
-the client's first token; every token the decode instance streams is new. While its KV
+the whole prompt, all but its last token computed, and all its outputs. Its first step
+recomputes the last prompt token and samples the first output token, which is the
+client's first token; every token the decode instance streams is new. While its KV
 is in transfer the request is not in the engine (vLLM would already hold its blocks and
 count it as waiting).
 
@@ -22,7 +29,7 @@ instance: its first token is a normal first token, the time to it counted from t
 request's arrival at the instance (so it includes the KV transfer wait: vLLM stamps the
 arrival before the request waits for its remote KV), ``vllm:prompt_tokens`` counts its
 whole prompt (vLLM counts the prompt length, computed here or received), and
-``vllm:generation_tokens`` all ``max_tokens`` of its outputs. The prefill instance
+``vllm:generation_tokens`` all of its outputs. The prefill instance
 counts its prompt and its one (discarded) token likewise; the batch records
 (``num_prefill_tokens``) show that a decode instance computed one prompt token per
 request.
@@ -39,6 +46,7 @@ from dataclasses import dataclass
 
 from olproute.core_ref import FINISHED
 from olproute.disagg import KvTransfer, decode_admission
+from olproute.emulator.lengths import OutputLengths
 from olproute.emulator.metrics import EngineMetrics
 from olproute.sim.engine import BATCH_LOG_COLUMNS, BatchTimer, SimEngine
 from olproute.types import InstanceSpec
@@ -61,17 +69,24 @@ class KvTransferRecord:
 class EmulatedRequest:
     """One request inside the engine; its handler waits on it for tokens.
 
-    ``num_tokens`` grows as batches commit; ``done`` is set when it finished all its tokens,
-    was aborted, or the engine stopped (``failed``)."""
+    It generates ``output_tokens`` (<= ``max_tokens``) tokens: where its model stops
+    (``olproute.emulator.lengths``), or all ``max_tokens``. ``num_tokens`` grows as
+    batches commit; ``done`` is set when it finished all its tokens, was aborted, or the
+    engine stopped (``failed``)."""
 
     __slots__ = ("_changed", "_finished", "aborted", "arrival_s", "done", "failed", "first_token_s",
-                 "max_tokens", "num_tokens", "prompt_tokens", "request_id", "slot")
+                 "max_tokens", "num_tokens", "output_tokens", "prompt_tokens", "request_id",
+                 "slot")
 
     def __init__(self, request_id: int, prompt_tokens: int, max_tokens: int,
-                 arrival_s: float) -> None:
+                 arrival_s: float, output_tokens: int | None = None) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
+        self.output_tokens = max_tokens if output_tokens is None else output_tokens
+        if not 1 <= self.output_tokens <= max_tokens:
+            raise ValueError(f"output_tokens must be in [1, max_tokens={max_tokens}], "
+                             f"got {self.output_tokens}")
         self.arrival_s = arrival_s
         self.slot = -1
         self.num_tokens = 0
@@ -82,6 +97,11 @@ class EmulatedRequest:
         self._changed = asyncio.Event()
         self._finished = asyncio.Event()
 
+    @property
+    def finish_reason(self) -> str:
+        """``"length"`` when it generates all ``max_tokens``, else ``"stop"`` (its EOS)."""
+        return "length" if self.output_tokens == self.max_tokens else "stop"
+
     async def wait_done(self) -> None:
         """Return once the request is done (finished, aborted or failed)."""
         await self._finished.wait()
@@ -91,6 +111,14 @@ class EmulatedRequest:
         while self.num_tokens <= num_tokens and not self.done:
             self._changed.clear()
             await self._changed.wait()
+
+    async def wait_to_send(self, sent: int, interval: int = 1) -> int:
+        """The number of tokens a stream that has sent ``sent`` should have sent after its
+        next write, once that write is due (vLLM's ``--stream-interval``): the first token
+        at once, then ``interval`` more (or all that exist by then), and the rest when the
+        request is done. Check ``failed`` / ``aborted`` after it."""
+        await self.wait_beyond(sent + interval - 1 if sent else 0)
+        return self.num_tokens
 
     def _notify(self) -> None:
         self._changed.set()
@@ -117,15 +145,28 @@ class EmulatedInstance:
     first tokens, batch starts); the loop waits with ``asyncio.sleep``, so an event loop
     whose ``time()`` is virtual runs the engine in virtual time when ``clock`` is that
     loop's ``time`` (the tests do). Default: ``time.monotonic``.
+    ``lengths`` says where each request the HTTP face admits stops (default: draws from
+    the default trace, seed 0); ``exact_lengths`` makes every request generate all its
+    ``max_tokens`` instead. ``stream_interval`` (>= 1) is vLLM's ``--stream-interval``:
+    a stream sends its first token at once, then whenever ``stream_interval`` more tokens
+    exist, and the rest when the request ends.
     """
 
     def __init__(self, spec: InstanceSpec, timer: BatchTimer, *, index: int = 0,
                  time_scale: float = 1.0, model_name: str | None = None,
                  max_model_len: int | None = None, batch_log_size: int = 65_536,
                  kv_transfer: KvTransfer | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 lengths: OutputLengths | None = None, exact_lengths: bool = False,
+                 stream_interval: int = 1) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        if exact_lengths:
+            lengths = OutputLengths([1], exact=True)
+        self.lengths = lengths if lengths is not None else OutputLengths.from_trace()
+        self.stream_interval = stream_interval
         self.spec = spec
         self.index = index
         self.time_scale = time_scale
@@ -182,17 +223,21 @@ class EmulatedInstance:
         return start, list(itertools.islice(self._log, start - first, None))
 
     # -- requests ------------------------------------------------------------------------
-    def submit(self, prompt_tokens: int, max_tokens: int) -> EmulatedRequest:
-        """Queue a request; raises ValueError if it could never fit in the KV cache."""
-        return self._admit(prompt_tokens, max_tokens, 0, self.clock())
+    def submit(self, prompt_tokens: int, max_tokens: int,
+               output_tokens: int | None = None) -> EmulatedRequest:
+        """Queue a request that generates ``output_tokens`` (default: all ``max_tokens``);
+        raises ValueError if it could never fit in the KV cache."""
+        return self._admit(prompt_tokens, max_tokens, output_tokens, 0, self.clock())
 
-    def _admit(self, prompt_tokens: int, max_tokens: int, computed_tokens: int,
-               arrival_s: float) -> EmulatedRequest:
+    def _admit(self, prompt_tokens: int, max_tokens: int, output_tokens: int | None,
+               computed_tokens: int, arrival_s: float) -> EmulatedRequest:
         if self._task is None:
             raise RuntimeError("the engine is not running")
-        req = EmulatedRequest(next(self._ids), prompt_tokens, max_tokens, arrival_s)
-        req.slot = self._engine.admit(req.request_id, prompt_tokens, max_tokens, max_tokens,
-                                      computed_tokens)
+        req = EmulatedRequest(next(self._ids), prompt_tokens, max_tokens, arrival_s,
+                              output_tokens)
+        # the engine's truth is the real length; like vLLM, it is told only max_tokens
+        req.slot = self._engine.admit(req.request_id, prompt_tokens, req.output_tokens,
+                                      max_tokens, computed_tokens)
         self._requests[req.request_id] = req
         self._by_slot[req.slot] = req
         self._wake.set()
@@ -210,14 +255,17 @@ class EmulatedInstance:
         return delay
 
     def submit_decode(self, prompt_tokens: int, max_tokens: int,
-                      arrival_s: float | None = None) -> EmulatedRequest:
+                      arrival_s: float | None = None,
+                      output_tokens: int | None = None) -> EmulatedRequest:
         """Queue a request whose prompt's KV cache arrived from a prefill instance,
         admitted as ``decode_admission`` says (all but the last prompt token computed, all
-        ``max_tokens`` outputs to generate). ``arrival_s`` (on ``clock``, default
-        now) is when it reached this instance, before its KV transfer: the start of its
-        time to first token. Raises ValueError if it could never fit in the KV cache."""
-        prompt, output, computed = decode_admission(prompt_tokens, max_tokens)
-        return self._admit(prompt, output, computed,
+        ``output_tokens`` outputs, default ``max_tokens``, to generate). ``arrival_s`` (on
+        ``clock``, default now) is when it reached this instance, before its KV transfer:
+        the start of its time to first token. Raises ValueError if it could never fit in
+        the KV cache."""
+        prompt, output, computed = decode_admission(
+            prompt_tokens, max_tokens if output_tokens is None else output_tokens)
+        return self._admit(prompt, max_tokens, output, computed,
                            self.clock() if arrival_s is None else arrival_s)
 
     def abort(self, req: EmulatedRequest) -> None:
@@ -291,11 +339,12 @@ class EmulatedInstance:
             if flags & FINISHED:
                 req = self._requests.pop(request_id)
                 del self._by_slot[req.slot]
-                produced += self._advance(req, req.max_tokens, now)
+                produced += self._advance(req, req.output_tokens, now)
                 if req.aborted:  # its client left during this, its last batch
                     self.metrics.aborted()
                 else:
-                    self.metrics.finished(now - req.arrival_s, preemptions)
+                    self.metrics.finished(now - req.arrival_s, preemptions,
+                                          req.finish_reason)
                 req._end()
         core = self._engine.core
         for slot in slots:

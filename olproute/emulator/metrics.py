@@ -38,7 +38,8 @@ class EngineMetrics:
                                     labels, registry=r).labels(model_name)
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [*labels, "finished_reason"], registry=r)
-        self._success = success.labels(model_name, "length")
+        self._success = {reason: success.labels(model_name, reason)
+                         for reason in ("stop", "length")}
         self._aborted = success.labels(model_name, "abort")
         self._ttft = Histogram("vllm:time_to_first_token_seconds",
                                "Histogram of time to first token in seconds.", labels,
@@ -55,9 +56,11 @@ class EngineMetrics:
         if num_tokens:
             self._generation.inc(num_tokens)
 
-    def finished(self, e2e_s: float, preemptions: int) -> None:
+    def finished(self, e2e_s: float, preemptions: int, finish_reason: str = "length") -> None:
+        """A request ended by its EOS (``finish_reason`` ``stop``) or at ``max_tokens``
+        (``length``)."""
         self._e2e.observe(e2e_s)
-        self._success.inc()
+        self._success[finish_reason].inc()
         if preemptions:
             self._preemptions.inc(preemptions)
 

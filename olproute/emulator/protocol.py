@@ -1,11 +1,13 @@
 """The OpenAI-compatible wire format of the emulator: request parsing and validation,
 response and stream-chunk bodies, errors. Pure functions, no I/O.
 
-What the emulator generates: exactly ``max_tokens`` tokens (there is no EOS, so every
-request finishes with ``finish_reason: "length"``); token i is the filler word
-``FILLER[i % len(FILLER)]`` preceded by a space. Prompt tokens are counted simply: the
-number of whitespace-separated words of a string prompt (of every message's text for chat),
-the length of a token-id list, or the extension field ``prompt_tokens`` when given.
+What the emulator generates: as many tokens as its model would before its EOS, at most
+``max_tokens`` (``olproute.emulator.lengths``; with exact lengths, all ``max_tokens``);
+``finish_reason`` is ``"length"`` when that is ``max_tokens``, else ``"stop"``. Token i
+is the filler word ``FILLER[i % len(FILLER)]`` preceded by a space. Prompt tokens are
+counted simply: the number of whitespace-separated words of a string prompt (of every
+message's text for chat), the length of a token-id list, or the extension field
+``prompt_tokens`` when given.
 
 Disaggregated prefill/decode (vLLM's NIXL connector): ``kv_transfer_params`` with
 ``do_remote_decode`` asks a prefill instance to keep the KV cache for a decode instance
@@ -235,19 +237,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def finish_reason(req: GenerationRequest, num_tokens: int) -> str:
+    """``"length"`` for a request that generated all its ``max_tokens``, else ``"stop"``
+    (it stopped at its EOS first)."""
+    return "length" if num_tokens >= req.max_tokens else "stop"
+
+
 def response_body(req: GenerationRequest, request_id: str, created: int,
                   num_tokens: int,
                   kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The non-streaming response: the whole text, ``finish_reason`` and ``usage`` (and
-    ``kv_transfer_params`` when given: a prefill for a remote decode)."""
+    """The non-streaming response of a request that generated ``num_tokens``: the whole
+    text, ``finish_reason`` and ``usage`` (and ``kv_transfer_params`` when given: a
+    prefill for a remote decode)."""
     text = generated_text(num_tokens)
+    reason = finish_reason(req, num_tokens)
     choice: dict[str, Any]
     if req.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         obj = "text_completion"
     else:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": "length"}
+                  "logprobs": None, "finish_reason": reason}
         obj = "chat.completion"
     body = {"id": request_id, "object": obj, "created": created, "model": req.model,
             "choices": [choice], "usage": usage(req.prompt_tokens, num_tokens)}
@@ -257,15 +267,19 @@ def response_body(req: GenerationRequest, request_id: str, created: int,
 
 
 class ChunkWriter:
-    """Server-sent-event bytes of a stream: one ``data:`` event per token, the last one
-    with ``finish_reason``, a usage event if asked, then ``data: [DONE]``.
+    """Server-sent-event bytes of a stream of ``num_tokens`` tokens (default: all
+    ``max_tokens``): one ``data:`` event per token, the last one with ``finish_reason``, a
+    usage event if asked, then ``data: [DONE]``.
 
     The JSON frame of a chunk is serialised once per request and each token's text once
     per process, so a token costs a few byte concatenations (``chunk_dict`` is the same
     chunk as a dict, for reference)."""
 
-    def __init__(self, req: GenerationRequest, request_id: str) -> None:
+    def __init__(self, req: GenerationRequest, request_id: str,
+                 num_tokens: int | None = None) -> None:
         self.req = req
+        self.num_tokens = req.max_tokens if num_tokens is None else num_tokens
+        self._reason = finish_reason(req, self.num_tokens)
         chat = req.kind == "chat"
         self._head = {"id": request_id,
                       "object": "chat.completion.chunk" if chat else "text_completion",
@@ -275,7 +289,7 @@ class ChunkWriter:
         self._suffix = b"}]" + (b',"usage":null' if req.include_usage else b"") + b"}\n\n"
 
     def chunk_dict(self, index: int) -> dict[str, Any]:
-        last = index == self.req.max_tokens - 1
+        last = index == self.num_tokens - 1
         choice: dict[str, Any] = {"index": 0}
         if self.req.kind == "chat":
             # the role rides on the first token's delta, so that chunks == tokens
@@ -284,7 +298,7 @@ class ChunkWriter:
         else:
             choice["text"] = token_text(index)
         choice["logprobs"] = None
-        choice["finish_reason"] = "length" if last else None
+        choice["finish_reason"] = self._reason if last else None
         usage_null = {"usage": None} if self.req.include_usage else {}
         return {**self._head, "choices": [choice], **usage_null}
 
@@ -293,7 +307,8 @@ class ChunkWriter:
         if self.req.kind == "chat":
             text = (b'"role":"assistant","content":' if index == 0 else b'"content":') \
                 + text + b"}"
-        reason = b'"length"' if index == self.req.max_tokens - 1 else b"null"
+        reason = (b'"' + self._reason.encode() + b'"' if index == self.num_tokens - 1
+                  else b"null")
         return (self._prefix + text + b',"logprobs":null,"finish_reason":' + reason
                 + self._suffix)
 

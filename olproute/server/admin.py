@@ -34,7 +34,8 @@ LOG = logging.getLogger("olproute.server")
 # server keys read once, when the router starts (the listening socket, the backends,
 # the HTTP sessions, the central buffer's budget, the periods of the background jobs,
 # the embedded emulators)
-RESTART_KEYS = ("host", "port", "backends", "emulator_time_scale", "request_timeout_s",
+RESTART_KEYS = ("host", "port", "backends", "emulator_time_scale", "emulator_exact_lengths",
+                "emulator_stream_interval", "emulator_truth", "request_timeout_s",
                 "connect_timeout_s", "hold_budget_ms", "health_period_s", "scrape_period_s",
                 "recalibrate_period_s")
 PROFILE_SUFFIXES = (".yaml", ".yml")

@@ -101,8 +101,12 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
             if not urls:
                 from olproute.emulator import start_emulators
 
-                running = await start_emulators(loaded.specs, loaded=loaded,
-                                                time_scale=server.emulator_time_scale)
+                truth = server.emulator_truth
+                running = await start_emulators(
+                    loaded.specs, loaded=loaded, time_scale=server.emulator_time_scale,
+                    exact_lengths=server.emulator_exact_lengths,
+                    stream_interval=server.emulator_stream_interval,
+                    truth_path=None if truth is None else loaded.resolve(truth))
                 stack.push_async_callback(_stop_all, running)
                 urls = [r.url for r in running]
             # no cap on the proxy's connections: the policy bounds what is in flight, and

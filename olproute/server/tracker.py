@@ -2,10 +2,11 @@
 
 Every dispatch is counted at once (before the backend has seen the request); the proxied
 stream then reports each token, and the end of the request. From these the tracker
-builds, per backend, the load summary and the EngineSnapshot the estimators replay:
-requests that have streamed a token are running decoders (context = prompt + tokens),
-the others wait in dispatch order (their prefill may have begun inside the backend; the
-replay then over-estimates their remaining prefill, the safe side). Scraped gauges
+builds, per backend, the load summary and the EngineSnapshot the estimators replay
+(``olproute.tracked``: requests that have streamed a token are running decoders, context
+= prompt + tokens; the others wait in dispatch order, their prefill may have begun
+inside the backend; the replay then over-estimates their remaining prefill, the safe
+side). Scraped gauges
 (vLLM's ``vllm:kv_cache_usage_perc``) reconcile the KV estimate when they report more
 use than the tracker sees. Health: failures take a backend out; it is probed again after
 an exponentially growing backoff.
@@ -29,7 +30,6 @@ token is only seen with its whole answer, so its handoff is not counted.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.disagg import decode_admission
+from olproute.tracked import tracked_blocks, tracked_snapshot
 from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec, Request
 
 
@@ -310,9 +311,10 @@ class Tracker:
         return load
 
     def _blocks_used(self, b: BackendState) -> int:
-        bs = b.spec.block_size
-        tracked = sum(math.ceil((f.request.prompt_tokens + max(f.tokens, 1)) / bs)
-                      for f in b.flights.values() if f.running)
+        fs = b.flights.values()
+        tracked = tracked_blocks([f.request.prompt_tokens for f in fs],
+                                 [f.tokens for f in fs], [f.running for f in fs],
+                                 b.spec.block_size)
         perc = b.scraped.get("vllm:kv_cache_usage_perc")
         scraped = int(perc * b.spec.num_kv_blocks) if perc is not None else 0
         return min(max(tracked, scraped), b.spec.num_kv_blocks)
@@ -335,28 +337,13 @@ class Tracker:
 
     def _build_snapshot(self, b: BackendState, now_s: float) -> EngineSnapshot:
         flights = sorted(b.flights.values(), key=lambda f: f.dispatch_s)
-        running = [f for f in flights if f.running][: b.spec.max_num_seqs]
-        run_ids = {f.request.request_id for f in running}
-        waiting = [f for f in flights if f.request.request_id not in run_ids]
-        rows = []
         model = b.spec.model   # each request's predicted output on this backend's model
-        for f in running:
-            out = max(f.tokens, 1)  # a non-streamed request: assume its first token is out
-            ctx = f.request.prompt_tokens + out
-            rows.append((f.request.prompt_tokens, out,
-                         f.request.predicted_decode_tokens_for(model), ctx - 1,
-                         math.ceil(ctx / b.spec.block_size)))
-        for f in waiting:
-            rows.append((f.request.prompt_tokens, 0,
-                         f.request.predicted_decode_tokens_for(model), f.computed_tokens, 0))
-        table = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
-        used = self._counts(b)[1]
-        return EngineSnapshot(
-            time_s=now_s, table=table, num_running=len(running),
-            num_free_blocks=b.spec.num_kv_blocks - used,
-            inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=now_s,
-            request_ids=np.array([f.request.request_id for f in running + waiting],
-                                 dtype=np.int64))
+        return tracked_snapshot(
+            now_s, b.spec, [f.request.request_id for f in flights],
+            [f.request.prompt_tokens for f in flights], [f.tokens for f in flights],
+            [f.request.predicted_decode_tokens_for(model) for f in flights],
+            [f.computed_tokens for f in flights], [f.running for f in flights],
+            self._counts(b)[1])
 
     def snapshots(self, now_s: float) -> tuple[EngineSnapshot, ...]:
         return tuple(self.snapshot(g, now_s) for g in range(len(self.backends)))

@@ -30,6 +30,7 @@ import math
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -117,6 +118,7 @@ class Cluster:
         snapshot_age_s: float = 0.0,
         transfer: Callable[[int], float] | None = None,
         max_held: int | None = None,
+        snapshot_view: Literal["engine", "router"] = "engine",
     ) -> None:
         if len(specs) != len(timers):
             raise ValueError("one timer per instance")
@@ -133,7 +135,7 @@ class Cluster:
         self.policy = policy
         self.slot_s = slot_s
         self.outstanding = [0] * len(specs)
-        self.feed = SnapshotFeed(self.engines, snapshot_age_s)
+        self.feed = SnapshotFeed(self.engines, snapshot_age_s, snapshot_view)
         self.needs_snapshots = policy.needs_snapshots
         self.joint_release = policy.joint_release
         # a policy with tick_s > 0 learns off the request path every tick_s seconds

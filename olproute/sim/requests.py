@@ -121,13 +121,25 @@ def build_requests(loaded: LoadedConfig, seed: int | None = None) -> list[Reques
     return _with_predictions(reqs, models, _lengths_by_model(reqs, models, noise, st), None)
 
 
-def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
+def synthetic_prompts(loaded: LoadedConfig, seed: int | None = None) -> list[Request]:
+    """The requests of a ``synthetic`` workload as ``build_requests`` draws them on
+    ``seed`` (the config's ``sim.seed`` when None): generated prompt texts with every pool
+    model's true output length (``decode_tokens_by_model``) and arrivals, before SLO
+    classes and predictions. The emulator reads its output lengths from these, so a live
+    run and its simulation share the truth. Raises ConfigError for another workload kind."""
+    if loaded.config.workload.kind != "synthetic":
+        raise ConfigError(loaded.path, [("workload.kind", "synthetic prompts need kind "
+                                         f"'synthetic', not {loaded.config.workload.kind!r}")])
+    return _synthetic_drawn(loaded, streams(loaded.config.sim.seed if seed is None else seed,
+                                            len(loaded.specs)))
+
+
+def _synthetic_drawn(loaded: LoadedConfig, st: Streams) -> list[Request]:
     """Generated prompts with Poisson (or MMPP-2, ``workload.arrivals``) arrivals and
-    per-model truth, and the router's predictions for every model of the pool
-    (``_predict_per_model``)."""
+    per-model truth, drawn from ``st.workload``."""
     from olproute.sim.prompts import synthetic_requests
 
-    cfg, w = loaded.config, loaded.config.workload
+    w = loaded.config.workload
     assert w.rate_per_s is not None
     n = w.num_requests if w.num_requests is not None else int(
         np.ceil(w.rate_per_s * (w.duration_s or 0.0)))
@@ -137,8 +149,15 @@ def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
         arrivals = wl.poisson_arrivals(w.rate_per_s, n, st.workload)
     if w.duration_s is not None:
         arrivals = arrivals[arrivals < w.duration_s]
-    reqs = synthetic_requests(len(arrivals), arrivals, [s.model for s in loaded.specs],
+    return synthetic_requests(len(arrivals), arrivals, [s.model for s in loaded.specs],
                               st.workload)
+
+
+def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
+    """``_synthetic_drawn``'s requests with their SLO classes (``slo.mode: classes``) and
+    the router's predictions for every model of the pool (``_predict_per_model``)."""
+    cfg = loaded.config
+    reqs = _synthetic_drawn(loaded, st)
     if cfg.slo.mode == "classes":
         slo = [wl.SloClass(c.name, c.ttft_ms / 1e3, c.tpot_ms / 1e3, c.weight)
                for c in cfg.slo.classes]

@@ -92,8 +92,8 @@ def make_cluster(loaded: LoadedConfig, policy: Policy, seed: int | None = None,
                  reference_core: bool = False, snapshot_age_s: float | None = None,
                  record_batches: bool | None = None) -> Cluster:
     """The configuration's engines, timed on ``seed``'s streams, behind ``policy``: slot,
-    KV transfer, and the batch log and snapshot age (seconds) of the config unless
-    given."""
+    KV transfer, the snapshot view, and the batch log and snapshot age (seconds) of the
+    config unless given."""
     cfg = loaded.config
     return Cluster(loaded.specs, build_timers(loaded, seed), policy,
                    slot_s=cfg.router.slot_ms / 1e3,
@@ -103,7 +103,7 @@ def make_cluster(loaded: LoadedConfig, policy: Policy, seed: int | None = None,
                    snapshot_age_s=(cfg.sim.snapshot_age_ms / 1e3 if snapshot_age_s is None
                                    else snapshot_age_s),
                    transfer=kv_transfer(loaded).seconds,
-                   max_held=cfg.admission.max_held)
+                   max_held=cfg.admission.max_held, snapshot_view=cfg.sim.snapshot_view)
 
 
 def _check_fits(loaded: LoadedConfig, requests: Sequence[Request]) -> None:

@@ -5,28 +5,39 @@ With ``age_s > 0`` each engine publishes a snapshot whenever it starts a batch o
 idle; the router at time t sees, per engine, the latest one published at or before
 t - age_s, plus the requests it dispatched there that the snapshot does not hold and
 that have not finished (the router tracks its own dispatches and finishes at once).
+
+With ``view="router"`` each snapshot is reduced to what a router tracking its own traffic
+rebuilds of it (``olproute.tracked.router_view``: dispatch order, no batch in flight,
+nothing computed of a queued prefill, preempted requests still running), as
+``olproute serve`` sees real backends.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from olproute.sim.engine import SimEngine
+from olproute.tracked import router_view
 from olproute.types import EngineSnapshot
 
 FloatArray = npt.NDArray[np.float64]
 
 
 class SnapshotFeed:
-    def __init__(self, engines: Sequence[SimEngine], age_s: float) -> None:
+    def __init__(self, engines: Sequence[SimEngine], age_s: float,
+                 view: Literal["engine", "router"] = "engine") -> None:
         if age_s < 0:
             raise ValueError("snapshot age must be >= 0")
         self.engines = list(engines)
         self.age_s = age_s
+        self.view_of = view
+        # per engine, for the router view: request_id -> dispatch time, unfinished
+        self._dispatch_s: list[dict[int, float]] = [{} for _ in engines]
         self._published: list[deque[EngineSnapshot]] = [deque() for _ in engines]
         # per engine: request_id -> (dispatch time, prompt, predicted decode), unfinished
         self._dispatched: list[dict[int, tuple[float, int, int]]] = [{} for _ in engines]
@@ -39,16 +50,26 @@ class SnapshotFeed:
                    predicted: int) -> None:
         if self.age_s > 0:
             self._dispatched[g][request_id] = (now_s, prompt, predicted)
+        if self.view_of == "router":
+            self._dispatch_s[g][request_id] = now_s
 
     def finished(self, g: int, request_id: int) -> None:
         if self.age_s > 0:
             self._dispatched[g].pop(request_id, None)
+        if self.view_of == "router":
+            self._dispatch_s[g].pop(request_id, None)
+
+    def _seen(self, g: int, snap: EngineSnapshot) -> EngineSnapshot:
+        if self.view_of == "engine":
+            return snap
+        return router_view(snap, self._dispatch_s[g], self.engines[g].spec)
 
     def view(self, now_s: float) -> tuple[tuple[EngineSnapshot, ...],
                                          tuple[FloatArray | None, ...] | None]:
         """(snapshots, pending) as the router sees them at now_s."""
         if self.age_s == 0:
-            return tuple(e.snapshot(now_s) for e in self.engines), None
+            return tuple(self._seen(g, e.snapshot(now_s))
+                         for g, e in enumerate(self.engines)), None
         horizon = now_s - self.age_s
         snaps: list[EngineSnapshot] = []
         pending: list[FloatArray | None] = []
@@ -58,7 +79,7 @@ class SnapshotFeed:
             while len(q) > 1 and q[1].time_s <= horizon:
                 q.popleft()
             snap = q[0] if q and q[0].time_s <= horizon else self._empty(g, horizon)
-            snaps.append(snap)
+            snaps.append(self._seen(g, snap))
             known = set(snap.request_ids.tolist())
             # dicts keep insertion order, which is dispatch order
             rows = [(p, d, t) for rid, (t, p, d) in self._dispatched[g].items()

@@ -297,3 +297,48 @@ def test_compare_on_pools_runs_the_pool_policies_by_default(
     assert main(["compare", "--config", str(path), *QUIET]) == 0
     assert list(_table_rows(capsys.readouterr().out)) == [
         "round_robin", "least_outstanding", "least_tokens", "calibrated_cost", "bid_price"]
+
+
+# -- emulate ------------------------------------------------------------------------------------
+def test_emulate_length_and_stream_options_parse() -> None:
+    from olproute.cli import _cmd_emulate, build_parser
+
+    args = build_parser().parse_args(["emulate", "--exact-lengths", "--stream-interval", "4"])
+    assert args.exact_lengths is True and args.stream_interval == 4
+    assert args.handler is _cmd_emulate and args.truth is None
+    args = build_parser().parse_args(["emulate", "--truth", "t.jsonl", "--lengths-trace",
+                                      "x.csv", "--seed", "3"])
+    assert (args.exact_lengths, args.stream_interval) == (False, 1)  # the defaults
+    assert (args.truth, args.lengths_trace, args.seed) == ("t.jsonl", "x.csv", 3)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5", "many"])
+def test_emulate_stream_interval_must_be_a_positive_integer(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["emulate", "--stream-interval", value])
+    assert info.value.code == 2
+    assert "argument --stream-interval" in capsys.readouterr().err
+
+
+def test_emulate_with_a_bad_truth_file_exits_2_naming_file_and_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Read before anything serves: the error names the file, the line and the column."""
+    bad = tmp_path / "truth.csv"
+    bad.write_text("prompt,model,output_tokens\nhello,llama-2-7b,12\nbye,llama-2-7b,-1\n")
+    assert main(["emulate", "--truth", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"olproute: error: {bad}: line 3: output_tokens: expected an integer >= 1" in err
+    assert "Traceback" not in err
+    assert main(["emulate", "--truth", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_emulate_help_names_the_length_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["emulate", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("--exact-lengths", "--stream-interval N", "--truth PATH", "--lengths-trace",
+                  "finish_reason stop, or length when capped"):
+        assert words in out, words

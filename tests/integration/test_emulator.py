@@ -40,7 +40,11 @@ LOADED = load_config()
 
 @pytest.fixture
 async def emu() -> AsyncIterator[RunningEmulator]:
-    running = await start_emulators([SPEC], loaded=LOADED, seed=1, time_scale=TIME_SCALE)
+    """Exact lengths: these tests count on every request generating all its max_tokens
+    (long streams that outlast the test, token and batch counts); where a request stops
+    like a model is tested in test_emulator_lengths.py and unit/test_output_lengths.py."""
+    running = await start_emulators([SPEC], loaded=LOADED, seed=1, time_scale=TIME_SCALE,
+                                    exact_lengths=True)
     try:
         yield running[0]
     finally:
@@ -346,7 +350,8 @@ async def test_client_disconnect_aborts_the_request(emu: RunningEmulator,
 
 
 async def test_stopping_an_emulator_cuts_its_streams(http: aiohttp.ClientSession) -> None:
-    running = await start_emulators([SPEC], loaded=LOADED, time_scale=TIME_SCALE)
+    running = await start_emulators([SPEC], loaded=LOADED, time_scale=TIME_SCALE,
+                                    exact_lengths=True)
     try:
         body = {"prompt": "a", "max_tokens": 2000, "stream": True}
         async with http.post(running[0].url + "/v1/completions", json=body) as r:

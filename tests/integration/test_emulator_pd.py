@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from olproute.config import load_config
 from olproute.disagg import KvTransfer
 from olproute.emulator import RunningEmulator, start_emulators, stop_emulators
+from olproute.emulator.lengths import OutputLengths, prompt_key
 from olproute.emulator.protocol import generated_text
 from olproute.types import InstanceSpec
 
@@ -32,8 +33,10 @@ LOADED = load_config()
 
 @pytest.fixture
 async def pair() -> AsyncIterator[tuple[RunningEmulator, RunningEmulator]]:
+    """Exact lengths: the first test counts the decode's batches token by token."""
     specs = [replace(BASE, name="pre", role="prefill"), replace(BASE, name="dec", role="decode")]
-    running = await start_emulators(specs, loaded=LOADED, seed=3, time_scale=TIME_SCALE)
+    running = await start_emulators(specs, loaded=LOADED, seed=3, time_scale=TIME_SCALE,
+                                    exact_lengths=True)
     try:
         yield running[0], running[1]
     finally:
@@ -126,3 +129,36 @@ async def test_roles_refuse_the_other_side(pair: tuple[RunningEmulator, RunningE
         status, answer = await _post(http, url, {"prompt": "a b", "max_tokens": 2, **extra})
         assert status == 400 and answer["error"]["param"] == param, (extra, answer)
     assert not dec.instance.kv_transfers and pre.instance.num_remote_decode_prefills == 0
+
+
+async def test_the_decode_instance_stops_where_the_prompt_says(
+        http: aiohttp.ClientSession) -> None:
+    """Lengths set by the prompt: the prefill instance runs its one token (a ``length``
+    finish, as vLLM's connector needs), the decode instance, given the same prompt, stops
+    at the prompt's length; its engine, counters and batch records run that length."""
+    prompt = " ".join(["v"] * 20)
+    lengths = OutputLengths.from_trace(seed=3, truth={prompt_key(prompt): {BASE.model: 4}})
+    specs = [replace(BASE, name="pre", role="prefill"), replace(BASE, name="dec", role="decode")]
+    pre, dec = await start_emulators(specs, loaded=LOADED, time_scale=TIME_SCALE,
+                                     lengths=lengths)
+    try:
+        status, answer = await _post(http, pre.url, {
+            "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
+        body = {"prompt": prompt, "max_tokens": 10,
+                "kv_transfer_params": answer["kv_transfer_params"]}
+        status, whole = await _post(http, dec.url, body)
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        assert whole["usage"]["completion_tokens"] == 4
+        assert await _stream_text(http, dec.url, body) == generated_text(4)
+        _, rows = dec.instance.batch_records()
+        assert [row[4] for row in rows] == [1.0] * 8  # two requests of 4 one-token steps
+        samples = {(s.name, s.labels.get("finished_reason")): s.value
+                   for f in text_string_to_metric_families(
+                       (await (await http.get(dec.url + "/metrics")).read()).decode())
+                   for s in f.samples if "le" not in s.labels}
+        assert samples[("vllm:generation_tokens_total", None)] == 8
+        assert samples[("vllm:request_success_total", "stop")] == 2
+        assert samples[("vllm:request_success_total", "length")] == 0
+    finally:
+        await stop_emulators([pre, dec])

@@ -392,13 +392,24 @@ def test_embedded_default_emulates_backends_and_streams(tmp_path: Path) -> None:
                                                    "health_period_s": 0.2}))
     s = Stack(loaded, num_fakes=0, calibration=CalibrationSource(loaded, known=[CAL] * 3))
     try:
+        # requests stop where the emulators' lengths say (the trace's draws, set by the
+        # prompt), capped at max_tokens
+        from olproute.server.state import STATE
+
+        lengths = s.app[STATE].emulators[0].instance.lengths
+        assert not lengths.exact
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
         chunks = list(client.completions.create(model="any-alias", prompt="hello world",
                                                 max_tokens=4, stream=True))
-        assert len(chunks) == 4 and all(c.choices[0].text for c in chunks)
+        n, reason = lengths.tokens("hello world", "qwen3-0.6b", 4)
+        assert len(chunks) == n and all(c.choices[0].text for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == reason
         chat = client.chat.completions.create(
-            model="qwen3-0.6b", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-        assert chat.usage is not None and chat.usage.completion_tokens == 3
+            model="qwen3-0.6b", messages=[{"role": "user", "content": "hi there"}],
+            max_tokens=300)
+        n, reason = lengths.tokens("hi there", "qwen3-0.6b", 300)
+        assert chat.usage is not None and chat.usage.completion_tokens == n
+        assert chat.choices[0].finish_reason == reason == "stop"  # (43 tokens, seed 0)
         inst = json.loads(request(s.url, "GET", "/instances")[2])["instances"]
         assert [i["model"] for i in inst] == ["qwen3-0.6b"] * 3
         assert all(i["url"].startswith("http://127.0.0.1:") for i in inst)

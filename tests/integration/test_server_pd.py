@@ -94,10 +94,14 @@ REQUESTS = [(12, 5, True, False), (30, 3, False, False), (7, 1, True, False),
             (15, 1, False, False), (25, 7, True, True)]
 
 
+def _prompt(words: int) -> str:
+    return " ".join(f"w{i}" for i in range(words))
+
+
 def _send(url: str, words: int, max_tokens: int, streamed: bool, chat: bool
-          ) -> tuple[int, dict[str, str], str]:
-    """One request; (status, headers, the generated text)."""
-    prompt = " ".join(f"w{i}" for i in range(words))
+          ) -> tuple[int, dict[str, str], str, str | None]:
+    """One request; (status, headers, the generated text, its finish reason)."""
+    prompt = _prompt(words)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body: dict[str, Any] = ({"messages": [{"role": "user", "content": prompt}]} if chat
                             else {"prompt": prompt})
@@ -106,18 +110,25 @@ def _send(url: str, words: int, max_tokens: int, streamed: bool, chat: bool
         status, headers, raw = request(url, "POST", path, body)
         choice = json.loads(raw)["choices"][0] if status == 200 else {}
         return status, headers, (choice["message"]["content"] if chat else
-                                 choice.get("text", ""))
+                                 choice.get("text", "")), choice.get("finish_reason")
     status, headers, lines = stream(url, path, body)
     chunks = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
     text = "".join(c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"]
                    for c in chunks)
-    return status, headers, text
+    return status, headers, text, chunks[-1]["choices"][0]["finish_reason"] if chunks else None
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_outstanding", "calibrated_cost",
                                     "bid_price"])
 def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy: str) -> None:
-    loaded = load_config(_pd_config(tmp_path, policy))
+    # three prompts stop early (their truth below max_tokens), one on its last token
+    truth = tmp_path / "truth.csv"
+    truth.write_text("prompt,model,output_tokens\n" + "".join(
+        f"{_prompt(words)},qwen2.5-3b,{n}\n" for words, n in ((12, 2), (30, 3), (9, 4),
+                                                                (25, 5))))
+    loaded = load_config(_pd_config(tmp_path, policy, server={
+        "emulator_time_scale": TIME_SCALE, "health_period_s": 0.2,
+        "emulator_truth": "truth.csv"}))
     s = _stack(loaded, num_fakes=0)  # no backends: the instances are emulated in-process
     try:
         outcomes = record_outcomes(s)
@@ -125,14 +136,19 @@ def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy
             answers = list(pool.map(lambda r: _send(s.url, *r), REQUESTS))
         prefill = {s_.name for s_ in loaded.specs if s_.role == "prefill"}
         decode = {s_.name for s_ in loaded.specs if s_.role == "decode"}
-        for (_, max_tokens, _, _), (status, headers, text) in zip(REQUESTS, answers,
-                                                                  strict=True):
+        emus = {e.name: e.instance for e in s.app[STATE].emulators}
+        # where each request stops, computed offline as the decode instances do
+        lengths = next(iter(emus.values())).lengths
+        outputs = [lengths.tokens(_prompt(w), "qwen2.5-3b", m) for w, m, *_ in REQUESTS]
+        assert [n for n, _ in outputs] == [2, 3, 1, 4, 4, 2, 1, 5]
+        assert [r for _, r in outputs].count("stop") == 3
+        for (n, reason), (status, headers, text, got) in zip(outputs, answers, strict=True):
             assert status == 200
             assert headers["x-olproute-instance"] in prefill
             assert headers["x-olproute-decode-instance"] in decode
-            assert text == generated_text(max_tokens)  # all from the decode instance
+            assert text == generated_text(n)  # all from the decode instance
+            assert got == reason
 
-        emus = {e.name: e.instance for e in s.app[STATE].emulators}
         # the prefill instances ran each prompt once, for one token, for a remote decode
         assert sum(emus[n].num_remote_decode_prefills for n in prefill) == len(REQUESTS)
         assert sum(emus[n].num_remote_decode_prefills for n in decode) == 0
@@ -146,7 +162,7 @@ def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy
         # and computed one prompt token per request (the last: the rest arrived computed);
         # like vLLM they count each request's whole prompt and its first token's TTFT
         assert sum(metrics[n]["vllm:generation_tokens_total"] for n in decode) == sum(
-            m for _, m, _, _ in REQUESTS)
+            n for n, _ in outputs)
         assert sum(metrics[n]["vllm:time_to_first_token_seconds_count"]
                    for n in decode) == len(REQUESTS)
         assert sum(metrics[n]["vllm:prompt_tokens_total"] for n in decode) == sum(
@@ -167,7 +183,7 @@ def test_every_request_is_prefilled_once_and_decoded_once(tmp_path: Path, policy
             assert r.delay_s >= TRANSFER["latency_ms"] / 1e3 * TIME_SCALE
 
         # the router's outcomes: the decode's tokens, its first token the request's first
-        assert sorted(o.decode_tokens for o in outcomes) == sorted(m for _, m, *_ in REQUESTS)
+        assert sorted(o.decode_tokens for o in outcomes) == sorted(n for n, _ in outputs)
         names = [s_.name for s_ in loaded.specs]
         for o in outcomes:
             assert o.instance is not None and names[o.instance] in prefill

@@ -1,0 +1,94 @@
+"""The snapshot a router rebuilds of a backend from the traffic it proxies.
+
+A router in front of real backends does not see their schedulers. What it knows of a
+backend is what it sent there and what came back (``olproute.server.tracker``): each
+request in flight, its prompt, its predicted output, its dispatch time and the tokens it
+has streamed. From these it rebuilds the ``EngineSnapshot`` BEA replays:
+
+* a request that has streamed a token is a running decoder (context = prompt + tokens,
+  all of it computed but the last token, its KV blocks held); the first
+  ``max_num_seqs`` of them in dispatch order run, the rest wait;
+* the others wait in dispatch order with nothing computed (their prefill may have begun
+  inside the backend: the replay then over-estimates their remaining prefill), except
+  the prompt tokens whose KV arrived computed from a prefill instance;
+* no batch is in flight (the replay starts at the snapshot's time), and the free KV
+  blocks are the capacity less the running requests' blocks (``used_blocks``, which the
+  live tracker reconciles with the backend's scraped KV gauge).
+
+What it cannot know: which batch is running and since when, how far each queued prefill
+has got, and which requests the backend preempted (they look running). The simulator
+gives its policies this same view of its exact engine state with
+``sim.snapshot_view: router`` (``router_view``), so what the lost information costs is
+measured offline, with everything else equal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from olproute.types import (
+    SNAP_COMPUTED,
+    SNAP_OUTPUT,
+    SNAP_PREDICTED,
+    SNAP_PROMPT,
+    EngineSnapshot,
+    InstanceSpec,
+)
+
+
+def tracked_blocks(prompt: Sequence[int], tokens: Sequence[int], running: Sequence[bool],
+                   block_size: int) -> int:
+    """KV blocks the running requests hold: context prompt + tokens (at least one)."""
+    return sum(math.ceil((p + max(t, 1)) / block_size)
+               for p, t, r in zip(prompt, tokens, running, strict=True) if r)
+
+
+def tracked_snapshot(now_s: float, spec: InstanceSpec, request_ids: Sequence[int],
+                     prompt: Sequence[int], tokens: Sequence[int],
+                     predicted: Sequence[int], computed: Sequence[int],
+                     running: Sequence[bool], used_blocks: int) -> EngineSnapshot:
+    """The snapshot of one backend from its requests in flight, given in dispatch order:
+    their ids, prompt tokens, tokens streamed, predicted output, prompt tokens whose KV
+    arrived computed, and whether each is taken to be running; ``used_blocks`` the KV
+    blocks taken to be used (module docstring)."""
+    order = range(len(request_ids))
+    run = [i for i in order if running[i]][: spec.max_num_seqs]
+    ran = set(run)
+    wait = [i for i in order if i not in ran]
+    rows = []
+    for i in run:
+        out = max(tokens[i], 1)
+        ctx = prompt[i] + out
+        rows.append((prompt[i], out, predicted[i], ctx - 1, math.ceil(ctx / spec.block_size)))
+    rows.extend((prompt[i], 0, predicted[i], computed[i], 0) for i in wait)
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
+    return EngineSnapshot(
+        time_s=now_s, table=table, num_running=len(run),
+        num_free_blocks=spec.num_kv_blocks - min(used_blocks, spec.num_kv_blocks),
+        inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=now_s,
+        request_ids=np.array([request_ids[i] for i in run + wait], dtype=np.int64))
+
+
+def router_view(snap: EngineSnapshot, dispatch_s: Mapping[int, float],
+                spec: InstanceSpec) -> EngineSnapshot:
+    """What a router tracking its own traffic rebuilds of an engine's exact state
+    ``snap``: its resident requests in dispatch order (``dispatch_s`` by request id),
+    those with an output token running, every one's tokens so far, and for a waiting
+    request on a decode instance the prompt it received computed (otherwise nothing
+    computed); the rest as ``tracked_snapshot`` says."""
+    ids = snap.request_ids.tolist()
+    by_dispatch = sorted(range(len(ids)), key=lambda i: dispatch_s.get(ids[i], math.inf))
+    t = snap.table
+    prompt = [int(t[i, SNAP_PROMPT]) for i in by_dispatch]
+    tokens = [int(t[i, SNAP_OUTPUT]) for i in by_dispatch]
+    running = [x > 0 for x in tokens]
+    received = spec.role == "decode"
+    computed = [int(t[i, SNAP_COMPUTED]) if received and not running[k] else 0
+                for k, i in enumerate(by_dispatch)]
+    return tracked_snapshot(
+        snap.time_s, spec, [ids[i] for i in by_dispatch], prompt, tokens,
+        [int(t[i, SNAP_PREDICTED]) for i in by_dispatch], computed, running,
+        tracked_blocks(prompt, tokens, running, spec.block_size))

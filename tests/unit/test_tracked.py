@@ -1,0 +1,126 @@
+"""The router's rebuilt snapshot (olproute.tracked): the simulator's router view of an
+exact engine state is the snapshot the live tracker builds from the same traffic, and it
+drops what a router cannot see (the batch in flight, prefill progress)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from olproute.config import Config, LoadedConfig, load_profiles
+from olproute.core_ref import FINISHED
+from olproute.server.tracker import Tracker
+from olproute.sim.engine import SimEngine
+from olproute.sim.scenario import make_cluster, make_policy
+from olproute.sim.snapshots import SnapshotFeed
+from olproute.sim.timing import LinearTiming
+from olproute.tracked import router_view
+from olproute.types import SNAP_COMPUTED, SNAP_OUTPUT, InstanceSpec, Request
+
+
+def _spec(seqs: int, blocks: int, budget: int) -> InstanceSpec:
+    return InstanceSpec(name="i", model="m", gpu="g", tensor_parallel=1, max_num_seqs=seqs,
+                        max_num_batched_tokens=budget, block_size=16, num_kv_blocks=blocks)
+
+
+def _engine_mid_run(spec: InstanceSpec, prompts: list[int], decodes: list[int],
+                    batches: int, seed: int) -> tuple[SimEngine, dict[int, float]]:
+    """An engine with the requests admitted in a shuffled dispatch order, ``batches``
+    batches run and the next one in flight."""
+    rng = np.random.default_rng(seed)
+    timer = LinearTiming((3e-3, 5e-5, 1e-8, 1e-9), 0.0, rng)
+    eng = SimEngine(0, spec, timer)
+    dispatch: dict[int, float] = {}
+    ids = rng.permutation(len(prompts)).tolist()  # ids not in dispatch order
+    for k, (p, d) in enumerate(zip(prompts, decodes, strict=True)):
+        eng.admit(ids[k], p, d, d + 7)
+        dispatch[ids[k]] = 0.01 * k
+    t = 1.0
+    for _ in range(batches):
+        dur = eng.start_batch(t)
+        if dur is None:
+            break
+        t += dur
+        for rid, flags, _ in eng.finish_batch():
+            if flags & FINISHED:
+                dispatch.pop(rid, None)
+    eng.start_batch(t)  # a batch in flight
+    return eng, dispatch
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 600), st.integers(1, 40)), min_size=1,
+                max_size=24),
+       st.integers(0, 12), st.integers(2, 8), st.integers(0, 10**6))
+def test_router_view_is_the_live_trackers_snapshot(rows: list[tuple[int, int]], batches: int,
+                                                   seqs: int, seed: int) -> None:
+    spec = _spec(seqs, 400, 256)
+    prompts, decodes = [p for p, _ in rows], [d for _, d in rows]
+    eng, dispatch = _engine_mid_run(spec, prompts, decodes, batches, seed)
+    exact = eng.snapshot(5.0)
+    view = router_view(exact, dispatch, spec)
+    # the tracker, fed the same traffic: dispatches in order, the tokens streamed so far
+    tracker = Tracker([spec], ["http://x"])
+    out = dict(zip(exact.request_ids.tolist(), exact.table[:, SNAP_OUTPUT].tolist(),
+                   strict=True))
+    pred = dict(zip(exact.request_ids.tolist(), exact.table[:, 2].tolist(), strict=True))
+    prompt = dict(zip(exact.request_ids.tolist(), exact.table[:, 0].tolist(), strict=True))
+    for rid in sorted(out, key=dispatch.__getitem__):
+        req = Request(request_id=rid, arrival_s=0.0, prompt_tokens=prompt[rid],
+                      decode_tokens=1, predicted_decode_tokens=pred[rid], ttft_target_s=1.0)
+        tracker.dispatched(0, req, dispatch[rid])
+        if out[rid]:
+            tracker.token(0, rid, 1.0, out[rid])
+    live = tracker.snapshot(0, 5.0)
+    assert np.array_equal(view.table, live.table)
+    assert np.array_equal(view.request_ids, live.request_ids)
+    assert view.num_running == live.num_running
+    assert view.num_free_blocks == live.num_free_blocks
+    # what the router cannot see is gone: no batch in flight, no queued prefill progress
+    assert view.inflight.shape == (0, 2) and view.inflight_start_s == view.time_s
+    waiting = view.table[view.num_running:]
+    assert not waiting[:, SNAP_COMPUTED].any() and not waiting[:, SNAP_OUTPUT].any()
+
+
+def test_router_view_loses_prefill_progress_and_the_batch_in_flight() -> None:
+    """A long prompt part-way through a chunked prefill: the engine knows how much is
+    computed and that a batch runs; the router's view has it waiting with nothing
+    computed, and no batch."""
+    spec = _spec(8, 400, 128)
+    eng, dispatch = _engine_mid_run(spec, [1000], [5], 3, 0)
+    exact = eng.snapshot(5.0)
+    assert exact.table[0, SNAP_COMPUTED] == 3 * 128 and exact.inflight.shape[0] > 0
+    view = router_view(exact, dispatch, spec)
+    assert view.num_running == 0 and view.table[0, SNAP_COMPUTED] == 0
+    assert view.inflight.shape[0] == 0
+    assert view.num_free_blocks == spec.num_kv_blocks
+
+
+def test_the_feed_gives_the_router_view_with_dispatch_order() -> None:
+    spec = _spec(4, 400, 128)
+    eng, dispatch = _engine_mid_run(spec, [300, 40, 900, 20, 70], [9, 3, 4, 30, 2], 4, 3)
+    feed = SnapshotFeed([eng], 0.0, "router")
+    for rid, t in sorted(dispatch.items(), key=lambda kv: kv[1]):
+        feed.dispatched(0, t, rid, 0, 0)
+    (snap,), pending = feed.view(5.0)
+    assert pending is None
+    expected = router_view(eng.snapshot(5.0), dispatch, spec)
+    assert np.array_equal(snap.table, expected.table)
+    assert np.array_equal(snap.request_ids, expected.request_ids)
+    engine_feed = SnapshotFeed([eng], 0.0)
+    assert engine_feed.view(5.0)[0][0].inflight.shape[0] > 0  # the engine view keeps it
+
+
+def test_config_snapshot_view_reaches_the_cluster() -> None:
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    data = {"instances": [{"name": "a", "model": "llama-2-7b", "gpu": "a100-80gb"}],
+            "workload": {"kind": "poisson", "rate_per_s": 5, "num_requests": 10,
+                         "lengths_path": str(repo / "data" / "traces" / "splitwise_conv.csv")},
+            "sim": {"snapshot_view": "router"}}
+    loaded = LoadedConfig(repo / "configs" / "default.yaml", Config.model_validate(data),
+                          load_profiles(repo / "configs" / "profiles.yaml"))
+    cluster = make_cluster(loaded, make_policy(loaded, "round_robin"))
+    assert cluster.feed.view_of == "router"
