@@ -178,6 +178,14 @@ def bear_case(seed: int, num_requests: int, predictor_dir: Path) -> Case:
     # the router and the emulator count whitespace words; the generator counted its own
     # tokens (punctuation apart): the requests carry the count both live sides see
     reqs = [replace(r, prompt_tokens=max(count_words(r.text or ""), 1)) for r in reqs]
+    # a model answers a prompt one way: where the generator drew the same text twice
+    # (short instruction prompts repeat), both requests get the first one's true lengths
+    first: dict[str, Request] = {}
+    for k, r in enumerate(reqs):
+        f = first.setdefault(str(r.text), r)
+        if f is not r:
+            reqs[k] = replace(r, decode_tokens=f.decode_tokens,
+                              decode_tokens_by_model=f.decode_tokens_by_model)
     return Case("bear", seed, loaded, reqs, [MAX_TOKENS] * len(reqs))
 
 

@@ -207,7 +207,9 @@ def trace_output_tokens(path: str | os.PathLike[str] = DEFAULT_TRACE) -> tuple[i
 def synthetic_truth(loaded: LoadedConfig, seed: int | None = None) -> TruthIndex:
     """The truth index of the config's workload: its prompts and per-model output lengths
     when it is ``kind: synthetic`` (regenerated exactly as the simulator draws them on
-    ``seed``, default ``sim.seed``), else empty."""
+    ``seed``, default ``sim.seed``), else empty. A model answers a prompt one way: when
+    the generator drew the same text twice (short instruction prompts repeat), the first
+    draw's lengths are that text's."""
     if loaded.config.workload.kind != "synthetic":
         return {}
     try:
@@ -217,7 +219,9 @@ def synthetic_truth(loaded: LoadedConfig, seed: int | None = None) -> TruthIndex
     index: TruthIndex = {}
     for r in reqs:
         if r.text is not None and r.decode_tokens_by_model:
-            index.setdefault(prompt_key(r.text), {}).update(r.decode_tokens_by_model)
+            known = index.setdefault(prompt_key(r.text), {})
+            for model, tokens in r.decode_tokens_by_model.items():
+                known.setdefault(model, tokens)
     return index
 
 

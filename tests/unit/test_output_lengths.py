@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import string
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +260,19 @@ def test_lengths_need_a_usable_trace(tmp_path: Path) -> None:
     tiny.write_text("num_prefill_tokens,num_decode_tokens\n10,7\n")
     assert OutputLengths.from_trace(tiny).natural("anything", MODEL) == 7
     assert json.dumps(OutputLengths.from_trace(tiny).trace_tokens) == "[7]"
+
+
+def test_a_prompt_drawn_twice_keeps_its_first_lengths(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model answers a prompt one way: when the generator drew one text twice with
+    different hidden noise, the text's lengths are the first draw's."""
+    import olproute.emulator.lengths as lengths_module
+
+    loaded = load_config(_synthetic_config(tmp_path))
+    sim = build_requests(loaded)[:3]
+    twice = [sim[0], sim[1], replace(sim[2], text=sim[0].text, decode_tokens_by_model={
+        m: v + 7 for m, v in (sim[0].decode_tokens_by_model or {}).items()})]
+    monkeypatch.setattr(lengths_module, "synthetic_prompts", lambda loaded, seed: twice)
+    index = synthetic_truth(loaded)
+    assert len(index) == 2
+    assert index[prompt_key(sim[0].text or "")] == dict(sim[0].decode_tokens_by_model or {})
