@@ -106,6 +106,9 @@ QUICK_REQUESTS = {"olp": 60, "bear": 40}
 LAG_WINDOW_S = 20.0         # the router's loop lag is read over windows this long
 GOAL_RR = 0.10              # |live RR / sim RR - 1| on mean EEL
 GOAL_GAIN = 0.20            # live gain >= (1 - 0.2) x simulated gain
+# the model clients ask for: a name no instance serves is an alias for the whole pool
+# (a pool model's name would confine the router to that model's instances)
+ANY_MODEL = "auto"
 FILLER = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
           "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa")
 
@@ -221,6 +224,7 @@ class PerRequest:
     target: np.ndarray
     tokens: np.ndarray        # prompt + output of served requests (0 otherwise)
     arrival: np.ndarray
+    instance: list[str | None] | None = None  # live: the instance that served each
 
     def figures(self) -> dict[str, float]:
         s = self.served
@@ -297,6 +301,7 @@ class Reply:
     complete: bool = False
     reason: str | None = None   # a refusal's or failure's message
     late_s: float = 0.0         # how late the client sent it
+    instance: str | None = None  # the instance that served it (x-olproute-instance)
 
 
 async def _send(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
@@ -309,6 +314,7 @@ async def _send(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
         async with session.post(url + "/v1/completions", json=body,
                                 headers={"x-slo-ttft-ms": f"{target_ms:.3f}"}) as resp:
             rep.status = resp.status
+            rep.instance = resp.headers.get("x-olproute-instance")
             if resp.status != 200:
                 text = await resp.text()
                 try:
@@ -363,7 +369,7 @@ async def replay(url: str, case: Case) -> tuple[list[Reply], list[float]]:
         t0 = time.perf_counter() + 0.5
         tasks = []
         for r, mt in zip(case.requests, case.max_tokens, strict=True):
-            body = {"model": case.loaded.specs[0].model, "prompt": r.text, "max_tokens": mt,
+            body = {"model": ANY_MODEL, "prompt": r.text, "max_tokens": mt,
                     "stream": True, "stream_options": {"include_usage": True}}
             tasks.append(asyncio.create_task(
                 _send(session, url, body, r.ttft_target_s * 1e3, t0 + r.arrival_s)))
@@ -379,12 +385,14 @@ async def replay(url: str, case: Case) -> tuple[list[Reply], list[float]]:
 
 
 def _per_request(case: Case, replies: Sequence[Reply]) -> PerRequest:
+    """The live figures of each request; which instance served it in ``instance``."""
     served = np.array([r.status == 200 and r.complete for r in replies])
     return PerRequest(ttft=np.array([r.ttft for r in replies]),
                       eel=np.array([r.eel for r in replies]), served=served,
                       target=np.array([r.ttft_target_s for r in case.requests]),
                       tokens=np.array([float(r.tokens) for r in replies]),
-                      arrival=np.array([r.arrival_s for r in case.requests]))
+                      arrival=np.array([r.arrival_s for r in case.requests]),
+                      instance=[r.instance for r in replies])
 
 
 def _cpu_busy() -> tuple[float, float]:
