@@ -9,9 +9,11 @@ Scenarios:
 
 * ``olp``: the OLP table's overloaded scenario (``bench/olp_table.py``: four Llama-2-7B /
   A100-80GB engines, Poisson arrivals at 24 req/s, splitwise_conv lengths, +/-20% noisy
-  predictions in the simulator, admission ``defer`` with 60 s of patience), with the
-  trace rows that fit Llama-2-7B's 4,096-token context (prompt + output; the emulator,
-  as vLLM, refuses the others).
+  predictions in the simulator, admission ``defer`` with 60 s of patience; 4,000
+  requests). Its longest prompt + output is 14,089 tokens, past Llama-2-7B's 4,096, and
+  the emulator refuses what exceeds its model's context, as vLLM does; the simulator has
+  no context limit, so both run with the model's context raised to ``OLP_CONTEXT``
+  (``_long_context_profiles``) and the requests are the OLP table's.
 * ``bear``: the BEAR table's pool (``bench/bear_table.py``: Qwen3-0.6B and -8B on one H100
   each, Qwen3-32B on two), its synthetic prompts at ``BEAR_RATE`` req/s (Poisson), the
   shipped predictor's predictions. Every policy runs with the router's defaults (for
@@ -20,7 +22,7 @@ Scenarios:
 
 Each (scenario, seed) is one list of requests: arrival time, prompt text (the synthetic
 prompt; for ``olp`` a filler text of the trace's prompt length in words), ``max_tokens``
-(the room left in the context, at most 2,048) and the TTFT target. The output length is
+2,048 (above every output of both workloads but a handful) and the TTFT target. The output length is
 what the emulated model generates for that prompt (``olproute emulate --truth``: the
 prompt's true length on that model, capped at ``max_tokens``), and the simulator's truth
 is the same number. Prompt tokens are counted as the router and the emulator count them
@@ -33,10 +35,13 @@ is the same number. Prompt tokens are counted as the router and the emulator cou
   the scenario's config with the emulators as backends; its calibration is the
   simulator's profiling run, as ``serve`` builds it), and this process as the client:
   each request is sent at its arrival time as a streamed completion with its TTFT target
-  in ``x-slo-ttft-ms``. Times are real: arrivals and batch times are not compressed
-  (factor 1; the three processes share this machine's two cores, and faster would be
-  CPU-bound: see the CPU column). The emulators stream every ``STREAM_INTERVAL`` tokens
-  (vLLM's ``--stream-interval``), which leaves TTFT and end-to-end latency unchanged.
+  in ``x-slo-ttft-ms``, asking for model ``auto`` (an alias of the whole pool). Times are
+  real: arrivals and batch times are not compressed (factor 1). The router runs on real
+  seconds (its slots, TTFT targets, patience and calibration), and scaling its clock with
+  the emulators' ``--time-scale`` is not built; the three processes use about a fifth of
+  this machine's two cores at these rates (the CPU figure), so a compressed run would fit.
+  The emulators stream every ``STREAM_INTERVAL`` tokens (vLLM's ``--stream-interval``),
+  which leaves TTFT and end-to-end latency unchanged.
 
 What the live path lacks, measured for bid_price (the policy that reads predictions and
 snapshots) as further simulator runs on the same requests, each adding one thing live
@@ -482,8 +487,8 @@ async def _scrape(url: str) -> str:
         return await r.text()
 
 
-def run_live(case: Case, policy: str, tmp: Path, truth: Path) -> tuple[PerRequest,
-                                                                       dict[str, Any]]:
+def run_live(case: Case, policy: str, tmp: Path, truth: Path,
+             stream_interval: int = STREAM_INTERVAL) -> tuple[PerRequest, dict[str, Any]]:
     """One live run: emulators and router in processes of their own, this process the
     client; what it measured, and the run's side figures."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -492,7 +497,7 @@ def run_live(case: Case, policy: str, tmp: Path, truth: Path) -> tuple[PerReques
     emu_cfg = _config_file(loaded, tmp / f"{tag}-emulate.yaml")
     emu_log = tmp / f"{tag}-emulate.log"
     emu = _start(["emulate", "--config", str(emu_cfg), "--seed", str(case.seed),
-                  "--truth", str(truth), "--stream-interval", str(STREAM_INTERVAL)],
+                  "--truth", str(truth), "--stream-interval", str(stream_interval)],
                  emu_log, env)
     serve: subprocess.Popen[str] | None = None
     try:
@@ -558,6 +563,10 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--requests", type=int, help="requests per scenario")
     ap.add_argument("--keep", metavar="DIR", help="keep configs and logs in DIR")
+    ap.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL,
+                    help="the emulators' stream interval (default: %(default)s)")
+    ap.add_argument("--live-only", action="store_true",
+                    help="skip the simulator's attribution runs (sim and live only)")
     args = ap.parse_args()
     seeds = ([int(s) for s in args.seeds.split(",")] if args.seeds
              else list(REPORT_SEEDS[:1] if args.quick else REPORT_SEEDS))
@@ -582,9 +591,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 sim = run_sim(case, policy, cal).figures()
                 modes = {"sim": sim}
-                if policy in ATTRIBUTED:
+                if policy in ATTRIBUTED and not args.live_only:
                     modes |= {f"sim_{k}": v for k, v in attribution(case, policy, cal).items()}
-                live_pr, side = run_live(case, policy, tmp, truth)
+                live_pr, side = run_live(case, policy, tmp, truth, args.stream_interval)
                 live = modes["live"] = live_pr.figures()
                 for mode, figures in modes.items():
                     per_seed[policy].setdefault(mode, []).append(figures)

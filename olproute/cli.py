@@ -160,6 +160,9 @@ def _cmd_estimate_eval(args: argparse.Namespace) -> int:
               else args.snapshot_age_ms)
     if age_ms < 0:
         raise ConfigError(args.config, [("sim.snapshot_age_ms", "must be >= 0")])
+    if args.snapshot_view is not None:
+        loaded = loaded.with_updates(sim=loaded.config.sim.model_copy(
+            update={"snapshot_view": args.snapshot_view}))
     ev = run_estimate_eval(loaded, policy, names, calibration, snapshot_age_s=age_ms / 1e3)
     rows = error_rows(ev)
     batch_mape = float(np.mean(ev.batch_time_ape) * 100)
@@ -350,6 +353,10 @@ def _add_estimate_eval(sub: Any) -> None:
     p.add_argument("--snapshot-age-ms", type=float, metavar="MS",
                    help="staleness of the snapshots the estimators see "
                         "(default: sim.snapshot_age_ms of the config)")
+    p.add_argument("--snapshot-view", choices=("engine", "router"),
+                   help="what the estimators see: the engines' exact state, or what a "
+                        "router rebuilds of it from its own traffic, as olproute serve "
+                        "does (default: sim.snapshot_view of the config)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.set_defaults(handler=_cmd_estimate_eval)
 

@@ -42,7 +42,6 @@ emulator will produce with ``OutputLengths.tokens(prompt_key(text), model, max_t
 from __future__ import annotations
 
 import array
-import csv
 import functools
 import json
 import math
@@ -58,6 +57,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config import REPO_ROOT, LoadedConfig
+from olproute.predict.training import csv_rows
 from olproute.sim.requests import synthetic_prompts
 from olproute.sim.workloads import WorkloadError, read_lengths_csv
 
@@ -233,7 +233,8 @@ def read_truth_file(path: str | os.PathLike[str]) -> TruthIndex:
     p = Path(path)
     if not p.is_file():
         raise TruthFileError(f"{p}: no such file")
-    rows = _jsonl_rows(p) if p.suffix in (".jsonl", ".ndjson") else _csv_rows(p)
+    rows = (_jsonl_rows(p) if p.suffix in (".jsonl", ".ndjson")
+            else csv_rows(p, TRUTH_COLUMNS, TruthFileError))
     index: TruthIndex = {}
     first_line: dict[tuple[bytes, str], int] = {}
     try:
@@ -269,30 +270,6 @@ def _truth_row(row: Mapping[str, object], where: str) -> tuple[bytes, str, int]:
         raise TruthFileError(f"{where}: output_tokens: expected an integer >= 1, "
                              f"got {raw!r}") from None
     return prompt_key(prompt), model.strip(), int(value)
-
-
-def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, str]]]:
-    with path.open(newline="") as f:
-        reader = csv.reader(f)
-        try:
-            header = next(reader, None)
-            if header is None:
-                raise TruthFileError(f"{path}: line 1: empty file, expected a header row")
-            missing = [c for c in TRUTH_COLUMNS if c not in header]
-            if missing:
-                raise TruthFileError(f"{path}: line 1: header lacks column(s) "
-                                     f"{', '.join(missing)}")
-            end = reader.line_num
-            for row in reader:
-                start, end = end + 1, reader.line_num
-                if not row:
-                    continue
-                if len(row) != len(header):
-                    raise TruthFileError(f"{path}: line {start}: expected {len(header)} "
-                                         f"fields, got {len(row)}")
-                yield start, dict(zip(header, row, strict=True))
-        except csv.Error as exc:
-            raise TruthFileError(f"{path}: line {reader.line_num}: {exc}") from None
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, object]]]:

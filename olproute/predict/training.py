@@ -87,28 +87,30 @@ def _parse_row(values: Mapping[str, object], where: str) -> tuple[str, str, floa
     return prompt, model.strip(), tokens, quality
 
 
-def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, object]]]:
+def csv_rows(path: Path, required: Sequence[str] = REQUIRED_COLUMNS,
+             error: type[Exception] = PredictorError) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, row by header name) of a CSV file whose header names every column of
+    ``required``; a problem raises ``error`` naming the file and line."""
     with path.open(newline="") as f:
         reader = csv.reader(f)
         try:
             header = next(reader, None)
             if header is None:
-                raise PredictorError(f"{path}: line 1: empty file, expected a header row")
-            missing = [c for c in REQUIRED_COLUMNS if c not in header]
+                raise error(f"{path}: line 1: empty file, expected a header row")
+            missing = [c for c in required if c not in header]
             if missing:
-                raise PredictorError(f"{path}: line 1: header lacks column(s) "
-                                     f"{', '.join(missing)}")
+                raise error(f"{path}: line 1: header lacks column(s) {', '.join(missing)}")
             end = reader.line_num
             for row in reader:
                 start, end = end + 1, reader.line_num
                 if not row:
                     continue
                 if len(row) != len(header):
-                    raise PredictorError(f"{path}: line {start}: expected {len(header)} "
-                                         f"fields, got {len(row)}")
+                    raise error(f"{path}: line {start}: expected {len(header)} "
+                                f"fields, got {len(row)}")
                 yield start, dict(zip(header, row, strict=True))
         except csv.Error as exc:
-            raise PredictorError(f"{path}: line {reader.line_num}: {exc}") from exc
+            raise error(f"{path}: line {reader.line_num}: {exc}") from None
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, object]]]:
@@ -131,7 +133,7 @@ def read_training_file(path: str | os.PathLike[str]) -> TrainingData:
     p = Path(path)
     if not p.is_file():
         raise PredictorError(f"{p}: no such file")
-    rows = _jsonl_rows(p) if p.suffix in (".jsonl", ".ndjson") else _csv_rows(p)
+    rows = _jsonl_rows(p) if p.suffix in (".jsonl", ".ndjson") else csv_rows(p)
     prompt_ids: dict[str, int] = {}
     tasks: list[str | None] = []
     index, models, tokens, quality = [], [], [], []

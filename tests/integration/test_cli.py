@@ -270,6 +270,15 @@ def test_calibrate_then_estimate_eval(config: Path, tmp_path: Path,
     data = json.loads(js.read_text())
     assert [r["estimator"] for r in data["estimators"]] == ["bea", "prefill_tps"]
     assert all(r["n"] > 0 for r in data["estimators"])
+    # the router's rebuilt snapshots (no batch in flight, no prefill progress): the same
+    # dispatches, and BEA estimates them worse
+    js2 = tmp_path / "ev-router.json"
+    assert main(["estimate-eval", "--config", str(cfg), "--no-progress", "--calibration",
+                 str(cal), "--estimators", "bea", "--snapshot-view", "router",
+                 "--json", str(js2)]) == 0
+    router = json.loads(js2.read_text())["estimators"][0]
+    assert router["n"] == data["estimators"][0]["n"]
+    assert router["mape_pct"] > data["estimators"][0]["mape_pct"]
 
 
 def test_calibrate_rejects_a_malformed_log(tmp_path: Path,
