@@ -44,7 +44,6 @@ from __future__ import annotations
 import array
 import functools
 import json
-import math
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -57,7 +56,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config import REPO_ROOT, LoadedConfig
-from olproute.predict.training import csv_rows
+from olproute.predict.training import csv_rows, output_tokens
 from olproute.sim.requests import synthetic_prompts
 from olproute.sim.workloads import WorkloadError, read_lengths_csv
 
@@ -260,16 +259,7 @@ def _truth_row(row: Mapping[str, object], where: str) -> tuple[bytes, str, int]:
         raise TruthFileError(f"{where}: prompt: expected non-empty text, got {prompt!r}")
     if not isinstance(model, str) or not model.strip():
         raise TruthFileError(f"{where}: model: expected a model name, got {model!r}")
-    try:
-        if isinstance(raw, bool) or not isinstance(raw, str | int | float):
-            raise ValueError
-        value = float(raw)
-        if not (math.isfinite(value) and value >= 1 and value == int(value)):
-            raise ValueError
-    except ValueError:
-        raise TruthFileError(f"{where}: output_tokens: expected an integer >= 1, "
-                             f"got {raw!r}") from None
-    return prompt_key(prompt), model.strip(), int(value)
+    return prompt_key(prompt), model.strip(), output_tokens(raw, where, TruthFileError)
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, object]]]:

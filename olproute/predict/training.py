@@ -59,22 +59,28 @@ class TrainingData:
         return len(self.models)
 
 
+def output_tokens(raw: object, where: str, error: type[Exception] = PredictorError) -> int:
+    """A row's ``output_tokens`` (a whole number >= 1, as text or a JSON number); a bad one
+    raises ``error`` naming ``where`` and the field."""
+    try:
+        if isinstance(raw, bool) or not isinstance(raw, str | int | float):
+            raise ValueError
+        value = float(raw)
+        if not (math.isfinite(value) and value >= 1 and value == int(value)):
+            raise ValueError
+    except ValueError:
+        raise error(f"{where}: output_tokens: expected an integer >= 1, got {raw!r}") from None
+    return int(value)
+
+
 def _parse_row(values: Mapping[str, object], where: str) -> tuple[str, str, float, float]:
     prompt, model = values.get("prompt"), values.get("model")
     if not isinstance(prompt, str) or not prompt.strip():
         raise PredictorError(f"{where}: prompt: expected non-empty text, got {prompt!r}")
     if not isinstance(model, str) or not model.strip():
         raise PredictorError(f"{where}: model: expected a model name, got {model!r}")
-    raw_o, raw_q = values.get("output_tokens"), values.get("quality")
-    try:
-        if isinstance(raw_o, bool) or not isinstance(raw_o, str | int | float):
-            raise ValueError
-        tokens = float(raw_o)
-        if not (math.isfinite(tokens) and tokens >= 1 and tokens == int(tokens)):
-            raise ValueError
-    except ValueError:
-        raise PredictorError(f"{where}: output_tokens: expected an integer >= 1, "
-                             f"got {raw_o!r}") from None
+    raw_q = values.get("quality")
+    tokens = float(output_tokens(values.get("output_tokens"), where))
     try:
         if isinstance(raw_q, bool) or not isinstance(raw_q, str | int | float):
             raise ValueError
