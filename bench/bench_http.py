@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
+from common import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,12 +93,6 @@ app.router.add_post("/v1/completions", handle)
 uvloop.install()
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def wait_up(url: str, timeout: float = 120.0) -> None:

@@ -10,7 +10,12 @@ they belong to tuning.
 from __future__ import annotations
 
 import math
+import socket
+import subprocess
+import time
+import urllib.request
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -68,3 +73,29 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, float | np.floating):
         return finite_or_none(float(x))
     return x
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (for a server this bench starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, server: subprocess.Popen[Any], log: Path,
+                 limit_s: float = 180.0, poll_s: float = 0.5) -> None:
+    """Wait for ``olproute serve`` at ``url`` to answer ``/healthz``; SystemExit with the
+    end of its ``log`` if it exits first, or after ``limit_s``."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        if server.poll() is not None:
+            err = log.read_text(errors="replace")[-4000:]
+            raise SystemExit(f"olproute serve exited with {server.returncode}:\n{err}")
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(poll_s)
+    raise SystemExit(f"olproute serve did not answer /healthz within {limit_s:g} s")

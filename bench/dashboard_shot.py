@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,17 +36,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
+from common import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the", "router", "prices", "batch", "slots", "cache", "blocks", "and", "prefill",
          "tokens", "over", "a", "horizon", "of", "future", "slots", "so", "that", "each",
          "request", "goes", "where", "its", "reward", "beats", "the", "price")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(tmp: Path, max_num_seqs: int, certify_period_s: float) -> Path:

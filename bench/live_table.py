@@ -88,7 +88,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_SEEDS, fmt_spread, jsonable, spread
+from common import REPORT_SEEDS, fmt_spread, free_port, jsonable, spread, wait_healthy
 
 from olproute.config import Config, LoadedConfig, load_profiles
 from olproute.server.schema import count_words
@@ -428,25 +428,6 @@ def _wait_lines(log: Path, proc: subprocess.Popen[str], marker: str,
     raise SystemExit(f"no {marker!r} in {log} within {limit_s:g} s")
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[str], log: Path,
-                  limit_s: float = 180.0) -> None:
-    import urllib.request
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        if proc.poll() is not None:
-            raise SystemExit(f"olproute serve exited with {proc.returncode}:\n"
-                             f"{log.read_text(errors='replace')[-4000:]}")
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit(f"olproute serve did not answer /healthz within {limit_s:g} s")
-
-
 def _stop(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -455,14 +436,6 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config_file(loaded: LoadedConfig, path: Path,
@@ -504,14 +477,14 @@ def run_live(case: Case, policy: str, tmp: Path, truth: Path,
         lines = _wait_lines(emu_log, emu, "emulated instance(s) serving")
         backends = [{"name": ln.split()[0], "url": ln.split()[1]} for ln in lines
                     if ln.split()[1:2] and ln.split()[1].startswith("http")]
-        port = _free_port()
+        port = free_port()
         serve_cfg = _config_file(loaded, tmp / f"{tag}-serve.yaml",
                                  {"backends": backends, "port": port,
                                   "host": "127.0.0.1"})
         serve_log = tmp / f"{tag}-serve.log"
         serve = _start(["serve", "--config", str(serve_cfg)], serve_log, env)
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, serve, serve_log)
+        wait_healthy(url, serve, serve_log, poll_s=0.25)
         busy0, total0 = _cpu_busy()
         t0 = time.perf_counter()
         replies, lags = asyncio.run(replay(url, case))

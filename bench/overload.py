@@ -36,7 +36,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
-from common import jsonable
+from common import free_port, jsonable, wait_healthy
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,12 +84,6 @@ class Phase:
     def ttft(self, q: float) -> float:
         xs = [r.ttft_s for r in self.results if r.status == 200 and r.ttft_s is not None]
         return float(np.percentile(xs, q)) if xs else math.nan
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _lengths(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -406,7 +399,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="arrivals and lengths")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w+b", prefix="olproute-serve-", suffix=".log",
                                      delete=False) as log:
@@ -416,7 +409,7 @@ def main() -> None:
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
         print(f"olproute serve on {url} (pid {server.pid}, log {log.name})", file=sys.stderr)
         try:
-            _wait_up(url, server, Path(log.name))
+            wait_healthy(url, server, Path(log.name))
             result = asyncio.run(run(args, url, server.pid))
         finally:
             t = time.perf_counter()
@@ -432,25 +425,6 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(jsonable(result), indent=2) + "\n")
         print(f"wrote {args.json}")
-
-
-def _wait_up(url: str, server: subprocess.Popen[bytes], log: Path,
-             limit_s: float = 180.0) -> None:
-    import urllib.request
-
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < limit_s:
-        if server.poll() is not None:
-            err = log.read_text(errors="replace")[-4000:]
-            raise SystemExit(f"olproute serve exited with {server.returncode}:\n{err}")
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"olproute serve did not answer /healthz within {limit_s:g} s")
 
 
 if __name__ == "__main__":
