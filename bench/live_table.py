@@ -409,9 +409,9 @@ def _cpu_busy() -> tuple[float, float]:
 
 
 def _start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    f = log.open("w")
-    return subprocess.Popen([sys.executable, "-m", "olproute.cli", *argv], stdout=f,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    with log.open("w") as f:  # the child holds its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "olproute.cli", *argv], stdout=f,
+                                stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _wait_lines(log: Path, proc: subprocess.Popen[str], marker: str,
@@ -506,12 +506,12 @@ def run_live(case: Case, policy: str, tmp: Path, truth: Path,
             "not_served": reasons,
             "finish_reasons": {k: sum(r.finish_reason == k for r in replies)
                                for k in ("stop", "length")},
-            "decision_us": _decision_quantiles(metrics),
+            "decision_us": _decision_mean(metrics),
             "loop_lag_p99_ms": max(lags, default=math.nan)}
     return _per_request(case, replies), side
 
 
-def _decision_quantiles(text: str) -> dict[str, float]:
+def _decision_mean(text: str) -> dict[str, float]:
     """Mean decision time (us) from the router's /metrics histogram."""
     total = count = 0.0
     for line in text.splitlines():
