@@ -41,6 +41,8 @@ class ServerState:
     control: aiohttp.ClientSession
     calibrators: list[OnlineCalibrator] = field(default_factory=list)
     batches_supported: list[bool] = field(default_factory=list)
+    # backends whose /metrics had none of vLLM's gauges, said once (olproute.server.app)
+    gaugeless: set[int] = field(default_factory=set)
     # the embedded emulated instances (olproute.emulator.RunningEmulator), if any
     emulators: list[Any] = field(default_factory=list)
     holding: HoldQueue | None = None
