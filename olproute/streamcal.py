@@ -14,7 +14,9 @@ kinds of *clean* interval:
   *reference*) times the steps: each of its events ends a step of the n decoders, so a
   row of k steps (``min_decode_steps`` or more) is k batches of n tokens whose contexts
   (prompt + tokens so far - 1 each) grow by n per step. One row per step boundary of one
-  request, not one per request: a step is counted once.
+  request, not one per request: a step is counted once. (The contexts are those known
+  at the reference's event: a decoder whose event of the same step comes after it
+  counts one token short.)
 * **prefill**: a request dispatched while every other request there was decoding, with
   no other dispatch and no end until its first token. Its time to first token is the
   chunked prefill of its prompt (``max_num_batched_tokens`` less the running decoders'
@@ -63,6 +65,10 @@ RowKind = Literal["decode", "prefill"]
 # event kinds: a streamed dispatch, a dispatch whose tokens come whole at its end
 # (opaque: its progress is unseen), tokens announced, an end
 DISPATCH, OPAQUE, TOKEN, END = 0, 1, 2, 3
+# a decode row is final once an event comes this many of its steps after its end: a
+# decoder's end, reported after its last token, comes sooner and drops the rows that
+# counted it in steps after that token
+SETTLE_STEPS = 2.0
 # (sequence number, kind, request id, time s, value, requests in flight after it); value:
 # the prompt tokens of a dispatch, the tokens of a token event, 0 for an end
 Event = tuple[int, int, int, float, int, int]
@@ -73,9 +79,10 @@ class StepRow:
     """One clean interval as a row of the batch-time model, summed over its steps.
 
     ``num_steps`` is the constant column (fractional for a prefill row that counts half
-    of the step running at its dispatch). A prefill row also keeps its prompt and the
-    decoders running at dispatch (their number and context sum), for the prefill
-    throughput."""
+    of the step running at its dispatch). ``end_s``: when the interval ended, on the
+    recorder's clock (it began ``duration_s`` before). A prefill row also keeps its
+    prompt and the decoders running at dispatch (their number and context sum), for the
+    prefill throughput."""
 
     kind: RowKind
     duration_s: float
@@ -83,6 +90,7 @@ class StepRow:
     num_tokens: float
     sum_decode_context: float
     sum_prefill_attention: float
+    end_s: float = 0.0
     prompt_tokens: int = 0
     num_decoders: int = 0
     decode_context: float = 0.0
@@ -94,16 +102,17 @@ class StepRow:
 
 
 def decode_row(num_decoders: int, decode_context: float, num_steps: int,
-               duration_s: float) -> StepRow:
+               duration_s: float, end_s: float = 0.0) -> StepRow:
     """``num_steps`` steps of ``num_decoders`` decoders whose contexts sum to
     ``decode_context`` at the first step and grow by one each per step."""
     n, k = float(num_decoders), float(num_steps)
     return StepRow("decode", duration_s, k, n * k,
-                   k * decode_context + n * k * (k - 1.0) / 2.0, 0.0)
+                   k * decode_context + n * k * (k - 1.0) / 2.0, 0.0, end_s)
 
 
 def prefill_row(prompt_tokens: int, max_num_batched_tokens: int, num_decoders: int,
-                decode_context: float, duration_s: float) -> StepRow | None:
+                decode_context: float, duration_s: float,
+                end_s: float = 0.0) -> StepRow | None:
     """The time to first token of a prompt dispatched while ``num_decoders`` decoders
     (context sum ``decode_context`` in the step running then) ran: half that step when
     there were decoders, then the prompt in chunks of the budget less one token per
@@ -122,7 +131,7 @@ def prefill_row(prompt_tokens: int, max_num_batched_tokens: int, num_decoders: i
         context += decode_context + n * steps   # each decoder one token further per step
         attention += float(chunk) * computed + chunk * (chunk + 1) / 2.0
         computed += chunk
-    return StepRow("prefill", duration_s, half + steps, tokens, context, attention,
+    return StepRow("prefill", duration_s, half + steps, tokens, context, attention, end_s,
                    prompt_tokens, n, decode_context)
 
 
@@ -293,7 +302,7 @@ class RowBuilder:
     others are late by up to the stall. An event is taken as timely when the same
     request's next event comes at least ``burst_fraction`` of a step later (the step:
     the segment's mean so far once it spans ``min_decode_steps`` steps, else the recent
-    rows' mean). A decode row is held until an event more than one of its steps after
+    rows' mean). A decode row is held until an event ``SETTLE_STEPS`` of its steps after
     its end shows that no decoder had ended before it (an end is reported after its last
     token)."""
 
@@ -387,7 +396,7 @@ class RowBuilder:
         # a first event of two tokens hides the end of the prefill
         if cand is not None and cand.request_id == rid and self._synced and count == 1:
             row = prefill_row(r.prompt, self.max_num_batched_tokens, cand.num_decoders,
-                              cand.decode_context, t - cand.dispatch_s)
+                              cand.decode_context, t - cand.dispatch_s, t)
             if row is not None and row.duration_s > 0:
                 self._prefill = _PendingPrefill(rid, row, t)
         self._segment = None
@@ -452,19 +461,20 @@ class RowBuilder:
             return
         seg.start = b
         row = decode_row(seg.num_decoders, start.decode_context, steps,
-                         b.time_s - start.time_s)
+                         b.time_s - start.time_s, b.time_s)
         if row.duration_s > 0:
             self._held.append((b.time_s, row))
             step = row.duration_s / steps
             self._step_s = step if self._step_s <= 0 else 0.9 * self._step_s + 0.1 * step
 
     def _settle(self, t: float) -> None:
-        """Held decode rows ending more than one of their steps before ``t`` are final."""
+        """Held decode rows ending more than ``SETTLE_STEPS`` of their steps before ``t``
+        are final."""
         if not self._held:
             return
         keep = []
         for end, row in self._held:
-            if t - end > row.duration_s / row.num_steps:
+            if t - end > SETTLE_STEPS * row.duration_s / row.num_steps:
                 self._out.append(row)
             else:
                 keep.append((end, row))
