@@ -63,7 +63,8 @@ def _loaded(args: argparse.Namespace) -> LoadedConfig:
         updates["duration_s"] = args.duration_s
     if updates:
         workload = workload.model_copy(update=updates)
-    loaded = loaded.with_updates(workload=workload)
+    if args.workload or loaded.has_workload:   # else it stays missing, and says so
+        loaded = loaded.with_updates(workload=workload)
     if args.seed is not None:
         loaded = loaded.with_updates(sim=loaded.config.sim.model_copy(update={"seed": args.seed}))
     return loaded
@@ -266,11 +267,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.policy not in REGISTRY.names():
             raise PolicyError(f"unknown policy {args.policy!r} "
                               f"(known: {', '.join(REGISTRY.names())})")
+    if args.calibration:
+        path = Path(args.calibration)
+        if not path.is_file():
+            raise ConfigError(path, [("", "--calibration: no such file")])
+        loaded = loaded.with_updates(calibration=str(path.resolve()))
     # the predictor first: a folder that does not load stops serve before anything starts
     predictor = served_predictor(loaded)
-    # calibration: auto profiles the scenario in the simulator, at start-up; the live
+    # calibration: auto profiles the scenario (or, with no workload, a sweep of each
+    # instance) in the simulator, at start-up; a file is read and checked now; the live
     # certificate checks bid_price's prices with the exact LP in a worker process
-    run_server(loaded, host=args.host, port=args.port, calibration=CalibrationSource(loaded),
+    calibration = CalibrationSource(loaded)
+    if loaded.config.calibration != "auto":
+        calibration()   # a file that does not read, or lacks an instance, stops serve here
+    run_server(loaded, host=args.host, port=args.port, calibration=calibration,
                certifier=certify, predictor=predictor)
     return 0
 
@@ -310,6 +320,9 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--host", help="address to bind (default: server.host)")
     p.add_argument("--port", type=int, help="port (default: server.port; 0 picks a free one)")
     p.add_argument("--policy", help="routing policy (default: router.policy of the config)")
+    p.add_argument("--calibration", metavar="YAML",
+                   help="the backends' calibration (olproute calibrate writes it; default: "
+                        "the config's calibration key)")
     _add_weights_option(p)
     p.set_defaults(handler=_cmd_serve)
 

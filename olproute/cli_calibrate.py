@@ -58,9 +58,7 @@ def _specs(loaded: LoadedConfig, backends: Sequence[tuple[str, str]]) -> list[In
 def _served_model(loaded: LoadedConfig, name: str) -> str | None:
     for b in loaded.config.server.backends:
         if b.name == name:
-            # server.backends[].served_model, where the config has that key
-            model = getattr(b, "served_model", None)
-            return str(model) if model else None
+            return b.served_model
     return None
 
 

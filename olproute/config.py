@@ -90,6 +90,17 @@ class LoadedConfig:
         p = Path(relative)
         return p if p.is_absolute() else (self.base_dir / p)
 
+    @property
+    def has_workload(self) -> bool:
+        """Did the config give a ``workload`` section (or a command set one)?"""
+        return "workload" in self.config.model_fields_set
+
+    def require_workload(self, what: str = "this command") -> None:
+        """ConfigError naming ``workload`` when the config has none."""
+        if not self.has_workload:
+            raise ConfigError(self.path, [("workload", f"required: {what} runs the config's "
+                                           "workload (only olproute serve needs none)")])
+
     def with_updates(self, **sections: Any) -> LoadedConfig:
         """A copy with whole sections replaced (``workload=...``, ``router=...``)."""
         return LoadedConfig(self.path, self.config.model_copy(update=sections), self.profiles,
@@ -186,7 +197,10 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG,
         profiles_path = p.parent / profiles_path
     if not profiles_path.exists():
         raise ConfigError(p, [("profiles", f"file not found: {profiles_path}")])
-    problems = workload_problems(config.workload)
+    # serving replays no workload: a config may leave the section out (the commands that
+    # run one say so, ``LoadedConfig.require_workload``)
+    problems = (workload_problems(config.workload) if "workload" in config.model_fields_set
+                else [])
     problems += prediction_problems(config.prediction, config.workload.kind)
     problems += policy_problems(config.router, quote)
     if problems:

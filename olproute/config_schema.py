@@ -335,10 +335,16 @@ class AdmissionConfig(_Frozen):
 
 class BackendConfig(_Frozen):
     """A real serving backend: ``name`` must be one of the instances (its spec gives the
-    limits the router models), ``url`` its OpenAI-compatible base URL."""
+    limits the router models), ``url`` its OpenAI-compatible base URL, ``served_model``
+    the model name it answers to (vLLM's ``--served-model-name``; by default the
+    instance's profile name, e.g. ``qwen3-0.6b``)."""
 
     name: str = Field(min_length=1)
     url: str = Field(pattern=r"^https?://")
+    served_model: str | None = Field(
+        default=None, min_length=1, description="the model name sent to this backend in "
+        "every request (vLLM's --served-model-name, e.g. Qwen/Qwen3-0.6B); default the "
+        "instance's profile model name")
     role: Literal["mixed", "prefill", "decode"] | None = Field(
         default=None, description="optional: when given, it must be the role of the "
         "instance of that name")

@@ -59,6 +59,10 @@ STREAM_WINDOW_ROWS = 4096
 STREAM_REFIT_EVERY = 32
 STREAM_MIN_ROWS = 16
 BACKEND_URLS = web.AppKey("olproute_backend_urls", list)
+# an idle connection to a backend is closed after this: before the server closes it
+# (uvicorn, vLLM's server, closes idle connections after 5 s), so that a request is not
+# sent on a connection the server is closing (``proxy._post`` also retries that once)
+KEEPALIVE_S = 4.0
 
 
 def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
@@ -101,9 +105,12 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
         server = loaded.config.server
         async with contextlib.AsyncExitStack() as stack:
             urls = app[BACKEND_URLS]
+            by_name = {b.name: b for b in server.backends}
+            # the name each backend answers to, also when the URLs are given
+            served = [by_name[s.name].served_model if s.name in by_name else None
+                      for s in loaded.specs]
             if not urls and server.backends:
-                by_name = {b.name: b.url for b in server.backends}
-                urls = [by_name[s.name] for s in loaded.specs]
+                urls = [by_name[s.name].url for s in loaded.specs]
             running: list[Any] = []
             if not urls:
                 from olproute.emulator import start_emulators
@@ -119,32 +126,27 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
             # no cap on the proxy's connections: the policy bounds what is in flight, and
             # a capped pool would queue dispatched requests in the client, unseen
             session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0,
+                                               keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=server.request_timeout_s,
                                               sock_connect=server.connect_timeout_s))
             stack.push_async_callback(session.close)
             # health checks, scraping and batch records on connections of their own, so a
             # busy proxy never makes a backend's probe wait
             control = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=4 * len(urls) + 4),
+                connector=aiohttp.TCPConnector(limit=4 * len(urls) + 4,
+                                               keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=5.0, sock_connect=server.connect_timeout_s))
             stack.push_async_callback(control.close)
             loop = asyncio.get_running_loop()
             router = await loop.run_in_executor(None, _build_router, loaded, calibration,
                                                 predictor)
             st = ServerState(loaded=loaded, router=router,
-                             tracker=Tracker(loaded.specs, urls), metrics=ServerMetrics(),
+                             tracker=Tracker(loaded.specs, urls, served_models=served),
+                             metrics=ServerMetrics(),
                              session=session, t0=loop.time(), emulators=running,
                              control=control)
-            st.calibrators = [OnlineCalibrator(c.beta) for c in router.calibration()]
-            st.batches_supported = [True] * len(urls)
-            st.stream_calibrators = [
-                StreamCalibrator(c.beta, s.max_num_batched_tokens, s.max_num_seqs,
-                                 window=STREAM_WINDOW_ROWS, refit_every=STREAM_REFIT_EVERY,
-                                 min_prefill_rows=STREAM_MIN_ROWS,
-                                 min_decode_rows=STREAM_MIN_ROWS)
-                for c, s in zip(router.calibration(), loaded.specs, strict=True)]
-            st.beta_sources = ["initial"] * len(urls)
+            _recalibrators(st)
             st.holding = HoldQueue(loaded.config.admission.max_held,
                                    loaded.config.router.slot_ms / 1e3,
                                    server.hold_budget_ms / 1e3, st.now)
@@ -171,6 +173,20 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 await asyncio.gather(*tasks, return_exceptions=True)
                 await st.holding.close()
     return ctx
+
+
+def _recalibrators(st: ServerState) -> None:
+    """Each backend's online calibrators, from the router's calibration: from its batch
+    records and from its streams (``olproute.streamcal``); its beta's source initial."""
+    cal = st.router.calibration()
+    st.calibrators = [OnlineCalibrator(c.beta) for c in cal]
+    st.batches_supported = [True] * len(cal)
+    st.stream_calibrators = [
+        StreamCalibrator(c.beta, s.max_num_batched_tokens, s.max_num_seqs,
+                         window=STREAM_WINDOW_ROWS, refit_every=STREAM_REFIT_EVERY,
+                         min_prefill_rows=STREAM_MIN_ROWS, min_decode_rows=STREAM_MIN_ROWS)
+        for c, s in zip(cal, st.loaded.specs, strict=True)]
+    st.beta_sources = ["initial"] * len(cal)
 
 
 async def _stop_all(running: list[Any]) -> None:
@@ -249,15 +265,7 @@ async def _health(st: ServerState) -> None:
     async def probe(g: int) -> None:
         b = st.tracker.backends[g]
         sent = loop.time()
-        timed_out = False
-        try:
-            async with st.control.get(b.url + "/health",
-                                      timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as r:
-                ok = r.status == 200
-        except TimeoutError:
-            ok, timed_out = False, True
-        except aiohttp.ClientError:
-            ok = False
+        ok, timed_out = await _probe_once(st, b.url)
         name = b.spec.name
         if timed_out and _router_lagged(st, sent, loop.time()):
             # the router's own loop ran late: the answer may have been waiting unread
@@ -272,6 +280,24 @@ async def _health(st: ServerState) -> None:
     await asyncio.gather(*(probe(g) for g in st.tracker.due_for_probe(st.now())))
     st.metrics.set_backends([b.spec.name for b in st.tracker.backends], st.tracker.healthy(),
                             [len(b.flights) + len(b.inbound) for b in st.tracker.backends])
+
+
+async def _probe_once(st: ServerState, url: str) -> tuple[bool, bool]:
+    """(the backend's /health answered 200, the probe timed out). A kept-alive connection
+    the backend closed meanwhile is no answer: the probe is sent once more."""
+    for attempt in range(2):
+        try:
+            async with st.control.get(
+                    url + "/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as r:
+                return r.status == 200, False
+        except aiohttp.ServerDisconnectedError:
+            if attempt:
+                return False, False
+        except TimeoutError:
+            return False, True
+        except aiohttp.ClientError:
+            return False, False
+    raise AssertionError("unreachable")
 
 
 def _router_lagged(st: ServerState, sent: float, now: float) -> bool:
@@ -293,7 +319,14 @@ async def _scrape(st: ServerState) -> None:
                 text = await r.text()
         except (TimeoutError, aiohttp.ClientError):
             return
-        st.tracker.set_scraped(g, vllm_gauges(text), st.now())
+        gauges = vllm_gauges(text)
+        if not gauges and g not in st.gaugeless:
+            st.gaugeless.add(g)
+            print(f"olproute: backend {b.spec.name}'s /metrics has none of "
+                  f"{', '.join(VLLM_GAUGES)} (a vLLM started with --disable-log-stats "
+                  "exports none): its KV use is the router's own count", file=sys.stderr)
+        st.tracker.set_scraped(g, gauges, st.now())
+        st.metrics.set_scraped(b.spec.name, gauges)
 
     await asyncio.gather(*(one(b.index) for b in st.tracker.backends if b.healthy))
 
@@ -451,6 +484,7 @@ async def instances(request: web.Request) -> web.Response:
     for b, load in zip(st.tracker.backends, loads, strict=True):
         out.append({
             "name": b.spec.name, "url": public_url(b.url), "model": b.spec.model,
+            "served_model": b.served_model,
             "gpu": b.spec.gpu,
             "role": b.spec.role, "inbound": len(b.inbound), "handoffs": b.num_handoffs,
             "handoff_seconds": b.handoff_seconds,

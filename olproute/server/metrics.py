@@ -46,6 +46,11 @@ class ServerMetrics:
                                "finished", ["instance"], registry=r)
         self.backend_up = Gauge("olproute_backend_up", "1 if the backend passes its health "
                                 "checks", ["instance"], registry=r)
+        self.backend_scraped = Gauge(
+            "olproute_backend_scraped", "A backend's own gauge as last scraped from its "
+            "/metrics (gauge: vllm:num_requests_running, vllm:num_requests_waiting, "
+            "vllm:kv_cache_usage_perc; summed over its label sets)", ["instance", "gauge"],
+            registry=r)
         self.price_sum = Gauge("olproute_price_sum", "Sum over the horizon of the shadow "
                                "price (resource: batch, kv or compute)",
                                ["instance", "resource"], registry=r)
@@ -137,6 +142,10 @@ class ServerMetrics:
         for name, ok, n in zip(names, healthy, in_flight, strict=True):
             self.backend_up.labels(name).set(1.0 if ok else 0.0)
             self.in_flight.labels(name).set(n)
+
+    def set_scraped(self, name: str, gauges: dict[str, float]) -> None:
+        for gauge, value in gauges.items():
+            self.backend_scraped.labels(name, gauge).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -83,10 +83,17 @@ async def _post(st: ServerState, g: int, path: str, body: dict[str, Any]
     if it did: a connect error, no answer within ``server.first_byte_timeout_s``, or a
     5xx), the response still unread. An answer ends the backend's failure streak."""
     limit = st.loaded.config.server.first_byte_timeout_s
+    url = st.tracker.backends[g].url + path
     try:
         async with asyncio.timeout(limit):
-            upstream = await st.session.post(st.tracker.backends[g].url + path,
-                                             data=dump_json(body), headers=JSON_HEADERS)
+            try:
+                upstream = await st.session.post(url, data=dump_json(body),
+                                                 headers=JSON_HEADERS)
+            except aiohttp.ServerDisconnectedError:
+                # sent on a kept-alive connection the backend was closing (an idle one:
+                # it never read the request): once more, on a new connection
+                upstream = await st.session.post(url, data=dump_json(body),
+                                                 headers=JSON_HEADERS)
     except TimeoutError:
         return None, f"no answer within {limit:g} s (first_byte_timeout_s)"
     except aiohttp.ClientError as exc:
@@ -226,10 +233,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_tokens, text = prompt_tokens_of(body)
     req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_s,
                                 request.headers.get("x-slo-class", "default"), text)
-    # a model the pool serves constrains the choice; any other name is an alias
-    models = [s.model for s in st.loaded.specs]
-    exclude = (frozenset(g for g, m in enumerate(models) if m != body.model)
-               if body.model in models else frozenset())
+    # a model the pool serves (by its profile's name or the name a backend answers to)
+    # constrains the choice; any other name is an alias
+    names = [(b.spec.model, b.served_model) for b in st.tracker.backends]
+    exclude = (frozenset(g for g, pair in enumerate(names) if body.model not in pair)
+               if any(body.model in pair for pair in names) else frozenset())
     decision = await decide_until_dispatch(st, req, request, exclude)
     if decision is None:   # the client left while its request was held: nobody reads this
         return web.Response(status=499)
@@ -252,7 +260,7 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         g = decision.instance
         assert g is not None
         backend = st.tracker.backends[g]
-        data["model"] = backend.spec.model  # the name the backend serves
+        data["model"] = backend.served_model  # the name the backend answers to
         now = st.now()
         st.tracker.dispatched(g, req, now, streamed=stream)
         try:
@@ -278,8 +286,8 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         decision = retry
         if decision.action != "dispatch":
             st.observe(_outcome(req, None, None, None, None, 0))
-            return error_response(503, f"no backend after a failure: {decision.reason}",
-                                  kind="backend_error")
+            return error_response(503, f"backend {backend.spec.name} failed ({failure}), "
+                                  f"and no other: {decision.reason}", kind="backend_error")
     assert upstream is not None
     headers = decision_headers(request, decision, req, data["max_tokens"], {
         "x-olproute-instance": backend.spec.name, "x-olproute-reason": _ascii(decision.reason)})
@@ -514,10 +522,10 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
     completed = False
     st.tracker.dispatched_pair(p, q, req, dispatch)
     try:
-        answer = await _prefill(st, p, request.path, prefill_body(data, bp.spec.model),
+        answer = await _prefill(st, p, request.path, prefill_body(data, bp.served_model),
                                 headers)
         st.tracker.prefilled(p, q, rid, st.now())
-        body = decode_body(data, bq.spec.model, decode_kv_params(answer, bp.spec.name))
+        body = decode_body(data, bq.served_model, decode_kv_params(answer, bp.spec.name))
         st.tracker.decode_sent(q, rid, st.now(), stream)
         upstream, failure = await _post(st, q, request.path, body)
         try:

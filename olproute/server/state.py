@@ -46,6 +46,8 @@ class ServerState:
     # the beta the router uses came from: initial, batches or streams
     stream_calibrators: list[StreamCalibrator] = field(default_factory=list)
     beta_sources: list[str] = field(default_factory=list)
+    # backends whose /metrics had none of vLLM's gauges, said once (olproute.server.app)
+    gaugeless: set[int] = field(default_factory=set)
     # the embedded emulated instances (olproute.emulator.RunningEmulator), if any
     emulators: list[Any] = field(default_factory=list)
     holding: HoldQueue | None = None

@@ -115,6 +115,7 @@ class BackendState:
     index: int
     spec: InstanceSpec
     url: str
+    served_model: str   # the model name requests to it carry
     flights: dict[int, Flight] = field(default_factory=dict)
     inbound: dict[int, Inbound] = field(default_factory=dict)  # decode backends only
     healthy: bool = True
@@ -137,11 +138,17 @@ class Tracker:
     """Router-side state of every backend. Not thread-safe: use from the event loop."""
 
     def __init__(self, specs: Sequence[InstanceSpec], urls: Sequence[str],
-                 base_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+                 base_backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 served_models: Sequence[str | None] | None = None) -> None:
+        """``served_models``: per backend, the model name it answers to (None, or none
+        given: its profile's model name)."""
         if len(specs) != len(urls):
             raise ValueError("one URL per instance")
-        self.backends = [BackendState(i, s, u.rstrip("/"))
-                         for i, (s, u) in enumerate(zip(specs, urls, strict=True))]
+        names = list(served_models) if served_models is not None else [None] * len(specs)
+        if len(names) != len(specs):
+            raise ValueError("one served model name (or None) per instance")
+        self.backends = [BackendState(i, s, u.rstrip("/"), m or s.model)
+                         for i, (s, u, m) in enumerate(zip(specs, urls, names, strict=True))]
         self._base_backoff = base_backoff_s
         self._max_backoff = max_backoff_s
 

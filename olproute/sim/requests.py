@@ -93,6 +93,7 @@ def build_trace(loaded: LoadedConfig, rng: np.random.Generator) -> wl.Trace:
 
 def build_requests(loaded: LoadedConfig, seed: int | None = None) -> list[Request]:
     """The run's requests with TTFT (and TPOT) targets and predicted decode lengths."""
+    loaded.require_workload()
     cfg = loaded.config
     st = streams(cfg.sim.seed if seed is None else seed, len(loaded.specs))
     problems = prediction_problems(cfg.prediction, cfg.workload.kind)

@@ -27,7 +27,8 @@ from olproute.types import Request
 
 __all__ = ["CalibrationSource", "Saturation", "build_requests", "build_timers",
            "calibrate_result", "kv_transfer", "make_cluster", "make_policy",
-           "profile_calibration", "saturation_profile", "simulate", "streams"]
+           "profile_calibration", "saturation_profile", "simulate", "streams",
+           "sweep_calibration"]
 
 
 def build_timers(loaded: LoadedConfig, seed: int | None = None) -> list[BatchTimer]:
@@ -56,6 +57,8 @@ class CalibrationSource(assembly.CalibrationSource):
 
 
 def _round_robin_profile(loaded: LoadedConfig) -> list[InstanceCalibration]:
+    if not loaded.has_workload:   # a server's config: no workload to profile on
+        return sweep_calibration(loaded)
     return profile_calibration(loaded, "round_robin")
 
 
@@ -147,21 +150,73 @@ class Saturation:
     mean_batch_seqs: float
 
 
+def _one_instance(loaded: LoadedConfig, g: int) -> LoadedConfig:
+    """The config with instance ``g`` alone (one replica, mixed)."""
+    spec = loaded.specs[g]
+    return loaded.with_updates(instances=(loaded.config.instances[0].model_copy(
+        update={"name": spec.name, "model": spec.model, "gpu": spec.gpu,
+                "tensor_parallel": spec.tensor_parallel, "replicas": 1,
+                "max_num_seqs": spec.max_num_seqs,
+                "max_num_batched_tokens": spec.max_num_batched_tokens,
+                "block_size": spec.block_size,
+                "kv_capacity_tokens": spec.kv_capacity_tokens, "role": "mixed"}),))
+
+
+# the profiling sweep of a config without a workload: prompt lengths x concurrency, each
+# phase's requests arriving at once with SWEEP_DECODE_TOKENS outputs each
+SWEEP_PROMPTS = (16, 64, 256, 1024, 4096)
+SWEEP_CONCURRENCY = (1, 4, 16, 64)
+SWEEP_DECODE_TOKENS = 32
+
+
+def sweep_calibration(loaded: LoadedConfig) -> list[InstanceCalibration]:
+    """Calibrate every instance on a profiling sweep in the simulator, as the BEAR paper
+    profiles its engines: each (prompt length, concurrency) phase alone on the instance,
+    prompts up to its context and its KV cache, concurrency up to its ``max_num_seqs``.
+    Beta, prefill throughput and TPOT come from all phases' batches; the LPS service rate
+    and concurrency from the most concurrent phase of the longest prompt (the instance
+    saturated). What ``calibration: auto`` means when the config has no workload (a
+    server's: its backends' profiles are the only guess there is until ``olproute
+    calibrate --backend`` measures them)."""
+    out = []
+    for g, spec in enumerate(loaded.specs):
+        one = _one_instance(loaded, g)
+        context = loaded.profiles.models[spec.model].max_context_tokens
+        most = min(context, spec.kv_capacity_tokens) - SWEEP_DECODE_TOKENS
+        prompts = [p for p in SWEEP_PROMPTS if p <= most] or [max(most, 1)]
+        levels = sorted({min(c, spec.max_num_seqs) for c in SWEEP_CONCURRENCY})
+        logs, completions = [], 0
+        sat: tuple[float, float] | None = None
+        for i, (p, c) in enumerate((p, c) for p in prompts for c in levels):
+            c = min(c, max(spec.kv_capacity_tokens // (p + SWEEP_DECODE_TOKENS), 1))
+            burst = [Request(k, 0.0, p, SWEEP_DECODE_TOKENS, SWEEP_DECODE_TOKENS, 60.0)
+                     for k in range(c)]
+            res = simulate(one, "round_robin", burst, seed=loaded.config.sim.seed + 7 + g + i)
+            logs.append(res.batch_log)
+            finished = np.isfinite(res.finish_s)
+            completions += int(finished.sum())
+            busy = float(res.batch_log[:, 2].sum())
+            k = float((res.batch_log[:, 3] * res.batch_log[:, 2]).sum() / busy)
+            sat = (float(finished.sum()) / busy, k)
+        assert sat is not None
+        log = np.concatenate(logs)
+        log[:, 0] = 0.0
+        # every output is SWEEP_DECODE_TOKENS long: the sweep says nothing of a
+        # workload's service variability (service_scv stays unknown)
+        cal = calibrate_log(log, [spec.name], [completions])
+        out.append(replace(cal[spec.name], service_rate_per_s=sat[0], mean_batch_seqs=sat[1]))
+    return out
+
+
 def saturation_profile(loaded: LoadedConfig, num_requests: int = 2000) -> list[Saturation]:
     """Every instance, on its own, given ``num_requests`` of the workload's requests at
     time 0; measured between the 20th and 80th percentile completions, away from the
     start-up and drain transients."""
     reqs = build_requests(loaded)[:num_requests]
     out = []
-    for g, spec in enumerate(loaded.specs):
+    for g in range(len(loaded.specs)):
         burst = [replace(r, arrival_s=0.0, request_id=i) for i, r in enumerate(reqs)]
-        one = loaded.with_updates(instances=(loaded.config.instances[0].model_copy(
-            update={"name": spec.name, "model": spec.model, "gpu": spec.gpu,
-                    "tensor_parallel": spec.tensor_parallel, "replicas": 1,
-                    "max_num_seqs": spec.max_num_seqs,
-                    "max_num_batched_tokens": spec.max_num_batched_tokens,
-                    "block_size": spec.block_size,
-                    "kv_capacity_tokens": spec.kv_capacity_tokens, "role": "mixed"}),))
+        one = _one_instance(loaded, g)
         res = simulate(one, "round_robin", burst, seed=loaded.config.sim.seed + 7 + g)
         done = np.sort(res.finish_s)
         t0, t1 = done[int(0.2 * len(done))], done[int(0.8 * len(done))]

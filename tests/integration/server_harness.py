@@ -5,7 +5,8 @@ The fake backend speaks just enough OpenAI: completions and chat completions, st
 one chunk per token after ``delay_s`` each, or whole; ``/health``; ``/metrics`` with the
 vLLM gauge names. Its ``mode`` scripts failures: ``ok``, ``fail500`` (5xx before the
 first byte), ``fail400`` (the backend refuses the request), ``cut`` (drops the
-connection after ``cut_after`` chunks), ``hang`` (never answers, though ``/health``
+connection after ``cut_after`` chunks), ``drop_once`` (closes the connection of its first
+request without an answer), ``hang`` (never answers, though ``/health``
 does), ``stall`` (streams ``cut_after`` chunks, then nothing while keeping the connection
 open). ``cancelled`` counts the requests whose handler was cancelled (the router closed
 the connection) before the fake answered or finished. ``extra`` is merged into its whole
@@ -49,6 +50,7 @@ class FakeState:
     cancelled: int = 0
     hold: asyncio.Event | None = None
     hold_after: int = 1
+    gauges: bool = True   # False: /metrics without vLLM's gauges (--disable-log-stats)
 
 
 STATE = web.AppKey("fake_state", FakeState)
@@ -59,6 +61,12 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     st.requests += 1
     st.bodies.append(body)
+    if st.mode == "drop_once" and st.requests == 1:
+        # closes the connection without an answer, as a server closing an idle kept-alive
+        # connection while the request was on its way
+        assert request.transport is not None
+        request.transport.close()
+        return web.Response()
     if st.mode == "fail500":
         return web.json_response({"error": "boom"}, status=500)
     if st.mode == "fail400":
@@ -123,6 +131,9 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    if not request.app[STATE].gauges:
+        return web.Response(text="# TYPE python_info gauge\npython_info 1.0\n",
+                            content_type="text/plain")
     text = ("# TYPE vllm:num_requests_running gauge\n"
             'vllm:num_requests_running{model_name="fake"} 0.0\n'
             "# TYPE vllm:num_requests_waiting gauge\n"
