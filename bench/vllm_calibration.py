@@ -103,6 +103,7 @@ class HeldOut:
     # (start, end) of each time this client's event loop ran a timer LAG_S late or more
     stalls: list[tuple[float, float]] = field(default_factory=list)
     lags: list[float] = field(default_factory=list)
+    refits: list[tuple[int, Beta]] = field(default_factory=list)   # (request, beta)
 
     def __post_init__(self) -> None:
         self.tracker = Tracker([self.spec], [self.url])
@@ -131,6 +132,7 @@ class HeldOut:
         refitted from the rows settled so far."""
         if self.online.consume(self.tracker.backends[0].recorder.drain()):
             self.estimators["online"].set_beta(0, self.online.beta)
+            self.refits.append((req.request_id, self.online.beta))
         ctx = RoutingContext(request=req, now_s=now, instances=self.tracker.loads(now),
                              specs=(self.spec,), snapshots=(self.tracker.snapshot(0, now),))
         est = {name: float(e.estimate(ctx).ttft_s[0]) for name, e in self.estimators.items()}
@@ -330,6 +332,7 @@ def run(url: str, spec: InstanceSpec, profile: Beta,
         online_rows={"prefill": held.online.num_prefill_rows,
                      "decode": held.online.num_decode_rows},
         online_overhead_s=held.online.overhead_s,
+        online_betas=[{"before_request": i, "beta": b} for i, b in held.refits],
         sweep_calibration=swept.calibration.as_dict(),
         measured_ttft_s={"mean": float(np.nanmean([s.ttft_s for s in samples])),
                          "p50": float(np.nanmedian([s.ttft_s for s in samples]))},

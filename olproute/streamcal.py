@@ -175,6 +175,12 @@ def rows_mape(fit: StreamFit, rows: Sequence[StepRow]) -> float:
     return float(np.mean(np.abs(fit.predict(rows) / y - 1.0)))
 
 
+def median_ape(fit: StreamFit, rows: Sequence[StepRow]) -> float:
+    """Median absolute percentage error (as a fraction) of a fit's row durations."""
+    _, y = row_arrays(rows)
+    return float(np.median(np.abs(fit.predict(rows) / y - 1.0)))
+
+
 def identified(rows: Sequence[StepRow]) -> bool:
     """Do the rows determine beta and the overhead (full column rank once each column is
     scaled to unit norm)?"""
@@ -520,8 +526,10 @@ class StreamCalibrator:
 
     ``consume(events)`` builds rows (``RowBuilder``) and adds them; every ``refit_every``
     new rows it refits by NNLS, but only when the window holds at least
-    ``min_prefill_rows`` prefill and ``min_decode_rows`` decode rows and they identify all
-    four coefficients: otherwise beta keeps its value (the initial one until a refit)."""
+    ``min_prefill_rows`` prefill and ``min_decode_rows`` decode rows, they identify all
+    four coefficients, and a fit of three rows in four predicts the fourth no worse than
+    the current beta (``refit``): otherwise beta keeps its value (the initial one until a
+    refit)."""
 
     def __init__(self, initial: Beta, max_num_batched_tokens: int, max_num_seqs: int,
                  window: int = 4096, refit_every: int = 64, min_prefill_rows: int = 16,
@@ -573,14 +581,22 @@ class StreamCalibrator:
         return all(self._num[k] >= self._min[k] for k in self._num)
 
     def refit(self) -> bool:
-        """Refit on the window now if its rows identify beta; True if beta moved."""
+        """Refit on the window now; True if beta moved. The new beta is adopted only if
+        the window's rows identify it and a fit on three rows in four predicts the
+        fourth (median relative error) at least as well as the current beta does: noisy
+        rows that identify beta on paper do not move it to a worse one."""
         rows = list(self._rows)
         self._since = 0
-        if not identified(rows):
+        held = rows[3::4]
+        kept = [r for i, r in enumerate(rows) if i % 4 != 3]
+        if not identified(rows) or not identified(kept):
             return False
         try:
+            trial = fit_rows(kept)
             fit = fit_rows(rows)
         except CalibrationError:
+            return False
+        if median_ape(trial, held) > median_ape(StreamFit(self.beta, self.overhead_s), held):
             return False
         self.beta, self.overhead_s = fit.beta, fit.overhead_s
         self.num_refits += 1

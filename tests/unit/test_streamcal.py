@@ -5,7 +5,7 @@ beta, token events at batch ends), and the intervals that must make no row."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -370,6 +370,21 @@ def test_rows_that_do_not_identify_beta_leave_it() -> None:
                            min_prefill_rows=2, min_decode_rows=2)
     assert not cal.add(same + [idle] * 20)
     assert cal.beta == (1.0, 1.0, 1.0, 1.0)
+
+
+def test_noisy_rows_do_not_replace_a_better_beta() -> None:
+    """Rows whose times carry heavy noise (lognormal, sigma 0.8: a busy machine) identify
+    beta on paper, but a fit of them predicts held-back rows worse than the engine's own
+    beta, which is kept; a wrong beta is still replaced."""
+    rows, _, _ = rows_of(poisson(seed=6, num=300, rate_per_s=12))
+    rng = np.random.default_rng(0)
+    noisy = [replace(r, duration_s=r.duration_s * float(rng.lognormal(0.0, 0.8)))
+             for r in rows]
+    assert identified(noisy)
+    kept = StreamCalibrator(BETA, BUDGET, SEQS, refit_every=32)
+    assert not kept.add(noisy) and kept.beta == BETA and kept.num_refits == 0
+    wrong = StreamCalibrator((1e-3, 1e-6, 1e-9, 1e-12), BUDGET, SEQS, refit_every=32)
+    assert wrong.add(noisy) and wrong.num_refits > 0
 
 
 def test_a_window_forgets_old_rows_of_each_kind() -> None:
