@@ -8,7 +8,9 @@ downloaded. The model's folder is built here at run time: a ``config.json`` (2 l
 hidden 256, 4 heads of 64 (the CPU attention kernel refuses head_dim 16), 2 KV heads)
 and a word-level tokenizer saved through ``transformers`` with a chat template. Its
 vocabulary is ``w0`` ... ``w999`` and a few English words, one token per word, so a
-prompt of n words ``w<i>`` is n tokens.
+prompt of n words ``w<i>`` is n tokens. The weights are random: a completion stops at a
+sampled ``</s>`` (about one token in a thousand), whose text is empty, unless the request
+says ``ignore_eos``; every other token has text.
 """
 
 from __future__ import annotations
@@ -26,9 +28,15 @@ from typing import Any
 VENV_ENV = "OLPROUTE_VLLM_VENV"
 DEFAULT_VENV = Path.home() / ".cache" / "olproute" / "vllm-cpu"
 WORDS = 1000
+# the engine's limits, as configs/vllm_cpu.yaml describes them to the router (vLLM's CPU
+# attention wants blocks of a multiple of 32: 16 is refused)
 MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 16
+MAX_NUM_BATCHED_TOKENS = 512
+BLOCK_SIZE = 32
 # the tokenizer's words beside w0..w999: enough for a readable prompt or chat
-ENGLISH = "hello there the a of and to in is it you that what how".split()
+ENGLISH = ["hello", "there", "the", "a", "of", "and", "to", "in", "is", "it", "you", "that",
+           "what", "how"]
 
 _BUILD = r'''
 import json, os, sys
@@ -39,8 +47,9 @@ os.makedirs(out, exist_ok=True)
 vocab = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(words)] + sys.argv[3].split()
 tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
 tok.pre_tokenizer = pre_tokenizers.Whitespace()
-fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                               eos_token="</s>")
+# only </s> is special: a random model samples <unk> and <s> too, and a special token's
+# text is empty (skipped), so its chunk would carry no text
+fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
                       "{% endfor %}assistant:")
 fast.save_pretrained(out)
@@ -93,6 +102,7 @@ class VllmServer:
     port: int
     model_dir: Path
     log: Path
+    served_model: str | None = None   # --served-model-name; default ``name``
     args: tuple[str, ...] = ()
     process: subprocess.Popen[Any] | None = None
 
@@ -103,9 +113,14 @@ class VllmServer:
     def start(self) -> VllmServer:
         cmd = [str(python()), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model_dir), "--load-format", "dummy", "--dtype", "float32",
-               "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
-               "--served-model-name", self.name, "--host", "127.0.0.1",
-               "--port", str(self.port), "--disable-log-stats", *self.args]
+               "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+               "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+               "--block-size", str(BLOCK_SIZE),
+               # no torch.compile: its warm-up took 30 s alone and 8 minutes beside other
+               # engines on 2 busy cores; eager start-up is under a second
+               "--enforce-eager",
+               "--served-model-name", self.served_model or self.name, "--host", "127.0.0.1",
+               "--port", str(self.port), *self.args]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1"}

@@ -256,9 +256,6 @@ def _ticked(router: Router, now_s: float, snapshots: tuple[EngineSnapshot, ...]
     return router.policy.price_view()
 
 
-PROBE_TIMEOUT_S = 1.0
-
-
 async def _health(st: ServerState) -> None:
     loop = asyncio.get_running_loop()
 
@@ -288,7 +285,8 @@ async def _probe_once(st: ServerState, url: str) -> tuple[bool, bool]:
     for attempt in range(2):
         try:
             async with st.control.get(
-                    url + "/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as r:
+                    url + "/health", timeout=aiohttp.ClientTimeout(
+                        total=st.loaded.config.server.health_timeout_s)) as r:
                 return r.status == 200, False
         except aiohttp.ServerDisconnectedError:
             if attempt:
@@ -304,8 +302,9 @@ def _router_lagged(st: ServerState, sent: float, now: float) -> bool:
     """Did the router's event loop lag while a probe sent at ``sent`` timed out? Its
     timeout fired late (the loop was busy when it was due), or the loop ran a timer a
     quarter of the probe's timeout late meanwhile."""
-    late = (now - sent) - PROBE_TIMEOUT_S
-    return late > 0.25 * PROBE_TIMEOUT_S or st.lag.max_since(sent) > 0.25 * PROBE_TIMEOUT_S
+    limit = st.loaded.config.server.health_timeout_s
+    late = (now - sent) - limit
+    return late > 0.25 * limit or st.lag.max_since(sent) > 0.25 * limit
 
 
 async def _scrape(st: ServerState) -> None:

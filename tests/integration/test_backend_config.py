@@ -152,3 +152,12 @@ def test_serve_calibration_file_is_checked_first(tmp_path: Path,
     assert main(["serve", "--config", config, "--calibration", str(partial)]) == 2
     err = capsys.readouterr().err
     assert "calibration:" in err and "no entry for instance(s) q-1, q-2" in err
+
+
+@pytest.mark.parametrize("name", ["vllm_gpu_example.yaml", "vllm_cpu.yaml"])
+def test_shipped_backend_configs_load(name: str) -> None:
+    loaded = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
+    backends = loaded.config.server.backends
+    assert not loaded.has_workload
+    assert [b.name for b in backends] == [s.name for s in loaded.specs]
+    assert all(b.served_model for b in backends)

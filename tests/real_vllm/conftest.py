@@ -1,0 +1,59 @@
+"""The session's fleet: two real vLLM CPU servers and ``olproute serve`` in front of them
+(``fleet.py``); every test here is marked ``real_vllm``."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fleet import (
+    SERVED,
+    START_LIMIT_S,
+    Fleet,
+    free_port,
+    router_config,
+    start_router,
+    vllm_cpu,
+    wait_router,
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).parent == Path(__file__).parent:
+            item.add_marker(pytest.mark.real_vllm)
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    root = tmp_path_factory.mktemp("real_vllm")
+    model = vllm_cpu.build_tiny_model(root / "model")
+    servers = [vllm_cpu.VllmServer(name, free_port(), model, root / f"{name}.log",
+                                   served_model=SERVED)
+               for name in ("cpu0", "cpu1")]
+    router: subprocess.Popen[Any] | None = None
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(START_LIMIT_S)
+        config = router_config(root / "router.yaml", servers)
+        port = free_port()
+        log = root / "router.log"
+        router = start_router(config, port, log)
+        url = f"http://127.0.0.1:{port}"
+        wait_router(url, router, log)
+        yield Fleet(servers, url, router, log, config)
+    finally:
+        if router is not None and router.poll() is None:
+            router.terminate()
+            try:
+                router.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait(timeout=30)
+        for s in servers:
+            s.stop()
