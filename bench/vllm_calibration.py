@@ -9,7 +9,7 @@ uses only rows settled before it, starting from (i)).
     python bench/vllm_calibration.py [--json PATH] [--quick] [--seed N] [--url URL]
 
 One vLLM CPU server (``bench/vllm_cpu.py``: the tiny random-weight Llama, max 16 seqs,
-512 batched tokens, blocks of 32) is started; it is swept; then a held-out seeded
+512 batched tokens, blocks of 32, eager) is started; it is swept; then a held-out seeded
 Poisson run (other prompts; prompts of 16 to 512 tokens, 32 to 96 output tokens with
 ``ignore_eos``, at ``--load`` of the sweep's saturated service rate) is sent straight to
 it while a ``olproute.server.tracker.Tracker`` mirrors the traffic, as the router's does.
@@ -66,7 +66,6 @@ from olproute.types import InstanceSpec, Request, RoutingContext
 
 CONFIG = REPO_ROOT / "configs" / "vllm_cpu.yaml"
 LAG_S = 0.02   # a client timer this late is a stall of the client
-VLLM_ARGS = ("--max-num-batched-tokens", "512", "--block-size", "32")
 BETAS = ("profile", "sweep", "online")
 
 
@@ -279,7 +278,7 @@ def run_started(spec: InstanceSpec, profile: Beta, args: argparse.Namespace
     """``run`` on a vLLM server started here (and stopped after)."""
     with tempfile.TemporaryDirectory(prefix="olproute-vllm-cal-") as tmp:
         server = VllmServer("tiny", free_port(), build_tiny_model(Path(tmp) / "model"),
-                            Path(tmp) / "vllm.log", VLLM_ARGS)
+                            Path(tmp) / "vllm.log")
         t = time.perf_counter()
         server.start()
         try:
