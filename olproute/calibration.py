@@ -73,12 +73,23 @@ def fit_beta(x: FloatArray, y: FloatArray, relative: bool = True) -> Beta:
     of magnitude are fitted with equal care; relative weighting (rows divided by y) aims
     the fit at percentage error, which is what TTFT accuracy is judged on.
     """
-    from scipy.optimize import nnls
-
     if x.ndim != 2 or x.shape[1] != 4 or x.shape[0] != y.shape[0]:
         raise CalibrationError("fit_beta needs x of shape (n, 4) and y of length n")
-    if x.shape[0] < 4:
-        raise CalibrationError(f"need at least 4 batches to fit beta, got {x.shape[0]}")
+    b = fit_nonnegative(x, y, relative)
+    return (float(b[0]), float(b[1]), float(b[2]), float(b[3]))
+
+
+def fit_nonnegative(x: FloatArray, y: FloatArray, relative: bool = True) -> FloatArray:
+    """``fit_beta`` for any number of columns (at least as many rows): coefficients >= 0
+    of x @ b against durations y, columns scaled to unit norm, rows weighted by 1 / y
+    when ``relative``."""
+    from scipy.optimize import nnls
+
+    if x.ndim != 2 or x.shape[0] != y.shape[0]:
+        raise CalibrationError("need x of shape (n, k) and y of length n")
+    if x.shape[0] < x.shape[1]:
+        raise CalibrationError(f"need at least {x.shape[1]} rows to fit {x.shape[1]} "
+                               f"coefficients, got {x.shape[0]}")
     if np.any(y <= 0):
         raise CalibrationError("batch durations must be > 0")
     w = 1.0 / y if relative else np.ones_like(y)
@@ -86,8 +97,8 @@ def fit_beta(x: FloatArray, y: FloatArray, relative: bool = True) -> Beta:
     scale = np.linalg.norm(xw, axis=0)
     scale[scale == 0] = 1.0
     coef, _ = nnls(xw / scale, y * w)
-    b = coef / scale
-    return (float(b[0]), float(b[1]), float(b[2]), float(b[3]))
+    out: FloatArray = coef / scale
+    return out
 
 
 def predict_batch_time(beta: Sequence[float], log: FloatArray) -> FloatArray:

@@ -110,6 +110,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.backend:
+        from olproute.cli_calibrate import calibrate_backends
+
+        if args.batch_log:
+            raise CalibrationError("give --batch-log or --backend, not both")
+        return calibrate_backends(args)
+    if not args.batch_log:
+        raise CalibrationError("give --batch-log CSV (a simulator batch log) or --backend "
+                               "NAME=URL (live backends)")
     from olproute.calibration import (
         calibrate_log,
         design_matrix,
@@ -341,12 +350,22 @@ def _add_compare(sub: Any) -> None:
 
 
 def _add_calibrate(sub: Any) -> None:
+    from olproute.cli_calibrate import add_backend_options
+
     p = sub.add_parser("calibrate", help="fit per-instance batch-time coefficients (NNLS)",
                        description="Fit beta >= 0 of the 4-term batch-time model, prefill "
                                    "throughput and TPOT per instance from a batch log "
-                                   "(batches_<policy>.csv of `simulate --out`).")
-    p.add_argument("--batch-log", required=True, metavar="CSV", help="batch log to fit")
-    p.add_argument("--out", required=True, metavar="YAML", help="calibration file to write")
+                                   "(batches_<policy>.csv of `simulate --out`), or from a "
+                                   "profiling sweep of live backends over HTTP (--backend: "
+                                   "streamed completions, prompt lengths x concurrency, "
+                                   "timed by their token events).")
+    p.add_argument("--batch-log", metavar="CSV", help="batch log to fit")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                   help="with --backend: the configuration naming the instances "
+                        "(default: %(default)s)")
+    add_backend_options(p)
+    p.add_argument("--out", default="calibration.yaml", metavar="YAML",
+                   help="calibration file to write (default: %(default)s)")
     p.set_defaults(handler=_cmd_calibrate)
 
 

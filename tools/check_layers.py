@@ -41,8 +41,8 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # calls)
     (("olproute._core", "olproute.core_ref", "olproute._score", "olproute._featurize",
       "olproute._rowheads"),),
-    # batch-time calibration (NNLS beta, online refit)
-    (("olproute.calibration",),),
+    # batch-time calibration (NNLS beta, online refit; from a backend's streams)
+    (("olproute.calibration", "olproute.streamcal"),),
     # TTFT estimators, predictors, the config schema and what needs only it (reading
     # files, weight profiles, per-request outlook, prefill/decode pools, the live window the
     # exact LP checks)
@@ -63,10 +63,10 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # emulated instances (on the simulator's engine) | offline analysis (tune, its grid,
     # the operator's plots)
     (("olproute.emulator",), ("olproute.operator_plots", "olproute.tune", "olproute.tune_grid")),
-    # the HTTP server | the exact LP and its checks
-    (("olproute.server",), ("solvers",)),
+    # the HTTP server | the exact LP and its checks | the profiling sweep of live backends
+    (("olproute.server",), ("solvers",), ("olproute.sweep",)),
     # the command line
-    (("olproute.cli", "olproute.cli_args", "olproute.cli_operator"),),
+    (("olproute.cli", "olproute.cli_args", "olproute.cli_operator", "olproute.cli_calibrate"),),
 )
 PACKAGES = ("olproute", "solvers")
 MAX_FUNCTION_LINES = 80

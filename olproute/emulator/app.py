@@ -29,7 +29,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -201,11 +201,12 @@ async def batches(request: web.Request) -> web.Response:
 
 
 # -- the application ----------------------------------------------------------------------
-def init_app(instance: EmulatedInstance, *,
-             max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+def init_app(instance: EmulatedInstance, *, max_body_bytes: int = MAX_BODY_BYTES,
+             batch_records: bool = True) -> web.Application:
     """The aiohttp application of one emulated instance; its engine loop runs while the
     application does. Run it with ``handler_cancellation=True`` so that a client leaving a
-    non-streaming request aborts it too (streams notice on their next write anyway)."""
+    non-streaming request aborts it too (streams notice on their next write anyway).
+    ``batch_records=False``: no ``/olproute/batches`` (404, as on a real vLLM)."""
     app = web.Application(client_max_size=max_body_bytes)
     app[INSTANCE_KEY] = instance
 
@@ -225,7 +226,8 @@ def init_app(instance: EmulatedInstance, *,
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/olproute/batches", batches)
+    if batch_records:
+        app.router.add_get("/olproute/batches", batches)
     return app
 
 
@@ -278,6 +280,8 @@ async def start_emulators(
     stream_interval: int = 1,
     lengths: OutputLengths | None = None,
     truth_path: str | os.PathLike[str] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    batch_records: bool = True,
 ) -> list[RunningEmulator]:
     """Start one emulated instance per spec in the running event loop, instance i on port
     ``base_port + i`` (``base_port=0``: free ports chosen by the OS).
@@ -288,7 +292,9 @@ async def start_emulators(
     ``olproute.emulator.lengths.output_lengths(loaded, seed=seed, truth_path=truth_path)``
     (the synthetic workload's truth and the truth file's, else trace draws); with
     ``exact_lengths`` it generates all its ``max_tokens``. ``stream_interval``: vLLM's
-    ``--stream-interval`` (``EmulatedInstance``). Stop them with ``stop_emulators`` (or use
+    ``--stream-interval`` (``EmulatedInstance``). ``clock``: the engines' clock (a
+    virtual-time loop's ``time`` in tests). ``batch_records=False``: no
+    ``/olproute/batches``, as on a real vLLM. Stop them with ``stop_emulators`` (or use
     ``emulators(...)``)."""
     if loaded is None:
         loaded = load_config()
@@ -308,8 +314,10 @@ async def start_emulators(
                 max_model_len=None if model is None else model.max_context_tokens,
                 kv_transfer=None if model is None else KvTransfer.of(
                     model, loaded.config.transfer),
-                lengths=lengths, exact_lengths=exact_lengths, stream_interval=stream_interval)
-            runner = web.AppRunner(init_app(inst, max_body_bytes=max_body_bytes),
+                lengths=lengths, exact_lengths=exact_lengths, stream_interval=stream_interval,
+                clock=clock)
+            runner = web.AppRunner(init_app(inst, max_body_bytes=max_body_bytes,
+                                            batch_records=batch_records),
                                    handler_cancellation=True, access_log=None,
                                    shutdown_timeout=1.0)
             await runner.setup()

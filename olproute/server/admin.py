@@ -69,6 +69,8 @@ async def reload(request: web.Request) -> web.Response:
         key = exc.problems[0][0] if exc.problems else None
         return proxy.error_response(400, str(exc), param=key or None, kind="invalid_config")
     router.continue_ids(st.router)  # requests in flight keep their ids unique
+    for g, beta in st.recalibrated():
+        router.set_beta(g, beta)
     st.router = router
     st.loaded = new
     if st.holding is not None:

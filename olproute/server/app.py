@@ -2,7 +2,8 @@
 cleanup context (HTTP session, emulated backends when the config names none, the router
 and its tracker) and background tasks run there too: price updates (in a worker thread,
 off the event loop), health checks with backoff, scraping the backends' Prometheus
-gauges, beta recalibration from the backends' batch records, and the live certificate of
+gauges, beta recalibration from the backends' batch records (or, for a backend without
+them, from the streams relayed from it: ``olproute.streamcal``), and the live certificate of
 bid_price's prices (``olproute.server.live``; the LP runs in a process of its own).
 """
 
@@ -43,7 +44,8 @@ from olproute.server.schema import (
     validate,
 )
 from olproute.server.state import STATE, ServerState, log_unpredicted, prediction_status
-from olproute.server.tracker import Tracker
+from olproute.server.tracker import BackendState, Tracker
+from olproute.streamcal import StreamCalibrator, StreamRecorder
 from olproute.types import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -51,6 +53,11 @@ if TYPE_CHECKING:
 
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                "vllm:kv_cache_usage_perc")
+# recalibration from a backend's streams (olproute.streamcal): the rows' window, a refit
+# every so many new rows, once the window holds this many of each kind
+STREAM_WINDOW_ROWS = 4096
+STREAM_REFIT_EVERY = 32
+STREAM_MIN_ROWS = 16
 BACKEND_URLS = web.AppKey("olproute_backend_urls", list)
 # an idle connection to a backend is closed after this: before the server closes it
 # (uvicorn, vLLM's server, closes idle connections after 5 s), so that a request is not
@@ -139,8 +146,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                              metrics=ServerMetrics(),
                              session=session, t0=loop.time(), emulators=running,
                              control=control)
-            st.calibrators = [OnlineCalibrator(c.beta) for c in router.calibration()]
-            st.batches_supported = [True] * len(urls)
+            _recalibrators(st)
             st.holding = HoldQueue(loaded.config.admission.max_held,
                                    loaded.config.router.slot_ms / 1e3,
                                    server.hold_budget_ms / 1e3, st.now)
@@ -167,6 +173,20 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 await asyncio.gather(*tasks, return_exceptions=True)
                 await st.holding.close()
     return ctx
+
+
+def _recalibrators(st: ServerState) -> None:
+    """Each backend's online calibrators, from the router's calibration: from its batch
+    records and from its streams (``olproute.streamcal``); its beta's source initial."""
+    cal = st.router.calibration()
+    st.calibrators = [OnlineCalibrator(c.beta) for c in cal]
+    st.batches_supported = [True] * len(cal)
+    st.stream_calibrators = [
+        StreamCalibrator(c.beta, s.max_num_batched_tokens, s.max_num_seqs,
+                         window=STREAM_WINDOW_ROWS, refit_every=STREAM_REFIT_EVERY,
+                         min_prefill_rows=STREAM_MIN_ROWS, min_decode_rows=STREAM_MIN_ROWS)
+        for c, s in zip(cal, st.loaded.specs, strict=True)]
+    st.beta_sources = ["initial"] * len(cal)
 
 
 async def _stop_all(running: list[Any]) -> None:
@@ -335,30 +355,44 @@ _GAUGE_PREFIXES = tuple(VLLM_GAUGES)
 
 
 async def _recalibrate(st: ServerState) -> None:
-    """Feed each backend's new batch records (``/olproute/batches``, the emulator's
-    extension; a backend without it is asked once) to its online calibrator."""
+    """Each backend's beta from its batch records (``/olproute/batches``, the emulator's
+    extension; asked until it answers, and a backend that answers 404 is not asked
+    again) or, for a backend without them (vLLM), from the streams the proxy relayed
+    from it (``olproute.streamcal``). The rows and refits run in a worker thread."""
     for b in st.tracker.backends:
-        if not st.batches_supported[b.index] or not b.healthy:
-            continue
-        try:
-            async with st.control.get(f"{b.url}/olproute/batches?since={b.batches_seen}",
-                                      timeout=aiohttp.ClientTimeout(total=2.0)) as r:
-                if r.status == 404:
-                    st.batches_supported[b.index] = False
-                    continue
-                if r.status != 200:
-                    continue
-                doc = await r.json()
-        except (TimeoutError, aiohttp.ClientError, ValueError):
-            continue
-        rows = doc.get("batches") or []
-        cal = st.calibrators[b.index]
-        before = cal.num_refits
-        # thousands of records and an NNLS refit: in a worker thread, not on the loop
-        await asyncio.get_running_loop().run_in_executor(None, _feed, cal, rows)
-        b.batches_seen = int(doc.get("next", b.batches_seen + len(rows)))
-        if cal.num_refits > before:
-            st.router.set_beta(b.index, cal.beta)
+        if st.batches_supported[b.index] and b.healthy:
+            await _from_batches(st, b)
+        if not st.batches_supported[b.index]:
+            await _from_streams(st, b)
+
+
+async def _from_batches(st: ServerState, b: BackendState) -> None:
+    """New batch records to the backend's calibrator; a backend without them
+    (404) is marked so. The first answer turns its stream recorder off."""
+    try:
+        async with st.control.get(f"{b.url}/olproute/batches?since={b.batches_seen}",
+                                  timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+            if r.status == 404:
+                st.batches_supported[b.index] = False
+                return
+            if r.status != 200:
+                return
+            doc = await r.json()
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return
+    if b.recorder.enabled:   # its beta comes from its batch records from now on
+        b.recorder.enabled = False
+        b.recorder.clear()
+    rows = doc.get("batches") or []
+    cal = st.calibrators[b.index]
+    before = cal.num_refits
+    # thousands of records and an NNLS refit: in a worker thread, not on the loop
+    await asyncio.get_running_loop().run_in_executor(None, _feed, cal, rows)
+    b.batches_seen = int(doc.get("next", b.batches_seen + len(rows)))
+    if cal.num_refits > before:
+        st.beta_sources[b.index] = "batches"
+        st.router.set_beta(b.index, cal.beta)
+        st.metrics.beta_refits.labels(b.spec.name, "batches").inc()
 
 
 def _feed(cal: OnlineCalibrator, rows: list[dict[str, Any]]) -> None:
@@ -366,6 +400,26 @@ def _feed(cal: OnlineCalibrator, rows: list[dict[str, Any]]) -> None:
     cal.add_many([(float(r["duration_s"]), float(r["num_tokens"]),
                    float(r["sum_decode_context"]), float(r["sum_prefill_attention"]))
                   for r in rows])
+
+
+async def _from_streams(st: ServerState, b: BackendState) -> None:
+    """The backend's recorded stream events to its stream calibrator (rows, and a refit
+    when due); a refitted beta goes to the router."""
+    cal = st.stream_calibrators[b.index]
+    refitted = await asyncio.get_running_loop().run_in_executor(
+        None, _consume, cal, b.recorder)
+    name = b.spec.name
+    st.metrics.calibration_rows.labels(name, "prefill").set(cal.num_prefill_rows)
+    st.metrics.calibration_rows.labels(name, "decode").set(cal.num_decode_rows)
+    if refitted:
+        st.beta_sources[b.index] = "streams"
+        st.router.set_beta(b.index, cal.beta)
+        st.metrics.beta_refits.labels(name, "streams").inc()
+
+
+def _consume(cal: StreamCalibrator, recorder: StreamRecorder) -> bool:
+    """The events recorded since the last call to the calibrator: True if it refitted."""
+    return cal.consume(recorder.drain())
 
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -421,8 +475,9 @@ async def instances(request: web.Request) -> web.Response:
     st = request.app[STATE]
     now = st.now()
     loads = st.tracker.loads(now)
-    # the beta each backend's replay runs with: its online calibrator's, which the router
-    # hands the policy (whose estimator may cover one pool only); None without BEA
+    # the beta each backend's replay runs with (None without BEA), its source (initial,
+    # batches or streams: olproute.streamcal), the stream rows in its window and the
+    # batch records read
     has_bea = st.router.policy.takes_beta and bool(st.calibrators)
     out = []
     for b, load in zip(st.tracker.backends, loads, strict=True):
@@ -437,8 +492,11 @@ async def instances(request: web.Request) -> web.Response:
             "kv_blocks_used": load.num_kv_blocks_used, "kv_blocks": load.num_kv_blocks,
             "max_num_seqs": b.spec.max_num_seqs, "scraped": b.scraped,
             "scraped_age_s": None if b.scraped_at_s is None else now - b.scraped_at_s,
-            "beta": ([float(x) for x in st.calibrators[b.index].beta] if has_bea
-                     else None)})
+            "beta": [float(x) for x in st.beta(b.index)] if has_bea else None,
+            "beta_source": st.beta_sources[b.index],
+            "stream_rows": {"prefill": st.stream_calibrators[b.index].num_prefill_rows,
+                            "decode": st.stream_calibrators[b.index].num_decode_rows},
+            "batch_records": b.batches_seen})
     return web.json_response({"policy": st.router.policy_name, "instances": out,
                               "prediction": prediction_status(st)})
 

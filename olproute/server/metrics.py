@@ -74,6 +74,14 @@ class ServerMetrics:
         # created by the first check (absent while the certificate is off)
         self.certificate: Gauge | None = None
         self.certificate_solve_seconds: Gauge | None = None
+        self.calibration_rows = Gauge(
+            "olproute_calibration_rows", "Rows in a backend's window for recalibration from "
+            "its streams, by kind (prefill, decode; olproute.streamcal)",
+            ["instance", "kind"], registry=r)
+        self.beta_refits = Counter("olproute_beta_refits", "Refits of a backend's batch-time "
+                                   "coefficients, by source (batches: its batch records; "
+                                   "streams: the streams relayed from it)",
+                                   ["instance", "source"], registry=r)
         self.probes = Counter("olproute_health_probes", "Health probes by result (ok, "
                               "failed, inconclusive: timed out while the router's own "
                               "event loop lagged)", ["instance", "result"], registry=r)

@@ -194,7 +194,9 @@ def _tokens_in_chunk(pending: bytes, chunk: bytes) -> tuple[int, bytes]:
 
 
 def _tokens_in(line: bytes) -> int:
-    """Output tokens announced by one SSE line (1 per chunk carrying text)."""
+    """Output tokens announced by one SSE line: its ``token_ids`` where the backend sends
+    them (vLLM's ``return_token_ids``: an event may carry several), else 1 per chunk
+    carrying text."""
     if not line.startswith(b"data:"):
         return 0
     payload = line[5:].strip()
@@ -207,6 +209,9 @@ def _tokens_in(line: bytes) -> int:
     if not isinstance(chunk, dict):
         return 0
     for choice in chunk.get("choices") or []:
+        ids = choice.get("token_ids")
+        if ids and isinstance(ids, list):
+            return len(ids)
         delta = choice.get("delta") or {}
         if choice.get("text") or delta.get("content"):
             return 1

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from olproute.calibration import OnlineCalibrator
+from olproute.calibration import Beta, OnlineCalibrator
 from olproute.config import LoadedConfig
 from olproute.router import Router
 from olproute.server.certify import LiveCert
@@ -21,6 +21,7 @@ from olproute.server.holding import HoldQueue
 from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics
 from olproute.server.tracker import Tracker
+from olproute.streamcal import StreamCalibrator
 from olproute.types import Decision, EngineSnapshot, Outcome, Request
 
 LOG = logging.getLogger("olproute.server")
@@ -41,6 +42,10 @@ class ServerState:
     control: aiohttp.ClientSession
     calibrators: list[OnlineCalibrator] = field(default_factory=list)
     batches_supported: list[bool] = field(default_factory=list)
+    # per backend: beta from its streams (a backend without batch records), and where
+    # the beta the router uses came from: initial, batches or streams
+    stream_calibrators: list[StreamCalibrator] = field(default_factory=list)
+    beta_sources: list[str] = field(default_factory=list)
     # backends whose /metrics had none of vLLM's gauges, said once (olproute.server.app)
     gaugeless: set[int] = field(default_factory=set)
     # the embedded emulated instances (olproute.emulator.RunningEmulator), if any
@@ -53,6 +58,18 @@ class ServerState:
     def now(self) -> float:
         """Seconds since the server started (the policies' clock)."""
         return asyncio.get_running_loop().time() - self.t0
+
+    def beta(self, g: int) -> Beta:
+        """The batch-time coefficients backend ``g``'s replay runs with."""
+        if self.beta_sources[g] == "streams":
+            return self.stream_calibrators[g].beta
+        return self.calibrators[g].beta
+
+    def recalibrated(self) -> list[tuple[int, Beta]]:
+        """(backend, beta) of every backend whose beta was refitted (a reloaded router
+        starts from the initial calibration: it gets these)."""
+        return [(g, self.beta(g)) for g, source in enumerate(self.beta_sources)
+                if source != "initial"]
 
     @property
     def admin_token(self) -> str | None:

@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.disagg import decode_admission
+from olproute.streamcal import StreamRecorder
 from olproute.tracked import tracked_blocks, tracked_snapshot
 from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec, Request
 
@@ -128,6 +129,9 @@ class BackendState:
     # bumped on every change of what the views read; the views are cached per version
     version: int = 0
     cache: dict[str, tuple[int, object]] = field(default_factory=dict)
+    # its mixed requests' dispatches, token events and ends, for calibration from its
+    # streams (olproute.streamcal); disaggregated requests are not recorded
+    recorder: StreamRecorder = field(default_factory=StreamRecorder)
 
 
 class Tracker:
@@ -153,6 +157,7 @@ class Tracker:
         b = self.backends[g]
         b.flights[request.request_id] = Flight(request, now_s, streamed=streamed)
         b.version += 1
+        b.recorder.dispatched(request.request_id, request.prompt_tokens, streamed)
 
     def token(self, g: int, request_id: int, now_s: float, count: int = 1) -> None:
         """``count`` new answer tokens arrived; the first one of an inbound request starts
@@ -163,6 +168,8 @@ class Tracker:
             if request_id not in b.inbound:
                 return
             f = self._start_decode(b, request_id, now_s)
+        elif f.origin is None:
+            b.recorder.token(request_id, count)
         if f.first_token_s is None:
             f.first_token_s = now_s
         f.tokens += count
@@ -171,7 +178,10 @@ class Tracker:
     def finished(self, g: int, request_id: int) -> Flight | None:
         b = self.backends[g]
         b.version += 1
-        return b.flights.pop(request_id, None)
+        f = b.flights.pop(request_id, None)
+        if f is not None and f.origin is None:
+            b.recorder.ended(request_id)
+        return f
 
     # -- disaggregated pools ---------------------------------------------------------------
     def dispatched_pair(self, p: int, d: int, request: Request, now_s: float) -> None:
