@@ -110,6 +110,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.all_backends:
+        if args.backend:
+            raise CalibrationError("give --backend or --all-backends, not both")
+        backends = load_config(args.config).config.server.backends
+        if not backends:
+            raise ConfigError(args.config, [("server.backends", "--all-backends: none "
+                                             "listed")])
+        args.backend = [(b.name, b.url.rstrip("/")) for b in backends]
     if args.backend:
         from olproute.cli_calibrate import calibrate_backends
 

@@ -35,6 +35,8 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="append", type=backend_arg, default=[],
                    metavar="NAME=URL", help="profile the live backend of instance NAME (of "
                    "--config) at URL over HTTP; repeat for several (one after the other)")
+    p.add_argument("--all-backends", action="store_true",
+                   help="profile every backend of --config's server.backends")
     p.add_argument("--model", help="the model name to send (default: the backend's "
                                    "served_model in the config, else what /v1/models lists)")
     p.add_argument("--quick", action="store_true",

@@ -159,14 +159,24 @@ def two(tmp_path: Path) -> Iterator[tuple[LoadedConfig, Emulators]]:
         emus.close()
 
 
+@pytest.mark.parametrize("which", ["--backend", "--all-backends"])
 def test_calibrate_backend_writes_a_file_the_config_reads(
         two: tuple[LoadedConfig, Emulators], tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], which: str) -> None:
     loaded, emus = two
     out = tmp_path / "live.yaml"
-    args = ["calibrate", "--config", str(loaded.path), "--quick", "--out", str(out)]
-    for spec, url in zip(loaded.specs, emus.urls, strict=True):
-        args += ["--backend", f"{spec.name}={url}"]
+    if which == "--backend":
+        args = ["calibrate", "--config", str(loaded.path), "--quick", "--out", str(out)]
+        for spec, url in zip(loaded.specs, emus.urls, strict=True):
+            args += ["--backend", f"{spec.name}={url}"]
+    else:   # the config's server.backends
+        doc = yaml.safe_load(loaded.path.read_text())
+        doc["server"] = {"backends": [{"name": spec.name, "url": url} for spec, url
+                                      in zip(loaded.specs, emus.urls, strict=True)]}
+        listed = tmp_path / "listed.yaml"
+        listed.write_text(yaml.safe_dump(doc))
+        args = ["calibrate", "--config", str(listed), "--quick", "--out", str(out),
+                "--all-backends"]
     assert main(args) == 0
     captured = capsys.readouterr()
     assert "phase 9/9" in captured.err and "warming up" in captured.err
@@ -191,6 +201,10 @@ def test_calibrate_backend_errors_name_the_problem(
     assert main([*base, "--backend", f"nope={emus.urls[0]}"]) == 2
     err = capsys.readouterr().err
     assert "nope" in err and "e-0, e-1" in err
+    assert main([*base, "--all-backends"]) == 2   # the config lists none
+    assert "server.backends: --all-backends: none listed" in capsys.readouterr().err
+    assert main([*base, "--all-backends", "--backend", f"e-0={emus.urls[0]}"]) == 2
+    assert "--backend or --all-backends, not both" in capsys.readouterr().err
     # a backend that refuses every completion (and has no /v1/models: --model)
     runner, url = emus._run(_serve(fake_backend_app(FakeState(mode="fail400"))))
     assert main([*base, "--backend", f"e-0={url}", "--model", "m"]) == 2
