@@ -94,6 +94,7 @@ class VllmServer:
     model_dir: Path
     log: Path
     args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # more environment, e.g. a KV connector's port
     process: subprocess.Popen[Any] | None = None
 
     @property
@@ -105,10 +106,10 @@ class VllmServer:
                "--model", str(self.model_dir), "--load-format", "dummy", "--dtype", "float32",
                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
                "--served-model-name", self.name, "--host", "127.0.0.1",
-               "--port", str(self.port), "--disable-log-stats", *self.args]
+               "--port", str(self.port), *self.args]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1"}
+               "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1", **dict(self.env)}
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                             env=env, start_new_session=True)
