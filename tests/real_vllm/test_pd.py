@@ -16,9 +16,9 @@ Each connector is a module-scoped pair of servers (started once, always stopped)
   virtualenv imports ``nixl`` (``pip install nixl``: its CUDA-12 wheel brings its own
   UCX, which moves DRAM between two processes of one host without RDMA or a GPU): on our
   shared 2-core machines it works but slowly and unevenly. The first decode's handshake
-  with the prefill (a fixed 5 s timeout in vLLM) failed when the machine was busy, and
-  decodes waited from 2 s to 5 minutes for KV that took milliseconds to move, each idle
-  server's NIXL threads using half a core.
+  with the prefill (a fixed 5 s timeout in vLLM) failed when the machine was busy; one
+  read of a prompt's 0.75 MB of KV took from 1 ms to 64 s, so a test took 5 s to 85 s,
+  and an idle NIXL server keeps a thread busy at half a core.
 
 What the tests measure: the decode server's ``vllm:prompt_tokens_by_source`` counter says
 how many prompt tokens it computed (``local_compute``) and how many it loaded through
