@@ -104,6 +104,7 @@ class VllmServer:
     log: Path
     served_model: str | None = None   # --served-model-name; default ``name``
     args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # more environment, e.g. a KV connector's port
     process: subprocess.Popen[Any] | None = None
 
     @property
@@ -123,7 +124,7 @@ class VllmServer:
                "--port", str(self.port), *self.args]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1"}
+               "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1", **dict(self.env)}
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                             env=env, start_new_session=True)
