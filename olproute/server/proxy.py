@@ -83,17 +83,9 @@ async def _post(st: ServerState, g: int, path: str, body: dict[str, Any]
     if it did: a connect error, no answer within ``server.first_byte_timeout_s``, or a
     5xx), the response still unread. An answer ends the backend's failure streak."""
     limit = st.loaded.config.server.first_byte_timeout_s
-    url = st.tracker.backends[g].url + path
     try:
         async with asyncio.timeout(limit):
-            try:
-                upstream = await st.session.post(url, data=dump_json(body),
-                                                 headers=JSON_HEADERS)
-            except aiohttp.ServerDisconnectedError:
-                # sent on a kept-alive connection the backend was closing (an idle one:
-                # it never read the request): once more, on a new connection
-                upstream = await st.session.post(url, data=dump_json(body),
-                                                 headers=JSON_HEADERS)
+            upstream = await _send(st, st.tracker.backends[g].url + path, body)
     except TimeoutError:
         return None, f"no answer within {limit:g} s (first_byte_timeout_s)"
     except aiohttp.ClientError as exc:
@@ -102,6 +94,17 @@ async def _post(st: ServerState, g: int, path: str, body: dict[str, Any]
         return upstream, f"status {upstream.status}"
     st.tracker.mark_answered(g)
     return upstream, None
+
+async def _send(st: ServerState, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    """POST ``body``; one sent on a kept-alive connection the backend was closing (an
+    idle one: uvicorn closes them after 5 s, and such a request was never read) is sent
+    once more, on a new connection."""
+    data = dump_json(body)
+    try:
+        return await st.session.post(url, data=data, headers=JSON_HEADERS)
+    except aiohttp.ServerDisconnectedError:
+        return await st.session.post(url, data=data, headers=JSON_HEADERS)
+
 
 async def read_json(request: web.Request, limit: int, timeout_s: float) -> Any:
     """The body as JSON; 413 past ``limit`` bytes (checked while reading), 408 when the
@@ -478,11 +481,12 @@ async def _prefill(st: ServerState, p: int, path: str, body: dict[str, Any],
     name = backend.spec.name
     limit = st.loaded.config.server.first_byte_timeout_s
     try:
-        async with asyncio.timeout(limit), st.session.post(
-                backend.url + path, data=dump_json(body), headers=JSON_HEADERS) as upstream:
-            raw = await upstream.read()
-            status = upstream.status
-            ctype = upstream.headers.get("Content-Type", "application/json")
+        async with asyncio.timeout(limit):
+            upstream = await _send(st, backend.url + path, body)
+            async with upstream:
+                raw = await upstream.read()
+                status = upstream.status
+                ctype = upstream.headers.get("Content-Type", "application/json")
     except TimeoutError:
         status, raw, ctype = 0, f"no answer within {limit:g} s".encode(), ""
     except aiohttp.ClientError as exc:

@@ -284,6 +284,20 @@ def test_prefill_failure_is_a_502_naming_it_and_nothing_is_decoded(fake_pd: Stac
     assert inst[1]["in_flight"] == 0
 
 
+def test_a_prefill_connection_closed_before_its_answer_is_sent_once_more(
+        fake_pd: Stack) -> None:
+    """A prefill sent on a connection its backend closes unanswered
+    (a kept-alive one uvicorn closed) goes once more on a new one, and the pair completes."""
+    prefill, decode = fake_pd.fakes
+    prefill.mode = "drop_once"
+    status, headers, raw = request(fake_pd.url, "POST", "/v1/completions",
+                                   {"prompt": "a b", "max_tokens": 3})
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
+    assert headers["x-olproute-decode-instance"] == "d"
+    assert prefill.requests == 2 and decode.requests == 1
+    assert backend_errors(fake_pd.url) == {}
+
+
 def _unfinished(s: Stack, outcomes: list[Outcome], tokens: int) -> Outcome:
     """The one outcome, recorded as not finished with ``tokens`` tokens (a first token
     only if the client got one); no end-to-end latency sampled; bookkeeping released."""
