@@ -99,3 +99,16 @@ def wait_healthy(url: str, server: subprocess.Popen[Any], log: Path,
             pass
         time.sleep(poll_s)
     raise SystemExit(f"olproute serve did not answer /healthz within {limit_s:g} s")
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
+    """SIGTERM a server this bench started, SIGKILL it if it is still there after
+    ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=grace_s)

@@ -16,8 +16,9 @@ from fleet import (
     free_port,
     router_config,
     start_router,
+    stop_process,
     vllm_cpu,
-    wait_router,
+    wait_healthy,
 )
 
 
@@ -45,15 +46,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         log = root / "router.log"
         router = start_router(config, port, log)
         url = f"http://127.0.0.1:{port}"
-        wait_router(url, router, log)
+        wait_healthy(url, router, log, limit_s=START_LIMIT_S)
         yield Fleet(servers, url, router, log, config)
     finally:
-        if router is not None and router.poll() is None:
-            router.terminate()
-            try:
-                router.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                router.kill()
-                router.wait(timeout=30)
+        if router is not None:
+            stop_process(router)
         for s in servers:
             s.stop()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
 import vllm_cpu  # noqa: E402
-from common import free_port  # noqa: E402
+from common import free_port, stop_process, wait_healthy  # noqa: E402
 
-__all__ = ["free_port", "vllm_cpu"]
+__all__ = ["free_port", "stop_process", "vllm_cpu", "wait_healthy"]
 
 SERVED = "tiny"               # the name both vLLM servers answer to
 HEALTH_PERIOD_S = 0.5         # the router's health checks in these tests
@@ -73,19 +71,3 @@ def start_router(config: Path, port: int, log: Path) -> subprocess.Popen[Any]:
         return subprocess.Popen([sys.executable, "-m", "olproute.cli", "serve", "--config",
                                  str(config), "--host", "127.0.0.1", "--port", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-
-
-def wait_router(url: str, proc: subprocess.Popen[Any], log: Path) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < START_LIMIT_S:
-        if proc.poll() is not None:
-            raise RuntimeError(f"olproute serve exited with {proc.returncode}:\n"
-                               f"{log.read_text(errors='replace')[-4000:]}")
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"olproute serve not healthy within {START_LIMIT_S:g} s")

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
 import vllm_cpu  # noqa: E402
-from common import free_port, wait_healthy  # noqa: E402
+from common import free_port, stop_process, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.real_vllm
 
@@ -161,16 +161,6 @@ def warm_up(prefill: vllm_cpu.VllmServer, decode: vllm_cpu.VllmServer) -> None:
                        f"{decode.tail()}")
 
 
-def stop_router(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module", params=CONNECTORS)
 def pair(request: pytest.FixtureRequest,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
@@ -203,7 +193,7 @@ def pair(request: pytest.FixtureRequest,
         yield Pair(connector, prefill, decode, url)
     finally:
         if router is not None:
-            stop_router(router)
+            stop_process(router)
         for s in (prefill, decode):
             s.stop()
 
