@@ -262,7 +262,7 @@ async def _health(st: ServerState) -> None:
     async def probe(g: int) -> None:
         b = st.tracker.backends[g]
         sent = loop.time()
-        ok, timed_out = await _probe_once(st, b.url)
+        ok, timed_out = await _probe_health(st, b.url)
         name = b.spec.name
         if timed_out and _router_lagged(st, sent, loop.time()):
             # the router's own loop ran late: the answer may have been waiting unread
@@ -279,7 +279,7 @@ async def _health(st: ServerState) -> None:
                             [len(b.flights) + len(b.inbound) for b in st.tracker.backends])
 
 
-async def _probe_once(st: ServerState, url: str) -> tuple[bool, bool]:
+async def _probe_health(st: ServerState, url: str) -> tuple[bool, bool]:
     """(the backend's /health answered 200, the probe timed out). A kept-alive connection
     the backend closed meanwhile is no answer: the probe is sent once more."""
     for attempt in range(2):
