@@ -43,7 +43,7 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, jsonable
+from common import fmt_spread, free_port, jsonable, seed_figure
 from vllm_cpu import VllmServer, build_tiny_model
 
 from olproute.bea import BeaEstimator
@@ -243,21 +243,47 @@ def main() -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     ap.add_argument("--quick", action="store_true",
                     help="the quick sweep and 100 held-out requests (default: 300)")
-    ap.add_argument("--seed", type=int, default=1, help="held-out run's seed (default: 1; "
-                    "the sweep's prompts are seed 0's)")
+    ap.add_argument("--seeds", default="1", help="held-out runs' seeds, comma-separated "
+                    "(default: %(default)s; the sweep's prompts are seed 0's), each with a "
+                    "sweep of its own on one server")
     ap.add_argument("--url", help="a vLLM server already serving the tiny model as "
                     "'tiny' with the flags above (default: start one)")
     ap.add_argument("--load", type=float, default=0.65,
                     help="held-out arrival rate over the sweep's saturated service rate "
                          "(default: %(default)s)")
     args = ap.parse_args()
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds: expected integers separated by commas, got {args.seeds!r}")
     loaded = load_config(CONFIG)
     spec = loaded.specs[0]
     profile = CalibrationSource(loaded)()[0].beta   # (i): calibration: auto
     if args.url:
-        doc = run(args.url.rstrip("/"), spec, profile, args)
+        docs = [run(args.url.rstrip("/"), spec, profile, args, seed) for seed in seeds]
     else:
-        doc = run_started(spec, profile, args)
+        docs = run_started(spec, profile, args, seeds)
+    for seed, doc in zip(seeds, docs, strict=True):
+        if len(seeds) > 1:
+            print(f"seed {seed}:")
+        report(doc)
+    out: dict[str, Any] = docs[0]
+    if len(seeds) > 1:
+        out = {"seeds": seeds, "runs": docs}
+        for key in ("ttft_mape", "ttft_bias"):
+            out[key] = {name: seed_figure([d[key][name] for d in docs])
+                        for name in docs[0][key]}
+        print(f"over seeds {args.seeds}, mean [min-max] TTFT MAPE % / bias %:")
+        for name in docs[0]["ttft_mape"]:
+            print(f"  {name:<18} {fmt_spread([d['ttft_mape'][name] for d in docs], '{:.1f}', 100)}"
+                  f"  {fmt_spread([d['ttft_bias'][name] for d in docs], '{:+.1f}', 100)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(jsonable(out), indent=2) + "\n")
+    return 0
+
+
+def report(doc: dict[str, Any]) -> None:
+    """One run's table and its summary line."""
     print(table(doc))
     print(f"sweep: {doc['sweep_s']:.1f} s, {doc['rows']['prefill']} prefill + "
           f"{doc['rows']['decode']} decode rows, fit MAPE {doc['sweep_fit_mape'] * 100:.1f}%,"
@@ -268,14 +294,11 @@ def main() -> int:
           f"ms, max {doc['client_lag_ms']['max']:.0f} ms), "
           f"{doc['online_refits']} online refits ({doc['online_rows']['prefill']} prefill +"
           f" {doc['online_rows']['decode']} decode rows at the end)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(jsonable(doc), indent=2) + "\n")
-    return 0
 
 
-def run_started(spec: InstanceSpec, profile: Beta, args: argparse.Namespace
-                ) -> dict[str, Any]:
-    """``run`` on a vLLM server started here (and stopped after)."""
+def run_started(spec: InstanceSpec, profile: Beta, args: argparse.Namespace,
+                seeds: list[int]) -> list[dict[str, Any]]:
+    """``run`` for each seed on a vLLM server started here (and stopped after)."""
     with tempfile.TemporaryDirectory(prefix="olproute-vllm-cal-") as tmp:
         server = VllmServer("tiny", free_port(), build_tiny_model(Path(tmp) / "model"),
                             Path(tmp) / "vllm.log")
@@ -284,13 +307,13 @@ def run_started(spec: InstanceSpec, profile: Beta, args: argparse.Namespace
         try:
             server.wait_ready()
             print(f"vLLM ready in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-            return run(server.url, spec, profile, args)
+            return [run(server.url, spec, profile, args, seed) for seed in seeds]
         finally:
             server.stop()
 
 
-def run(url: str, spec: InstanceSpec, profile: Beta,
-        args: argparse.Namespace) -> dict[str, Any]:
+def run(url: str, spec: InstanceSpec, profile: Beta, args: argparse.Namespace,
+        seed: int) -> dict[str, Any]:
     """Sweep the server at ``url``, then the held-out run: the figures."""
     plan = QUICK_PLAN if args.quick else SweepPlan()
     swept, model = asyncio.run(sweep(url, spec, plan))
@@ -303,7 +326,7 @@ def run(url: str, spec: InstanceSpec, profile: Beta,
                                     refit_every=32, min_prefill_rows=16, min_decode_rows=16),
                    swept.overhead_s)
     num = 100 if args.quick else 300
-    asyncio.run(held_out_run(held, num, rate, args.seed))
+    asyncio.run(held_out_run(held, num, rate, seed))
     betas["online"] = held.online.beta
     samples = held.samples
     idle = [s for s in samples if s.idle]
@@ -321,7 +344,8 @@ def run(url: str, spec: InstanceSpec, profile: Beta,
         doc["quiet_mape"][name] = errors(quiet, name)[0]
         doc["ttft_mdape"][name] = float(np.median(np.abs(relative_errors(samples, name))))
     doc.update(
-        sweep_s=swept.duration_s, sweep_fit_mape=swept.fit_mape, overhead_s=swept.overhead_s,
+        seed=seed, sweep_s=swept.duration_s, sweep_fit_mape=swept.fit_mape,
+        overhead_s=swept.overhead_s,
         rows={"prefill": swept.num_prefill_rows, "decode": swept.num_decode_rows},
         saturated_rate_per_s=mu, rate_per_s=rate, num_requests=len(samples),
         num_idle=len(idle), num_quiet=len(quiet), online_refits=held.online.num_refits,
