@@ -394,6 +394,9 @@ class ServerConfig(_Frozen):
         "requests: past it, the rest wait for the next slot (round robin over the buffer), "
         "so the loop never starves")
     health_period_s: float = Field(default=2.0, gt=0)
+    health_max_backoff_s: float = Field(
+        default=30.0, gt=0, description="a failed backend is probed again after 0.5 s, "
+        "then after twice as long at each failure, up to this")
     health_timeout_s: float = Field(
         default=1.0, gt=0, description="a backend's /health must answer within this, or "
         "the probe fails (the backend is taken out and probed again after a backoff)")

@@ -142,7 +142,8 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
             router = await loop.run_in_executor(None, _build_router, loaded, calibration,
                                                 predictor)
             st = ServerState(loaded=loaded, router=router,
-                             tracker=Tracker(loaded.specs, urls, served_models=served),
+                             tracker=Tracker(loaded.specs, urls, served_models=served,
+                                             max_backoff_s=server.health_max_backoff_s),
                              metrics=ServerMetrics(),
                              session=session, t0=loop.time(), emulators=running,
                              control=control)

@@ -86,10 +86,10 @@ async def _post(st: ServerState, g: int, path: str, body: dict[str, Any]
     try:
         async with asyncio.timeout(limit):
             upstream = await _send(st, st.tracker.backends[g].url + path, body)
+    except aiohttp.ClientError as exc:   # first: aiohttp's connect timeout is one too
+        return None, f"connect: {type(exc).__name__}"
     except TimeoutError:
         return None, f"no answer within {limit:g} s (first_byte_timeout_s)"
-    except aiohttp.ClientError as exc:
-        return None, f"connect: {type(exc).__name__}"
     if upstream.status >= 500:
         return upstream, f"status {upstream.status}"
     st.tracker.mark_answered(g)
@@ -487,10 +487,10 @@ async def _prefill(st: ServerState, p: int, path: str, body: dict[str, Any],
                 raw = await upstream.read()
                 status = upstream.status
                 ctype = upstream.headers.get("Content-Type", "application/json")
+    except aiohttp.ClientError as exc:   # first: aiohttp's connect timeout is one too
+        status, raw, ctype = 0, f"connect: {type(exc).__name__}".encode(), ""
     except TimeoutError:
         status, raw, ctype = 0, f"no answer within {limit:g} s".encode(), ""
-    except aiohttp.ClientError as exc:
-        status, raw, ctype = 0, f"connect: {type(exc).__name__}".encode(), ""
     if 400 <= status < 500:
         raise _Failed(web.Response(body=raw, status=status,
                                    headers={**headers, "Content-Type": ctype}))

@@ -15,6 +15,7 @@ import yaml
 
 from olproute.cli import main
 from olproute.config import ConfigError, load_config
+from olproute.server.state import STATE as ROUTER_STATE
 from olproute.sim.requests import build_requests
 from olproute.sim.scenario import SWEEP_DECODE_TOKENS, CalibrationSource, sweep_calibration
 from tests.conftest import PROFILES
@@ -161,3 +162,25 @@ def test_shipped_backend_configs_load(name: str) -> None:
     assert not loaded.has_workload
     assert [b.name for b in backends] == [s.name for s in loaded.specs]
     assert all(b.served_model for b in backends)
+
+
+def test_a_failed_backend_is_probed_after_a_backoff_capped_by_the_config(
+        tmp_path: Path) -> None:
+    loaded = load_config(_config(tmp_path, server={
+        "health_period_s": 0.1, "health_max_backoff_s": 2.0,
+        "backends": [{"name": f"q-{i}", "url": "http://127.0.0.1:9"} for i in range(3)]}))
+    s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
+    try:
+        tracker = s.app[ROUTER_STATE].tracker
+
+        def backoffs() -> list[float]:
+            out = []
+            for _ in range(8):
+                tracker.mark_failure(0, 100.0)
+                out.append(tracker.backends[0].next_probe_s - 100.0)
+            return out
+
+        # doubling from 0.5 s, capped at health_max_backoff_s
+        assert s.call(backoffs) == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    finally:
+        s.close()

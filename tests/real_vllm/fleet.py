@@ -55,6 +55,9 @@ def router_config(path: Path, servers: list[vllm_cpu.VllmServer]) -> Path:
     # a busy 2-core machine (two engines, the router, the tests) may answer a probe late:
     # only a dead server fails one here
     doc["server"]["health_timeout_s"] = 10.0
+    # and accept a connection late (one stream's connect to the busy survivor took > 2 s)
+    doc["server"]["connect_timeout_s"] = 10.0
+    doc["server"]["health_max_backoff_s"] = 2.0   # the restarted server is seen in 2 s
     doc["server"]["scrape_period_s"] = 0.5
     doc["prices"] = {"certify_period_s": None}
     # held requests go at their patience instead of being refused: right after the long

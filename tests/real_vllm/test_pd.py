@@ -119,6 +119,7 @@ def router_config(path: Path, prefill: vllm_cpu.VllmServer,
     doc["prices"] = {"certify_period_s": None}
     doc["server"] = {**doc["server"], "health_period_s": 0.5, "scrape_period_s": 0.5,
                      "health_timeout_s": 10.0,   # a busy machine answers probes late
+                     "connect_timeout_s": 10.0,  # and accepts connections late
                      "first_byte_timeout_s": CLIENT_TIMEOUT_S,
                      "request_timeout_s": CLIENT_TIMEOUT_S,
                      "backends": [
