@@ -43,10 +43,9 @@ from __future__ import annotations
 
 import array
 import functools
-import json
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from hashlib import blake2b
 from pathlib import Path
 from types import MappingProxyType
@@ -56,7 +55,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config import REPO_ROOT, LoadedConfig
-from olproute.predict.training import csv_rows, output_tokens
+from olproute.predict.training import csv_rows, jsonl_rows, output_tokens
 from olproute.sim.requests import synthetic_prompts
 from olproute.sim.workloads import WorkloadError, read_lengths_csv
 
@@ -232,7 +231,7 @@ def read_truth_file(path: str | os.PathLike[str]) -> TruthIndex:
     p = Path(path)
     if not p.is_file():
         raise TruthFileError(f"{p}: no such file")
-    rows = (_jsonl_rows(p) if p.suffix in (".jsonl", ".ndjson")
+    rows = (jsonl_rows(p, TruthFileError) if p.suffix in (".jsonl", ".ndjson")
             else csv_rows(p, TRUTH_COLUMNS, TruthFileError))
     index: TruthIndex = {}
     first_line: dict[tuple[bytes, str], int] = {}
@@ -260,21 +259,6 @@ def _truth_row(row: Mapping[str, object], where: str) -> tuple[bytes, str, int]:
     if not isinstance(model, str) or not model.strip():
         raise TruthFileError(f"{where}: model: expected a model name, got {model!r}")
     return prompt_key(prompt), model.strip(), output_tokens(raw, where, TruthFileError)
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, object]]]:
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TruthFileError(f"{path}: line {line_no}: column {exc.colno}: invalid "
-                                     f"JSON: {exc.msg}") from None
-            if not isinstance(obj, dict):
-                raise TruthFileError(f"{path}: line {line_no}: expected a JSON object")
-            yield line_no, obj
 
 
 def output_lengths(loaded: LoadedConfig | None = None, *, seed: int | None = None,

@@ -119,7 +119,10 @@ def csv_rows(path: Path, required: Sequence[str] = REQUIRED_COLUMNS,
             raise error(f"{path}: line {reader.line_num}: {exc}") from None
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, object]]]:
+def jsonl_rows(path: Path, error: type[Exception] = PredictorError
+               ) -> Iterator[tuple[int, dict[str, object]]]:
+    """(line number, object) of each non-blank line of a JSONL file; a line that is not a
+    JSON object raises ``error`` naming the file, line and column."""
     with path.open() as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -127,9 +130,10 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, object]]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise PredictorError(f"{path}: line {line_no}: invalid JSON: {exc.msg}") from None
+                raise error(f"{path}: line {line_no}: column {exc.colno}: invalid JSON: "
+                            f"{exc.msg}") from None
             if not isinstance(obj, dict):
-                raise PredictorError(f"{path}: line {line_no}: expected a JSON object")
+                raise error(f"{path}: line {line_no}: expected a JSON object")
             yield line_no, obj
 
 
@@ -139,7 +143,7 @@ def read_training_file(path: str | os.PathLike[str]) -> TrainingData:
     p = Path(path)
     if not p.is_file():
         raise PredictorError(f"{p}: no such file")
-    rows = _jsonl_rows(p) if p.suffix in (".jsonl", ".ndjson") else csv_rows(p)
+    rows = jsonl_rows(p) if p.suffix in (".jsonl", ".ndjson") else csv_rows(p)
     prompt_ids: dict[str, int] = {}
     tasks: list[str | None] = []
     index, models, tokens, quality = [], [], [], []

@@ -252,7 +252,7 @@ BAD_FILES = [
     ("f.csv", HEADER + "hi,qwen3-8b,0,0.5\n", "line 2: output_tokens"),
     ("g.csv", HEADER, "no training rows"),
     ("h.jsonl", '{"prompt": "a", "model": "m", "output_tokens": 3, "quality": 0.1}\n\n{bad\n',
-     "line 3: invalid JSON"),
+     "line 3: column 2: invalid JSON"),
     ("i.jsonl", '{"prompt": "a", "model": "m", "output_tokens": 3.5, "quality": 0.1}\n',
      "line 1: output_tokens"),
     ("j.jsonl", '[1, 2]\n', "line 1: expected a JSON object"),
