@@ -111,4 +111,4 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait(timeout=grace_s)
+        proc.wait()

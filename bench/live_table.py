@@ -73,7 +73,6 @@ import csv
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -88,7 +87,15 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_SEEDS, fmt_spread, free_port, jsonable, spread, wait_healthy
+from common import (
+    REPORT_SEEDS,
+    fmt_spread,
+    free_port,
+    jsonable,
+    spread,
+    stop_process,
+    wait_healthy,
+)
 
 from olproute.config import Config, LoadedConfig, load_profiles
 from olproute.server.schema import count_words
@@ -428,16 +435,6 @@ def _wait_lines(log: Path, proc: subprocess.Popen[str], marker: str,
     raise SystemExit(f"no {marker!r} in {log} within {limit_s:g} s")
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _config_file(loaded: LoadedConfig, path: Path,
                  server: dict[str, Any] | None = None) -> Path:
     data = loaded.config.model_dump(mode="json", exclude_none=True)
@@ -493,8 +490,8 @@ def run_live(case: Case, policy: str, tmp: Path, truth: Path,
         metrics = asyncio.run(_scrape(url))
     finally:
         if serve is not None:
-            _stop(serve)
-        _stop(emu)
+            stop_process(serve, 60.0)
+        stop_process(emu, 60.0)
     reasons: dict[str, int] = {}
     for r in replies:
         if not (r.status == 200 and r.complete):

@@ -35,7 +35,6 @@ import asyncio
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
-from common import free_port, jsonable, wait_healthy
+from common import free_port, jsonable, stop_process, wait_healthy
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
@@ -413,12 +412,7 @@ def main() -> None:
             result = asyncio.run(run(args, url, server.pid))
         finally:
             t = time.perf_counter()
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop_process(server, 120.0)
             shutdown_s = time.perf_counter() - t
     result["shutdown_s"] = shutdown_s
     print(table(result))
