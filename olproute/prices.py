@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -86,10 +87,12 @@ BoolArray = npt.NDArray[np.bool_]
 Backend = Literal["jax", "numpy"]
 Rule = Literal["constant", "inverse_sqrt", "adagrad"]
 
-__all__ = ["BATCH", "COMPUTE", "KV", "RESOURCES", "PriceBook", "PriceView", "Samples"]
+__all__ = ["BATCH", "COMPUTE", "KV", "RESOURCES", "Demand", "PriceBook", "PriceState",
+           "PriceView", "Samples"]
 
 ADAGRAD_EPS = 1e-12
 SCALE_EVERY = 20   # updates between refreshes of the break-even price (adagrad's scale)
+ARRIVALS_KEPT = 65_536   # arrival times kept for other replicas between two drains (latest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +113,38 @@ class PriceView:
     free: FloatArray
     bottleneck: tuple[str, ...]
     compute_budget: FloatArray
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """Demand a price book gathered since it was last drained, for other replicas' books
+    (``PriceBook.drain_demand``): its new samples' rows, each array of ``Samples.arrays``
+    cut to those rows (K first), and its arrival times (seconds, the book's clock)."""
+
+    rows: tuple[npt.NDArray[Any], ...]
+    arrivals_s: FloatArray
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.rows[0].shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class PriceState:
+    """What a book's learning leaves, for replicas that read prices rather than learn
+    them (``PriceBook.state`` / ``adopt``): the handed-out prices, the steps' own prices
+    and the step rule's accumulator (G, H, R), the time of price slot 0 (the book's clock;
+    None before the first update), N_H, the updates and steps so far, the break-even
+    price the step is scaled by."""
+
+    p: FloatArray
+    iterate: FloatArray
+    acc: FloatArray
+    origin_s: float | None
+    arrivals_in_horizon: float
+    num_updates: int
+    num_steps: int
+    price_scale: float
 
 
 def price_view(rows: Sequence[tuple[PriceBook, int]], state: PriceBook) -> PriceView:
@@ -190,6 +225,19 @@ class Samples:
         # the prefill's slots at or after the column's start (a prefill engine's column)
         self.pre_hi[rows] = np.maximum(cols.pre_end - cols.start, 0)
         self.prefill_work[rows] = extent.prefill_work
+
+    def take_rows(self, rows: IntArray) -> tuple[npt.NDArray[Any], ...]:
+        """Copies of ``rows`` of every per-sample array (``arrays``' order)."""
+        return tuple(a[rows].copy() for a in self.arrays)
+
+    def put_rows(self, rows: IntArray, values: Sequence[npt.NDArray[Any]]) -> None:
+        """Rows := ``values`` as ``take_rows`` gave them (another book's rows: the shapes
+        past the first must match this window's)."""
+        for a, v in zip(self.arrays, values, strict=True):
+            if v.shape[1:] != a.shape[1:] or v.shape[0] != len(rows):
+                raise ValueError(f"demand rows of shape {v.shape} do not fit a window of "
+                                 f"{a.shape} ({len(rows)} rows)")
+            a[rows] = v
 
     def price_scale(self, n: int) -> float:
         """The typical break-even price of the first n samples: median over samples of
@@ -471,6 +519,12 @@ class PriceBook:
         self._last_arrival_s: float | None = None
         self._n_h = 0.0
         self._schedule: tuple[float, FloatArray] | None = None
+        # several router replicas (olproute.server.shared): a follower's book gathers
+        # and shares demand but reads its prices from the leader's (``leading`` False:
+        # ``update`` learns nothing); the demand kept for ``drain_demand`` when shared
+        self.leading = True
+        self._outbox: list[tuple[npt.NDArray[Any], ...]] | None = None
+        self._outbox_arrivals: deque[float] = deque(maxlen=ARRIVALS_KEPT)
 
     @property
     def delays(self) -> IntArray:
@@ -500,10 +554,22 @@ class PriceBook:
 
     def observe_arrival(self, now_s: float) -> None:
         """Count an arrival for the rate estimate behind N_H (exponential decay)."""
-        if self._first_arrival_s is None:
-            self._first_arrival_s = now_s
-        self._decayed_arrivals = self._decayed_at(now_s) + 1.0
-        self._last_arrival_s = max(now_s, self._last_arrival_s or now_s)
+        self._count_arrival(now_s)
+        if self._outbox is not None:
+            self._outbox_arrivals.append(now_s)
+
+    def _count_arrival(self, t_s: float) -> None:
+        """One arrival at ``t_s`` in the decayed count; one earlier than the last counted
+        (another replica's, learned late) counts decayed by its age then."""
+        if self._first_arrival_s is None or t_s < self._first_arrival_s:
+            self._first_arrival_s = t_s
+        last = self._last_arrival_s
+        if last is None or t_s >= last:
+            self._decayed_arrivals = self._decayed_at(t_s) + 1.0
+            self._last_arrival_s = t_s
+        else:
+            self._decayed_arrivals += math.exp(-(last - t_s) * math.log(2)
+                                               / self.cfg.arrival_rate_halflife_s)
 
     def _decayed_at(self, now_s: float) -> float:
         """The decayed arrival count as of ``now_s`` (no decay for out-of-order times)."""
@@ -534,6 +600,7 @@ class PriceBook:
         ``delays``, its columns (relative to its decision time) and their extent
         (``Samples.put``)."""
         self.samples.put(self._next, reward, cols, extent)
+        self._kept(np.array([self._next]))
         self._next = (self._next + 1) % self.cfg.window
         self.num_samples = min(self.num_samples + 1, self.cfg.window)
 
@@ -545,8 +612,75 @@ class PriceBook:
             raise ValueError(f"{k} samples at once; the window holds {self.cfg.window}")
         rows = (self._next + np.arange(k)) % self.cfg.window
         self.samples.put_many(rows, reward, cols, extent)
+        self._kept(rows)
         self._next = (self._next + k) % self.cfg.window
         self.num_samples = min(self.num_samples + k, self.cfg.window)
+
+    def _kept(self, rows: IntArray) -> None:
+        """New samples in ``rows``: kept for other replicas too when demand is shared
+        (at most a window's worth waits: older ones would be overwritten there too)."""
+        if self._outbox is None:
+            return
+        self._outbox.append(self.samples.take_rows(rows))
+        while sum(len(r[0]) for r in self._outbox) - len(self._outbox[0][0]) >= \
+                self.cfg.window:
+            self._outbox.pop(0)
+
+    # -- several replicas ----------------------------------------------------------------
+    def share_demand(self, on: bool = True) -> None:
+        """Keep the demand gathered from now on for ``drain_demand`` (or stop)."""
+        self._outbox = [] if on else None
+        self._outbox_arrivals.clear()
+
+    def drain_demand(self) -> Demand | None:
+        """The samples and arrivals gathered since the last call (at most a window of
+        samples and ``ARRIVALS_KEPT`` arrivals, the latest; None when there are none, or
+        demand is not shared)."""
+        if self._outbox is None or not (self._outbox or self._outbox_arrivals):
+            return None
+        if self._outbox:
+            rows = tuple(np.concatenate(parts)[-self.cfg.window:]
+                         for parts in zip(*self._outbox, strict=True))
+        else:
+            rows = tuple(a[:0].copy() for a in self.samples.arrays)
+        demand = Demand(rows, np.array(self._outbox_arrivals, dtype=np.float64))
+        self._outbox = []
+        self._outbox_arrivals.clear()
+        return demand
+
+    def add_demand(self, demand: Demand, shift_s: float = 0.0) -> None:
+        """Another replica's demand into this book's window and arrival rate, its times
+        moved by ``shift_s`` into this book's clock. Not shared on: it is that replica's
+        to share."""
+        k = min(demand.num_samples, self.cfg.window)
+        if k:
+            rows = (self._next + np.arange(k)) % self.cfg.window
+            self.samples.put_rows(rows, [a[-k:] for a in demand.rows])
+            self._next = (self._next + k) % self.cfg.window
+            self.num_samples = min(self.num_samples + k, self.cfg.window)
+        for t in np.sort(demand.arrivals_s):
+            self._count_arrival(float(t) + shift_s)
+
+    def state(self) -> PriceState:
+        """Copies of what the learning leaves (``PriceState``)."""
+        return PriceState(self.p.copy(), self._iterate.copy(), self._acc.copy(),
+                          self._origin_s, self._n_h, self.num_updates, self.num_steps,
+                          self.last_price_scale)
+
+    def adopt(self, state: PriceState, shift_s: float = 0.0) -> None:
+        """Take another book's learned prices (its times moved by ``shift_s`` into this
+        book's clock): a follower prices with them, and a new leader learns on from
+        them."""
+        if state.p.shape != self.p.shape:
+            raise ValueError(f"prices of shape {state.p.shape} for a book of {self.p.shape}")
+        self.p, self._iterate, self._acc = (state.p.copy(), state.iterate.copy(),
+                                            state.acc.copy())
+        self._origin_s = None if state.origin_s is None else state.origin_s + shift_s
+        self._n_h = state.arrivals_in_horizon
+        self.num_updates, self.num_steps = state.num_updates, state.num_steps
+        self.last_price_scale = state.price_scale
+        self._scale_samples = self.num_samples
+        self.set_prefix()
 
     @property
     def arrivals_in_horizon(self) -> float:
@@ -638,7 +772,9 @@ class PriceBook:
 
     def update(self, now_s: float) -> None:
         """Shift to now, then K projected mini-batch steps on the window (or, with a
-        fixed schedule, read its prices)."""
+        fixed schedule, read its prices); nothing when not ``leading``."""
+        if not self.leading:
+            return
         self.advance(now_s)
         if self._schedule is not None:
             self._replay(now_s)

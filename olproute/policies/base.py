@@ -24,7 +24,7 @@ from olproute.calibration import InstanceCalibration
 from olproute.config_read import problems_of
 from olproute.config_schema import AdmissionConfig, PriceConfig, RewardConfig
 from olproute.outlook import OutlookSource
-from olproute.prices import PriceView
+from olproute.prices import PriceBook, PriceView
 from olproute.types import (
     Decision,
     EngineSnapshot,
@@ -98,6 +98,12 @@ class Policy(ABC):
     def price_view(self) -> PriceView | None:
         """The current shadow prices per instance, or None for a policy without them."""
         return None
+
+    def price_books(self) -> tuple[PriceBook, ...]:
+        """The price books the policy learns (none by default), in a fixed order, for
+        router replicas that share demand and prices (``olproute.server.shared``): one
+        leader learns, the others adopt its books' states."""
+        return ()
 
 
 class PolicyParams(BaseModel):

@@ -716,6 +716,9 @@ class BidPrice(Policy):
     def price_view(self) -> PriceView:
         return self.book.view()
 
+    def price_books(self) -> tuple[PriceBook, ...]:
+        return (self.book,)
+
 
 class _Starts:
     """``can_start_now`` through a joint pass: each instance's snapshot with this pass's

@@ -426,6 +426,9 @@ class PoolBidPrice(Policy):
             self._bea.set_beta(int(local[0]), beta)
         return True
 
+    def price_books(self) -> tuple[PriceBook, ...]:
+        return (self.book_prefill, self.book_decode)
+
     def price_view(self) -> PriceView:
         """Both books' prices in instance order: a prefill instance's prices are its
         compute budget's (and its KV's), a decode instance's its batch slots' and KV's.
