@@ -21,6 +21,11 @@ the batch completions) and the decode engine admits the request with all but the
 prompt token computed; its first output token is the request's first token (TTFT).
 Until its KV arrives the request counts as outstanding on the decode instance and shows
 in the context's ``inbound`` rows there.
+
+Given several policies instead of one, the cluster runs them as router replicas
+(``olproute.sim.replicas``): request i goes to replica i mod N, which decides it, holds it
+in its own buffer and hears its outcome; every replica ticks; what each sees is its own
+ledger merged with the others' as the ``Sync`` says.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import heapq
 import math
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -38,6 +43,7 @@ import numpy.typing as npt
 from olproute.disagg import Pools, decode_admission
 from olproute.policies.base import Policy
 from olproute.sim.engine import BATCH_LOG_COLUMNS, FINISHED, FIRST_TOKEN, BatchTimer, SimEngine
+from olproute.sim.replicas import Replicas, Sync, replica_of
 from olproute.sim.snapshots import SnapshotFeed
 from olproute.types import Decision, InstanceSpec, Outcome, Request, RoutingContext
 
@@ -105,13 +111,14 @@ class _Records:
 
 
 class Cluster:
-    """Runs one policy over a list of requests on engines built from specs."""
+    """Runs one policy, or several as router replicas, over a list of requests on engines
+    built from specs."""
 
     def __init__(
         self,
         specs: Sequence[InstanceSpec],
         timers: Sequence[BatchTimer],
-        policy: Policy,
+        policy: Policy | Sequence[Policy],
         slot_s: float,
         record_batches: bool = True,
         reference_core: bool = False,
@@ -119,9 +126,21 @@ class Cluster:
         transfer: Callable[[int], float] | None = None,
         max_held: int | None = None,
         snapshot_view: Literal["engine", "router"] = "engine",
+        sync: Sync | None = None,
     ) -> None:
+        """``policy``: one router's policy, or a sequence of them, one per router replica,
+        whose views are their ledgers merged as ``sync`` says (default: no staleness);
+        replicas see what a router rebuilds from its traffic (``snapshot_view`` must be
+        ``router``, ``snapshot_age_s`` 0: the sync is their staleness)."""
         if len(specs) != len(timers):
             raise ValueError("one timer per instance")
+        self.policies = (policy,) if isinstance(policy, Policy) else tuple(policy)
+        self.sync = None if isinstance(policy, Policy) else sync or Sync(0.0)
+        if not self.policies:
+            raise ValueError("no policy")
+        if self.sync is not None and (snapshot_view != "router" or snapshot_age_s != 0):
+            raise ValueError("router replicas see their ledgers (snapshot_view 'router') "
+                             "as fresh as their sync makes them (snapshot_age_s 0)")
         self.specs = tuple(specs)
         self.pools = Pools.of(specs)
         if self.pools.disaggregated and transfer is None:
@@ -132,14 +151,14 @@ class Cluster:
         self._log: array[float] | None = array("d") if record_batches else None
         self.engines = [SimEngine(i, s, t, self._log, reference_core)
                         for i, (s, t) in enumerate(zip(specs, timers, strict=True))]
-        self.policy = policy
+        self.policy = self.policies[0]
         self.slot_s = slot_s
         self.outstanding = [0] * len(specs)
         self.feed = SnapshotFeed(self.engines, snapshot_age_s, snapshot_view)
-        self.needs_snapshots = policy.needs_snapshots
-        self.joint_release = policy.joint_release
+        self.needs_snapshots = self.policy.needs_snapshots
+        self.joint_release = self.policy.joint_release
         # a policy with tick_s > 0 learns off the request path every tick_s seconds
-        self.tick_s = policy.tick_s
+        self.tick_s = self.policy.tick_s
 
     def run(self, requests: Sequence[Request], progress: ProgressFn | None = None) -> SimResult:
         """Every event in time order, each handled by the method of its kind."""
@@ -171,14 +190,26 @@ class Cluster:
         return d
 
 
+@dataclass(slots=True)
+class _Router:
+    """One router of a run: its policy, its buffer of held requests (ids, in the order
+    they were held) and the time of its next pass over them (``joint_release``)."""
+
+    index: int
+    policy: Policy
+    held: dict[int, None] = field(default_factory=dict)
+    release_at: float | None = None
+
+
 class _Run:
     """One run of a cluster over its requests: the event heap (tuples of time, priority,
     seq, kind, arg, with ``seq`` counted here so ties break deterministically), the
-    records, the buffer of held requests, and one method per event kind."""
+    records, the routers (each with its buffer of held requests), and one method per
+    event kind. A tick's and a joint release's arg is the router's index."""
 
-    __slots__ = ("arrived", "cluster", "done", "engines", "feed", "heap", "held", "in_system",
-                 "inbound", "outstanding", "policy", "progress", "rec", "release_at",
-                 "requests", "role", "seq")
+    __slots__ = ("arrived", "cluster", "done", "engines", "feed", "heap", "in_system",
+                 "inbound", "outstanding", "progress", "rec", "replicas", "requests",
+                 "role", "routers", "seq")
 
     def __init__(self, cluster: Cluster, requests: Sequence[Request],
                  progress: ProgressFn | None) -> None:
@@ -188,22 +219,30 @@ class _Run:
         self.requests = requests
         self.progress = progress
         self.rec = _Records.empty(len(requests))
-        self.engines, self.feed, self.policy = cluster.engines, cluster.feed, cluster.policy
+        self.engines = cluster.engines
         self.outstanding, self.role = cluster.outstanding, cluster.roles
+        self.routers = [_Router(k, p) for k, p in enumerate(cluster.policies)]
+        self.replicas = None if cluster.sync is None else Replicas(
+            cluster.engines, cluster.policies, cluster.sync, cluster.pools.disaggregated)
+        self.feed: SnapshotFeed | Replicas = (cluster.feed if self.replicas is None
+                                              else self.replicas)
         # per instance: request_id -> (dispatch time, prompt, predicted decode) of requests
         # bound for it as their decode instance whose KV has not arrived yet
         self.inbound: list[dict[int, tuple[float, int, int]]] = [{} for _ in cluster.engines]
-        self.held: dict[int, None] = {}  # request ids, in the order they were held
-        self.release_at: float | None = None
         self.arrived = self.in_system = self.done = 0
         self.heap: list[tuple[float, int, int, int, int]] = [
             (r.arrival_s, _ARRIVAL, seq, _ARRIVAL, r.request_id)
             for seq, r in enumerate(requests)]
         self.seq = len(requests)
         if cluster.tick_s > 0 and requests:
-            self.heap.append((requests[0].arrival_s, _TICK, self.seq, _TICK, 0))
-            self.seq += 1
+            for k in range(len(self.routers)):
+                self.heap.append((requests[0].arrival_s, _TICK, self.seq, _TICK, k))
+                self.seq += 1
         heapq.heapify(self.heap)
+
+    def _router(self, rid: int) -> _Router:
+        """The router a request goes to (``replica_of``: round robin)."""
+        return self.routers[replica_of(rid, len(self.routers))]
 
     def push(self, t: float, prio: int, kind: int, arg: int) -> None:
         _heappush(self.heap, (t, prio, self.seq, kind, arg))
@@ -259,51 +298,63 @@ class _Run:
         rec.kv_arrival_s[rid] = now
         _, _, predicted = self.inbound[d].pop(rid)
         prompt, out, computed = decode_admission(req.prompt_tokens, int(rec.decode_tokens[rid]))
-        self.feed.dispatched(d, now, rid, prompt, predicted)
+        if self.replicas is not None:
+            self.replicas.arrived(d, now, rid)
+            self.replicas.dispatched(d, now, rid, prompt, predicted, computed)
+        else:
+            self.feed.dispatched(d, now, rid, prompt, predicted)
         self.engines[d].admit(rid, prompt, out, predicted, computed)
         if not self.engines[d].busy:
             self._start(d, now)
 
-    def tick(self, now: float, _arg: int) -> None:
-        """The policy learns off the request path; the next tick while work remains."""
-        self.policy.tick(now, self.feed.view(now)[0])
+    def tick(self, now: float, k: int) -> None:
+        """Router k's policy learns off the request path; its next tick while work
+        remains."""
+        if self.replicas is not None:
+            self.replicas.tick(now, k)
+        else:
+            self.routers[k].policy.tick(now, self.cluster.feed.view(now)[0])
         if self.arrived < len(self.requests) or self.in_system > 0:
-            self.push(now + self.cluster.tick_s, _TICK, _TICK, 0)
+            self.push(now + self.cluster.tick_s, _TICK, _TICK, k)
 
     def arrival(self, now: float, rid: int) -> None:
         self.arrived += 1
         self.in_system += 1
         self.rec.in_system_t.append(now)
         self.rec.in_system_n.append(self.in_system)
-        decision = self.policy.decide(self._context(now, self.requests[rid]))
+        router = self._router(rid)
+        decision = router.policy.decide(self._context(now, self.requests[rid], router.index))
         if decision.action == "hold":
             max_held = self.cluster.max_held
-            if max_held is not None and len(self.held) >= max_held:
+            if max_held is not None and len(router.held) >= max_held:
                 decision = Decision(rid, "shed", None, f"buffer full ({max_held} "
                                     "requests held)")
             else:
-                self.held[rid] = None
-                self._next_retry(now, rid)
+                router.held[rid] = None
+                self._next_retry(now, rid, router)
         self._carry_out(now, rid, decision)
 
     def retry(self, now: float, rid: int) -> None:
         """A held request decided again, a slot after the last time; the next a slot
         later while it is still held."""
-        decision = self.policy.decide(self._context(now, self.requests[rid]))
+        router = self._router(rid)
+        decision = router.policy.decide(self._context(now, self.requests[rid], router.index))
         if decision.action == "hold":
-            self._next_retry(now, rid)
+            self._next_retry(now, rid, router)
         else:
-            del self.held[rid]
+            del router.held[rid]
             self._carry_out(now, rid, decision)
 
-    def release(self, now: float, _arg: int) -> None:
-        """A slot boundary, for a policy with ``joint_release``: it decides the held
+    def release(self, now: float, k: int) -> None:
+        """A slot boundary, for a policy with ``joint_release``: router k decides its held
         requests in one pass (``Policy.decide_held``), each decision carried out before
         the next is asked for; the next pass a slot later while any is still held."""
-        self.release_at = None
-        held = self.held
+        router = self.routers[k]
+        router.release_at = None
+        held = router.held
         requests = [self.requests[rid] for rid in held]
-        for decision in self.policy.decide_held(requests, lambda r: self._context(now, r)):
+        for decision in router.policy.decide_held(
+                requests, lambda r: self._context(now, r, k)):
             rid = decision.request_id
             if rid not in held:
                 raise ValueError(f"policy decided request {rid}, which is not held")
@@ -311,22 +362,23 @@ class _Run:
                 del held[rid]
                 self._carry_out(now, rid, decision)
         if held:
-            self._next_pass(now)
+            self._next_pass(now, router)
 
-    def _next_retry(self, now: float, rid: int) -> None:
+    def _next_retry(self, now: float, rid: int, router: _Router) -> None:
         """The request's next decision: a slot from now, or with ``joint_release`` the
-        pass at the next slot boundary after now (one for all)."""
+        router's pass at the next slot boundary after now (one for all)."""
         if self.cluster.joint_release:
-            self._next_pass(now)
+            self._next_pass(now, router)
         else:
             self.push(now + self.cluster.slot_s, _RETRY, _RETRY, rid)
 
-    def _next_pass(self, now: float) -> None:
-        """The pass over the held requests at the next slot boundary after now (once)."""
-        if self.release_at is None:
+    def _next_pass(self, now: float, router: _Router) -> None:
+        """The router's pass over its held requests at the next slot boundary after now
+        (once)."""
+        if router.release_at is None:
             slot = self.cluster.slot_s
-            self.release_at = (math.floor(now / slot + 1e-9) + 1) * slot
-            self.push(self.release_at, _RETRY, _RELEASE, 0)
+            router.release_at = (math.floor(now / slot + 1e-9) + 1) * slot
+            self.push(router.release_at, _RETRY, _RELEASE, router.index)
 
     def _carry_out(self, now: float, rid: int, decision: Decision) -> None:
         if decision.action == "dispatch":
@@ -335,9 +387,12 @@ class _Run:
             self._shed(now, rid)
 
     # -- what the events do ---------------------------------------------------------------
-    def _context(self, now: float, req: Request) -> RoutingContext:
+    def _context(self, now: float, req: Request, k: int) -> RoutingContext:
+        """What router k sees when it decides ``req`` now."""
+        if self.replicas is not None:
+            return self.replicas.context(now, req, k)
         c = self.cluster
-        snaps, pending = self.feed.view(now) if c.needs_snapshots else (None, None)
+        snaps, pending = c.feed.view(now) if c.needs_snapshots else (None, None)
         return RoutingContext(
             request=req, now_s=now, specs=c.specs,
             instances=tuple(e.load(self.outstanding[e.index]) for e in self.engines),
@@ -361,6 +416,8 @@ class _Run:
             rec.decode_instance[rid] = d
             self.outstanding[d] += 1
             self.inbound[d][rid] = (now, req.prompt_tokens, predicted)
+            if self.replicas is not None:
+                self.replicas.bound(d, now, rid, req.prompt_tokens, predicted)
             self.feed.dispatched(g, now, rid, req.prompt_tokens, 1)
             self.engines[g].admit(rid, req.prompt_tokens, 1, 1)
         else:
@@ -373,8 +430,8 @@ class _Run:
     def _shed(self, now: float, rid: int) -> None:
         self.rec.shed[rid] = True
         self._left(now)
-        self.policy.observe(_outcome(self.requests[rid], None, float("nan"), float("nan"),
-                                     float("nan"), 0, 0))
+        self._router(rid).policy.observe(_outcome(
+            self.requests[rid], None, float("nan"), float("nan"), float("nan"), 0, 0))
         self._progress()
 
     def _start(self, g: int, t: float) -> None:
@@ -390,7 +447,7 @@ class _Run:
         self.outstanding[g] -= 1
         self._left(t)
         d = int(rec.decode_instance[rid])
-        self.policy.observe(_outcome(
+        self._router(rid).policy.observe(_outcome(
             self.requests[rid], int(rec.instance[rid]), rec.dispatch_s[rid],
             rec.first_token_s[rid], t, int(rec.num_preemptions[rid]),
             int(rec.decode_tokens[rid]), None if d < 0 else d))

@@ -21,14 +21,15 @@ from olproute.config import LoadedConfig
 from olproute.policies import Policy
 from olproute.sim.cluster import Cluster, ProgressFn, SimResult
 from olproute.sim.engine import BatchTimer
+from olproute.sim.replicas import Sync
 from olproute.sim.requests import build_requests, streams
 from olproute.sim.timing import LinearTiming, RooflineTiming
 from olproute.types import Request
 
 __all__ = ["CalibrationSource", "Saturation", "build_requests", "build_timers",
-           "calibrate_result", "kv_transfer", "make_cluster", "make_policy",
-           "profile_calibration", "saturation_profile", "simulate", "streams",
-           "sweep_calibration"]
+           "calibrate_result", "kv_transfer", "make_cluster", "make_policy", "make_replicas",
+           "profile_calibration", "saturation_profile", "simulate", "simulate_replicas",
+           "streams", "sweep_calibration"]
 
 
 def build_timers(loaded: LoadedConfig, seed: int | None = None) -> list[BatchTimer]:
@@ -91,22 +92,61 @@ def make_policy(loaded: LoadedConfig, name: str, seed: int | None = None,
     return build_policy(loaded, name, st.policy, calibration or CalibrationSource(loaded))
 
 
-def make_cluster(loaded: LoadedConfig, policy: Policy, seed: int | None = None,
-                 reference_core: bool = False, snapshot_age_s: float | None = None,
-                 record_batches: bool | None = None) -> Cluster:
-    """The configuration's engines, timed on ``seed``'s streams, behind ``policy``: slot,
-    KV transfer, the snapshot view, and the batch log and snapshot age (seconds) of the
-    config unless given."""
+def make_replicas(loaded: LoadedConfig, name: str, num_replicas: int, seed: int | None = None,
+                  calibration: assembly.CalibrationSource | None = None) -> list[Policy]:
+    """``num_replicas`` policies of that name, one per router replica: the first as a run
+    on ``seed`` builds its one policy (``make_policy``), replica k > 0 with its own
+    generator (seeded by the run seed and k); all on one calibration."""
+    if num_replicas < 1:
+        raise ValueError("at least one replica")
+    run_seed = loaded.config.sim.seed if seed is None else seed
+    cal = calibration or CalibrationSource(loaded)
+    return [make_policy(loaded, name, run_seed, cal), *(
+        build_policy(loaded, name, np.random.default_rng([run_seed, k]), cal)
+        for k in range(1, num_replicas))]
+
+
+def simulate_replicas(
+    loaded: LoadedConfig,
+    policy_name: str,
+    num_replicas: int,
+    sync: Sync,
+    requests: Sequence[Request] | None = None,
+    seed: int | None = None,
+    progress: ProgressFn | None = None,
+    calibration: assembly.CalibrationSource | None = None,
+) -> SimResult:
+    """``simulate`` with ``num_replicas`` router replicas of the named policy, their views
+    and prices shared as ``sync`` says (``olproute.sim.replicas``); they see what a router
+    rebuilds from its traffic whatever the config's ``sim.snapshot_view``."""
+    run_seed = loaded.config.sim.seed if seed is None else seed
+    reqs = list(requests) if requests is not None else build_requests(loaded, run_seed)
+    _check_fits(loaded, reqs)
+    policies = make_replicas(loaded, policy_name, num_replicas, run_seed, calibration)
+    return make_cluster(loaded, policies, run_seed, sync=sync).run(reqs, progress)
+
+
+def make_cluster(loaded: LoadedConfig, policy: Policy | Sequence[Policy],
+                 seed: int | None = None, reference_core: bool = False,
+                 snapshot_age_s: float | None = None, record_batches: bool | None = None,
+                 sync: Sync | None = None) -> Cluster:
+    """The configuration's engines, timed on ``seed``'s streams, behind ``policy`` (or
+    router replicas, one per policy, their sync ``sync``): slot, KV transfer, the snapshot
+    view, and the batch log and snapshot age (seconds) of the config unless given.
+    Replicas see what a router rebuilds from its traffic (``snapshot_view`` router), with
+    no age of their own unless given: their sync is their staleness."""
     cfg = loaded.config
+    replicas = not isinstance(policy, Policy)
     return Cluster(loaded.specs, build_timers(loaded, seed), policy,
                    slot_s=cfg.router.slot_ms / 1e3,
                    record_batches=(cfg.sim.record_batches if record_batches is None
                                    else record_batches),
                    reference_core=reference_core,
-                   snapshot_age_s=(cfg.sim.snapshot_age_ms / 1e3 if snapshot_age_s is None
-                                   else snapshot_age_s),
+                   snapshot_age_s=(snapshot_age_s if snapshot_age_s is not None else
+                                   0.0 if replicas else cfg.sim.snapshot_age_ms / 1e3),
                    transfer=kv_transfer(loaded).seconds,
-                   max_held=cfg.admission.max_held, snapshot_view=cfg.sim.snapshot_view)
+                   max_held=cfg.admission.max_held,
+                   snapshot_view="router" if replicas else cfg.sim.snapshot_view, sync=sync)
 
 
 def _check_fits(loaded: LoadedConfig, requests: Sequence[Request]) -> None:
