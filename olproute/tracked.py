@@ -78,17 +78,31 @@ def router_view(snap: EngineSnapshot, dispatch_s: Mapping[int, float],
     ``snap``: its resident requests in dispatch order (``dispatch_s`` by request id),
     those with an output token running, every one's tokens so far, and for a waiting
     request on a decode instance the prompt it received computed (otherwise nothing
-    computed); the rest as ``tracked_snapshot`` says."""
-    ids = snap.request_ids.tolist()
-    by_dispatch = sorted(range(len(ids)), key=lambda i: dispatch_s.get(ids[i], math.inf))
-    t = snap.table
-    prompt = [int(t[i, SNAP_PROMPT]) for i in by_dispatch]
-    tokens = [int(t[i, SNAP_OUTPUT]) for i in by_dispatch]
-    running = [x > 0 for x in tokens]
-    received = spec.role == "decode"
-    computed = [int(t[i, SNAP_COMPUTED]) if received and not running[k] else 0
-                for k, i in enumerate(by_dispatch)]
-    return tracked_snapshot(
-        snap.time_s, spec, [ids[i] for i in by_dispatch], prompt, tokens,
-        [int(t[i, SNAP_PREDICTED]) for i in by_dispatch], computed, running,
-        tracked_blocks(prompt, tokens, running, spec.block_size))
+    computed); the rest as ``tracked_snapshot`` says, which this computes on arrays (the
+    simulator asks for it at every decision; ``tests/unit/test_tracked.py`` holds the two
+    equal)."""
+    ids = snap.request_ids
+    when = np.array([dispatch_s.get(i, math.inf) for i in ids.tolist()], dtype=np.float64)
+    order = np.argsort(when, kind="stable")
+    t = snap.table[order]
+    prompt, tokens = t[:, SNAP_PROMPT], t[:, SNAP_OUTPUT]
+    running = tokens > 0
+    run = np.flatnonzero(running)[: spec.max_num_seqs]
+    kept = np.zeros(len(ids), dtype=bool)
+    kept[run] = True
+    wait = np.flatnonzero(~kept)
+    context = prompt + np.maximum(tokens, 1)
+    blocks = -(-context // spec.block_size)
+    table = np.empty((len(ids), 5), dtype=np.int64)
+    table[: len(run)] = np.stack([prompt[run], tokens[run], t[run, SNAP_PREDICTED],
+                                  context[run] - 1, blocks[run]], axis=1)
+    computed = (t[wait, SNAP_COMPUTED] * ~running[wait] if spec.role == "decode"
+                else np.zeros(len(wait), dtype=np.int64))
+    table[len(run):] = np.stack([prompt[wait], np.zeros_like(computed), t[wait, SNAP_PREDICTED],
+                                 computed, np.zeros_like(computed)], axis=1)
+    used = int(blocks[running].sum())
+    return EngineSnapshot(
+        time_s=snap.time_s, table=table, num_running=len(run),
+        num_free_blocks=spec.num_kv_blocks - min(used, spec.num_kv_blocks),
+        inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=snap.time_s,
+        request_ids=ids[order][np.concatenate([run, wait])])

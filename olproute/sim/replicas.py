@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -114,7 +114,16 @@ class Replicas:
         self._published: list[deque[EngineSnapshot]] = [deque() for _ in engines]
         self._admitted: list[deque[tuple[float, int, int, int, int]]] = [
             deque() for _ in engines]
-        self._stale_at: list[tuple[float, EngineSnapshot] | None] = [None for _ in engines]
+        # per engine: the stale rows last built, with their key (the publication they
+        # start from, the admissions since it by then)
+        self._stale_at: list[tuple[tuple[EngineSnapshot | None, int], EngineSnapshot] | None] = [
+            None for _ in engines]
+        # per engine: a count of its changes (admissions, finishes, batches), and per
+        # replica the view last built of it with what it was built from, rebuilt only when
+        # either changed (decisions and retries far outnumber an engine's changes)
+        self._version = [0] * len(engines)
+        self._views: list[list[tuple[object, EngineSnapshot, int] | None]] = [
+            [None] * len(policies) for _ in engines]
         # per instance: request_id -> [dispatch time, prompt, predicted, KV arrival (inf
         # until then)] of requests bound for it as their decode instance, in dispatch
         # order; an arrived one is kept while others may still see it on its way
@@ -124,18 +133,21 @@ class Replicas:
     # -- what happens (the run's bookkeeping) ----------------------------------------------
     def publish(self, g: int, now_s: float) -> None:
         """Engine g started a batch or fell idle: its state is published."""
+        self._version[g] += 1
         if self._stale:
             self._published[g].append(self.engines[g].snapshot(now_s))
 
     def dispatched(self, g: int, now_s: float, request_id: int, prompt: int,
                    predicted: int, computed: int = 0) -> None:
         """A request entered engine g (``computed``: prompt tokens whose KV arrived)."""
+        self._version[g] += 1
         self._entered[g][request_id] = now_s
         if self._stale:
             self._admitted[g].append((now_s, request_id, prompt, predicted, computed))
 
     def finished(self, g: int, request_id: int) -> None:
         """A request left engine g: the engine's state says so from now on."""
+        self._version[g] += 1
 
     def bound(self, d: int, now_s: float, request_id: int, prompt: int,
               predicted: int) -> None:
@@ -173,7 +185,16 @@ class Replicas:
 
     def _view(self, g: int, now_s: float, k: int) -> tuple[EngineSnapshot, int]:
         """Replica k's snapshot of engine g (``router_view`` of the requests it sees),
-        and how many of those have streamed a token."""
+        and how many of those have streamed a token; the last one built, moved to now,
+        while neither the engine nor the others' rows as of now - s changed."""
+        stale = self._stale_rows(g, now_s) if self._stale else None
+        key = (self._version[g], stale)
+        cached = self._views[g][k]
+        if cached is not None and cached[0] == key:
+            view, running = cached[1], cached[2]
+            if view.time_s != now_s:
+                view = replace(view, time_s=now_s, inflight_start_s=now_s)
+            return view, running
         fresh = self.engines[g].snapshot(now_s)
         n = self.num_replicas
         if n == 1 or self.staleness_s == 0:  # every dispatch seen at once
@@ -181,22 +202,20 @@ class Replicas:
         else:
             own = (fresh.request_ids % n) == k
             ids, table = fresh.request_ids[own], fresh.table[own]
-            if self._stale:
-                stale = self._stale_rows(g, now_s)
+            if stale is not None:
                 others = (stale.request_ids % n) != k
                 ids = np.concatenate([ids, stale.request_ids[others]])
                 table = np.concatenate([table, stale.table[others]])
             seen = _rows_only(now_s, table, ids)
         running = int(np.count_nonzero(seen.table[:, SNAP_OUTPUT] > 0))
-        return router_view(seen, self._entered[g], self.specs[g]), running
+        view = router_view(seen, self._entered[g], self.specs[g])
+        self._views[g][k] = (key, view, running)
+        return view, running
 
     def _stale_rows(self, g: int, now_s: float) -> EngineSnapshot:
         """Engine g's requests and their tokens as of now - s: the latest publication at
         or before then, and the requests admitted after it (no token yet, as admitted).
-        The same for every replica at one time: kept until time moves on."""
-        cached = self._stale_at[g]
-        if cached is not None and cached[0] == now_s:
-            return cached[1]
+        The same for every replica, and the same object while those do not change."""
         assert self.staleness_s is not None
         horizon = now_s - self.staleness_s
         pubs, adm = self._published[g], self._admitted[g]
@@ -208,8 +227,13 @@ class Replicas:
         since = -np.inf if base is None else base.time_s
         while adm and adm[0][0] < since:
             adm.popleft()
+        num_admitted = next((i for i, a in enumerate(adm) if a[0] > horizon), len(adm))
+        key = (base, num_admitted)   # the publication itself: compared by identity
+        cached = self._stale_at[g]
+        if cached is not None and cached[0] == key:
+            return cached[1]
         known = set() if base is None else set(base.request_ids.tolist())
-        late = [a for a in adm if a[0] <= horizon and a[1] not in known]
+        late = [a for i, a in enumerate(adm) if i < num_admitted and a[1] not in known]
         ids = [a[1] for a in late]
         rows = np.array([(p, 0, o, c, 0) for _, _, p, o, c in late],
                         dtype=np.int64).reshape(len(late), 5)
@@ -217,7 +241,7 @@ class Replicas:
             ids = [*base.request_ids.tolist(), *ids]
             rows = np.concatenate([base.table, rows])
         snap = _rows_only(horizon, rows, np.array(ids, dtype=np.int64))
-        self._stale_at[g] = (now_s, snap)
+        self._stale_at[g] = (key, snap)
         return snap
 
     def _inbound_rows(self, now_s: float, k: int) -> tuple[FloatArray | None, ...]:
