@@ -2,7 +2,7 @@
 its own policy object, the requests split among them round robin, each one's view its own
 ledger merged with the others' as they were published s ago (``olproute.sim.replicas``).
 
-    python bench/replicas_table.py [--quick] [--json PATH] [--seeds S,S,..]
+    python bench/replicas_table.py [--quick] [--json PATH] [--seeds S,S,..] [--ablations]
 
 Rows, per scenario: one router (N = 1, staleness irrelevant: 0), then N = 2 and 4 with
 staleness s = 0, 50, 200 and 1000 ms, and with no sync (each replica sees its own ledger
@@ -27,8 +27,15 @@ all requests, refused ones included, that met both their TTFT and TPOT targets:
 its requests carry TTFT targets only, so there it is the fraction of all requests with a
 first token within target), the served fraction and tokens/s over the arrival window;
 each as the mean [min-max] over the seeds, and against one router on the same seed (%
-for EEL, points for goodput). Goal (issue 21): at N = 4, s = 50 ms, mean EEL within 5% of
-one router's and goodput within 1 point, on the mean over seeds.
+for EEL, points for goodput); the mean TTFT; and the share of dispatches sent to an engine
+where an earlier one still waited for its first token (on P/D pools: for its prefill),
+which one router's admission (``max_waiting: 0``) never does. Goal (issue 21): at N = 4,
+s = 50 ms, mean EEL within 5% of one router's and goodput within 1 point, on the mean over
+seeds.
+
+``--ablations`` adds N = 4 at s = 5, 10 and 25 ms (what staleness the goal needs), and at
+s = 0 and 50 ms with the ledgers shared but every replica learning its own prices (what
+the price sync adds to the ledgers').
 """
 
 from __future__ import annotations
@@ -57,9 +64,30 @@ from olproute.types import Request
 
 REPO = Path(__file__).resolve().parents[1]
 STALENESS_MS = (0.0, 50.0, 200.0, 1000.0)
-ROWS: tuple[tuple[int, float | None], ...] = (
-    (1, 0.0), *((n, s) for n in (2, 4) for s in (*STALENESS_MS, None)))
-GOAL_ROW = (4, 50.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row of the table: N replicas, their staleness in ms (None: no sync), whether
+    the sync shares prices too (else each replica learns its own); ``ablation``: a row
+    of ``--ablations``."""
+
+    replicas: int
+    staleness_ms: float | None
+    prices: bool = True
+    ablation: bool = False
+
+    @property
+    def sync(self) -> Sync:
+        return Sync(None if self.staleness_ms is None else self.staleness_ms / 1e3,
+                    self.prices)
+
+
+ROWS = (Row(1, 0.0), *(Row(n, s) for n in (2, 4) for s in (*STALENESS_MS, None)))
+# what staleness the goal needs, and what the ledgers' sync does without the prices'
+ABLATIONS = (*(Row(4, s, ablation=True) for s in (5.0, 10.0, 25.0)),
+             Row(4, 0.0, prices=False, ablation=True), Row(4, 50.0, prices=False, ablation=True))
+ONE, GOAL_ROW = Row(1, 0.0), Row(4, 50.0)
 GOAL_EEL_PCT, GOAL_GOODPUT_POINTS = 5.0, 1.0
 FIGURES = (("mean_eel_s", "eel_mean_s"), ("goodput", "goodput"),
            ("served_fraction", "served_fraction"), ("tokens_per_s", "throughput_tokens_per_s"),
@@ -90,11 +118,10 @@ def pd_case(seed: int, duration_s: float, calibration: CalibrationSource) -> Cas
     return Case("pd chat", seed, pd_table.bid_price_config(base), reqs, calibration)
 
 
-def run_row(case: Case, n: int, staleness_ms: float | None) -> dict[str, float]:
-    sync = Sync(None if staleness_ms is None else staleness_ms / 1e3)
+def run_row(case: Case, row: Row) -> dict[str, float]:
     t0 = time.perf_counter()
-    res = simulate_replicas(case.loaded, "bid_price", n, sync, case.requests, seed=case.seed,
-                            calibration=case.calibration)
+    res = simulate_replicas(case.loaded, "bid_price", row.replicas, row.sync, case.requests,
+                            seed=case.seed, calibration=case.calibration)
     d = summarize(res).as_dict()
     return {**{key: float(d[field]) for key, field in FIGURES},
             "sent_behind_waiting": sent_behind_waiting(res),
@@ -119,24 +146,25 @@ def sent_behind_waiting(res: SimResult) -> float:
     return behind / max(int(sent.sum()), 1)
 
 
-Results = dict[tuple[str, int, float | None], list[dict[str, float]]]
+Results = dict[tuple[str, Row], list[dict[str, float]]]
 
 
-def run(seeds: Sequence[int], num_requests: int, duration_s: float) -> Results:
+def run(rows: Sequence[Row], seeds: Sequence[int], num_requests: int,
+        duration_s: float) -> Results:
     """Every row on every (scenario, seed), with a progress bar on stderr."""
     from tqdm import tqdm
 
     pd_base = load_config(REPO / "configs" / "pd.yaml")
     pd_cal = CalibrationSource(pd_base)   # the P/D table's: once per pool shape
     out: Results = {}
-    with tqdm(total=2 * len(seeds) * len(ROWS), desc="runs", file=sys.stderr,
+    with tqdm(total=2 * len(seeds) * len(rows), desc="runs", file=sys.stderr,
               unit="run") as bar:
         for seed in seeds:
             for case in (olp_case(seed, num_requests), pd_case(seed, duration_s, pd_cal)):
-                for n, s in ROWS:
-                    bar.set_postfix_str(f"{case.scenario} seed {seed} N={n} "
-                                        f"{Sync(None if s is None else s / 1e3).label}")
-                    out.setdefault((case.scenario, n, s), []).append(run_row(case, n, s))
+                for row in rows:
+                    bar.set_postfix_str(f"{case.scenario} seed {seed} N={row.replicas} "
+                                        f"{row.sync.label}")
+                    out.setdefault((case.scenario, row), []).append(run_row(case, row))
                     bar.update()
     return out
 
@@ -147,18 +175,21 @@ def _per_seed(rows: list[dict[str, float]], key: str) -> list[float]:
 
 def summary(results: Results, seeds: Sequence[int], num_requests: int,
             duration_s: float) -> dict[str, Any]:
-    """The JSON: one entry per (scenario, N, staleness), each figure the mean over seeds
-    with its spread and its change against one router on the same seed."""
+    """The JSON: one entry per (scenario, row), each figure the mean over seeds with its
+    spread and its change against one router on the same seed."""
     rows = []
-    for (scen, n, s), runs in results.items():
-        one = results[(scen, 1, 0.0)]
+    for (scen, row), runs in results.items():
+        one = results[(scen, ONE)]
         eel = [100.0 * (r["mean_eel_s"] / o["mean_eel_s"] - 1.0)
                for r, o in zip(runs, one, strict=True)]
         good = [100.0 * (r["goodput"] - o["goodput"]) for r, o in zip(runs, one, strict=True)]
         figs = {key: seed_figure(_per_seed(runs, key))
                 for key in (*(k for k, _ in FIGURES), "sent_behind_waiting")}
+        synced = row.staleness_ms is not None
         rows.append({
-            "scenario": scen, "replicas": n, "staleness_ms": s, "sync": s is not None,
+            "scenario": scen, "replicas": row.replicas, "staleness_ms": row.staleness_ms,
+            "sync": synced, "prices_shared": synced and row.prices and row.replicas > 1,
+            "ablation": row.ablation,
             **{key: f["mean"] for key, f in figs.items()},
             **{f"{key}_spread": f for key, f in figs.items()},
             "mean_eel_change_pct_vs_one_router": seed_figure(eel),
@@ -166,10 +197,10 @@ def summary(results: Results, seeds: Sequence[int], num_requests: int,
             "seconds": seed_figure(_per_seed(runs, "seconds"))})
     goals = {}
     for scen in dict.fromkeys(k[0] for k in results):
-        row = next(r for r in rows if r["scenario"] == scen
-                   and (r["replicas"], r["staleness_ms"]) == GOAL_ROW)
-        eel, good = (row["mean_eel_change_pct_vs_one_router"]["mean"],
-                     row["goodput_points_vs_one_router"]["mean"])
+        goal = next(r for (sc, row), r in zip(results, rows, strict=True)
+                    if sc == scen and row == GOAL_ROW)
+        eel, good = (goal["mean_eel_change_pct_vs_one_router"]["mean"],
+                     goal["goodput_points_vs_one_router"]["mean"])
         goals[scen] = {"mean_eel_change_pct": eel, "goodput_points": good,
                        "met": abs(eel) <= GOAL_EEL_PCT and abs(good) <= GOAL_GOODPUT_POINTS}
     return {"seeds": list(seeds), "olp_requests": num_requests, "pd_duration_s": duration_s,
@@ -190,11 +221,16 @@ def render(s: dict[str, Any]) -> str:
              "sent behind: fraction of dispatches sent to an engine where an earlier one "
              "still waited for its first token (P/D: its prefill); one router: never"]
     for scen in dict.fromkeys(r["scenario"] for r in s["rows"]):
-        body = [_cells(r) for r in s["rows"] if r["scenario"] == scen]
-        widths = [max(len(c[i]) for c in [HEADER, *body]) for i in range(len(HEADER))]
+        mine = [r for r in s["rows"] if r["scenario"] == scen]
+        body = [_cells(r) for r in mine if not r["ablation"]]
+        extra = [_cells(r) for r in mine if r["ablation"]]
+        widths = [max(len(c[i]) for c in [HEADER, *body, *extra])
+                  for i in range(len(HEADER))]
         fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-        lines += ["", scen, fmt.format(*HEADER), "  ".join("-" * w for w in widths)]
-        lines += [fmt.format(*c) for c in body]
+        rule = "  ".join("-" * w for w in widths)
+        lines += ["", scen, fmt.format(*HEADER), rule, *(fmt.format(*c) for c in body)]
+        if extra:
+            lines += [rule, *(fmt.format(*c) for c in extra)]
     lines.append("")
     for scen, g in s["goal_n4_s50"].items():
         nosync = next(r for r in s["rows"] if r["scenario"] == scen and r["replicas"] == 4
@@ -214,7 +250,7 @@ def _cells(r: dict[str, Any]) -> tuple[str, ...]:
         return fmt_spread(r[key]["per_seed"], fmt)
 
     sync = ("no sync" if r["staleness_ms"] is None else "-" if r["replicas"] == 1
-            else f"{r['staleness_ms']:g} ms")
+            else f"{r['staleness_ms']:g} ms" + ("" if r["prices_shared"] else ", prices own"))
     return (str(r["replicas"]), sync, f("mean_eel_s_spread", "{:.2f}"),
             f("mean_eel_change_pct_vs_one_router", "{:+.1f}%"), f("goodput_spread", "{:.3f}"),
             f("goodput_points_vs_one_router", "{:+.1f}"), f("served_fraction_spread", "{:.3f}"),
@@ -227,6 +263,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="one seed, 800 OLP requests, 60 s of P/D arrivals")
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--ablations", action="store_true",
+                    help="also N=4 at 5, 10 and 25 ms, and at 0 and 50 ms with every replica "
+                         "learning its own prices")
     ap.add_argument("--seeds", default=",".join(map(str, REPORT_SEEDS)),
                     help="comma-separated seeds (default: the report seeds)")
     ap.add_argument("--requests", type=int, default=4000, help="OLP requests per seed")
@@ -237,7 +276,8 @@ def main() -> None:
     if args.quick:
         seeds, args.requests, args.duration = seeds[:1], 800, 60.0
     t0 = time.perf_counter()
-    results = run(seeds, args.requests, args.duration)
+    results = run((*ROWS, *ABLATIONS) if args.ablations else ROWS, seeds, args.requests,
+                  args.duration)
     s = summary(results, seeds, args.requests, args.duration)
     print(render(s))
     print(f"wall time {time.perf_counter() - t0:.0f} s")

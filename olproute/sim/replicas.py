@@ -21,8 +21,9 @@ and for the loads (``InstanceLoad``: running, waiting, outstanding, KV blocks, a
 Prices, with a sync: every replica's price books share their demand (the samples built at
 its ticks and its arrival times), which reaches the others ``staleness_s`` later; replica
 0 leads: it alone learns, and its books' states reach the others (followers, which learn
-nothing) ``staleness_s`` after each of its ticks. Without a sync each replica learns its
-own prices from its own share of the requests. A policy without price books
+nothing) ``staleness_s`` after each of its ticks. Without a sync (or with
+``Sync.prices`` False) each replica learns its own prices from its own share of the
+requests. A policy without price books
 (``Policy.price_books``) shares nothing. All replicas' clocks are the simulation's, so
 nothing is shifted.
 
@@ -67,9 +68,11 @@ _NO_INFLIGHT = np.zeros((0, 2), dtype=np.int64)
 class Sync:
     """How router replicas share what they know: another replica's ledger, demand and
     the leader's prices reach a replica ``staleness_s`` seconds late; None: no sync, each
-    replica sees its own ledger and learns its own prices."""
+    replica sees its own ledger and learns its own prices. ``prices`` False: the ledgers
+    are shared but every replica learns its own prices (what the price sync adds)."""
 
     staleness_s: float | None
+    prices: bool = True
 
     def __post_init__(self) -> None:
         if self.staleness_s is not None and not self.staleness_s >= 0:
@@ -77,7 +80,9 @@ class Sync:
 
     @property
     def label(self) -> str:
-        return "no sync" if self.staleness_s is None else f"{self.staleness_s * 1e3:g} ms"
+        if self.staleness_s is None:
+            return "no sync"
+        return f"{self.staleness_s * 1e3:g} ms" + ("" if self.prices else ", prices own")
 
 
 def replica_of(request_id: int, num_replicas: int) -> int:
@@ -304,7 +309,8 @@ class _PriceSync:
     def __init__(self, policies: Sequence[Policy], sync: Sync) -> None:
         self.books = [p.price_books() for p in policies]
         self.delay_s = sync.staleness_s
-        self.on = self.delay_s is not None and len(policies) > 1 and bool(self.books[0])
+        self.on = (self.delay_s is not None and sync.prices and len(policies) > 1
+                   and bool(self.books[0]))
         self.inbox: list[deque[Message]] = [deque() for _ in policies]
         if self.on:
             for k, books in enumerate(self.books):

@@ -349,3 +349,13 @@ def test_no_replica_reads_the_truth(kind: str) -> None:
                 assert same(again, decision), (ctx.now_s, decision, again)
                 num += 1
     assert num >= len(requests)
+
+
+def test_ledgers_shared_without_prices_leave_every_replica_its_own() -> None:
+    """``Sync(s, prices=False)``: the views are the sync's, the prices each replica's."""
+    requests = scenario("mixed")[2]
+    res, seen = _replicas("mixed", 2, Sync(0.2, prices=False))
+    assert _check_visibility(res, seen, 0.2) > 1000
+    books = [s.price_books()[0] for s in seen]
+    assert all(b.leading and b.num_updates > 10 for b in books)
+    assert [b.num_samples for b in books] == [len(requests) // 2] * 2
