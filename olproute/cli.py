@@ -275,6 +275,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.policy not in REGISTRY.names():
             raise PolicyError(f"unknown policy {args.policy!r} "
                               f"(known: {', '.join(REGISTRY.names())})")
+    if args.state:
+        loaded = _with_state(loaded, args.state)
     if args.calibration:
         path = Path(args.calibration)
         if not path.is_file():
@@ -291,6 +293,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     run_server(loaded, host=args.host, port=args.port, calibration=calibration,
                certifier=certify, predictor=predictor)
     return 0
+
+
+def _with_state(loaded: LoadedConfig, url: str) -> LoadedConfig:
+    """The config with ``state.url`` from ``--state`` (checked as the key is)."""
+    from pydantic import ValidationError
+
+    try:
+        state = loaded.config.state.model_validate({**loaded.config.state.model_dump(),
+                                                    "url": url})
+    except ValidationError as exc:
+        raise ConfigError(loaded.path, [("--state", "must be redis://HOST:PORT/DB (or "
+                                         f"rediss://, unix://), got {url!r}")]) from exc
+    return loaded.with_updates(state=state)
 
 
 def _cmd_lp_check(args: argparse.Namespace) -> int:
@@ -331,6 +346,10 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--calibration", metavar="YAML",
                    help="the backends' calibration (olproute calibrate writes it; default: "
                         "the config's calibration key)")
+    p.add_argument("--state", metavar="URL",
+                   help="redis://HOST:PORT/DB: share the backends' ledgers, the demand and "
+                        "the prices with the other replicas of this router there (default: "
+                        "state.url of the config; none: in-process)")
     _add_weights_option(p)
     p.set_defaults(handler=_cmd_serve)
 
