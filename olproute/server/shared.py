@@ -291,7 +291,11 @@ class SharedState:
         merge_ledgers(self.tracker, found, offset)
         self.status.replicas = 1 + len(found)
         self._read_demand(read, offset)
-        self.status.leader = bool(renewed) or bool(taken)
+        leader = bool(renewed) or bool(taken)
+        if leader != self.status.leader:
+            LOG.warning("shared state: replica %s %s the leader lease", self.status.replica,
+                        "took" if leader else "lost")
+        self.status.leader = leader
         if not self.status.leader and prices:
             self._read_prices(prices, offset)
         self._apply()
