@@ -281,7 +281,7 @@ class SharedState:
             pipe.xread({self._k_demand: self._stream_id}, count=DEMAND_READ_COUNT)
         pipe.eval(RENEW, 1, self._k_leader, me, int(self.cfg.lease_ms))
         pipe.set(self._k_leader, me, nx=True, px=int(self.cfg.lease_ms))
-        pipe.hgetall(self._k_prices)
+        pipe.hmget(self._k_prices, ["leader", "updates"])
         out = await pipe.execute()
         members, read = out[3], out[5 if demand is not None else 4]
         renewed, taken, prices = out[-3], out[-2], out[-1]
@@ -296,8 +296,8 @@ class SharedState:
             LOG.warning("shared state: replica %s %s the leader lease", self.status.replica,
                         "took" if leader else "lost")
         self.status.leader = leader
-        if not self.status.leader and prices:
-            self._read_prices(prices, offset)
+        if not self.status.leader and prices[0] is not None:
+            await self._read_prices(prices, offset)
         self._apply()
         if self.status.leader:
             await self._publish_prices(offset)
@@ -327,14 +327,19 @@ class SharedState:
                 who = fields[b"r"].decode()
                 if who != self.status.replica:
                     self._pending.demand.append((decode_demand(fields[b"d"], offset), who))
+        del self._pending.demand[:-DEMAND_READ_COUNT]   # bounded while the books are busy
 
-    def _read_prices(self, fields: dict[bytes, bytes], offset: float) -> None:
-        """The leader's latest books' states, pending until the books are free (each
-        leader's publish adopted once)."""
-        leader, updates = fields[b"leader"].decode(), int(fields[b"updates"])
+    async def _read_prices(self, head: list[bytes | None], offset: float) -> None:
+        """The leader's latest books' states, fetched when it published since the last
+        adopted (a third round trip: the states are the larger part), pending until the
+        books are free."""
+        leader, updates = _entry_id(head[0] or b""), int(head[1] or -1)
         if self._adopted == (leader, updates):
             return
-        self._pending.prices = (decode_prices(fields[b"blob"], offset), leader)
+        blob = await self._redis.hget(self._k_prices, "blob")
+        if not isinstance(blob, bytes):
+            return
+        self._pending.prices = (decode_prices(blob, offset), leader)
         self._adopted = (leader, updates)
 
     def _apply(self) -> None:
