@@ -112,11 +112,12 @@ def _cmd_tune(args: argparse.Namespace, loaded_of: LoadFn) -> int:
     out.mkdir(parents=True, exist_ok=True)
     where = (f"Ray at {args.ray_address}" if args.ray_address else
              f"{args.jobs} job(s)" + (" on a local Ray" if args.executor == "ray" else ""))
-    print(f"tune: {len(points)} points of {args.grid} with {args.policy}, {where}; "
-          "calibrating first ...", file=sys.stderr)
     t0 = time.perf_counter()
-    results = run_sweep(loaded, points, args.policy, args.jobs, not args.no_progress,
-                        executor=executor.kind, ray_address=executor.ray_address)
+    with executor.session():   # Ray connected or started before the calibration
+        print(f"tune: {len(points)} points of {args.grid} with {args.policy}, {where}; "
+              "calibrating first ...", file=sys.stderr)
+        results = run_sweep(loaded, points, args.policy, args.jobs, not args.no_progress,
+                            executor=executor.kind, ray_address=executor.ray_address)
     tune = analyse(results, selection)
     write_csv(tune, out / "tune.csv")
     source = f"{'random search, ' + str(args.random) + ' draws' if args.random else 'grid'}"
