@@ -12,6 +12,7 @@ from typing import Any
 from olproute.calibration import CalibrationError
 from olproute.cli_args import int_at_least, positive_float
 from olproute.config import DEFAULT_CONFIG, ConfigError, LoadedConfig, load_config, load_workload
+from olproute.executors import ExecutorError
 from olproute.policies import REGISTRY, PolicyError
 from olproute.predict import PredictorError
 from olproute.sim.workloads import WorkloadError
@@ -516,7 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except (ConfigError, WorkloadError, PolicyError, CalibrationError, PredictorError) as exc:
+    except (ConfigError, WorkloadError, PolicyError, CalibrationError, PredictorError,
+            ExecutorError) as exc:
         print(f"olproute: error: {exc}", file=sys.stderr)
         return 2
 
