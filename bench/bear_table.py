@@ -2,6 +2,7 @@
 Qwen3 pool, over arrival rates and three arrival processes, on the report seeds.
 
     python bench/bear_table.py [--quick] [--json PATH] [--png PATH] [--workers N]
+                               [--executor {process,ray}] [--ray-address ADDR]
                                [--requests N] [--predictions {predictor,oracle,noisy}]
                                [--ablations] [--tune] [--tune-form]
 
@@ -54,7 +55,9 @@ configuration" of RouteBalance and SCORE, so their weights (SCORE_PARAMS,
 ROUTE_BALANCE_PARAMS) and bid_price's profile (BID_PRICE_PROFILE) were chosen by the sweep
 ``--tune`` reruns (grids, seeds and results beside the constants). Every other policy runs
 at its defaults (``reward.cost_lambda`` = 5e-4; BEAR and Prefill-TPS in the constrained
-form, eq. 5). Points run in parallel worker processes.
+form, eq. 5). Points run in parallel worker processes (``--workers``), or as Ray tasks with
+``--executor ray`` (a local Ray of ``--workers`` CPUs, or the cluster at ``--ray-address``);
+the figures are the same either way.
 """
 
 from __future__ import annotations
@@ -62,13 +65,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import multiprocessing as mp
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -78,9 +80,14 @@ sys.path.insert(0, str(REPO))  # this checkout's olproute and bench, not an inst
 from bench.common import (  # noqa: E402
     REPORT_SEEDS,
     TUNING_SEEDS,
+    add_executor_args,
+    executor_from,
     fmt_spread,
     jsonable,
 )
+
+if TYPE_CHECKING:
+    from olproute.executors import Executor
 
 POOL = (
     {"name": "qwen3-0.6b", "model": "qwen3-0.6b", "gpu": "h100"},
@@ -332,21 +339,27 @@ def run_point(task: tuple[Point, Sequence[Variant]]) -> dict[str, Any]:
             "predictions": prediction_figures(reqs), "wall_s": time.perf_counter() - t0}
 
 
-def run_all(tasks: Sequence[tuple[Point, Sequence[Variant]]], workers: int,
+def run_all(tasks: Sequence[tuple[Point, Sequence[Variant]]], executor: Executor,
             what: str) -> list[dict[str, Any]]:
-    """``run_point`` over the tasks in worker processes, with progress on stderr."""
+    """``run_point`` over the tasks, by ``executor`` (worker processes or Ray tasks), with
+    progress on stderr; results in task order."""
     t0 = time.perf_counter()
-    results: list[dict[str, Any]] = []
-    ctx = mp.get_context("spawn")  # no fork after numpy / JAX threads exist
-    with ctx.Pool(max(1, workers)) as pool:
-        for k, r in enumerate(pool.imap_unordered(run_point, tasks), 1):
-            results.append(r)
-            elapsed = time.perf_counter() - t0
-            left = elapsed / k * (len(tasks) - k)
-            print(f"[{what} {k}/{len(tasks)}] {r['label']} {r['rate']:g} qps seed {r['seed']}: "
-                  f"{r['wall_s']:.0f} s (elapsed {elapsed:.0f} s, ~{left:.0f} s left)",
-                  file=sys.stderr, flush=True)
-    return results
+    finished = itertools.count(1)
+
+    def progress(_: int, r: dict[str, Any]) -> None:
+        k = next(finished)
+        elapsed = time.perf_counter() - t0
+        left = elapsed / k * (len(tasks) - k)
+        print(f"[{what} {k}/{len(tasks)}] {r['label']} {r['rate']:g} qps seed {r['seed']}: "
+              f"{r['wall_s']:.0f} s (elapsed {elapsed:.0f} s, ~{left:.0f} s left)",
+              file=sys.stderr, flush=True)
+
+    def describe(i: int) -> str:
+        point = tasks[i][0]
+        return f"point {point.label} {point.rate:g} qps seed {point.seed}"
+
+    return executor.run(run_point, [(task,) for task in tasks], on_done=progress,
+                        describe=describe)
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -459,7 +472,7 @@ def plot(summaries: Mapping[str, ProcessSummary], rates: Sequence[float], seeds:
     plt.close(fig)
 
 
-def report(args: argparse.Namespace) -> None:
+def report(args: argparse.Namespace, executor: Executor) -> None:
     """The table on the report seeds, every registered policy."""
     from olproute.policies import REGISTRY
 
@@ -476,7 +489,7 @@ def report(args: argparse.Namespace) -> None:
     tasks = [(Point(label, proc, ratio, rate, n, seed, args.predictions), variants)
              for label, proc, ratio in arrivals for rate in rates for seed in seeds]
     t0 = time.perf_counter()
-    results = run_all(tasks, args.workers, "report")
+    results = run_all(tasks, executor, "report")
     labels = [a[0] for a in arrivals]
     summaries = {label: summarise(results, label, rates, seeds) for label in labels}
     pred = {k: float(np.mean([r["predictions"][k] for r in results]))
@@ -598,8 +611,8 @@ class SweepFigure:
     per_process: dict[str, float]
 
 
-def sweep(variants: Sequence[Variant], args: argparse.Namespace, what: str
-          ) -> dict[str, SweepFigure]:
+def sweep(variants: Sequence[Variant], args: argparse.Namespace, what: str,
+          executor: Executor) -> dict[str, SweepFigure]:
     """Every variant on every tuning point (the same requests and calibration per point)."""
     rates = QUICK_RATES if args.quick else TUNE_RATES
     arrivals = ARRIVALS[:1] if args.quick else ARRIVALS
@@ -607,7 +620,7 @@ def sweep(variants: Sequence[Variant], args: argparse.Namespace, what: str
     n = args.requests or (QUICK_REQUESTS if args.quick else NUM_REQUESTS)
     tasks = [(Point(label, proc, ratio, rate, n, seed), variants)
              for label, proc, ratio in arrivals for rate in rates for seed in seeds]
-    results = run_all(tasks, args.workers, what)
+    results = run_all(tasks, executor, what)
     out = {}
     for v in variants:
         rows = [(r["label"], r["seed"], r["stats"][v.key]["on_time_utility"]) for r in results]
@@ -632,7 +645,7 @@ def print_sweep(title: str, figures: Mapping[str, SweepFigure]) -> str:
     return order[0]
 
 
-def tune(args: argparse.Namespace) -> None:
+def tune(args: argparse.Namespace, executor: Executor) -> None:
     """Rerun the sweep that chose SCORE_PARAMS, ROUTE_BALANCE_PARAMS and
     BID_PRICE_LAGRANGIAN, and print every point."""
     ensure_predictor()
@@ -642,7 +655,8 @@ def tune(args: argparse.Namespace) -> None:
           f"{'poisson' if args.quick else 'all three processes'}")
     stage1 = {"score": SCORE_GRID, "route_balance": ROUTE_BALANCE_GRID,
               "bid_price": BID_PRICE_STAGE1}
-    figures = sweep([v for p, g in stage1.items() for v in _variants(p, g)], args, "tune 1")
+    figures = sweep([v for p, g in stage1.items() for v in _variants(p, g)], args, "tune 1",
+                    executor)
     best = {p: print_sweep(f"{p} (stage 1)", {k: f for k, f in figures.items()
                                              if k.startswith(p + " ")}) for p in stage1}
     params = {_key(p, g): g for p, grid in stage1.items() for g in grid}
@@ -652,7 +666,8 @@ def tune(args: argparse.Namespace) -> None:
             BID_PRICE_STAGE2_OMEGA, BID_PRICE_STAGE2_MAX_WAITING)],
         "route_balance": [dict(rb, w_latency=round(rb["w_latency"] * f, 4))
                           for f in ROUTE_BALANCE_STAGE2_FACTORS]}
-    figures2 = sweep([v for p, g in stage2.items() for v in _variants(p, g)], args, "tune 2")
+    figures2 = sweep([v for p, g in stage2.items() for v in _variants(p, g)], args, "tune 2",
+                     executor)
     best.update({p: print_sweep(f"{p} (stage 2)", {k: f for k, f in figures2.items()
                                                    if k.startswith(p + " ")}) for p in stage2})
     print(f"\nchosen: {best['score']}; {best['route_balance']}; {best['bid_price']}")
@@ -665,14 +680,14 @@ def tune(args: argparse.Namespace) -> None:
                                "seeds": list(seeds), "best": best})
 
 
-def tune_form(args: argparse.Namespace) -> None:
+def tune_form(args: argparse.Namespace, executor: Executor) -> None:
     """The constrained form's sweep (BID_PRICE_FORM_GRID) and the release's
     (BID_PRICE_RELEASE_GRID) beside the Lagrangian choice, on the tuning points of
     ``--tune``; prints every variant, best first."""
     ensure_predictor()
     grid = [dict(BID_PRICE_LAGRANGIAN, form="lagrangian"), *BID_PRICE_FORM_GRID,
             *BID_PRICE_RELEASE_GRID]
-    figures = sweep(_variants("bid_price", grid), args, "tune form")
+    figures = sweep(_variants("bid_price", grid), args, "tune form", executor)
     best = print_sweep("bid_price by form (tuning seeds)", figures)
     print(f"\nchosen: {best}")
     if args.json:
@@ -690,6 +705,7 @@ def main() -> None:
                     help=f"requests per point (default {NUM_REQUESTS}; "
                          f"{QUICK_REQUESTS} with --quick)")
     ap.add_argument("--workers", type=int, default=2, help="parallel worker processes")
+    add_executor_args(ap)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ap.add_argument("--png", metavar="PATH", default=None,
                     help="figure path (default docs/bear_table.png; quick: none)")
@@ -705,12 +721,14 @@ def main() -> None:
                     help="sweep bid_price's constrained form against its Lagrangian choice "
                          "(tuning seeds)")
     args = ap.parse_args()
-    if args.tune_form:
-        tune_form(args)
-    elif args.tune:
-        tune(args)
-    else:
-        report(args)
+    executor = executor_from(ap, args, args.workers)
+    with executor.session():   # one local Ray for every sweep of the run
+        if args.tune_form:
+            tune_form(args, executor)
+        elif args.tune:
+            tune(args, executor)
+        else:
+            report(args, executor)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ they belong to tuning.
 
 from __future__ import annotations
 
+import argparse
 import math
 import socket
 import subprocess
@@ -16,9 +17,12 @@ import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from olproute.executors import Executor
 
 REPORT_SEEDS: tuple[int, ...] = (10, 11, 12)
 TUNING_SEEDS: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
@@ -112,3 +116,25 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def add_executor_args(ap: argparse.ArgumentParser, workers_option: str = "--workers") -> None:
+    """``--executor {process,ray}`` and ``--ray-address ADDR``, as ``olproute tune`` has
+    them: where a bench's independent points run."""
+    from olproute.cli_args import add_executor_options
+
+    add_executor_options(ap, workers_option)
+
+
+def executor_from(ap: argparse.ArgumentParser, args: argparse.Namespace,
+                  workers: int) -> Executor:
+    """The executor of ``add_executor_args``' options with ``workers`` processes (or
+    local Ray CPUs); options that cannot run (an address without ``--executor ray``, Ray
+    missing, nothing at the address) are a usage error."""
+    from olproute.cli_args import executor_of
+    from olproute.executors import ExecutorError
+
+    try:
+        return executor_of(args, max(1, workers))
+    except ExecutorError as exc:
+        ap.error(str(exc))

@@ -2,7 +2,8 @@
 round robin, over three seeds.
 
     python bench/olp_table.py [--json PATH] [--png PATH] [--requests N] [--seeds S,S,..]
-                              [--ablations] [--quick]
+                              [--ablations] [--quick] [--workers N]
+                              [--executor {process,ray}] [--ray-address ADDR]
 
 Four Llama-2-7B / A100-80GB engines; prompt and output lengths from splitwise_conv
 (shuffled), Poisson arrivals at a stable rate (16 req/s, about 80% of what the four
@@ -33,11 +34,17 @@ constant 2.0, no averaging) instead of adagrad with averaged prices, prices off
 requests decided together at each slot boundary (``release: density``, ``score`` or
 ``assignment``) instead of one by one in arrival order, and BEAR's constrained form
 (``form: constrained``) instead of the Lagrangian.
+
+Each (rate, seed) is a point of its own: by default they run one after another in this
+process; ``--workers N`` runs N at a time in worker processes, ``--executor ray`` as Ray
+tasks (a local Ray of N CPUs, or the cluster at ``--ray-address``). The figures are the
+same either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -50,9 +57,10 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_SEEDS, jsonable, spread
+from common import REPORT_SEEDS, add_executor_args, executor_from, jsonable, spread
 
 from olproute.config import Config, LoadedConfig, load_profiles
+from olproute.executors import Executor
 from olproute.policies import REGISTRY
 from olproute.sim.metrics import Summary, summarize
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate
@@ -122,29 +130,48 @@ def scenario(rate: float, num_requests: int, seed: int,
 Results = dict[str, dict[str, list[Run]]]   # rate label -> policy -> one Run per seed
 
 
+def run_point(label: str, rate: float, num_requests: int, seed: int,
+              policies: Sequence[str], ablations: bool) -> dict[str, Run]:
+    """Every policy (and at the overloaded rate the ablations) on one (rate, seed), on
+    the same requests, predictions and calibration."""
+    loaded = scenario(rate, num_requests, seed)
+    reqs = build_requests(loaded)
+    cal = CalibrationSource(loaded)
+    variants: list[tuple[str, LoadedConfig, str]] = [(n, loaded, n) for n in policies]
+    if ablations and label == "overloaded":
+        variants += [(name, scenario(rate, num_requests, seed, over), "bid_price")
+                     for name, over in ABLATIONS.items()]
+    runs: dict[str, Run] = {}
+    for name, cfg, policy in variants:
+        t0 = time.perf_counter()
+        res = simulate(cfg, policy, reqs, calibration=cal)
+        counts = np.bincount(res.instance[res.instance >= 0], minlength=4)
+        runs[name] = Run(summarize(res), tuple(int(c) for c in counts))
+        print(f"  {label:>10} seed {seed:<3} {name:<34} {time.perf_counter() - t0:6.1f} s",
+              file=sys.stderr, flush=True)
+    return runs
+
+
 def run(num_requests: int, policies: Sequence[str], seeds: Sequence[int],
-        ablations: bool) -> Results:
+        ablations: bool, executor: Executor) -> Results:
+    """Every (rate, seed) point by ``executor``, gathered by rate and policy in seed
+    order."""
+    points = [(label, rate, seed) for label, rate in RATES for seed in seeds]
+    finished = itertools.count(1)
+
+    def progress(i: int, _: dict[str, Run]) -> None:
+        label, _rate, seed = points[i]
+        print(f"[{next(finished)}/{len(points)}] {label} seed {seed} done", file=sys.stderr,
+              flush=True)
+
+    per_point = executor.run(
+        run_point, [(label, rate, num_requests, seed, tuple(policies), ablations)
+                    for label, rate, seed in points],
+        on_done=progress, describe=lambda i: f"{points[i][0]} seed {points[i][2]}")
     out: Results = {label: {} for label, _ in RATES}
-    total = len(RATES) * len(seeds) * len(policies) + len(seeds) * len(ABLATIONS) * ablations
-    done = 0
-    for label, rate in RATES:
-        for seed in seeds:
-            loaded = scenario(rate, num_requests, seed)
-            reqs = build_requests(loaded)
-            cal = CalibrationSource(loaded)
-            variants: list[tuple[str, LoadedConfig, str]] = [(n, loaded, n) for n in policies]
-            if ablations and label == "overloaded":
-                variants += [(name, scenario(rate, num_requests, seed, over), "bid_price")
-                             for name, over in ABLATIONS.items()]
-            for name, cfg, policy in variants:
-                t0 = time.perf_counter()
-                res = simulate(cfg, policy, reqs, calibration=cal)
-                counts = np.bincount(res.instance[res.instance >= 0], minlength=4)
-                out[label].setdefault(name, []).append(
-                    Run(summarize(res), tuple(int(c) for c in counts)))
-                done += 1
-                print(f"  [{done:>3}/{total}] {label:>10} seed {seed:<3} {name:<34} "
-                      f"{time.perf_counter() - t0:6.1f} s", file=sys.stderr, flush=True)
+    for (label, _, _), runs in zip(points, per_point, strict=True):
+        for name, r in runs.items():
+            out[label].setdefault(name, []).append(r)
     return out
 
 
@@ -269,14 +296,18 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ap.add_argument("--png", metavar="PATH", default="runs/olp_table.png",
                     help="bar chart (default runs/olp_table.png)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="points at a time in worker processes (default: 1, in this process)")
+    add_executor_args(ap)
     args = ap.parse_args()
+    executor = executor_from(ap, args, args.workers)
     policies = REGISTRY.names()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.quick:
         args.requests, seeds = 600, seeds[:1]
         policies = ["round_robin", "least_outstanding", "power_of_two", "bid_price"]
     t0 = time.perf_counter()
-    results = run(args.requests, policies, seeds, args.ablations)
+    results = run(args.requests, policies, seeds, args.ablations, executor)
     for label, _ in RATES:
         print()
         print(table(results, label, seeds))

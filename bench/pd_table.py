@@ -4,11 +4,19 @@ P99 TPOT of every pool-routing policy on three mixed, bursty workloads, and the
 scarcity case.
 
     python bench/pd_table.py [--json PATH] [--png PATH] [--duration S] [--seeds 10,11,12]
+                             [--workers N] [--executor {process,ray}] [--ray-address ADDR]
     python bench/pd_table.py --find-rates [--tune-seeds 0]      # the RATES below
     python bench/pd_table.py --check-step-size [--tune-seeds 0,1,2]
 
 It also times every routing decision (``decide``, perf_counter; the simulator calls it
 as the server does; price updates are off the request path and not included).
+
+Each (case, seed) of the table is a point of its own: by default they run one after
+another in this process; ``--workers N`` runs N at a time in worker processes,
+``--executor ray`` as Ray tasks (a local Ray of N CPUs, or the cluster at
+``--ray-address``). Every figure is the same either way but the decision times, which are
+timed in whichever process runs the point, with the others' load beside it: read them
+from a run with one worker.
 
 The pools of ``configs/pd.yaml``: 2 prefill + 4 decode Qwen2.5-3B engines on A40s, 60k
 KV tokens per decode engine, KV moved over 12.5 GB/s with 1 ms latency. Two SLO classes
@@ -51,6 +59,7 @@ refused one counted as infinitely late (``inf`` when the quantile reaches one).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import textwrap
@@ -60,9 +69,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import REPORT_SEEDS, TUNING_SEEDS, fmt_spread, seed_figure
+from common import (
+    REPORT_SEEDS,
+    TUNING_SEEDS,
+    add_executor_args,
+    executor_from,
+    fmt_spread,
+    seed_figure,
+)
 
 from olproute.config import LoadedConfig, load_config
+from olproute.executors import Executor
 from olproute.sim import metrics
 from olproute.sim import workloads as wl
 from olproute.sim.scenario import CalibrationSource, make_cluster, make_policy
@@ -255,7 +272,12 @@ def main() -> None:
     ap.add_argument("--tune-seeds", type=_seeds, default=None,
                     help="tuning seeds for --find-rates (default 0) and --check-step-size "
                          "(default 0,1,2)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="table points at a time in worker processes (default: 1, in this "
+                         "process; decision times are read from such a run)")
+    add_executor_args(ap)
     args = ap.parse_args()
+    executor = executor_from(ap, args, args.workers)
 
     t_start = time.perf_counter()
     base = load_config(REPO / "configs" / "pd.yaml")
@@ -281,7 +303,7 @@ def main() -> None:
         t0 = time.perf_counter()
         c()
         print(f"calibrated ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
-    results = run_cases(cases, args.seeds, args.duration)
+    results = run_cases(cases, args.seeds, args.duration, executor)
     s = summary(results, cases, args.seeds, args.duration)
     print()
     print(render(results, s))
@@ -295,23 +317,40 @@ def main() -> None:
         print(f"wrote {args.png}")
 
 
-def run_cases(cases: Sequence[Case], seeds: Sequence[int], duration_s: float) -> Results:
-    """Every policy on every (case, seed), with progress on stderr."""
+def run_point(case: Case, seed: int, duration_s: float) -> dict[str, dict[str, float]]:
+    """Every policy on one (case, seed): the same requests, calibration and seed."""
+    label, mix, rate, loaded, c = case
+    variants = {"bid_price": bid_price_config(loaded),
+                "bid_price_route": bid_price_config(loaded, route_only=True)}
+    reqs = mix_requests(loaded, mix, rate, duration_s, seed)
+    out: dict[str, dict[str, float]] = {}
+    for p in POLICIES:
+        r = out[p] = run_one(variants.get(p, loaded), p.removesuffix("_route"), reqs, c, seed)
+        print(f"  {label:<15} seed {seed} {p:<18} goodput {r['goodput']:.3f} served "
+              f"{r['served_fraction']:.3f} ({r['seconds']:.1f} s)", file=sys.stderr,
+              flush=True)
+    return out
+
+
+def run_cases(cases: Sequence[Case], seeds: Sequence[int], duration_s: float,
+              executor: Executor) -> Results:
+    """Every policy on every (case, seed), the (case, seed) points by ``executor``, with
+    progress on stderr."""
+    points = [(case, seed) for case in cases for seed in seeds]
+    finished, t0 = itertools.count(1), time.perf_counter()
+
+    def progress(i: int, _: dict[str, dict[str, float]]) -> None:
+        (label, *_), seed = points[i]
+        print(f"[{next(finished):>2}/{len(points)}] {label} seed {seed} done "
+              f"({time.perf_counter() - t0:.0f} s in)", file=sys.stderr, flush=True)
+
+    per_point = executor.run(run_point, [(case, seed, duration_s) for case, seed in points],
+                             on_done=progress,
+                             describe=lambda i: f"{points[i][0][0]} seed {points[i][1]}")
     results: Results = {label: {p: [] for p in POLICIES} for label, *_ in cases}
-    total, k, t0 = len(cases) * len(seeds) * len(POLICIES), 0, time.perf_counter()
-    for label, mix, rate, loaded, c in cases:
-        variants = {"bid_price": bid_price_config(loaded),
-                    "bid_price_route": bid_price_config(loaded, route_only=True)}
-        for seed in seeds:
-            reqs = mix_requests(loaded, mix, rate, duration_s, seed)
-            for p in POLICIES:
-                r = run_one(variants.get(p, loaded), p.removesuffix("_route"), reqs, c, seed)
-                results[label][p].append(r)
-                k += 1
-                print(f"[{k:>2}/{total}] {label:<15} seed {seed} {p:<18} goodput "
-                      f"{r['goodput']:.3f} served {r['served_fraction']:.3f} "
-                      f"({r['seconds']:.1f} s; {time.perf_counter() - t0:.0f} s in)",
-                      file=sys.stderr, flush=True)
+    for ((label, *_), _), runs in zip(points, per_point, strict=True):
+        for p, r in runs.items():
+            results[label][p].append(r)
     return results
 
 

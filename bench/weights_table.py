@@ -4,6 +4,11 @@ relative to the balanced profile.
 
     python bench/weights_table.py [--quick] [--json PATH] [--png PATH] [--seeds 10,11,12]
                                   [--requests N] [--rate QPS] [--workers N]
+                                  [--executor {process,ray}] [--ray-address ADDR]
+
+Seeds run in parallel worker processes (``--workers``), or as Ray tasks with ``--executor
+ray`` (a local Ray of ``--workers`` CPUs, or the cluster at ``--ray-address``); the
+figures are the same either way.
 
 Workload: 4 x Llama-2-7B on A100-80GB (vLLM defaults), splitwise_conv prompt and output
 lengths (shuffled), Poisson arrivals at 25 qps, BEAR TTFT targets, predicted lengths
@@ -48,14 +53,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import REPORT_SEEDS, fmt_spread, spread
+from common import REPORT_SEEDS, add_executor_args, executor_from, fmt_spread, spread
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"
@@ -230,23 +234,27 @@ def main() -> None:
                     f"{REPORT_SEEDS[0]})")
     ap.add_argument("--requests", type=int, default=None, help="requests per seed (3000)")
     ap.add_argument("--rate", type=float, default=RATE, help="Poisson rate, qps")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2, help="parallel worker processes")
+    add_executor_args(ap)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ap.add_argument("--png", metavar="PATH", default=None,
                     help="figure path (default docs/weights_table.png; quick: none)")
     args = ap.parse_args()
+    executor = executor_from(ap, args, args.workers)
 
     default = REPORT_SEEDS[:1] if args.quick else REPORT_SEEDS
     seeds = [int(s) for s in (args.seeds or ",".join(map(str, default))).split(",")]
     n = args.requests or (400 if args.quick else 3000)
     t0 = time.perf_counter()
-    results = []
-    with mp.get_context("spawn").Pool(max(1, min(args.workers, len(seeds)))) as pool:
-        for k, r in enumerate(pool.imap_unordered(run_seed, [(args.rate, n, s)
-                                                             for s in seeds]), 1):
-            results.append(r)
-            print(f"[{k}/{len(seeds)}] seed {r['seed']}: {r['wall_s']:.1f} s",
-                  file=sys.stderr, flush=True)
+    finished: list[int] = []
+
+    def progress(_: int, r: dict[str, Any]) -> None:
+        finished.append(r["seed"])
+        print(f"[{len(finished)}/{len(seeds)}] seed {r['seed']}: {r['wall_s']:.1f} s",
+              file=sys.stderr, flush=True)
+
+    results = executor.run(run_seed, [((args.rate, n, s),) for s in seeds],
+                           on_done=progress, describe=lambda i: f"seed {seeds[i]}")
     results.sort(key=lambda r: r["seed"])
     text, summary = table(results)
     print(f"bid_price on 4 x Llama-2-7B / A100, splitwise_conv lengths, Poisson "

@@ -12,6 +12,7 @@ from typing import Any
 from olproute.calibration import CalibrationError
 from olproute.cli_args import int_at_least, positive_float
 from olproute.config import DEFAULT_CONFIG, ConfigError, LoadedConfig, load_config, load_workload
+from olproute.executors import ExecutorError
 from olproute.policies import REGISTRY, PolicyError
 from olproute.predict import PredictorError
 from olproute.sim.workloads import WorkloadError
@@ -275,6 +276,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.policy not in REGISTRY.names():
             raise PolicyError(f"unknown policy {args.policy!r} "
                               f"(known: {', '.join(REGISTRY.names())})")
+    if args.state:
+        loaded = _with_state(loaded, args.state)
     if args.calibration:
         path = Path(args.calibration)
         if not path.is_file():
@@ -291,6 +294,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     run_server(loaded, host=args.host, port=args.port, calibration=calibration,
                certifier=certify, predictor=predictor)
     return 0
+
+
+def _with_state(loaded: LoadedConfig, url: str) -> LoadedConfig:
+    """The config with ``state.url`` from ``--state`` (checked as the key is)."""
+    from pydantic import ValidationError
+
+    try:
+        state = loaded.config.state.model_validate({**loaded.config.state.model_dump(),
+                                                    "url": url})
+    except ValidationError as exc:
+        raise ConfigError(loaded.path, [("--state", "must be redis://HOST:PORT/DB (or "
+                                         f"rediss://, unix://), got {url!r}")]) from exc
+    return loaded.with_updates(state=state)
 
 
 def _cmd_lp_check(args: argparse.Namespace) -> int:
@@ -331,6 +347,10 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--calibration", metavar="YAML",
                    help="the backends' calibration (olproute calibrate writes it; default: "
                         "the config's calibration key)")
+    p.add_argument("--state", metavar="URL",
+                   help="redis://HOST:PORT/DB: share the backends' ledgers, the demand and "
+                        "the prices with the other replicas of this router there (default: "
+                        "state.url of the config; none: in-process)")
     _add_weights_option(p)
     p.set_defaults(handler=_cmd_serve)
 
@@ -497,7 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except (ConfigError, WorkloadError, PolicyError, CalibrationError, PredictorError) as exc:
+    except (ConfigError, WorkloadError, PolicyError, CalibrationError, PredictorError,
+            ExecutorError) as exc:
         print(f"olproute: error: {exc}", file=sys.stderr)
         return 2
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from olproute.cli_args import int_at_least
+from olproute.cli_args import add_executor_options, executor_of, int_at_least
 from olproute.config import ConfigError, LoadedConfig
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
@@ -45,15 +45,18 @@ def add_operator_commands(sub: Any, add_run_options: AddOptions, loaded_of: Load
     p = sub.add_parser(
         "tune", help="sweep reward weights in the simulator and pick a profile",
         description="Run the simulator once per point of a weight grid (or N random "
-                    "draws), in worker processes; write tune.csv, pareto.png and the "
-                    "selected point as a weight profile, selected.yaml. Grid file format "
-                    "and selection rule: olproute/tune_grid.py and the README.")
+                    "draws), in worker processes or as Ray tasks; write tune.csv, "
+                    "pareto.png and the selected point as a weight profile, selected.yaml. "
+                    "Grid file format and selection rule: olproute/tune_grid.py and the "
+                    "README.")
     add_run_options(p)
     p.add_argument("--grid", required=True, metavar="YAML", help="the search space")
     p.add_argument("--random", type=_jobs, metavar="N",
                    help="N random draws from the grid's lists and ranges instead of the grid")
     p.add_argument("--jobs", type=_jobs, default=2, metavar="J",
-                   help="worker processes (default: %(default)s; 1: in this process)")
+                   help="worker processes (default: %(default)s; 1: in this process), "
+                        "or the CPUs of the local Ray with --executor ray")
+    add_executor_options(p)
     p.add_argument("--policy", default="bid_price",
                    help="policy the weights are tuned for (default: %(default)s)")
     p.add_argument("--select", type=_metric, metavar="METRIC",
@@ -96,6 +99,7 @@ def _cmd_tune(args: argparse.Namespace, loaded_of: LoadFn) -> int:
     if not args.out:
         print("olproute tune: error: --out DIR is required", file=sys.stderr)
         return 2
+    executor = executor_of(args, args.jobs)  # ExecutorError before any work
     grid = load_grid(args.grid)
     loaded = loaded_of(args)
     selection = grid.selection
@@ -106,10 +110,14 @@ def _cmd_tune(args: argparse.Namespace, loaded_of: LoadFn) -> int:
     points = grid.points(args.random, seed=loaded.config.sim.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"tune: {len(points)} points of {args.grid} with {args.policy}, {args.jobs} "
-          "job(s); calibrating first ...", file=sys.stderr)
+    where = (f"Ray at {args.ray_address}" if args.ray_address else
+             f"{args.jobs} job(s)" + (" on a local Ray" if args.executor == "ray" else ""))
     t0 = time.perf_counter()
-    results = run_sweep(loaded, points, args.policy, args.jobs, not args.no_progress)
+    with executor.session():   # Ray connected or started before the calibration
+        print(f"tune: {len(points)} points of {args.grid} with {args.policy}, {where}; "
+              "calibrating first ...", file=sys.stderr)
+        results = run_sweep(loaded, points, args.policy, args.jobs, not args.no_progress,
+                            executor=executor.kind, ray_address=executor.ray_address)
     tune = analyse(results, selection)
     write_csv(tune, out / "tune.csv")
     source = f"{'random search, ' + str(args.random) + ' draws' if args.random else 'grid'}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Frozen(BaseModel):
@@ -405,6 +405,39 @@ class ServerConfig(_Frozen):
     retry_after_s: int = Field(default=1, ge=0, description="on 429")
 
 
+STATE_URL = r"^(redis|rediss|unix)://"
+
+
+class StateConfig(_Frozen):
+    """Router replicas' shared state (``olproute serve --state``; ``olproute.server.
+    shared``). Without ``url`` each router keeps its own (in-process, the default). With
+    one, every replica publishes its ledger of each backend's requests every ``sync_ms``
+    and merges the others'; one holds the leader lease, learns the prices and runs the
+    LP certificate; the others read its prices."""
+
+    url: str | None = Field(default=None, pattern=STATE_URL, description="redis://HOST:"
+                            "PORT/DB (or rediss://, unix://): the replicas' shared state; "
+                            "none: in-process")
+    sync_ms: float = Field(default=50.0, gt=0, description="a replica publishes its ledger "
+                           "and reads the others' this often")
+    lease_ms: float = Field(default=1000.0, gt=0, description="the leader lease: a dead "
+                            "leader is replaced within two of these")
+    timeout_ms: float = Field(default=250.0, gt=0, description="each exchange with Redis; "
+                              "past it the replica goes on with its local state")
+    namespace: str = Field(default="olproute", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$",
+                           description="prefix of the keys: the routers of one fleet share "
+                           "it")
+    replica: str | None = Field(default=None, min_length=1, description="this replica's "
+                                "name (default: host:pid and a random suffix)")
+
+    @model_validator(mode="after")
+    def _lease_longer_than_sync(self) -> StateConfig:
+        if self.lease_ms < 2 * self.sync_ms:
+            raise ValueError(f"lease_ms ({self.lease_ms:g}) must be at least twice sync_ms "
+                             f"({self.sync_ms:g}): the leader renews its lease at each sync")
+        return self
+
+
 class Config(_Frozen):
     profiles: str = "profiles.yaml"
     instances: tuple[InstanceConfig, ...] = Field(min_length=1)
@@ -422,3 +455,4 @@ class Config(_Frozen):
         "'auto' profiles the scenario on another seed first; otherwise a YAML file "
         "written by `olproute calibrate`")
     server: ServerConfig = ServerConfig()
+    state: StateConfig = StateConfig()

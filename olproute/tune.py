@@ -1,5 +1,5 @@
 """``olproute tune``: sweep reward weights (and admission / price keys) in the simulator,
-in worker processes, and pick a weight profile.
+in worker processes or as Ray tasks (``olproute.executors``), and pick a weight profile.
 
 Every point runs the same requests on the same seed with the same calibration (profiled
 once, in the parent), so points differ only by their weights. The selection is made on
@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import csv
 import math
-import multiprocessing
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from olproute.calibration import InstanceCalibration
 from olproute.config import LoadedConfig
+from olproute.executors import Executor
 from olproute.sim.metrics import Summary, summarize
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate
 from olproute.tune_grid import Grid, Selection, pareto_mask, select
@@ -92,35 +91,28 @@ def run_point(loaded: LoadedConfig, requests: Sequence[Request],
 
 def run_sweep(loaded: LoadedConfig, points: Sequence[Point], policy: str = "bid_price",
               jobs: int = 2, progress: bool = True,
-              calibration: CalibrationSource | None = None) -> list[PointResult]:
-    """Every point on the config's requests and seed, ``jobs`` at a time in worker
-    processes (``jobs == 1``: in this process), with a progress bar on stderr. Results
-    come back in point order whatever order they finish in."""
+              calibration: CalibrationSource | None = None, executor: str = "process",
+              ray_address: str | None = None) -> list[PointResult]:
+    """Every point on the config's requests and seed, with a progress bar on stderr, run
+    by ``executor``: ``process``, ``jobs`` at a time in worker processes (``jobs == 1``:
+    in this process); ``ray``, as Ray tasks on a local Ray of ``jobs`` CPUs or on the
+    cluster at ``ray_address``. Results come back in point order whatever order they
+    finish in, and are the same whichever executor ran them; a point that raises stops
+    the sweep with ``executors.CallFailed`` naming it."""
+    runner = Executor(executor, jobs, ray_address)
+    runner.check()   # before the calibration: a missing Ray or a bad address at once
     for point in points:  # every point is checked before any runs
         apply_point(loaded, point)
     requests = build_requests(loaded)
     cal = tuple((calibration or CalibrationSource(loaded))())
     from tqdm import tqdm
 
-    bar = tqdm(total=len(points), desc="tune", unit="point", file=sys.stderr,
-               disable=not progress, leave=True)
-    results: list[PointResult] = []
-    with bar:
-        if jobs == 1:
-            for i, point in enumerate(points):
-                results.append(run_point(loaded, requests, cal, policy, i, point))
-                bar.update(1)
-        else:
-            # spawn, not fork: the parent may hold JAX's threads, and fork would copy them
-            ctx = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-                futures: list[Future[PointResult]] = [
-                    pool.submit(run_point, loaded, requests, cal, policy, i, point)
-                    for i, point in enumerate(points)]
-                for fut in as_completed(futures):
-                    results.append(fut.result())
-                    bar.update(1)
-    return sorted(results, key=lambda r: r.index)
+    calls = [(loaded, requests, cal, policy, i, point) for i, point in enumerate(points)]
+    with runner.session(), tqdm(total=len(points), desc="tune", unit="point",
+                                file=sys.stderr, disable=not progress, leave=True) as bar:
+        # the bar starts once a local Ray is up (a few seconds)
+        return runner.run(run_point, calls, on_done=lambda i, r: bar.update(1),
+                          describe=lambda i: f"point {i} {points[i]}")
 
 
 def analyse(results: Sequence[PointResult], selection: Selection) -> TuneResult:

@@ -36,6 +36,9 @@ from pathlib import Path
 LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # the package's own __init__ (exactly), and the messages every layer speaks
     (("=olproute", "olproute.types"),),
+    # running independent calls in worker processes or as Ray tasks (imports nothing of
+    # the package)
+    (("olproute.executors",),),
     # the compiled kernels (batch formation and its Python twin; a decision's arithmetic,
     # whose twin is reward.score_reference; the prompt featuriser; LightGBM's single-row
     # calls)

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import math
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ from olproute.server.schema import (
     prediction_doc,
     validate,
 )
+from olproute.server.shared import SharedState
 from olproute.server.state import STATE, ServerState, log_unpredicted, prediction_status
 from olproute.server.tracker import BackendState, Tracker
 from olproute.streamcal import StreamCalibrator, StreamRecorder
@@ -159,10 +161,13 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 if st.certifying():
                     st.live.start()
             app[STATE] = st
+            await _start_shared(st, stack)
             tasks = [asyncio.create_task(_every(period, job, st)) for period, job in (
                 (router.tick_s, _tick), (server.health_period_s, _health),
                 (server.scrape_period_s, _scrape),
-                (server.recalibrate_period_s, _recalibrate)) if period > 0]
+                (server.recalibrate_period_s, _recalibrate),
+                (loaded.config.state.sync_ms / 1e3 if st.shared else 0.0, _sync))
+                if period > 0]
             tasks.append(asyncio.create_task(st.lag.run(st.metrics.loop_lag_seconds.observe)))
             if st.live is not None:
                 tasks.append(asyncio.create_task(live.run(st)))
@@ -174,6 +179,20 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 await asyncio.gather(*tasks, return_exceptions=True)
                 await st.holding.close()
     return ctx
+
+
+async def _start_shared(st: ServerState, stack: contextlib.AsyncExitStack) -> None:
+    """With ``state.url``, this replica's link to the others on Redis, synced once
+    before the first request (its price books are the current router's policy's: a
+    reload brings new ones)."""
+    url = st.loaded.config.state.url
+    if url is None:
+        return
+    st.shared = SharedState(st.loaded.config.state, url, st.tracker,
+                            lambda: st.router.policy.price_books(), st.now, st.book_lock)
+    stack.push_async_callback(st.shared.close)
+    await st.shared.sync()
+    st.metrics.set_shared(st.shared.status)
 
 
 def _recalibrators(st: ServerState) -> None:
@@ -241,7 +260,8 @@ async def _tick(st: ServerState) -> None:
     now = st.now()
     snaps = st.tracker.snapshots(now)
     router = st.router
-    view = await asyncio.get_running_loop().run_in_executor(None, _ticked, router, now, snaps)
+    view = await asyncio.get_running_loop().run_in_executor(None, _ticked, router, now, snaps,
+                                                            st.book_lock)
     if view is not None:
         st.metrics.set_price_sums([s.name for s in st.loaded.specs], view.prices)
     st.metrics.price_updates.inc()
@@ -249,12 +269,21 @@ async def _tick(st: ServerState) -> None:
         live.ticked(st, now, view)
 
 
-def _ticked(router: Router, now_s: float, snapshots: tuple[EngineSnapshot, ...]
-            ) -> PriceView | None:
+def _ticked(router: Router, now_s: float, snapshots: tuple[EngineSnapshot, ...],
+            lock: threading.Lock) -> PriceView | None:
     """The policy's tick and the prices it left (in the tick's worker thread: copying
-    them out took 0.7 ms, and the JSON document of them 1.6 ms, of the event loop)."""
-    router.tick(now_s, snapshots)
-    return router.policy.price_view()
+    them out took 0.7 ms, and the JSON document of them 1.6 ms, of the event loop),
+    holding the price books' lock (``ServerState.book_lock``)."""
+    with lock:
+        router.tick(now_s, snapshots)
+        return router.policy.price_view()
+
+
+async def _sync(st: ServerState) -> None:
+    """One exchange with the other replicas (``olproute.server.shared``)."""
+    assert st.shared is not None
+    await st.shared.sync()
+    st.metrics.set_shared(st.shared.status)
 
 
 async def _health(st: ServerState) -> None:
@@ -489,6 +518,8 @@ async def instances(request: web.Request) -> web.Response:
             "role": b.spec.role, "inbound": len(b.inbound), "handoffs": b.num_handoffs,
             "handoff_seconds": b.handoff_seconds,
             "healthy": b.healthy, "failures": b.failures, "in_flight": load.num_outstanding,
+            # of which the other replicas' (olproute.server.shared), as last published
+            "in_flight_other_replicas": b.remote.num_flights + b.remote.num_inbound,
             "running": load.num_running, "waiting": load.num_waiting,
             "kv_blocks_used": load.num_kv_blocks_used, "kv_blocks": load.num_kv_blocks,
             "max_num_seqs": b.spec.max_num_seqs, "scraped": b.scraped,
@@ -526,7 +557,9 @@ async def healthz(request: web.Request) -> web.Response:
     healthy = sum(st.tracker.healthy())
     return web.json_response({"status": "ok" if healthy else "degraded",
                               "healthy_backends": healthy,
-                              "backends": len(st.tracker.backends)},
+                              "backends": len(st.tracker.backends),
+                              "state": ({"mode": "in-process"} if st.shared is None
+                                        else st.shared.as_dict())},
                              status=200 if healthy else 503)
 
 

@@ -11,6 +11,7 @@ import numpy.typing as npt
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from olproute.reward import RESOURCES
+from olproute.server.shared import SharedStatus
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0)
@@ -58,6 +59,16 @@ class ServerMetrics:
                                      registry=r)
         self.errors = Counter("olproute_backend_errors", "Backend failures by kind",
                               ["instance", "kind"], registry=r)
+        self.shared_up = Gauge("olproute_shared_state_up", "1 while this replica shares "
+                               "state with the others on Redis (--state), 0 while it goes "
+                               "on alone", registry=r)
+        self.shared_leader = Gauge("olproute_shared_leader", "1 while this replica holds "
+                                   "the leader lease (learns and publishes the prices)",
+                                   registry=r)
+        self.shared_replicas = Gauge("olproute_shared_replicas", "Router replicas seen at "
+                                     "the last sync, this one included", registry=r)
+        self.shared_failures = Gauge("olproute_shared_sync_failures", "Syncs with Redis "
+                                     "that failed since start", registry=r)
         self.held = Gauge("olproute_held_requests", "Requests waiting in the router's "
                           "central buffer", registry=r)
         self.held_dropped = Counter("olproute_held_dropped", "Held requests dropped because "
@@ -108,6 +119,13 @@ class ServerMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def set_shared(self, status: SharedStatus) -> None:
+        """The shared state's gauges from its status (``olproute.server.shared``)."""
+        self.shared_up.set(1.0 if status.status == "shared" else 0.0)
+        self.shared_leader.set(1.0 if status.leader else 0.0)
+        self.shared_replicas.set(status.replicas)
+        self.shared_failures.set(status.failures)
 
     def set_price_sums(self, names: Sequence[str], prices: npt.NDArray[np.float64]) -> None:
         """Each instance's horizon-summed price of every resource (batch, kv, compute)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from olproute.server.certify import LiveCert
 from olproute.server.holding import HoldQueue
 from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics
+from olproute.server.shared import SharedState
 from olproute.server.tracker import Tracker
 from olproute.streamcal import StreamCalibrator
 from olproute.types import Decision, EngineSnapshot, Outcome, Request
@@ -54,6 +56,11 @@ class ServerState:
     lag: LoopLag = field(default_factory=lambda: LoopLag())
     # the live certificate (olproute.server.certify), when the CLI gave a certifier
     live: LiveCert | None = None
+    # other router replicas' view on Redis (olproute.server.shared), when state.url is set
+    shared: SharedState | None = None
+    # held by the price tick's thread; the shared state's exchanges with the price books
+    # take it only when free
+    book_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def now(self) -> float:
         """Seconds since the server started (the policies' clock)."""
@@ -116,9 +123,11 @@ class ServerState:
         self.metrics.decided(d.action, name, time.perf_counter() - t0)
 
     def certifying(self) -> bool:
-        """Is the live certificate on: a certifier, a period, and bid_price on mixed
-        instances (the exact LP's model)?"""
+        """Is the live certificate on: a certifier, this replica learns the prices (the
+        only one, or the leader of several), a period, and bid_price on mixed instances
+        (the exact LP's model)?"""
         return (self.live is not None
+                and (self.shared is None or self.shared.leading)
                 and self.loaded.config.prices.certify_period_s is not None
                 and self.router.policy_name == "bid_price"
                 and not self.router.pools.disaggregated)

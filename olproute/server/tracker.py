@@ -108,6 +108,35 @@ def prefill_view(request: Request) -> Request:
                    predicted_decode_by_model=None)
 
 
+@dataclass(frozen=True, slots=True)
+class Remote:
+    """Other router replicas' requests on one backend, as they last published them
+    (``olproute.server.shared``): per request in flight there, its prompt tokens,
+    predicted output on this backend's model, tokens streamed, prompt tokens whose KV
+    arrived computed, whether it is taken to be running, and its dispatch time (this
+    replica's clock); ``inbound`` the (prompt, predicted decode, dispatch time) rows of
+    their requests bound for it whose decode has not started (None: none)."""
+
+    prompt: tuple[int, ...] = ()
+    decode: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()
+    computed: tuple[int, ...] = ()
+    running: tuple[bool, ...] = ()
+    dispatch_s: tuple[float, ...] = ()
+    inbound: npt.NDArray[np.float64] | None = None
+
+    @property
+    def num_flights(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def num_inbound(self) -> int:
+        return 0 if self.inbound is None else len(self.inbound)
+
+
+NO_REMOTE = Remote()
+
+
 @dataclass(slots=True)
 class BackendState:
     """One backend: its URL, its spec, what is in flight there, its health."""
@@ -132,6 +161,8 @@ class BackendState:
     # its mixed requests' dispatches, token events and ends, for calibration from its
     # streams (olproute.streamcal); disaggregated requests are not recorded
     recorder: StreamRecorder = field(default_factory=StreamRecorder)
+    # the other router replicas' requests here (none without shared state)
+    remote: Remote = NO_REMOTE
 
 
 class Tracker:
@@ -253,14 +284,38 @@ class Tracker:
         gives it)."""
         out: list[npt.NDArray[np.float64] | None] = []
         for b in self.backends:
-            if not b.inbound:
-                out.append(None)
-                continue
-            model = b.spec.model
-            out.append(np.array([(i.request.prompt_tokens,
+            rows = b.remote.inbound
+            if b.inbound:
+                model = b.spec.model
+                mine = np.array([(i.request.prompt_tokens,
                                   i.request.predicted_decode_tokens_for(model), i.dispatch_s)
-                                 for i in b.inbound.values()], dtype=np.float64))
+                                 for i in b.inbound.values()], dtype=np.float64)
+                rows = mine if rows is None else _by_dispatch(np.concatenate([mine, rows]))
+            out.append(rows)
         return tuple(out)
+
+    # -- other router replicas -------------------------------------------------------------
+    def ledger(self, g: int) -> tuple[list[tuple[int, int, int, int, bool, float]],
+                                      list[tuple[int, int, float]]]:
+        """This replica's own requests on backend ``g``, for the others: (prompt,
+        predicted output on its model, tokens, computed prompt tokens, running, dispatch
+        time) per flight, (prompt, predicted decode, dispatch time) per inbound request."""
+        b = self.backends[g]
+        model = b.spec.model
+        flights = [(f.request.prompt_tokens, f.request.predicted_decode_tokens_for(model),
+                    f.tokens, f.computed_tokens, f.running, f.dispatch_s)
+                   for f in b.flights.values()]
+        inbound = [(i.request.prompt_tokens, i.request.predicted_decode_tokens_for(model),
+                    i.dispatch_s) for i in b.inbound.values()]
+        return flights, inbound
+
+    def set_remote(self, g: int, remote: Remote) -> None:
+        """The other replicas' requests on backend ``g`` now (``NO_REMOTE``: none)."""
+        b = self.backends[g]
+        if remote is NO_REMOTE and b.remote is NO_REMOTE:
+            return
+        b.remote = remote
+        b.version += 1
 
     def set_scraped(self, g: int, gauges: dict[str, float], now_s: float) -> None:
         b = self.backends[g]
@@ -300,7 +355,8 @@ class Tracker:
         hit = b.cache.get("counts")
         if hit is not None and hit[0] == b.version:
             return hit[1]  # type: ignore[return-value]
-        counts = (sum(1 for f in b.flights.values() if f.running), self._blocks_used(b))
+        counts = (sum(1 for f in b.flights.values() if f.running) + sum(b.remote.running),
+                  self._blocks_used(b))
         b.cache["counts"] = (b.version, counts)
         return counts
 
@@ -319,8 +375,9 @@ class Tracker:
         running, used = self._counts(b)
         load = InstanceLoad(
             index=b.index, name=b.spec.name, num_running=running,
-            num_waiting=len(b.flights) - running,
-            num_outstanding=len(b.flights) + len(b.inbound),
+            num_waiting=len(b.flights) + b.remote.num_flights - running,
+            num_outstanding=(len(b.flights) + len(b.inbound) + b.remote.num_flights
+                             + b.remote.num_inbound),
             num_kv_blocks_used=used, num_kv_blocks=b.spec.num_kv_blocks,
             max_num_seqs=b.spec.max_num_seqs,
             age_s=0.0 if b.scraped_at_s is None else now_s - b.scraped_at_s)
@@ -328,9 +385,10 @@ class Tracker:
         return load
 
     def _blocks_used(self, b: BackendState) -> int:
-        fs = b.flights.values()
-        tracked = tracked_blocks([f.request.prompt_tokens for f in fs],
-                                 [f.tokens for f in fs], [f.running for f in fs],
+        fs, r = b.flights.values(), b.remote
+        tracked = tracked_blocks([f.request.prompt_tokens for f in fs] + list(r.prompt),
+                                 [f.tokens for f in fs] + list(r.tokens),
+                                 [f.running for f in fs] + list(r.running),
                                  b.spec.block_size)
         perc = b.scraped.get("vllm:kv_cache_usage_perc")
         scraped = int(perc * b.spec.num_kv_blocks) if perc is not None else 0
@@ -353,14 +411,25 @@ class Tracker:
         return snap
 
     def _build_snapshot(self, b: BackendState, now_s: float) -> EngineSnapshot:
-        flights = sorted(b.flights.values(), key=lambda f: f.dispatch_s)
         model = b.spec.model   # each request's predicted output on this backend's model
+        r = b.remote
+        # (dispatch time, id, prompt, tokens, predicted, computed, running); the other
+        # replicas' requests get ids below 0 (they are no request of this replica's)
+        rows = [(f.dispatch_s, f.request.request_id, f.request.prompt_tokens, f.tokens,
+                 f.request.predicted_decode_tokens_for(model), f.computed_tokens, f.running)
+                for f in b.flights.values()]
+        rows.extend((r.dispatch_s[i], -1 - i, r.prompt[i], r.tokens[i], r.decode[i],
+                     r.computed[i], r.running[i]) for i in range(r.num_flights))
+        rows.sort(key=lambda row: row[0])
         return tracked_snapshot(
-            now_s, b.spec, [f.request.request_id for f in flights],
-            [f.request.prompt_tokens for f in flights], [f.tokens for f in flights],
-            [f.request.predicted_decode_tokens_for(model) for f in flights],
-            [f.computed_tokens for f in flights], [f.running for f in flights],
-            self._counts(b)[1])
+            now_s, b.spec, [x[1] for x in rows], [x[2] for x in rows],
+            [x[3] for x in rows], [x[4] for x in rows], [x[5] for x in rows],
+            [x[6] for x in rows], self._counts(b)[1])
 
     def snapshots(self, now_s: float) -> tuple[EngineSnapshot, ...]:
         return tuple(self.snapshot(g, now_s) for g in range(len(self.backends)))
+
+
+def _by_dispatch(rows: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """Inbound rows (prompt, predicted decode, dispatch time) in dispatch order."""
+    return rows[np.argsort(rows[:, 2], kind="stable")]

@@ -186,6 +186,7 @@ class Stack:
         self.app = init_app(loaded, backend_urls=urls or None, calibration=calibration,
                             certifier=certifier)
         self._runner, self.url = self.run(_serve(self.app), timeout=120)
+        self._router_stopped = False
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = HANG_S) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -211,9 +212,15 @@ class Stack:
             self.run(runner.cleanup())
             self._fake_runners[i] = None
 
+    def stop_router(self) -> None:
+        """Stop the router only (its backends go on)."""
+        if not self._router_stopped:
+            self._router_stopped = True
+            self.run(self._runner.cleanup())
+
     def close(self) -> None:
         try:
-            self.run(self._runner.cleanup())
+            self.stop_router()
             for i in range(len(self._fake_runners)):
                 self.kill_backend(i)
         finally:
