@@ -134,13 +134,19 @@ class Cluster:
         ``router``, ``snapshot_age_s`` 0: the sync is their staleness)."""
         if len(specs) != len(timers):
             raise ValueError("one timer per instance")
+        single = isinstance(policy, Policy)
         self.policies = (policy,) if isinstance(policy, Policy) else tuple(policy)
-        self.sync = None if isinstance(policy, Policy) else sync or Sync(0.0)
         if not self.policies:
             raise ValueError("no policy")
+        if single and sync is not None:
+            raise ValueError("a sync is for router replicas: give a sequence of policies")
+        self.sync = None if single else sync or Sync(0.0)
         if self.sync is not None and (snapshot_view != "router" or snapshot_age_s != 0):
             raise ValueError("router replicas see their ledgers (snapshot_view 'router') "
                              "as fresh as their sync makes them (snapshot_age_s 0)")
+        if len({(p.needs_snapshots, p.joint_release, p.tick_s) for p in self.policies}) > 1:
+            raise ValueError("router replicas run one policy: the same needs_snapshots, "
+                             "joint_release and tick_s")
         self.specs = tuple(specs)
         self.pools = Pools.of(specs)
         if self.pools.disaggregated and transfer is None:

@@ -359,3 +359,12 @@ def test_ledgers_shared_without_prices_leave_every_replica_its_own() -> None:
     books = [s.price_books()[0] for s in seen]
     assert all(b.leading and b.num_updates > 10 for b in books)
     assert [b.num_samples for b in books] == [len(requests) // 2] * 2
+
+
+def test_a_sync_needs_replicas_and_the_routers_view() -> None:
+    loaded, cal, _ = scenario("mixed")
+    policies = make_replicas(loaded, "bid_price", 2, SEED, cal)
+    with pytest.raises(ValueError, match="give a sequence of policies"):
+        make_cluster(loaded, policies[0], SEED, sync=Sync(0.05))
+    with pytest.raises(ValueError, match="snapshot_age_s 0"):
+        make_cluster(loaded, policies, SEED, snapshot_age_s=0.1, sync=Sync(0.05))
