@@ -150,7 +150,8 @@ def instance_specs(config: Config, profiles: Profiles, path: Path) -> tuple[Inst
                 name=name, model=inst.model, gpu=inst.gpu,
                 tensor_parallel=inst.tensor_parallel, max_num_seqs=inst.max_num_seqs,
                 max_num_batched_tokens=inst.max_num_batched_tokens,
-                block_size=inst.block_size, num_kv_blocks=blocks, role=inst.role))
+                block_size=inst.block_size, num_kv_blocks=blocks, role=inst.role,
+                enable_prefix_caching=inst.enable_prefix_caching))
     problems.extend(role_problems(config.instances))
     if problems:
         raise ConfigError(path, problems)

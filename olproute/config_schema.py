@@ -89,6 +89,10 @@ class InstanceConfig(_Frozen):
     role: Literal["mixed", "prefill", "decode"] = Field(
         default="mixed", description="mixed serves both phases; prefill / decode instances "
         "form disaggregated pools")
+    enable_prefix_caching: bool = Field(
+        default=True, description="vLLM's automatic prefix caching (on by default, as in "
+        "vLLM v1): a request whose workload gives its prompt's block hashes starts after its "
+        "longest cached prefix; requests without hashes are served as without caching")
 
 
 class WorkloadConfig(_Frozen):
