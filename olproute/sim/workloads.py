@@ -114,12 +114,13 @@ class Trace:
         return Trace(self.arrival_s[:n], self.prompt_tokens[:n], self.decode_tokens[:n])
 
     def window(self, start_s: float, end_s: float) -> Trace:
-        """Rows with ``start_s <= arrival_s < end_s``, arrivals shifted by ``-start_s``.
+        """Rows with ``start_s <= arrival_s < end_s``, arrivals shifted by ``-start_s``;
+        ``end_s`` may be infinite (to the last row).
 
         The returned trace's clock starts at the window's start, so its first arrival is the
         offset (seconds) of that request from ``start_s``, not necessarily 0.
         """
-        if not (math.isfinite(start_s) and math.isfinite(end_s)):
+        if not (math.isfinite(start_s) and (math.isfinite(end_s) or end_s == math.inf)):
             raise ValueError(f"window: bounds must be finite, got [{start_s}, {end_s})")
         if end_s < start_s:
             raise ValueError(f"window: end_s {end_s} is before start_s {start_s}")
