@@ -6,10 +6,12 @@
 # the allocator pops it from the front of the queue for a new use. Here only the blocks
 # that carry a hash have an identity ("entries"); the free blocks without one are counted,
 # as runs between entries: each entry in the free queue records how many unhashed free
-# blocks sit just before it (``ent_gap``), and ``tail_gap`` counts those after the last
-# entry. Popping n blocks from the front takes the head entry's gap, then the head entry
-# itself (evicting its hash), and so on: the same blocks, in the same order, as vLLM's
-# queue of block ids, which core_ref.ReferenceCore keeps literally.
+# blocks sit just before it (``ent_gap``); those after the last entry are the rest of the
+# unhashed free blocks, free blocks - evictable entries - the gaps (``_tail``), kept by
+# the engine's free count alone. Popping n blocks from the front takes the head entry's
+# gap, then the head entry itself (evicting its hash), and so on: the same blocks, in the
+# same order, as vLLM's queue of block ids, which core_ref.ReferenceCore keeps literally.
+# With no entry in the queue (every request without hashes) nothing here is touched.
 #
 # A hash maps to its entries in registration order (``ent_dup`` chains them): vLLM does not
 # deduplicate, so two requests that prefill the same block at once both register it, and a
@@ -35,9 +37,10 @@ cdef struct PrefixCache:
     int64_t unused             # first unused entry id (-1: none)
     int64_t q_head             # free queue of entries: front (evicted first) and back
     int64_t q_tail
-    int64_t tail_gap           # unhashed free blocks behind q_tail (all, when no entry)
+    int64_t sum_gaps           # the entries' gaps: unhashed free blocks before q_tail
     int64_t num_entries
     int64_t num_evictable
+    int64_t num_hashed         # resident requests with hashes (0: nothing to register)
     # hash -> its first entry
     int64_t* tab_key           # -1: empty slot
     int64_t* tab_val
@@ -84,10 +87,16 @@ cdef void _tab_delete(PrefixCache* pc, int64_t i) noexcept nogil:
     pc.tab_key[i] = -1
 
 
-cdef inline void _queue_append(PrefixCache* pc, int64_t x) noexcept nogil:
-    """Entry x (no longer referenced) goes to the back of the free queue."""
-    pc.ent_gap[x] = pc.tail_gap
-    pc.tail_gap = 0
+cdef inline int64_t _tail(PrefixCache* pc, int64_t free_blocks) noexcept nogil:
+    """Unhashed free blocks behind the last entry of the free queue."""
+    return free_blocks - pc.num_evictable - pc.sum_gaps
+
+
+cdef inline void _queue_append(PrefixCache* pc, int64_t x, int64_t free_blocks) noexcept nogil:
+    """Entry x (no longer referenced) goes to the back of the free queue; ``free_blocks``
+    counts the free blocks before it joins."""
+    pc.ent_gap[x] = _tail(pc, free_blocks)
+    pc.sum_gaps += pc.ent_gap[x]
     pc.ent_prev[x] = pc.q_tail
     pc.ent_next[x] = -1
     if pc.q_tail >= 0:
@@ -105,7 +114,7 @@ cdef inline void _queue_remove(PrefixCache* pc, int64_t x) noexcept nogil:
         pc.ent_gap[n] += pc.ent_gap[x]
         pc.ent_prev[n] = p
     else:
-        pc.tail_gap += pc.ent_gap[x]
+        pc.sum_gaps -= pc.ent_gap[x]  # they join the tail
         pc.q_tail = p
     if p >= 0:
         pc.ent_next[p] = n
@@ -156,19 +165,21 @@ cdef void _entry_forget(PrefixCache* pc, int64_t x) noexcept nogil:
 
 
 cdef void _pop_free(PrefixCache* pc, int64_t n) noexcept nogil:
-    """Take n blocks from the front of the free queue (the caller checked they are free),
-    evicting the entries among them."""
+    """Take n blocks from the front of the free queue (the caller checked they are free
+    and counts them), evicting the entries among them; past the last entry, from the
+    tail."""
     cdef int64_t x, g
     while n > 0:
         x = pc.q_head
         if x < 0:
-            pc.tail_gap -= n
             return
         g = pc.ent_gap[x]
         if g >= n:
             pc.ent_gap[x] = g - n
+            pc.sum_gaps -= n
             return
         n -= g + 1
+        pc.sum_gaps -= g
         pc.ent_gap[x] = 0
         _queue_remove(pc, x)
         _entry_forget(pc, x)
@@ -196,7 +207,7 @@ cdef int64_t _lookup(PrefixCache* pc, int64_t s, int64_t max_blocks,
 
 cdef int64_t _touch(PrefixCache* pc, int64_t s, int64_t n) noexcept nogil:
     """Slot s takes the n entries its lookup found (a reference each); returns how many
-    of them left the free queue."""
+    of them left the free queue (the caller no longer counts them free)."""
     cdef int64_t i, x, taken = 0
     cdef int64_t* ids = pc.hashes[s] + pc.num_hashes[s]
     for i in range(n):
@@ -223,22 +234,20 @@ cdef void _register(PrefixCache* pc, int64_t s, int64_t tokens,
         pc.num_cached[s] = n
 
 
-cdef int64_t _release(PrefixCache* pc, int64_t s, int64_t num_blocks) noexcept nogil:
+cdef int64_t _release(PrefixCache* pc, int64_t s, int64_t num_blocks,
+                      int64_t free_blocks) noexcept nogil:
     """Slot s gives back its num_blocks blocks, last first (vLLM frees a request's blocks
-    in reverse, so that a prompt's tail is evicted before its head): the unhashed ones,
-    then its entries, each joining the free queue when no other request holds it. Returns
-    how many blocks became free."""
+    in reverse, so that a prompt's tail is evicted before its head): the unhashed ones
+    (to the tail), then its entries, each joining the free queue when no other request
+    holds it. ``free_blocks`` is the free count before; returns it after."""
     cdef int64_t c = pc.num_cached[s], i, x
-    cdef int64_t freed = num_blocks - c
-    cdef int64_t* ids
-    pc.tail_gap += freed
-    if c > 0:
-        ids = pc.hashes[s] + pc.num_hashes[s]
-        for i in range(c - 1, -1, -1):
-            x = ids[i]
-            pc.ent_ref[x] -= 1
-            if pc.ent_ref[x] == 0:
-                _queue_append(pc, x)
-                freed += 1
-        pc.num_cached[s] = 0
-    return freed
+    cdef int64_t* ids = pc.hashes[s] + pc.num_hashes[s]
+    free_blocks += num_blocks - c
+    for i in range(c - 1, -1, -1):
+        x = ids[i]
+        pc.ent_ref[x] -= 1
+        if pc.ent_ref[x] == 0:
+            _queue_append(pc, x, free_blocks)
+            free_blocks += 1
+    pc.num_cached[s] = 0
+    return free_blocks
