@@ -372,13 +372,21 @@ class _Run:
             self.outstanding[d] += 1
             self.inbound[d][rid] = (now, req.prompt_tokens, predicted)
             self.feed.dispatched(g, now, rid, req.prompt_tokens, 1)
-            self.engines[g].admit(rid, req.prompt_tokens, 1, 1, block_hashes=req.block_hashes)
+            self._admit(g, req, 1, 1)
         else:
             self.feed.dispatched(g, now, rid, req.prompt_tokens, predicted)
-            self.engines[g].admit(rid, req.prompt_tokens, int(rec.decode_tokens[rid]),
-                                  predicted, block_hashes=req.block_hashes)
+            self._admit(g, req, int(rec.decode_tokens[rid]), predicted)
         if not self.engines[g].busy:
             self._start(g, now)
+
+    def _admit(self, g: int, req: Request, decode_tokens: int, predicted: int) -> None:
+        """Engine g queues the request (its prefill, on P/D pools), with its block hashes
+        when it has some (without, the call is the one before hashes existed)."""
+        if req.block_hashes is None:
+            self.engines[g].admit(req.request_id, req.prompt_tokens, decode_tokens, predicted)
+        else:
+            self.engines[g].admit(req.request_id, req.prompt_tokens, decode_tokens, predicted,
+                                  block_hashes=req.block_hashes)
 
     def _shed(self, now: float, rid: int) -> None:
         self.rec.shed[rid] = True

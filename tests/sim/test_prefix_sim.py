@@ -101,3 +101,16 @@ def test_engines_count_queries_and_hits() -> None:
     engine = cluster.engines[0]
     assert (engine.prefix_cache_queries, engine.prefix_cache_hits) == (4000, 1984)
     assert res.cached_prompt_tokens.sum() == engine.prefix_cache_hits
+
+
+def test_on_pd_pools_the_prefill_instance_caches() -> None:
+    """The prefill instance gets the hashes; the decode instance admits the moved KV."""
+    loaded = make_config(instances=[
+        {"name": "prefill", "model": "qwen2.5-3b", "gpu": "a40", "role": "prefill"},
+        {"name": "decode", "model": "qwen2.5-3b", "gpu": "a40", "role": "decode"}],
+        transfer={"link_gbytes_per_s": 12.5, "latency_ms": 1.0})
+    res = simulate(loaded, "round_robin", _twice(2000, np.arange(125, dtype=np.int64)))
+    assert res.cached_prompt_tokens.tolist() == [0, 1984]
+    assert (res.instance == 0).all() and (res.decode_instance == 1).all()
+    prefill = res.batch_log[(res.batch_log[:, 0] == 0) & (res.batch_log[:, 7] > 0)]
+    assert prefill[:, 7].tolist() == [2000, 16]
