@@ -66,7 +66,7 @@ __all__ = [
     "ServerConfig", "SimConfig", "SloClassConfig", "SloConfig", "TransferConfig",
     "WorkloadConfig", "backend_problems", "instance_specs", "kv_capacity_tokens",
     "load_config", "load_profiles", "load_workload", "policy_problems",
-    "prediction_problems", "role_problems", "workload_problems",
+    "prediction_problems", "role_problems", "workload_block_problems", "workload_problems",
 ]
 
 
@@ -150,7 +150,8 @@ def instance_specs(config: Config, profiles: Profiles, path: Path) -> tuple[Inst
                 name=name, model=inst.model, gpu=inst.gpu,
                 tensor_parallel=inst.tensor_parallel, max_num_seqs=inst.max_num_seqs,
                 max_num_batched_tokens=inst.max_num_batched_tokens,
-                block_size=inst.block_size, num_kv_blocks=blocks, role=inst.role))
+                block_size=inst.block_size, num_kv_blocks=blocks, role=inst.role,
+                enable_prefix_caching=inst.enable_prefix_caching))
     problems.extend(role_problems(config.instances))
     if problems:
         raise ConfigError(path, problems)
@@ -178,6 +179,20 @@ def role_problems(instances: Sequence[InstanceConfig]) -> list[tuple[str, str]]:
         problems.append(("instances", "disaggregated pools serve one model (the KV cache "
                          f"moves between them); got {', '.join(sorted(models))}"))
     return problems
+
+
+def workload_block_problems(workload: WorkloadConfig,
+                            specs: Sequence[InstanceSpec]) -> list[tuple[str, str]]:
+    """A workload whose requests carry block hashes (kind mooncake) hashes blocks of
+    ``block_tokens``: every instance's blocks must be that size, or no hash would name
+    one of its blocks."""
+    if workload.kind != "mooncake":
+        return []
+    other = sorted({s.block_size for s in specs} - {workload.block_tokens})
+    if not other:
+        return []
+    return [("workload.block_tokens", f"{workload.block_tokens}, but instances have blocks "
+             f"of {', '.join(map(str, other))} tokens (instances[].block_size)")]
 
 
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG,
@@ -208,6 +223,8 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG,
     loaded = LoadedConfig(p, config, load_profiles(profiles_path, quote),
                           tuple(Path(w).resolve() for w in weights))
     problems = backend_problems(config.server, loaded.specs)
+    if loaded.has_workload:
+        problems += workload_block_problems(config.workload, loaded.specs)
     if problems:
         raise ConfigError(p, problems)
     return loaded

@@ -152,8 +152,11 @@ def validate_mapping(model: type[BaseModel], data: Any, path: Path, quote: bool 
 def workload_problems(wl: WorkloadConfig, prefix: str = "workload") -> list[tuple[str, str]]:
     """Checks across workload keys (which keys each kind needs)."""
     problems = []
-    if wl.kind == "trace" and wl.path is None:
-        problems.append((f"{prefix}.path", "required when kind is 'trace'"))
+    if wl.kind in ("trace", "mooncake") and wl.path is None:
+        problems.append((f"{prefix}.path", f"required when kind is {wl.kind!r}"))
+    if wl.kind == "mooncake" and 512 % wl.block_tokens:
+        problems.append((f"{prefix}.block_tokens", "must divide 512, the trace's block of "
+                         f"tokens (got {wl.block_tokens})"))
     if wl.kind in ("poisson", "mmpp2"):
         if wl.rate_per_s is None:
             problems.append((f"{prefix}.rate_per_s", f"required when kind is {wl.kind!r}"))

@@ -89,6 +89,10 @@ class InstanceConfig(_Frozen):
     role: Literal["mixed", "prefill", "decode"] = Field(
         default="mixed", description="mixed serves both phases; prefill / decode instances "
         "form disaggregated pools")
+    enable_prefix_caching: bool = Field(
+        default=True, description="vLLM's automatic prefix caching (on by default, as in "
+        "vLLM v1): a request whose workload gives its prompt's block hashes starts after its "
+        "longest cached prefix; requests without hashes are served as without caching")
 
 
 class WorkloadConfig(_Frozen):
@@ -101,10 +105,13 @@ class WorkloadConfig(_Frozen):
     ``rate_per_s`` when given. ``start_s`` / ``duration_s`` cut a window of a trace.
     ``synthetic`` generates prompts with text and per-model truth (``olproute.sim.prompts``)
     arriving at mean rate ``rate_per_s``, as a Poisson process or, with ``arrivals:
-    mmpp2``, an MMPP-2 with rate ratio ``ratio`` (BEAR paper App. B).
+    mmpp2``, an MMPP-2 with rate ratio ``ratio`` (BEAR paper App. B). ``mooncake`` replays a
+    Mooncake JSONL trace (``path``; ``data/mooncake``) as ``trace`` does, its requests
+    carrying their prompts' block hashes (``olproute.sim.mooncake``) for blocks of
+    ``block_tokens``, the instances' block size.
     """
 
-    kind: Literal["poisson", "mmpp2", "trace", "synthetic"] = "trace"
+    kind: Literal["poisson", "mmpp2", "trace", "synthetic", "mooncake"] = "trace"
     arrivals: Literal["poisson", "mmpp2"] = Field(
         default="poisson", description="arrival process of kind synthetic")
     rate_per_s: float | None = Field(default=None, gt=0)
@@ -117,6 +124,9 @@ class WorkloadConfig(_Frozen):
     time_scale: float = Field(default=1.0, gt=0)
     start_s: float = Field(default=0.0, ge=0)
     duration_s: float | None = Field(default=None, gt=0)
+    block_tokens: int = Field(
+        default=16, ge=1, description="kind mooncake: tokens per hashed block, the "
+        "instances' block_size (a divisor of the trace's 512-token blocks)")
 
 
 class SloClassConfig(_Frozen):

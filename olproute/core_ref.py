@@ -2,13 +2,20 @@
 
 It follows the compiled kernel rule for rule and exposes the same methods, so tests can
 drive both with the same operations and assert they agree exactly. It is the readable
-statement of the scheduling rules; the compiled one is the fast one.
+statement of the scheduling rules; the compiled one is the fast one. With prefix caching
+on it keeps vLLM's block pool literally (``olproute.prefix_ref.BlockPool``: every block by
+id), where the compiled core keeps only the blocks that carry a hash; without it, free
+blocks are a count, as in the BEA replay.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
+
+from olproute.prefix_ref import BlockPool
 
 FIRST_TOKEN = 1
 FINISHED = 2
@@ -22,6 +29,25 @@ def _blocks_for(tokens: int, block_size: int) -> int:
     return (tokens + block_size - 1) // block_size
 
 
+def checked_block_hashes(block_hashes: Sequence[int] | IntArray | None, prompt_tokens: int,
+                         block_size: int) -> list[int]:
+    """The hashes as a list of ints, or ValueError unless they are integers >= 0 and in
+    [0, 2**63), at most one per full block of the prompt (``_core.checked_block_hashes``)."""
+    if block_hashes is None:
+        return []
+    h = np.asarray(block_hashes)
+    if h.ndim != 1 or (h.size > 0 and h.dtype.kind not in "iu"):
+        raise ValueError("block_hashes must be a one-dimensional sequence of integers")
+    values = [int(x) for x in h]
+    if any(not 0 <= x < 2**63 for x in values):
+        raise ValueError("block hashes must be integers in [0, 2**63)")
+    full = prompt_tokens // block_size
+    if len(values) > full:
+        raise ValueError(f"{len(values)} block hashes for a prompt of {prompt_tokens} "
+                         f"tokens, which has {full} full blocks of {block_size}")
+    return values
+
+
 class ReferenceCore:
     """Same contract as ``olproute._core.BatchCore``; see its docstrings."""
 
@@ -32,6 +58,7 @@ class ReferenceCore:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         capacity: int = 256,
+        prefix_caching: bool = True,
     ) -> None:
         if min(num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens) < 1:
             raise ValueError("BatchCore limits must all be >= 1")
@@ -53,19 +80,31 @@ class ReferenceCore:
         self._batch: list[tuple[int, int, int, int]] = []
         self._preempted: list[int] = []
         self._events: list[tuple[int, int]] = []
+        # prefix cache: the pool, and per slot its hashes, its block ids (the first
+        # _num_cached of them registered or hit), its tokens found cached when admitted
+        self._pool = BlockPool(num_kv_blocks) if prefix_caching else None
+        self._hashes: list[list[int]] = []
+        self._table: list[list[int]] = []
+        self._num_cached: list[int] = []
+        self._cached_tokens: list[int] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self._grow(max(capacity, 1))
 
     def _grow(self, new_capacity: int) -> None:
         extra = new_capacity - self.capacity
         for table in (self._prompt, self._output, self._max_output, self._computed,
-                      self._blocks, self._preempt):
+                      self._blocks, self._preempt, self._num_cached, self._cached_tokens):
             table.extend([0] * extra)
+        self._hashes.extend([] for _ in range(extra))
+        self._table.extend([] for _ in range(extra))
         self._free_slots.extend(range(new_capacity - 1, self.capacity - 1, -1))
         self.capacity = new_capacity
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, prompt_tokens: int, max_output_tokens: int,
-                    computed_tokens: int = 0) -> int:
+                    computed_tokens: int = 0,
+                    block_hashes: Sequence[int] | IntArray | None = None) -> int:
         if prompt_tokens < 1 or max_output_tokens < 1:
             raise ValueError("prompt_tokens and max_output_tokens must be >= 1")
         if computed_tokens < 0 or computed_tokens >= prompt_tokens:
@@ -75,6 +114,7 @@ class ReferenceCore:
                 f"request of {prompt_tokens}+{max_output_tokens} tokens exceeds the KV capacity "
                 f"of {self.num_kv_blocks * self.block_size} tokens"
             )
+        hashes = checked_block_hashes(block_hashes, prompt_tokens, self.block_size)
         if not self._free_slots:
             self._grow(self.capacity * 2)
         s = self._free_slots.pop()
@@ -84,6 +124,8 @@ class ReferenceCore:
         self._computed[s] = computed_tokens
         self._blocks[s] = 0
         self._preempt[s] = 0
+        self._hashes[s] = hashes if self._pool is not None else []
+        self._num_cached[s] = self._cached_tokens[s] = 0
         self._waiting.append(s)
         return s
 
@@ -92,6 +134,7 @@ class ReferenceCore:
             raise ValueError(f"slot {slot} has not finished")
         self._max_output[slot] = 0
         self._output[slot] = 0
+        self._hashes[slot] = []
         self._free_slots.append(slot)
 
     def abort(self, slot: int) -> None:
@@ -105,18 +148,75 @@ class ReferenceCore:
             self._running.remove(slot)
         else:
             self._waiting.remove(slot)
-        self.num_free_blocks += self._blocks[slot]
-        self._blocks[slot] = 0
+        self._free_all(slot)
         self._computed[slot] = 0
         self._max_output[slot] = 0
         self._output[slot] = 0
+        self._hashes[slot] = []
         self._free_slots.append(slot)
+
+    # -- blocks ---------------------------------------------------------------------
+    def _take(self, s: int, n: int) -> None:
+        """Slot s takes n new blocks (checked free by the caller)."""
+        self._blocks[s] += n
+        if self._pool is None:
+            self.num_free_blocks -= n
+            return
+        self._table[s] += self._pool.get_new_blocks(n)
+        self.num_free_blocks = len(self._pool.free)
+
+    def _free_all(self, s: int) -> None:
+        """Slot s's blocks back to the pool, its last block first."""
+        if self._pool is None:
+            self.num_free_blocks += self._blocks[s]
+        else:
+            self._pool.free_blocks(reversed(self._table[s]))
+            self._table[s] = []
+            self._num_cached[s] = 0
+            self.num_free_blocks = len(self._pool.free)
+        self._blocks[s] = 0
+
+    def _lookup(self, s: int) -> list[int] | None:
+        """The blocks of slot s's longest cached prefix, stopping one token short of its
+        known tokens (vLLM computes at least the last one again); None when no lookup
+        applies (no pool, no hashes, or tokens already computed)."""
+        if self._pool is None or not self._hashes[s] or self._computed[s] > 0:
+            return None
+        max_blocks = (self._prompt[s] + self._output[s] - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in self._hashes[s][:max_blocks]:
+            block = self._pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _admit_cached(self, s: int, hits: list[int]) -> None:
+        """Slot s, admitted, holds its cached blocks; the counters count it."""
+        assert self._pool is not None
+        self._pool.touch(hits)
+        self.num_free_blocks = len(self._pool.free)
+        self._table[s] = list(hits)
+        self._blocks[s] = self._num_cached[s] = len(hits)
+        self._computed[s] = len(hits) * self.block_size
+        self.prefix_cache_queries += self._prompt[s] + self._output[s]
+        self.prefix_cache_hits += len(hits) * self.block_size
+        if self._preempt[s] == 0:
+            self._cached_tokens[s] = len(hits) * self.block_size
+
+    def _cache_scheduled(self, s: int, new: int) -> None:
+        """Register the full prompt blocks the batch being formed fills."""
+        if self._pool is None or self._num_cached[s] >= len(self._hashes[s]):
+            return
+        full = min((self._computed[s] + new) // self.block_size, len(self._hashes[s]))
+        for i in range(self._num_cached[s], full):
+            self._pool.cache_block(self._table[s][i], self._hashes[s][i])
+        self._num_cached[s] = max(self._num_cached[s], full)
 
     # -- one step -------------------------------------------------------------------
     def _preempt_last(self) -> int:
         v = self._running.pop()
-        self.num_free_blocks += self._blocks[v]
-        self._blocks[v] = 0
+        self._free_all(v)
         self._computed[v] = 0
         self._preempt[v] += 1
         self._waiting.insert(0, v)
@@ -128,6 +228,18 @@ class ReferenceCore:
         need = self._prompt[s] + self._output[s] - self._computed[s]
         new = min(need, budget)
         return new, _blocks_for(self._computed[s] + new, self.block_size) - self._blocks[s]
+
+    def _needs_waiting(self, s: int, budget: int, hits: list[int]) -> tuple[int, int]:
+        """(tokens to schedule, free blocks taken) for waiting slot s with these cached
+        blocks: new blocks, plus the cached ones that sit in the free queue (counted
+        once per occurrence, as vLLM counts them)."""
+        assert self._blocks[s] == 0
+        computed = self._computed[s] + len(hits) * self.block_size
+        new = min(self._prompt[s] + self._output[s] - computed, budget)
+        fresh = _blocks_for(computed + new, self.block_size) - len(hits)
+        pool = self._pool
+        evictable = 0 if pool is None else sum(pool.ref[b] == 0 for b in hits)
+        return new, fresh + evictable
 
     def _record(self, s: int, new: int, sums: list[float]) -> None:
         ctx = self._computed[s]
@@ -154,8 +266,8 @@ class ReferenceCore:
                 victim = self._preempt_last()
             if victim == s:
                 break
-            self.num_free_blocks -= max(req_blocks, 0)
-            self._blocks[s] += max(req_blocks, 0)
+            self._take(s, max(req_blocks, 0))
+            self._cache_scheduled(s, new)
             self._record(s, new, sums)
             budget -= new
             i += 1
@@ -164,13 +276,17 @@ class ReferenceCore:
     def _schedule_waiting(self, budget: int, sums: list[float]) -> int:
         while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             s = self._waiting[0]
-            new, req_blocks = self._needs(s, budget)
+            hits = self._lookup(s)
+            new, req_blocks = self._needs_waiting(s, budget, hits or [])
             if req_blocks > self.num_free_blocks:
                 break
             self._waiting.pop(0)
             self._running.append(s)
-            self.num_free_blocks -= req_blocks
-            self._blocks[s] += req_blocks
+            if hits is not None:
+                self._admit_cached(s, hits)
+            self._take(s, _blocks_for(self._computed[s] + new, self.block_size)
+                       - self._blocks[s])
+            self._cache_scheduled(s, new)
             self._record(s, new, sums)
             budget -= new
         return budget
@@ -179,6 +295,9 @@ class ReferenceCore:
         assert budget >= 0
         assert len(self._running) <= self.max_num_seqs
         assert 0 <= self.num_free_blocks <= self.num_kv_blocks
+        if self._pool is not None:
+            assert self.num_free_blocks == len(self._pool.free)
+            assert all(len(self._table[s]) == self._blocks[s] for s in range(self.capacity))
 
     def schedule(self) -> tuple[int, Sums]:
         self._batch = []
@@ -200,8 +319,7 @@ class ReferenceCore:
                 flags = FIRST_TOKEN if self._output[s] == 1 else 0
                 if self._output[s] >= self._max_output[s]:
                     flags |= FINISHED
-                    self.num_free_blocks += self._blocks[s]
-                    self._blocks[s] = 0
+                    self._free_all(s)
                 if flags:
                     self._events.append((s, flags))
         if self._events:
@@ -252,6 +370,31 @@ class ReferenceCore:
         return (self._prompt[slot], self._output[slot], self._max_output[slot],
                 self._computed[slot], self._blocks[slot], self._preempt[slot])
 
+    def prefix_state(self, slot: int) -> tuple[int, int, int]:
+        if not 0 <= slot < self.capacity:
+            raise IndexError(f"slot {slot} out of range")
+        return len(self._hashes[slot]), self._num_cached[slot], self._cached_tokens[slot]
+
+    def free_queue(self) -> tuple[list[tuple[int, int]], int]:
+        if self._pool is None:
+            return [], self.num_free_blocks
+        return self._pool.free_queue()
+
+    def cache_contents(self) -> list[tuple[int, int]]:
+        return [] if self._pool is None else self._pool.contents()
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._pool is not None
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return 0 if self._pool is None else self._pool.num_cached_blocks()
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return 0 if self._pool is None else self._pool.num_evictable_blocks()
+
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -288,7 +431,7 @@ def replay_ttft_reference(
     total, block_size, max_num_seqs, budget = limits
     ex = [] if extras is None else [(int(p), max(int(d), 1), float(t)) for p, d, t in extras]
     core = ReferenceCore(total, block_size, max_num_seqs, budget,
-                         capacity=table.shape[0] + len(ex) + 1)
+                         capacity=table.shape[0] + len(ex) + 1, prefix_caching=False)
     rows = [(int(r[0]), int(r[1]), int(r[2]) if r[2] > r[1] else int(r[1]) + 1,
              int(r[3]), int(r[4])) for r in table]
     rows += [(p, 0, d, 0, 0) for p, d, _t in ex]

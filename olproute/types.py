@@ -38,7 +38,10 @@ class Request:
     ``predicted_decode_by_model``) and, per model name, ``predicted_decode_by_model`` and
     ``predicted_quality_by_model``. They are made when the workload is built (noisy
     truth with independent noise per model, or a trained predictor), so every policy
-    compared on a workload sees the same ones.
+    compared on a workload sees the same ones. ``block_hashes`` names the prompt's full
+    blocks of the engines' block size for their prefix caches (a hash chain: a block's
+    hash stands for its whole prefix; int64 >= 0, read-only), when the workload has them
+    (None: no block can be found cached); as an array it takes no part in equality.
 
     Ground truth, for the simulator and the metrics only (no policy reads it; the test
     ``tests/sim/test_no_ground_truth.py`` perturbs it and checks that no decision
@@ -61,6 +64,7 @@ class Request:
     quality_by_model: Mapping[str, float] | None = None
     predicted_decode_by_model: Mapping[str, int] | None = None
     predicted_quality_by_model: Mapping[str, float] | None = None
+    block_hashes: npt.NDArray[np.int64] | None = field(default=None, compare=False)
 
     def true_decode_tokens(self, model: str) -> int:
         """Output length if served by ``model`` (simulator ground truth)."""
@@ -109,6 +113,7 @@ class InstanceSpec:
     block_size: int
     num_kv_blocks: int
     role: Role = "mixed"
+    enable_prefix_caching: bool = True
 
     @property
     def kv_capacity_tokens(self) -> int:

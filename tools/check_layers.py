@@ -39,11 +39,11 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # running independent calls in worker processes or as Ray tasks (imports nothing of
     # the package)
     (("olproute.executors",),),
-    # the compiled kernels (batch formation and its Python twin; a decision's arithmetic,
-    # whose twin is reward.score_reference; the prompt featuriser; LightGBM's single-row
-    # calls)
-    (("olproute._core", "olproute.core_ref", "olproute._score", "olproute._featurize",
-      "olproute._rowheads"),),
+    # the compiled kernels (batch formation and its Python twin, with vLLM's block pool as
+    # the twin of its prefix cache; a decision's arithmetic, whose twin is
+    # reward.score_reference; the prompt featuriser; LightGBM's single-row calls)
+    (("olproute._core", "olproute.core_ref", "olproute.prefix_ref", "olproute._score",
+      "olproute._featurize", "olproute._rowheads"),),
     # batch-time calibration (NNLS beta, online refit; from a backend's streams)
     (("olproute.calibration", "olproute.streamcal"),),
     # TTFT estimators, predictors, the config schema and what needs only it (reading

@@ -77,6 +77,9 @@ class SimResult:
     in_system_n: IntArray            # the number from that time on
     end_s: float
     num_events: int
+    # prompt tokens found in the prefix cache when first admitted (0 without block hashes;
+    # on P/D pools, at the prefill instance); None in a result built without a run
+    cached_prompt_tokens: IntArray | None = None
 
 
 @dataclass(slots=True)
@@ -94,6 +97,7 @@ class _Records:
     finish_s: FloatArray
     num_preemptions: IntArray
     decode_tokens: IntArray
+    cached_prompt_tokens: IntArray
     shed: npt.NDArray[np.bool_]
     in_system_t: array[float]
     in_system_n: array[int]
@@ -106,7 +110,8 @@ class _Records:
             dispatch_s=np.full(n, np.nan), first_token_s=np.full(n, np.nan),
             prefill_end_s=np.full(n, np.nan), kv_arrival_s=np.full(n, np.nan),
             finish_s=np.full(n, np.nan), num_preemptions=np.zeros(n, dtype=np.int64),
-            decode_tokens=np.zeros(n, dtype=np.int64), shed=np.zeros(n, dtype=bool),
+            decode_tokens=np.zeros(n, dtype=np.int64),
+            cached_prompt_tokens=np.zeros(n, dtype=np.int64), shed=np.zeros(n, dtype=bool),
             in_system_t=array("d", [0.0]), in_system_n=array("q", [0]))
 
 
@@ -273,6 +278,11 @@ class _Run:
         """Record first tokens and finishes; a prefill engine's finished prompts move on
         as KV transfers (``_prefilled``)."""
         rec = self.rec
+        cached = self.engines[g].cached_prompt_tokens
+        if cached:
+            for rid, tokens in cached.items():
+                rec.cached_prompt_tokens[rid] = tokens
+            cached.clear()
         prefill_role = self.role[g] == "prefill"
         for rid, flags, npre in events:
             if prefill_role:
@@ -425,13 +435,21 @@ class _Run:
             if self.replicas is not None:
                 self.replicas.bound(d, now, rid, req.prompt_tokens, predicted)
             self.feed.dispatched(g, now, rid, req.prompt_tokens, 1)
-            self.engines[g].admit(rid, req.prompt_tokens, 1, 1)
+            self._admit(g, req, 1, 1)
         else:
             self.feed.dispatched(g, now, rid, req.prompt_tokens, predicted)
-            self.engines[g].admit(rid, req.prompt_tokens, int(rec.decode_tokens[rid]),
-                                  predicted)
+            self._admit(g, req, int(rec.decode_tokens[rid]), predicted)
         if not self.engines[g].busy:
             self._start(g, now)
+
+    def _admit(self, g: int, req: Request, decode_tokens: int, predicted: int) -> None:
+        """Engine g queues the request (its prefill, on P/D pools), with its block hashes
+        when it has some (without, the call is the one before hashes existed)."""
+        if req.block_hashes is None:
+            self.engines[g].admit(req.request_id, req.prompt_tokens, decode_tokens, predicted)
+        else:
+            self.engines[g].admit(req.request_id, req.prompt_tokens, decode_tokens, predicted,
+                                  block_hashes=req.block_hashes)
 
     def _shed(self, now: float, rid: int) -> None:
         self.rec.shed[rid] = True
@@ -480,7 +498,7 @@ class _Run:
             kv_arrival_s=rec.kv_arrival_s, shed=rec.shed, batch_log=self.cluster.batch_log(),
             in_system_t=np.frombuffer(rec.in_system_t, dtype=np.float64).copy(),
             in_system_n=np.frombuffer(rec.in_system_n, dtype=np.int64).copy(),
-            end_s=end_s, num_events=num_events)
+            end_s=end_s, num_events=num_events, cached_prompt_tokens=rec.cached_prompt_tokens)
 
 
 def _outcome(req: Request, g: int | None, dispatch: float, first: float, finish: float,

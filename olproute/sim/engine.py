@@ -24,8 +24,13 @@ class Core(Protocol):
     def num_waiting(self) -> int: ...
     @property
     def num_free_blocks(self) -> int: ...
+    @property
+    def prefix_cache_queries(self) -> int: ...
+    @property
+    def prefix_cache_hits(self) -> int: ...
     def add_request(self, prompt_tokens: int, max_output_tokens: int,
-                    computed_tokens: int = 0) -> int: ...
+                    computed_tokens: int = 0,
+                    block_hashes: IntArray | None = None) -> int: ...
     def release_slot(self, slot: int) -> None: ...
     def abort(self, slot: int) -> None: ...
     def schedule(self) -> tuple[int, Sums]: ...
@@ -33,6 +38,7 @@ class Core(Protocol):
     def event_list(self) -> list[tuple[int, int]]: ...
     def batch(self) -> tuple[IntArray, IntArray, IntArray, IntArray]: ...
     def request(self, slot: int) -> tuple[int, int, int, int, int, int]: ...
+    def prefix_state(self, slot: int) -> tuple[int, int, int]: ...
     def snapshot(
         self, predicted_by_slot: IntArray, id_by_slot: IntArray
     ) -> tuple[IntArray, IntArray, int, int, IntArray]: ...
@@ -43,7 +49,7 @@ class Core(Protocol):
 def make_core(spec: InstanceSpec, reference: bool = False) -> Core:
     cls: type[BatchCore] | type[ReferenceCore] = ReferenceCore if reference else BatchCore
     return cls(spec.num_kv_blocks, spec.block_size, spec.max_num_seqs,
-               spec.max_num_batched_tokens)
+               spec.max_num_batched_tokens, prefix_caching=spec.enable_prefix_caching)
 
 
 class SimEngine:
@@ -51,7 +57,10 @@ class SimEngine:
 
     ``start_batch`` forms the next batch and returns its duration in seconds (None when
     there is nothing to run); ``finish_batch`` applies it and returns the requests that
-    produced their first token or finished, as (request_id, flags, num_preemptions).
+    produced their first token or finished, as (request_id, flags, num_preemptions). For
+    a finished request admitted with block hashes, ``cached_prompt_tokens`` then holds its
+    prompt tokens found in the prefix cache when it was first admitted (vLLM's
+    ``num_cached_tokens``), until the caller pops it.
     """
 
     def __init__(
@@ -73,18 +82,25 @@ class SimEngine:
         self.busy = False
         self.batch_start_s = 0.0
         self.num_batches = 0
+        self._hashed_slots: set[int] = set()
+        self.cached_prompt_tokens: dict[int, int] = {}
 
     @property
     def num_resident(self) -> int:
         return self.core.num_running + self.core.num_waiting
 
     def admit(self, request_id: int, prompt_tokens: int, decode_tokens: int,
-              predicted_decode_tokens: int, computed_tokens: int = 0) -> int:
+              predicted_decode_tokens: int, computed_tokens: int = 0,
+              block_hashes: IntArray | None = None) -> int:
         """Queue a request and return its core slot; ``decode_tokens`` is the truth the
         engine runs to, ``predicted_decode_tokens`` what snapshots report to the router,
-        ``computed_tokens`` the prompt tokens whose KV arrived from a prefill instance."""
-        slot = self.core.add_request(prompt_tokens, decode_tokens, computed_tokens)
+        ``computed_tokens`` the prompt tokens whose KV arrived from a prefill instance,
+        ``block_hashes`` its prompt's block hashes for the prefix cache."""
+        slot = self.core.add_request(prompt_tokens, decode_tokens, computed_tokens,
+                                     block_hashes)
         self._slot_request[slot] = request_id
+        if block_hashes is not None and len(block_hashes) > 0:
+            self._hashed_slots.add(slot)
         if slot >= self._predicted.shape[0]:
             grown = max(self.core.capacity, 2 * self._predicted.shape[0], 16)
             self._predicted = np.resize(self._predicted, grown)
@@ -101,6 +117,7 @@ class SimEngine:
             if rid == request_id:
                 self.core.abort(slot)
                 del self._slot_request[slot]
+                self._hashed_slots.discard(slot)
                 return
         raise KeyError(f"request {request_id} is not resident")
 
@@ -140,11 +157,24 @@ class SimEngine:
             if flags & FINISHED:
                 preemptions = self.core.request(slot)[5]
                 request_id = self._slot_request.pop(slot)
+                if slot in self._hashed_slots:
+                    self._hashed_slots.remove(slot)
+                    self.cached_prompt_tokens[request_id] = self.core.prefix_state(slot)[2]
                 self.core.release_slot(slot)
             else:
                 request_id = self._slot_request[slot]
             out.append((request_id, flags, preemptions))
         return out
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens of the requests admitted after a prefix-cache lookup (vLLM's counter)."""
+        return self.core.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, the tokens found in the cache (vLLM's counter)."""
+        return self.core.prefix_cache_hits
 
     def load(self, num_outstanding: int) -> InstanceLoad:
         core = self.core

@@ -22,7 +22,7 @@ RECORD_COLUMNS = (
     "request_id", "arrival_s", "instance", "dispatch_s", "first_token_s", "finish_s",
     "ttft_s", "eel_s", "tpot_s", "prompt_tokens", "decode_tokens", "predicted_decode_tokens",
     "ttft_target_s", "tpot_target_s", "slo_class", "num_preemptions", "shed", "ttft_met",
-    "slo_met",
+    "slo_met", "cached_prompt_tokens",
 )
 
 
@@ -266,6 +266,8 @@ def write_records(res: SimResult, path: str | os.PathLike[str]) -> None:
     rerun with the same seed gives a byte-identical file."""
     ttft, eel, tpot = ttft_s(res), eel_s(res), tpot_s(res)
     ttft_met, both = slo_flags(res)
+    cached = (res.cached_prompt_tokens if res.cached_prompt_tokens is not None
+              else np.zeros(len(res.requests), dtype=np.int64))
     with Path(path).open("w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(RECORD_COLUMNS)
@@ -278,6 +280,7 @@ def write_records(res: SimResult, path: str | os.PathLike[str]) -> None:
                 _fmt(r.ttft_target_s),
                 "" if r.tpot_target_s is None else _fmt(r.tpot_target_s), r.slo_class,
                 int(res.num_preemptions[i]), int(res.shed[i]), int(ttft_met[i]), int(both[i]),
+                int(cached[i]),
             ))
 
 

@@ -12,8 +12,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from olproute.config import ConfigError, LoadedConfig, prediction_problems
+from olproute.config import (
+    ConfigError,
+    LoadedConfig,
+    prediction_problems,
+    workload_block_problems,
+)
 from olproute.sim import workloads as wl
+from olproute.sim.mooncake import load_mooncake
 from olproute.types import Request
 
 # Child seed streams of the run seed, by purpose. Later purposes are appended, so the
@@ -64,14 +70,17 @@ def _lengths(loaded: LoadedConfig, n: int, rng: np.random.Generator) -> tuple[
 
 
 def build_trace(loaded: LoadedConfig, rng: np.random.Generator) -> wl.Trace:
-    """Arrivals and lengths of the configured workload."""
+    """Arrivals and lengths of the configured workload (kind mooncake: with the prompts'
+    block hashes)."""
     w = loaded.config.workload
-    if w.kind == "trace":
+    if w.kind in ("trace", "mooncake"):
         assert w.path is not None
-        trace = wl.read_trace_csv(loaded.resolve(w.path), time_scale=w.time_scale)
+        if w.kind == "mooncake":
+            trace = load_mooncake(loaded.resolve(w.path), w.block_tokens, w.time_scale)
+        else:
+            trace = wl.read_trace_csv(loaded.resolve(w.path), time_scale=w.time_scale)
         if w.rate_per_s is not None:
-            factor = wl.trace_time_scale_for_rate(trace, w.rate_per_s)
-            trace = wl.Trace(trace.arrival_s * factor, trace.prompt_tokens, trace.decode_tokens)
+            trace = trace.rescaled(wl.trace_time_scale_for_rate(trace, w.rate_per_s))
         if w.start_s > 0 or w.duration_s is not None:
             end = w.start_s + w.duration_s if w.duration_s is not None else np.inf
             trace = trace.window(w.start_s, float(end))
@@ -97,6 +106,7 @@ def build_requests(loaded: LoadedConfig, seed: int | None = None) -> list[Reques
     cfg = loaded.config
     st = streams(cfg.sim.seed if seed is None else seed, len(loaded.specs))
     problems = prediction_problems(cfg.prediction, cfg.workload.kind)
+    problems += workload_block_problems(cfg.workload, loaded.specs)
     if problems:
         raise ConfigError(loaded.path, problems)
     if cfg.workload.kind == "synthetic":

@@ -199,7 +199,8 @@ def _one_instance(loaded: LoadedConfig, g: int) -> LoadedConfig:
                 "max_num_seqs": spec.max_num_seqs,
                 "max_num_batched_tokens": spec.max_num_batched_tokens,
                 "block_size": spec.block_size,
-                "kv_capacity_tokens": spec.kv_capacity_tokens, "role": "mixed"}),))
+                "kv_capacity_tokens": spec.kv_capacity_tokens, "role": "mixed",
+                "enable_prefix_caching": spec.enable_prefix_caching}),))
 
 
 # the profiling sweep of a config without a workload: prompt lengths x concurrency, each

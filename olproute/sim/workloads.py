@@ -10,7 +10,8 @@ Sources for the constants:
   ``mmpp2_arrivals``); App. A.2: per-request TTFT targets (``bear_ttft_targets_s``).
 * Calibrate-then-Route paper: the tight / loose SLO classes (``TIGHT``, ``LOOSE``).
 * ``data/traces``: the Splitwise and arXiv-summarization traces read by ``read_trace_csv``
-  and ``read_lengths_csv``.
+  and ``read_lengths_csv``; ``data/mooncake``: the Mooncake traces with prompt block
+  hashes, read by ``olproute.sim.mooncake``.
 """
 
 from __future__ import annotations
@@ -68,13 +69,17 @@ class Trace:
     """A request trace: one row per request, sorted by arrival.
 
     ``arrival_s`` is float64 seconds, non-decreasing, first value >= 0. ``prompt_tokens`` and
-    ``decode_tokens`` are int64 and >= 1. The arrays are stored as read-only copies, so a
-    Trace is immutable. Equality is identity (compare the arrays to compare contents).
+    ``decode_tokens`` are int64 and >= 1. ``block_hashes``, when the trace has them, holds
+    one read-only int64 array per row: the hashes of the prompt's full blocks of the
+    engines' block size (``Request.block_hashes``). The arrays are stored as read-only
+    copies, so a Trace is immutable. Equality is identity (compare the arrays to compare
+    contents).
     """
 
     arrival_s: FloatArray
     prompt_tokens: IntArray
     decode_tokens: IntArray
+    block_hashes: tuple[IntArray, ...] | None = None
 
     def __post_init__(self) -> None:
         _require_integer_dtype("prompt_tokens", self.prompt_tokens)
@@ -99,6 +104,9 @@ class Trace:
                 raise ValueError("Trace.prompt_tokens must be >= 1")
             if decode.min() < 1:
                 raise ValueError("Trace.decode_tokens must be >= 1")
+        if self.block_hashes is not None and len(self.block_hashes) != len(arrival):
+            raise ValueError(f"Trace.block_hashes has {len(self.block_hashes)} rows, the "
+                             f"trace {len(arrival)}")
         object.__setattr__(self, "arrival_s", arrival)
         object.__setattr__(self, "prompt_tokens", prompt)
         object.__setattr__(self, "decode_tokens", decode)
@@ -111,15 +119,23 @@ class Trace:
         """The first ``n`` rows (all rows if ``n`` exceeds the length); ``n`` must be >= 0."""
         if n < 0:
             raise ValueError(f"head: n must be >= 0, got {n}")
-        return Trace(self.arrival_s[:n], self.prompt_tokens[:n], self.decode_tokens[:n])
+        return Trace(self.arrival_s[:n], self.prompt_tokens[:n], self.decode_tokens[:n],
+                     None if self.block_hashes is None else self.block_hashes[:n])
+
+    def rescaled(self, factor: float) -> Trace:
+        """The same rows with every arrival time multiplied by ``factor`` (> 0)."""
+        _require_positive_finite("factor", factor)
+        return Trace(self.arrival_s * factor, self.prompt_tokens, self.decode_tokens,
+                     self.block_hashes)
 
     def window(self, start_s: float, end_s: float) -> Trace:
-        """Rows with ``start_s <= arrival_s < end_s``, arrivals shifted by ``-start_s``.
+        """Rows with ``start_s <= arrival_s < end_s``, arrivals shifted by ``-start_s``;
+        ``end_s`` may be infinite (to the last row).
 
         The returned trace's clock starts at the window's start, so its first arrival is the
         offset (seconds) of that request from ``start_s``, not necessarily 0.
         """
-        if not (math.isfinite(start_s) and math.isfinite(end_s)):
+        if not (math.isfinite(start_s) and (math.isfinite(end_s) or end_s == math.inf)):
             raise ValueError(f"window: bounds must be finite, got [{start_s}, {end_s})")
         if end_s < start_s:
             raise ValueError(f"window: end_s {end_s} is before start_s {start_s}")
@@ -129,6 +145,7 @@ class Trace:
             self.arrival_s[lo:hi] - start_s,
             self.prompt_tokens[lo:hi],
             self.decode_tokens[lo:hi],
+            None if self.block_hashes is None else self.block_hashes[lo:hi],
         )
 
 
@@ -547,7 +564,7 @@ def build_requests(
     ``request_id`` is the row index. Every per-row argument must have ``len(trace)``
     entries (ValueError naming the argument otherwise). Fields hold plain Python ints and
     floats; ``tpot_target_s`` None leaves the TPOT target unset and ``slo_class`` None uses
-    ``"default"``.
+    ``"default"``. A trace's block hashes go with their rows.
     """
     n = len(trace)
     per_row: dict[str, int] = {"ttft_target_s": len(ttft_target_s), "predicted": len(predicted)}
@@ -565,6 +582,7 @@ def build_requests(
     ttfts = np.asarray(ttft_target_s, dtype=np.float64).tolist()
     predictions = np.asarray(predicted, dtype=np.int64).tolist()
     tpots = None if tpot_target_s is None else np.asarray(tpot_target_s, np.float64).tolist()
+    hashes = trace.block_hashes
     return [
         Request(
             request_id=i,
@@ -575,6 +593,7 @@ def build_requests(
             ttft_target_s=ttfts[i],
             tpot_target_s=None if tpots is None else tpots[i],
             slo_class="default" if slo_class is None else str(slo_class[i]),
+            block_hashes=None if hashes is None else hashes[i],
         )
         for i in range(n)
     ]

@@ -378,6 +378,21 @@ def test_trace_head_and_window() -> None:
         trace.window(3.0, 1.0)
 
 
+def test_a_trace_workload_window_may_run_to_the_end() -> None:
+    """``start_s`` without ``duration_s``: from start_s to the last row."""
+    trace = _small_trace()
+    np.testing.assert_array_equal(trace.window(2.5, math.inf).prompt_tokens, [13, 14])
+    with pytest.raises(ValueError):
+        trace.window(math.inf, math.inf)
+    from olproute.sim.requests import build_trace
+    from tests.conftest import make_config
+
+    loaded = make_config(workload={"kind": "trace", "path": str(CONV), "start_s": 3500.0})
+    full = read_trace_csv(CONV)
+    assert len(build_trace(loaded, np.random.default_rng(0))) == int(
+        (full.arrival_s >= 3500.0).sum())
+
+
 @DETERMINISTIC
 @given(
     gaps=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=40),

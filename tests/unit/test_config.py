@@ -300,7 +300,10 @@ WORKLOAD_ERRORS: list[tuple[str, Any, list[str]]] = [
     ("unknown-key", {"workload": {**POISSON, "foo": 2}}, ["workload.foo: unknown key"]),
     ("bare-unknown-key", {**POISSON, "rate": 2}, ["workload.rate: unknown key"]),
     ("kind", {"kind": "burst"},
-     ["workload.kind: must be one of 'poisson', 'mmpp2', 'trace' or 'synthetic'"]),
+     ["workload.kind: must be one of 'poisson', 'mmpp2', 'trace', 'synthetic' or "
+      "'mooncake'"]),
+    ("mooncake-block-tokens", {"kind": "mooncake", "path": "m.jsonl", "block_tokens": 24},
+     ["workload.block_tokens: must divide 512, the trace's block of tokens (got 24)"]),
     ("trace-without-path", {"workload": {"kind": "trace"}},
      ["workload.path: required when kind is 'trace'"]),
     ("poisson-without-lengths", {"kind": "poisson", "rate_per_s": 1, "duration_s": 10},
