@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -165,28 +166,39 @@ def test_scraped_gauges_and_tracker_back_to_zero(fleet: Fleet) -> None:
 LONG = 990   # tokens of the fault test's streams: with 16 of prompt, the whole context
 
 
-def _stream_in_thread(fleet: Fleet, salt: int) -> tuple[str, list[str]]:
-    """A long streamed completion: (the instance that served it, its SSE data lines)."""
-    status, headers, raw = post_raw(fleet.router_url + "/v1/completions", {
+def _stream_in_thread(fleet: Fleet, salt: int, first_on_cpu1: threading.Event
+                      ) -> tuple[str, list[str]]:
+    """A long streamed completion: (the instance that served it, its SSE data lines);
+    ``first_on_cpu1`` is set as soon as a stream served by cpu1 gave its client a chunk."""
+    req = urllib.request.Request(fleet.router_url + "/v1/completions", data=json.dumps({
         "model": SERVED, "prompt": vllm_cpu.prompt(16, salt), "max_tokens": LONG,
-        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
-    assert status == 200, raw[:300]
-    return headers["x-olproute-instance"], sse_events(raw)
+        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}
+    }).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=HANG_S) as r:
+        assert r.status == 200
+        name = r.headers["x-olproute-instance"]
+        lines = []
+        for raw in r:
+            line = raw.decode()
+            if line.startswith("data:"):
+                lines.append(line[5:].strip())
+                if name == "cpu1":
+                    first_on_cpu1.set()
+    return name, lines
 
 
 def test_killed_backend_mid_stream(fleet: Fleet) -> None:
     """Kill one vLLM while it streams: its streams end with an error event, the others
     finish; new requests go to the survivor; the killed one restarts (the next test
     waits for it)."""
+    first_on_cpu1 = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(_stream_in_thread, fleet, 100 + i) for i in range(8)]
-        # kill cpu1 as soon as it streams (the tracker counts the running requests)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < HANG_S:
-            inst = {i["name"]: i for i in get(fleet.router_url + "/instances")["instances"]}
-            if inst["cpu1"]["running"] > 0:
-                break
-        assert inst["cpu1"]["running"] > 0
+        futures = [pool.submit(_stream_in_thread, fleet, 100 + i, first_on_cpu1)
+                   for i in range(8)]
+        # kill cpu1 as soon as a client got a chunk of its (polling /instances for its
+        # running requests once saw one so late, on a busy machine, that its lone stream
+        # had ended by the kill)
+        assert first_on_cpu1.wait(HANG_S), "no request went to cpu1"
         victim = fleet.server("cpu1")
         victim.kill()
         results = [f.result(timeout=5 * HANG_S) for f in futures]
@@ -200,7 +212,8 @@ def test_killed_backend_mid_stream(fleet: Fleet) -> None:
     assert len(on_cpu1) + len(kept) == 8
     # cpu1's streams were cut (on a quiet machine one may have ended before the kill)
     cut = [events for events in on_cpu1 if not finished(events)]
-    assert cut
+    assert cut, (f"no stream of cpu1's was cut: {len(on_cpu1)} on cpu1 (events, last: "
+                 f"{[(len(e), e[-1][:60]) for e in on_cpu1]}), {len(kept)} on cpu0")
     for events in cut:
         last = json.loads(events[-1])
         assert last["error"]["type"] == "backend_error"
