@@ -210,10 +210,13 @@ def test_killed_backend_mid_stream(fleet: Fleet) -> None:
     on_cpu1 = [events for name, events in results if name == "cpu1"]
     kept = [events for name, events in results if name == "cpu0"]
     assert len(on_cpu1) + len(kept) == 8
-    # cpu1's streams were cut (on a quiet machine one may have ended before the kill)
+    # cpu1's streams were cut, or had been sent whole before the kill: in CI a lone stream
+    # on cpu1 ended with [DONE] and all 990 tokens though cpu1 was killed as its client
+    # got its first chunk (likely: the tiny model had written it all, and the router read
+    # on from its socket). Either way none ends without [DONE] or the error event; the cut
+    # itself is checked for sure against a fake backend (tests/integration/test_server.py)
+    assert on_cpu1, "no request went to cpu1"
     cut = [events for events in on_cpu1 if not finished(events)]
-    assert cut, (f"no stream of cpu1's was cut: {len(on_cpu1)} on cpu1 (events, last: "
-                 f"{[(len(e), e[-1][:60]) for e in on_cpu1]}), {len(kept)} on cpu0")
     for events in cut:
         last = json.loads(events[-1])
         assert last["error"]["type"] == "backend_error"
