@@ -600,9 +600,8 @@ class PriceBook:
         ``delays``, its columns (relative to its decision time) and their extent
         (``Samples.put``)."""
         self.samples.put(self._next, reward, cols, extent)
-        self._kept(np.array([self._next]))
-        self._next = (self._next + 1) % self.cfg.window
-        self.num_samples = min(self.num_samples + 1, self.cfg.window)
+        self._kept(self._ring(1))
+        self._filled(1)
 
     def add_samples(self, reward: FloatArray, cols: Columns, extent: SampleExtent) -> None:
         """``add_sample`` for K requests in order: rewards (K, G, L), columns and extents
@@ -610,9 +609,17 @@ class PriceBook:
         k = reward.shape[0]
         if k > self.cfg.window:
             raise ValueError(f"{k} samples at once; the window holds {self.cfg.window}")
-        rows = (self._next + np.arange(k)) % self.cfg.window
+        rows = self._ring(k)
         self.samples.put_many(rows, reward, cols, extent)
         self._kept(rows)
+        self._filled(k)
+
+    def _ring(self, k: int) -> IntArray:
+        """The window's rows the next ``k`` samples go to (the oldest overwritten)."""
+        return (self._next + np.arange(k)) % self.cfg.window
+
+    def _filled(self, k: int) -> None:
+        """``k`` samples were written at ``_ring(k)``."""
         self._next = (self._next + k) % self.cfg.window
         self.num_samples = min(self.num_samples + k, self.cfg.window)
 
@@ -654,10 +661,8 @@ class PriceBook:
         to share."""
         k = min(demand.num_samples, self.cfg.window)
         if k:
-            rows = (self._next + np.arange(k)) % self.cfg.window
-            self.samples.put_rows(rows, [a[-k:] for a in demand.rows])
-            self._next = (self._next + k) % self.cfg.window
-            self.num_samples = min(self.num_samples + k, self.cfg.window)
+            self.samples.put_rows(self._ring(k), [a[-k:] for a in demand.rows])
+            self._filled(k)
         for t in np.sort(demand.arrivals_s):
             self._count_arrival(float(t) + shift_s)
 
