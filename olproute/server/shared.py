@@ -45,7 +45,7 @@ import orjson
 
 from olproute.config_schema import StateConfig
 from olproute.prices import Demand, PriceBook, PriceState
-from olproute.server.tracker import NO_REMOTE, Remote, Tracker
+from olproute.server.tracker import NO_REMOTE, Remote, Tracker, by_dispatch
 
 LOG = logging.getLogger("olproute.server.shared")
 
@@ -100,7 +100,7 @@ def _remote(flights: list[list[Any]], inbound: list[list[Any]], offset_s: float)
                   computed=tuple(int(f[3]) for f in flights),
                   running=tuple(bool(f[4]) for f in flights),
                   dispatch_s=tuple(float(f[5]) - offset_s for f in flights),
-                  inbound=None if arr is None else arr[np.argsort(arr[:, 2], kind="stable")])
+                  inbound=None if arr is None else by_dispatch(arr))
 
 
 def encode_demand(demands: Sequence[Demand | None], offset_s: float) -> bytes | None:
@@ -175,7 +175,6 @@ class SharedStatus:
     status: str = "connecting"      # shared | local (Redis unreachable) | connecting
     leader: bool = False
     replicas: int = 1               # replicas seen at the last sync, this one included
-    last_sync_s: float | None = None
     error: str | None = None
     syncs: int = 0
     failures: int = 0
@@ -254,7 +253,6 @@ class SharedState:
             self._lost(exc)
             return
         self.status.syncs += 1
-        self.status.last_sync_s = self._now()
         if self.status.status != "shared":
             if self.status.status == "local":
                 LOG.warning("shared state: Redis at %s is back: replica %s rejoined",
@@ -266,7 +264,7 @@ class SharedState:
         offset = time.time() - self._now()
         me = self.status.replica
         ttl = self.ttl_ms()
-        demand = self._drain()
+        demand = self._drain(offset)
         pipe = self._redis.pipeline(transaction=False)
         pipe.set(self.key(me), encode_ledger(self.tracker, me, offset), px=ttl)
         pipe.zadd(self._k_replicas, {me: time.time()})
@@ -302,7 +300,7 @@ class SharedState:
         if self.status.leader:
             await self._publish_prices(offset)
 
-    def _drain(self) -> bytes | None:
+    def _drain(self, offset: float) -> bytes | None:
         """This replica's books' new demand, if the tick's lock is free (else it waits in
         the books for the next sync)."""
         with self.try_books() as free:
@@ -313,7 +311,7 @@ class SharedState:
                 if id(b) not in self._sharing:   # a new router (a reload) has new books
                     b.share_demand()
             self._sharing = {id(b) for b in books}
-            return encode_demand([b.drain_demand() for b in books], time.time() - self._now())
+            return encode_demand([b.drain_demand() for b in books], offset)
 
     def _read_demand(self, read: Any, offset: float) -> None:
         """The other replicas' demand entries since the last read, pending until the

@@ -286,11 +286,8 @@ class Tracker:
         for b in self.backends:
             rows = b.remote.inbound
             if b.inbound:
-                model = b.spec.model
-                mine = np.array([(i.request.prompt_tokens,
-                                  i.request.predicted_decode_tokens_for(model), i.dispatch_s)
-                                 for i in b.inbound.values()], dtype=np.float64)
-                rows = mine if rows is None else _by_dispatch(np.concatenate([mine, rows]))
+                mine = np.array(_inbound_rows(b), dtype=np.float64)
+                rows = mine if rows is None else by_dispatch(np.concatenate([mine, rows]))
             out.append(rows)
         return tuple(out)
 
@@ -305,9 +302,7 @@ class Tracker:
         flights = [(f.request.prompt_tokens, f.request.predicted_decode_tokens_for(model),
                     f.tokens, f.computed_tokens, f.running, f.dispatch_s)
                    for f in b.flights.values()]
-        inbound = [(i.request.prompt_tokens, i.request.predicted_decode_tokens_for(model),
-                    i.dispatch_s) for i in b.inbound.values()]
-        return flights, inbound
+        return flights, _inbound_rows(b)
 
     def set_remote(self, g: int, remote: Remote) -> None:
         """The other replicas' requests on backend ``g`` now (``NO_REMOTE``: none)."""
@@ -430,6 +425,14 @@ class Tracker:
         return tuple(self.snapshot(g, now_s) for g in range(len(self.backends)))
 
 
-def _by_dispatch(rows: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+def by_dispatch(rows: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """Inbound rows (prompt, predicted decode, dispatch time) in dispatch order."""
     return rows[np.argsort(rows[:, 2], kind="stable")]
+
+
+def _inbound_rows(b: BackendState) -> list[tuple[int, int, float]]:
+    """(prompt, predicted decode on the backend's model, dispatch time) of this replica's
+    requests bound for backend ``b`` whose decode has not started."""
+    model = b.spec.model
+    return [(i.request.prompt_tokens, i.request.predicted_decode_tokens_for(model),
+             i.dispatch_s) for i in b.inbound.values()]
