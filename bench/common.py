@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -138,3 +140,52 @@ def executor_from(ap: argparse.ArgumentParser, args: argparse.Namespace,
         return executor_of(args, max(1, workers))
     except ExecutorError as exc:
         ap.error(str(exc))
+
+
+class RedisServer:
+    """Debian's ``redis-server`` on 127.0.0.1:``port`` (a free one), nothing written to
+    disk, for a bench or a test that starts it; ``start`` returns once it answers PING
+    (RuntimeError if it exits first or after ``limit_s``). ``kill`` (SIGKILL) and
+    ``start`` again on the same port: a restarted Redis has lost every key.
+    RuntimeError at once when ``redis-server`` is not installed."""
+
+    def __init__(self, limit_s: float = 60.0) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (Debian's redis-server; "
+                               "./scripts/test installs it)")
+        self.exe = exe
+        self.limit_s = limit_s
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir = tempfile.TemporaryDirectory(prefix="olproute-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + self.limit_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not answer PING")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=self.limit_s)
+            self.proc = None
+
+    def close(self) -> None:
+        self.kill()
+        self._dir.cleanup()

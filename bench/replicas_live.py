@@ -14,7 +14,7 @@ in front of one emulated fleet, under load, through a leader's death and Redis's
    ``takeover_s`` is the time until another one's ``/healthz`` says it leads.
 4. Redis: ``redis-server`` is SIGKILLed under load, restarted 3 s later on its port;
    ``alone_s`` the time until every replica says ``local``, ``rejoin_s`` from the restart
-   (the process started, 0.3 s for it to listen) until every one says ``shared`` with all
+   (the process started, then answering PING) until every one says ``shared`` with all
    replicas seen and one leader.
 
 Every request of phases 3 and 4 sent to a live replica must be answered 200 (a request
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import free_port, jsonable, stop_process, wait_healthy
+from bench.common import RedisServer, free_port, jsonable, stop_process, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = json.dumps({"prompt": "tell me a story " * 40, "max_tokens": 64}).encode()
@@ -105,18 +104,6 @@ class Load:
             t.join(timeout=180)
 
 
-def start_redis(port: int, folder: str) -> subprocess.Popen[bytes]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed (Debian's redis-server; "
-                         "./scripts/test installs it)")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", folder],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.3)
-    return proc
-
-
 def start_fleet(tmp: Path) -> tuple[subprocess.Popen[str], list[str]]:
     """``olproute emulate`` on free ports; its URLs from what it prints."""
     log = (tmp / "emulate.log").open("w")
@@ -177,9 +164,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="olproute-replicas-"))
-    rport = free_port()
     procs: list[subprocess.Popen[Any]] = []
-    redis = start_redis(rport, str(tmp))
+    try:
+        redis = RedisServer()
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from exc
     try:
         fleet, backends = start_fleet(tmp)
         procs.append(fleet)
@@ -188,7 +177,7 @@ def main() -> None:
         cfg["workload"]["path"] = str(ROOT / "data" / "traces" / "splitwise_conv.csv")
         cfg["server"]["backends"] = [{"name": f"llama7b-a100-{i}", "url": u}
                                      for i, u in enumerate(backends)]
-        cfg["state"] = {"url": f"redis://127.0.0.1:{rport}/0"}   # the defaults
+        cfg["state"] = {"url": redis.url}   # the defaults
         (tmp / "replicas.yaml").write_text(yaml.safe_dump(cfg))
         urls, routers = [], {}
         for k in range(args.replicas):
@@ -217,11 +206,10 @@ def main() -> None:
         out["leader_phase"] = dict(load.take())
 
         redis.kill()
-        redis.wait()
         out["alone_s"] = until(lambda: all(state(u)["status"] == "local" for u in rest))
         time.sleep(3.0)
         t_restart = time.perf_counter()
-        redis = start_redis(rport, str(tmp))
+        redis.start()
 
         def rejoined() -> bool:
             s = [state(u) for u in rest]
@@ -237,7 +225,7 @@ def main() -> None:
     finally:
         for p in reversed(procs):
             stop_process(p, grace_s=10)
-        redis.kill()
+        redis.close()
     report(out)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import redis
 
+from bench.common import RedisServer, free_port
 from olproute.cli import main
 from olproute.config import load_config
 from olproute.server.shared import SharedState, decode_prices
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
-from tests.integration.redis_server import RedisServer
+from tests.conftest import HANG_S
 from tests.integration.server_harness import Stack, wait_until
 from tests.integration.test_server import CAL, _config, open_stream, read_lines, request
 
@@ -30,7 +31,12 @@ SYNC_MS, LEASE_MS = 50.0, 500.0
 
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
+    """A real redis-server on a free port (``bench.common.RedisServer``); a test fails,
+    rather than skips, where it is not installed: ./scripts/test installs it."""
+    try:
+        server = RedisServer(limit_s=HANG_S)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
     try:
         yield server
     finally:
@@ -238,8 +244,6 @@ def test_a_bad_state_url_or_lease_stops_serve_naming_it(
 
 
 def test_a_replica_starts_and_serves_alone_when_redis_is_down(tmp_path: Path) -> None:
-    from tests.integration.redis_server import free_port
-
     url = f"redis://127.0.0.1:{free_port()}/0"    # nothing listens there
     loaded = load_config(_config(tmp_path, state={"url": url, "sync_ms": SYNC_MS,
                                                   "lease_ms": LEASE_MS}))
