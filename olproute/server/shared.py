@@ -168,7 +168,7 @@ def _count(files: Sequence[str], prefix: str) -> int:
 # -- the replica's side ------------------------------------------------------------------------
 @dataclass(slots=True)
 class SharedStatus:
-    """What ``/healthz`` and ``/instances`` say of the shared state."""
+    """What ``/healthz`` says of the shared state (and ``/metrics``, its gauges)."""
 
     url: str
     replica: str
