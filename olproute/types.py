@@ -169,6 +169,30 @@ class EngineSnapshot:
         return int(self.table.shape[0])
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class PrefixMatch:
+    """The router's estimate, for one request, of its prompt's prefix cached on each
+    instance (``PrefixIndex.match``).
+
+    ``cached_tokens[g]``: prompt tokens instance g would find cached (whole blocks, at
+    most the prompt's tokens less one, as vLLM computes a prompt's last token again);
+    ``matched_blocks[g]``: the blocks behind them; ``request_blocks``: the request's
+    full prompt blocks with a hash; ``index_blocks[g]``: the blocks the index holds for
+    instance g (how much it believes g caches)."""
+
+    cached_tokens: npt.NDArray[np.int64]
+    matched_blocks: npt.NDArray[np.int64]
+    request_blocks: int
+    index_blocks: npt.NDArray[np.int64]
+
+    @property
+    def hit_fraction(self) -> npt.NDArray[np.float64]:
+        """Per instance, the fraction of the request's hashed blocks found (0 without)."""
+        if self.request_blocks == 0:
+            return np.zeros(len(self.matched_blocks))
+        return self.matched_blocks / float(self.request_blocks)
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingContext:
     """What a policy sees when it decides for one request. ``snapshots`` is filled only
@@ -186,6 +210,9 @@ class RoutingContext:
     # requests bound for it as their decode instance whose decode has not started there
     # (in prefill or in transfer); None without pools or when empty
     inbound: tuple[npt.NDArray[np.float64] | None, ...] | None = None
+    # the router's estimate of the request's prompt prefix cached on each instance
+    # (``olproute.prefix_index``), for a request with block hashes; None without
+    prefixes: PrefixMatch | None = None
 
 
 class Explanation(Mapping[str, tuple[float, ...]]):

@@ -37,8 +37,8 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # the package's own __init__ (exactly), and the messages every layer speaks
     (("=olproute", "olproute.types"),),
     # running independent calls in worker processes or as Ray tasks (imports nothing of
-    # the package)
-    (("olproute.executors",),),
+    # the package) | the router's index of where prompt prefixes were sent
+    (("olproute.executors",), ("olproute.prefix_index",)),
     # the compiled kernels (batch formation and its Python twin, with vLLM's block pool as
     # the twin of its prefix cache; a decision's arithmetic, whose twin is
     # reward.score_reference; the prompt featuriser; LightGBM's single-row calls)

@@ -34,7 +34,7 @@ import heapq
 import math
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 from olproute.disagg import Pools, decode_admission
 from olproute.policies.base import Policy
+from olproute.prefix_index import PrefixIndex
 from olproute.sim.engine import BATCH_LOG_COLUMNS, FINISHED, FIRST_TOKEN, BatchTimer, SimEngine
 from olproute.sim.replicas import Replicas, Sync, replica_of
 from olproute.sim.snapshots import SnapshotFeed
@@ -210,6 +211,8 @@ class _Router:
     policy: Policy
     held: dict[int, None] = field(default_factory=dict)
     release_at: float | None = None
+    # where it sent prompt prefixes (built when a request with block hashes comes)
+    prefixes: PrefixIndex | None = None
 
 
 class _Run:
@@ -404,16 +407,27 @@ class _Run:
 
     # -- what the events do ---------------------------------------------------------------
     def _context(self, now: float, req: Request, k: int) -> RoutingContext:
-        """What router k sees when it decides ``req`` now."""
+        """What router k sees when it decides ``req`` now (with a request with block
+        hashes, its prefix as router k's index finds it on each instance)."""
+        prefixes = None if req.block_hashes is None else self._index(k).match(
+            req.block_hashes, req.prompt_tokens)
         if self.replicas is not None:
-            return self.replicas.context(now, req, k)
+            ctx = self.replicas.context(now, req, k)
+            return ctx if prefixes is None else replace(ctx, prefixes=prefixes)
         c = self.cluster
         snaps, pending = c.feed.view(now) if c.needs_snapshots else (None, None)
         return RoutingContext(
             request=req, now_s=now, specs=c.specs,
             instances=tuple(e.load(self.outstanding[e.index]) for e in self.engines),
             snapshots=snaps, pending=pending,
-            inbound=_rows(self.inbound) if c.pools.disaggregated else None)
+            inbound=_rows(self.inbound) if c.pools.disaggregated else None,
+            prefixes=prefixes)
+
+    def _index(self, k: int) -> PrefixIndex:
+        router = self.routers[k]
+        if router.prefixes is None:
+            router.prefixes = PrefixIndex(self.cluster.specs)
+        return router.prefixes
 
     def _dispatch(self, now: float, rid: int, decision: Decision) -> None:
         c, rec, req = self.cluster, self.rec, self.requests[rid]
@@ -423,6 +437,8 @@ class _Run:
             raise ValueError(f"policy chose instance {g}, out of range")
         rec.instance[rid] = g
         rec.dispatch_s[rid] = now
+        if req.block_hashes is not None:
+            self._index(replica_of(rid, len(self.routers))).routed(g, req.block_hashes)
         self.outstanding[g] += 1
         model = c.specs[g].model
         predicted = req.predicted_decode_tokens_for(model)

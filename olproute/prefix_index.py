@@ -1,0 +1,119 @@
+"""The router's view of where prompt prefixes live: an approximate per-instance index of
+the block hashes it has routed there, as SGLang's gateway (an approximate radix tree per
+worker) and llm-d's prefix scorer (an LRU of block hashes per pod) keep one.
+
+The router never sees an engine's cache. It records, for each instance, the block hashes
+of the prompts it sent there, most recently routed last, and forgets the least recently
+routed once an instance holds more than its cache has blocks (``num_kv_blocks``): the
+cache's own eviction is least recently freed first, which routing order approximates.
+The index errs both ways: it counts blocks the engine has evicted early (its running
+requests take blocks the index does not count) and misses blocks of requests another
+router replica sent there.
+
+A request's hashes are recorded last block first, so a prompt's first block is the most
+recent of its chain. Every later touch of a block comes from a prompt with the same
+prefix (a chained hash names its whole prefix), which touches the blocks before it after
+it; so a block is never older than the ones after it, and what is indexed of a chain is
+always a prefix of it. ``match`` finds the longest indexed prefix by bisection.
+
+Where a backend publishes its cache's events (vLLM's KV-events stream: BlockStored /
+BlockRemoved / AllBlocksCleared per engine, over ZMQ), an exact view would replace
+``routed`` and the LRU ageing with ``stored`` / ``removed`` calls from a subscriber per
+backend; ``match`` and what the policies read would stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from olproute.types import InstanceSpec, PrefixMatch
+
+IntArray = npt.NDArray[np.int64]
+
+
+class PrefixIndex:
+    """Per instance, an LRU set of the block hashes routed there, bounded by the
+    instance's KV blocks (``capacity``; default each spec's ``num_kv_blocks``). Instances
+    without prefix caching index nothing and match nothing."""
+
+    __slots__ = ("_blocks", "block_size", "capacity", "enabled")
+
+    def __init__(self, specs: Sequence[InstanceSpec],
+                 capacity: Sequence[int] | None = None) -> None:
+        sizes = {s.block_size for s in specs}
+        if len(sizes) > 1:
+            raise ValueError(f"the prefix index needs one block size, the instances have "
+                             f"{sorted(sizes)}")
+        self.block_size = sizes.pop() if sizes else 16
+        cap = [s.num_kv_blocks for s in specs] if capacity is None else list(capacity)
+        if len(cap) != len(specs) or any(c < 0 for c in cap):
+            raise ValueError("capacity needs one non-negative count per instance")
+        self.capacity = tuple(int(c) for c in cap)
+        self.enabled = tuple(s.enable_prefix_caching for s in specs)
+        self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in specs]
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def sizes(self) -> IntArray:
+        """Blocks indexed per instance."""
+        return np.fromiter((len(b) for b in self._blocks), dtype=np.int64,
+                           count=len(self._blocks))
+
+    def match(self, hashes: IntArray | None, prompt_tokens: int) -> PrefixMatch:
+        """The longest indexed prefix of ``hashes`` on every instance, in blocks and in
+        tokens (at most ``prompt_tokens - 1``, in whole blocks). Reading does not
+        refresh anything: only routing does."""
+        G = len(self._blocks)
+        matched = np.zeros(G, dtype=np.int64)
+        n = 0 if hashes is None else min(len(hashes), max(prompt_tokens - 1, 0)
+                                         // self.block_size)
+        if n > 0:
+            assert hashes is not None
+            keys = hashes[:n].tolist()
+            for g, blocks in enumerate(self._blocks):
+                if blocks and keys[0] in blocks:
+                    matched[g] = _longest(blocks, keys)
+        return PrefixMatch(cached_tokens=matched * self.block_size, matched_blocks=matched,
+                           request_blocks=0 if hashes is None else len(hashes),
+                           index_blocks=self.sizes())
+
+    def routed(self, g: int, hashes: IntArray | None) -> None:
+        """A request with these block hashes went to instance g: its blocks become g's
+        most recent (the first block most of all), and g forgets its least recent blocks
+        beyond its capacity."""
+        if hashes is None or len(hashes) == 0 or not self.enabled[g]:
+            return
+        blocks = self._blocks[g]
+        cap = self.capacity[g]
+        for h in reversed(hashes.tolist()):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        while len(blocks) > cap:
+            blocks.popitem(last=False)
+
+    def clear(self, g: int) -> None:
+        """Instance g lost its cache (it restarted, or was marked down)."""
+        self._blocks[g].clear()
+
+
+def _longest(blocks: OrderedDict[int, None], keys: list[int]) -> int:
+    """How many of ``keys`` from the front are in ``blocks``, given that what is there
+    is a prefix of them (``keys[0]`` is)."""
+    lo, hi = 1, len(keys)      # keys[:lo] are in; keys[hi:] are not known to be
+    if keys[hi - 1] in blocks:
+        return hi
+    hi -= 1
+    while lo < hi:             # keys[lo - 1] in, keys[hi] out
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] in blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
