@@ -82,7 +82,7 @@ def replay_ttft(
     now_s: float,
     extras: list[npt.NDArray[np.float64] | None] | None = ...,
     max_batches: int = ...,
-    loads: npt.NDArray[np.float64] | None = ...,
+    new_cached: _IntArray | None = ...,
 ) -> npt.NDArray[np.float64]: ...
 
 def replay_ttft_many(
@@ -95,4 +95,5 @@ def replay_ttft_many(
     extras: list[npt.NDArray[np.float64] | None] | None = ...,
     max_batches: int = ...,
     loads: npt.NDArray[np.float64] | None = ...,
+    new_cached: _IntArray | None = ...,
 ) -> npt.NDArray[np.float64]: ...

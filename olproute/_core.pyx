@@ -753,7 +753,9 @@ cdef class BatchCore:
         num_free_blocks, inflight). ``table`` rows are running then waiting requests with
         columns prompt, output, predicted (from predicted_by_slot), computed, blocks;
         ``ids`` maps rows through id_by_slot; ``inflight`` rows are (table row, tokens)
-        of the batch scheduled and not yet committed."""
+        of the batch scheduled and not yet committed. A waiting request with nothing
+        computed counts as computed the prefix it would find cached if admitted now
+        (looked up without touching the cache; it holds no block yet)."""
         cdef int64_t n = self.e.n_running + self.e.n_waiting
         cdef int64_t m = self.e.n_sched
         table_np = np.empty((n, 5), dtype=np.int64)
@@ -762,7 +764,8 @@ cdef class BatchCore:
         cdef int64_t[:, ::1] table = table_np
         cdef int64_t[::1] slots = slots_np
         cdef int64_t[:, ::1] inflight = inflight_np
-        cdef int64_t r, s, k, j
+        cdef int64_t r, s, k, j, evictable = 0
+        cdef bint cache = _cache_active(&self.e)
         if predicted_by_slot.shape[0] < self.capacity or id_by_slot.shape[0] < self.capacity:
             raise ValueError("predicted_by_slot and id_by_slot must cover the slot table")
         for r in range(n):
@@ -773,6 +776,11 @@ cdef class BatchCore:
             table[r, 2] = predicted_by_slot[s]
             table[r, 3] = self.e.num_computed[s]
             table[r, 4] = self.e.num_blocks[s]
+            if (cache and r >= self.e.n_running and self.e.num_computed[s] == 0
+                    and self.pc.num_hashes[s] > 0):
+                table[r, 3] = self.e.block_size * _lookup(
+                    &self.pc, s, (self.e.num_prompt[s] + self.e.num_output[s] - 1)
+                    // self.e.block_size, &evictable)
         for k in range(m):
             s = self.e.sched_slot[k]
             inflight[k, 1] = self.e.sched_tokens[k]
@@ -834,7 +842,9 @@ cdef int64_t* _replay_setup(
         e.num_prompt[r] = <int64_t>extras[k, 0]
         e.num_output[r] = 0
         e.max_output[r] = <int64_t>extras[k, 1] if extras[k, 1] >= 1.0 else 1
-        e.num_computed[r] = 0
+        # a fourth column: its prompt tokens the router expects cached there
+        e.num_computed[r] = _cached_of(<int64_t>extras[k, 3], e.num_prompt[r]) if (
+            extras.shape[1] > 3) else 0
         e.num_blocks[r] = 0
         e.num_preempt[r] = 0
     e.n_running = num_running
@@ -904,18 +914,27 @@ cdef double _replay_to_now(
     return t
 
 
+cdef inline int64_t _cached_of(int64_t cached, int64_t prompt) noexcept nogil:
+    """Prompt tokens taken as cached: within [0, prompt - 1] (the last one is computed)."""
+    if cached >= prompt:
+        cached = prompt - 1
+    return cached if cached > 0 else 0
+
+
 cdef void _replay_new(Engine* e, int64_t new_slot, int64_t new_prompt, int64_t new_decode,
-                      double t, const double* beta, double now_s, int64_t max_batches,
-                      double* out) noexcept nogil:
-    """Stage 3: the new request joins the back of the queue (slot ``new_slot``); batches
-    run until its first token. out = (ttft from now, wait before its first chunk,
-    batches replayed), inf for both times if the first token is not reached."""
+                      int64_t new_cached, double t, const double* beta, double now_s,
+                      int64_t max_batches, double* out) noexcept nogil:
+    """Stage 3: the new request joins the back of the queue (slot ``new_slot``), its
+    first ``new_cached`` prompt tokens cached (computed: its prefill is the rest; it
+    still takes blocks for all of them, as if the cached blocks sat in the free queue);
+    batches run until its first token. out = (ttft from now, wait before its first
+    chunk, batches replayed), inf for both times if the first token is not reached."""
     cdef int64_t k, nb = 0
     cdef double dur, wait = -1.0
     e.num_prompt[new_slot] = new_prompt
     e.num_output[new_slot] = 0
     e.max_output[new_slot] = new_decode if new_decode > 0 else 1
-    e.num_computed[new_slot] = 0
+    e.num_computed[new_slot] = _cached_of(new_cached, new_prompt)
     e.num_blocks[new_slot] = 0
     e.num_preempt[new_slot] = 0
     e.waiting[e.n_waiting] = new_slot
@@ -947,12 +966,13 @@ cdef int _replay_one(
     double snap_time_s,
     const double[:, ::1] extras, int64_t total_blocks, int64_t block_size,
     int64_t max_num_seqs, int64_t token_budget, const double* beta,
-    const int64_t* new_prompt, const int64_t* new_decode, int64_t n_new,
-    int64_t decode_stride, double now_s, int64_t max_batches, double* out,
+    const int64_t* new_prompt, const int64_t* new_decode, const int64_t* new_cached,
+    int64_t n_new, int64_t decode_stride, double now_s, int64_t max_batches, double* out,
     int64_t out_stride) noexcept nogil:
     """Replay one instance until each new request's first token, each alone behind the
     queue: stages 1 and 2 (``_replay_to_now``) once, then stage 3 (``_replay_new``) per
-    new request i from a copy of that state; out[i * out_stride] = (ttft, wait, n)."""
+    new request i from a copy of that state; out[i * out_stride] = (ttft, wait, n).
+    ``new_cached[i * decode_stride]``: its cached prompt tokens (NULL: none)."""
     cdef int64_t n = n_res + extras.shape[0] + 1
     cdef size_t size = <size_t>(n * 15 + 8) * sizeof(int64_t)
     cdef int64_t i
@@ -976,8 +996,9 @@ cdef int _replay_one(
         if i > 0:
             memcpy(buf, copy, size)
             e = saved
-        _replay_new(&e, n - 1, new_prompt[i], new_decode[i * decode_stride], t, beta, now_s,
-                    max_batches, out + i * out_stride)
+        _replay_new(&e, n - 1, new_prompt[i], new_decode[i * decode_stride],
+                    0 if new_cached == NULL else new_cached[i * decode_stride], t, beta,
+                    now_s, max_batches, out + i * out_stride)
     free(copy)
     free(buf)
     return 0
@@ -1003,7 +1024,7 @@ cdef inline cnp.ndarray _int_rows(object a, Py_ssize_t columns, Py_ssize_t g, st
 
 def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::1] beta,
                 int64_t new_prompt, const int64_t[::1] new_decode, double now_s,
-                list extras=None, int64_t max_batches=200000):
+                list extras=None, int64_t max_batches=200000, new_cached=None):
     """BEA replay for every instance of one decision, in one call.
 
     ``snapshots[g]`` is an EngineSnapshot; ``limits[g]`` = (num_kv_blocks, block_size,
@@ -1011,29 +1032,34 @@ def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::
     ``new_decode[g]`` the new request's predicted output tokens on instance g;
     ``extras[g]`` (optional) a float64 (k, 3) array of (prompt, predicted output,
     dispatch time) of requests the router dispatched to g after the snapshot, in
-    dispatch order. Returns float64 (G, 3):
+    dispatch order, with a fourth column (optional) of their prompt tokens expected
+    cached there; ``new_cached[g]`` (optional, int64) the new request's prompt tokens
+    cached on instance g (its prefill computes the rest). Returns float64 (G, 3):
     TTFT seconds from now, waiting seconds before its first prefill chunk, batches
     replayed (inf TTFT if the first token is not reached within max_batches)."""
     cdef Py_ssize_t G = len(snapshots)
     if new_decode.shape[0] != G:
         raise ValueError("limits, beta and new_decode need one row per snapshot")
     prompts = np.array([new_prompt], dtype=np.int64)
+    cached = None if new_cached is None else np.asarray(new_cached).reshape(1, G)
     out = replay_ttft_many(snapshots, limits, beta, prompts,
-                           np.asarray(new_decode).reshape(1, G), now_s, extras, max_batches)
+                           np.asarray(new_decode).reshape(1, G), now_s, extras, max_batches,
+                           new_cached=cached)
     return out[0]
 
 
 def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[:, ::1] beta,
                      const int64_t[::1] new_prompts, const int64_t[:, ::1] new_decode,
                      double now_s, list extras=None, int64_t max_batches=200000,
-                     double[:, ::1] loads=None):
+                     double[:, ::1] loads=None, const int64_t[:, ::1] new_cached=None):
     """``replay_ttft`` for N new requests at once, each alone behind each instance's
     queue (as if it were the only one to join): each instance is replayed up to now once
     and then once per new request from a copy of that state. ``new_prompts`` is (N,),
     ``new_decode`` (N, G). Returns float64 (N, G, 3). With ``loads`` (G, 2), also writes
     each instance's decode load as ``bea.decode_step_times_s`` counts it from the same
     snapshot table: (residents counted, the sum of their contexts), the first
-    ``max_num_seqs - 1`` rows (what ``_score.Scorer`` reads; N >= 1)."""
+    ``max_num_seqs - 1`` rows (what ``_score.Scorer`` reads; N >= 1). ``new_cached``
+    (N, G), optional: each new request's prompt tokens cached on each instance."""
     cdef Py_ssize_t G = len(snapshots)
     cdef Py_ssize_t N = new_prompts.shape[0]
     if limits.shape[0] != G or beta.shape[0] != G or new_decode.shape[1] != G:
@@ -1046,6 +1072,8 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
         raise ValueError("extras needs one entry per snapshot")
     if loads is not None and (loads.shape[0] != G or loads.shape[1] != 2):
         raise ValueError("loads needs shape (G, 2)")
+    if new_cached is not None and (new_cached.shape[0] != N or new_cached.shape[1] != G):
+        raise ValueError("new_cached needs shape (N, G), as new_decode")
     out_np = np.empty((N, G, 3), dtype=np.float64)
     if N == 0:
         return out_np
@@ -1088,8 +1116,9 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
             extra = no_extras
         else:
             extra = ex
-        if extra.shape[1] != 3:
-            raise ValueError(f"extras[{g}] needs 3 columns (prompt, decode, dispatch time)")
+        if extra.shape[1] != 3 and extra.shape[1] != 4:
+            raise ValueError(f"extras[{g}] needs 3 columns (prompt, decode, dispatch time) "
+                             "or 4 (and cached prompt tokens)")
         if n_free > limits[g, 0] or n_running > n_rows:
             raise ValueError(f"snapshot {g} is inconsistent with the instance limits")
         flights = <const int64_t*>cnp.PyArray_DATA(inflight)
@@ -1103,8 +1132,9 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
         rc = _replay_one(rows, n_rows, n_running, n_free, flights,
                          cnp.PyArray_DIM(inflight, 0), start_s, snap_s, extra, limits[g, 0],
                          limits[g, 1], limits[g, 2], limits[g, 3], &beta[g, 0],
-                         &new_prompts[0], &new_decode[0, g], N, G, now_s, max_batches,
-                         &out[0, g, 0], 3 * G)
+                         &new_prompts[0], &new_decode[0, g],
+                         NULL if new_cached is None else &new_cached[0, g], N, G, now_s,
+                         max_batches, &out[0, g, 0], 3 * G)
         if rc != 0:
             raise MemoryError("replay scratch allocation failed")
     return out_np

@@ -110,18 +110,22 @@ class BeaEstimator:
     def estimate(self, ctx: RoutingContext,
                  predicted_decode: IntArray | None = None) -> TtftEstimate:
         many = self.estimate_many(ctx, np.array([ctx.request.prompt_tokens]),
-                                  _new_decode(ctx, predicted_decode)[None, :])
+                                  _new_decode(ctx, predicted_decode)[None, :],
+                                  cached=cached_rows(ctx))
         return TtftEstimate(ttft_s=many.ttft_s[0], wait_s=many.wait_s[0],
                             prefill_s=many.prefill_s[0])
 
     def estimate_many(self, ctx: RoutingContext, prompts: IntArray,
                       predicted_decode: IntArray,
-                      instances: IntArray | None = None) -> TtftEstimate:
+                      instances: IntArray | None = None,
+                      cached: IntArray | None = None) -> TtftEstimate:
         """``estimate`` for N requests at once (prompts (N,), predicted outputs (N, G)),
         each as if it alone joined now: (N, G) arrays. Each instance is replayed up to
         now once for all of them. With ``instances`` (d indices), only those are
-        replayed: ``predicted_decode`` and the result are (N, d), in their order."""
-        out = self._replay(ctx, prompts, predicted_decode, instances)
+        replayed: ``predicted_decode`` and the result are (N, d), in their order.
+        ``cached`` (as ``predicted_decode``): each one's prompt tokens cached on each
+        instance, which its replayed prefill skips (``cached_rows``)."""
+        out = self._replay(ctx, prompts, predicted_decode, instances, cached=cached)
         ttft, wait = out[..., 0], out[..., 1]
         # a request that never starts there has inf for both: its prefill time is inf too
         prefill = np.subtract(ttft, wait, out=np.full_like(ttft, np.inf),
@@ -130,16 +134,18 @@ class BeaEstimator:
 
     def ttft_many(self, ctx: RoutingContext, prompts: IntArray, predicted_decode: IntArray,
                   instances: IntArray | None = None,
-                  loads: FloatArray | None = None) -> FloatArray:
+                  loads: FloatArray | None = None,
+                  cached: IntArray | None = None) -> FloatArray:
         """``estimate_many``'s TTFT alone (a strided view), for the request path; with
         ``loads`` (G or d, 2), each replayed instance's decode load from the same pass
         (``replay_ttft_many``)."""
         result: FloatArray = self._replay(ctx, prompts, predicted_decode, instances,
-                                          loads)[..., 0]
+                                          loads, cached)[..., 0]
         return result
 
     def _replay(self, ctx: RoutingContext, prompts: IntArray, predicted_decode: IntArray,
-                instances: IntArray | None, loads: FloatArray | None = None) -> FloatArray:
+                instances: IntArray | None, loads: FloatArray | None = None,
+                cached: IntArray | None = None) -> FloatArray:
         """``replay_ttft_many``'s (N, G or d, 3) for ``estimate_many``."""
         snaps = _require_snapshots(ctx, self.name)
         pending = None if ctx.pending is None else list(ctx.pending)
@@ -154,11 +160,23 @@ class BeaEstimator:
         out = replay_ttft_many(replayed, limits, beta,
                                np.ascontiguousarray(prompts, dtype=np.int64),
                                np.ascontiguousarray(predicted_decode, dtype=np.int64),
-                               ctx.now_s, pending, self._max_batches, loads)
+                               ctx.now_s, pending, self._max_batches, loads,
+                               None if cached is None
+                               else np.ascontiguousarray(cached, dtype=np.int64))
         return out
 
     def observe_dispatch(self, instance: int, now_s: float) -> None:
         """Dispatches reach the replay through the snapshot and ctx.pending."""
+
+
+def cached_rows(ctx: RoutingContext, instances: IntArray | None = None) -> IntArray | None:
+    """The request's prompt tokens the router expects cached on each instance (or on
+    ``instances``), as one row (1, G or d) for ``estimate_many``; None without block
+    hashes."""
+    if ctx.prefixes is None:
+        return None
+    cached = ctx.prefixes.cached_tokens
+    return (cached if instances is None else cached[instances])[None, :]
 
 
 def remaining_prefill_tokens(snap: EngineSnapshot) -> IntArray:

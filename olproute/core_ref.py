@@ -337,6 +337,11 @@ class ReferenceCore:
         table = np.array(
             [(self._prompt[s], self._output[s], int(predicted_by_slot[s]), self._computed[s],
               self._blocks[s]) for s in slots], dtype=np.int64).reshape(len(slots), 5)
+        # a waiting request counts as computed the prefix it would find cached now
+        for r, s in enumerate(self._waiting, start=len(self._running)):
+            hits = self._lookup(s)
+            if hits:
+                table[r, 3] = len(hits) * self.block_size
         inflight = np.array([(self._running.index(s), new) for s, new, _c, _d in self._batch],
                             dtype=np.int64).reshape(len(self._batch), 2)
         return (table, id_by_slot[np.array(slots, dtype=np.int64)], len(self._running),
@@ -422,19 +427,24 @@ def replay_ttft_reference(
     now_s: float,
     extras: npt.NDArray[np.float64] | None = None,
     max_batches: int = 200_000,
+    new_cached: int = 0,
 ) -> tuple[float, float, int]:
     """Plain-Python twin of ``_core.replay_ttft`` for one instance: (ttft, wait, batches).
 
     Same steps: the in-flight batch completes; a stale snapshot is replayed up to now
     without the new request, the router's later dispatches (prompt, decode, dispatch
-    time) joining the queue at their dispatch times; then the new request."""
+    time, and optionally their cached prompt tokens) joining the queue at their dispatch
+    times; then the new request, its first ``new_cached`` prompt tokens computed (at most
+    all but its last)."""
     total, block_size, max_num_seqs, budget = limits
-    ex = [] if extras is None else [(int(p), max(int(d), 1), float(t)) for p, d, t in extras]
+    ex = [] if extras is None else [
+        (int(e[0]), max(int(e[1]), 1), float(e[2]),
+         min(max(int(e[3]), 0), int(e[0]) - 1) if len(e) > 3 else 0) for e in extras]
     core = ReferenceCore(total, block_size, max_num_seqs, budget,
                          capacity=table.shape[0] + len(ex) + 1, prefix_caching=False)
     rows = [(int(r[0]), int(r[1]), int(r[2]) if r[2] > r[1] else int(r[1]) + 1,
              int(r[3]), int(r[4])) for r in table]
-    rows += [(p, 0, d, 0, 0) for p, d, _t in ex]
+    rows += [(p, 0, d, c, 0) for p, d, _t, c in ex]
     for s, (prompt, out, mx, computed, blocks) in enumerate(rows):
         core._prompt[s], core._output[s], core._max_output[s] = prompt, out, mx
         core._computed[s], core._blocks[s] = computed, blocks
@@ -471,7 +481,8 @@ def replay_ttft_reference(
     new_slot = len(rows)
     core._prompt[new_slot], core._output[new_slot] = new_prompt, 0
     core._max_output[new_slot] = max(new_decode, 1)
-    core._computed[new_slot] = core._blocks[new_slot] = 0
+    core._computed[new_slot] = min(max(new_cached, 0), new_prompt - 1)
+    core._blocks[new_slot] = 0
     core._waiting.append(new_slot)
     wait = -1.0
     n = 0

@@ -140,13 +140,21 @@ def _program_snapshot(p: dict) -> EngineSnapshot:  # type: ignore[type-arg]
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(p=snapshot_programs)
-def test_compiled_replay_matches_python_reference(p: dict) -> None:  # type: ignore[type-arg]
+@given(p=snapshot_programs, hits=st.none() | st.lists(st.integers(0, 220), min_size=4,
+                                                      max_size=4))
+def test_compiled_replay_matches_python_reference(p: dict,  # type: ignore[type-arg]
+                                                  hits: list[int] | None) -> None:
+    """Also with cached prompt tokens (``hits``: the new request's, then its later
+    dispatches' as a fourth column), past their prompts too (cut at all but the last)."""
     snap = _program_snapshot(p)
     table, n_run, free, inflight = snap.table, snap.num_running, snap.num_free_blocks, \
         snap.inflight
     ext = sorted(p["extras"], key=lambda e: e[2])
     extras = np.array(ext, dtype=np.float64).reshape(len(ext), 3)
+    cached = 0
+    if hits is not None:
+        cached = hits[0]
+        extras = np.column_stack([extras, np.array(hits[1:1 + len(ext)], dtype=np.float64)])
     limits = np.array([[p["blocks"], p["block"], p["seqs"], p["budget"]]], dtype=np.int64)
     beta = np.array([BETA])
     prompt, decode = p["new"]
@@ -154,10 +162,11 @@ def test_compiled_replay_matches_python_reference(p: dict) -> None:  # type: ign
         return
     now = 1.0 + p["age"]
     fast = replay_ttft([snap], limits, beta, prompt, np.array([decode], dtype=np.int64), now,
-                       [extras])[0]
+                       [extras], new_cached=None if hits is None
+                       else np.array([cached], dtype=np.int64))[0]
     ref = replay_ttft_reference(table, n_run, free, inflight, 0.999, 1.0,
                                 (p["blocks"], p["block"], p["seqs"], p["budget"]),
-                                list(BETA), prompt, decode, now, extras)
+                                list(BETA), prompt, decode, now, extras, new_cached=cached)
     assert fast[0] == ref[0] and fast[1] == ref[1] and int(fast[2]) == ref[2]
 
 

@@ -35,7 +35,10 @@ class Chains:
 
 def _state(core: Core) -> tuple[object, ...]:
     slots = range(core.capacity)
-    return (core.running().tolist(), core.waiting().tolist(), core.num_free_blocks,
+    by_slot = np.arange(core.capacity, dtype=np.int64)
+    table, ids, num_running, free, _inflight = core.snapshot(by_slot, by_slot)
+    return ((table.tolist(), ids.tolist(), num_running, free),
+            core.running().tolist(), core.waiting().tolist(), core.num_free_blocks,
             [core.request(s) for s in slots], [core.prefix_state(s) for s in slots],
             core.free_queue(), core.cache_contents(), core.prefix_cache_queries,
             core.prefix_cache_hits, core.num_cached_blocks, core.num_evictable_blocks)
