@@ -87,22 +87,28 @@ cdef class Scorer:
               const double[::1] prompt, const double[:, :] decode,
               const double[:, :] utility, const double[:, :] ttft,
               const double[::1] waited, const double[::1] target,
-              const double[:, :, ::1] pp, int64_t shift):
+              const double[:, :, ::1] pp, int64_t shift, const double[:, :] cached=None):
         """N requests on the d instances ``idx`` of the G: ``prompt``, ``waited`` and
         ``target`` (N,); ``decode``, ``utility`` (weight omega not applied) and ``ttft``
         (N, d) in the order of ``idx``; ``loads`` (d, 2), each instance's residents
         counted and their contexts' sum as ``bea.decode_step_times_s`` counts them
         (``replay_ttft_many`` writes them in its pass); the price prefix sums packed
         (``reward.pack_prefix``: P0 of the three rows, P1 of KV), (G, H + 1, 4), whose slot
-        0 is ``shift`` slots before now. Returns (F (16, N, G) float64 by ``F_*``,
+        0 is ``shift`` slots before now; ``cached`` (N, d), optional: each request's
+        prompt tokens cached on each instance (its prefix-cache hit), which its prefill
+        work (compute column) and its KV column leave out: the cache holds those blocks
+        whether or not the request goes there. Returns (F (16, N, G) float64 by ``F_*``,
         I (4, N, G) int64 by ``I_*``, on_time (N, G) bool)."""
         cdef Py_ssize_t G = self.beta.shape[0]
         _check_idx(idx, G)
         if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:
             raise ValueError("loads needs shape (len(idx), 2)")
+        if cached is not None and (cached.shape[0] != prompt.shape[0]
+                                   or cached.shape[1] != idx.shape[0]):
+            raise ValueError("cached needs shape (N, len(idx))")
         return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,
                       waited, target, self.batch_cap, self.kv_cap, self.budget,
-                      self.slot_s, self.horizon, self.w, pp, shift, idx, G)
+                      self.slot_s, self.horizon, self.w, pp, shift, idx, G, cached)
 
 
 cdef void _check_instances(const double[:, ::1] beta, const double[::1] batch_cap,
@@ -129,7 +135,8 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
                   const double[::1] target, const double[::1] batch_cap,
                   const double[::1] kv_cap, const double[::1] budget, double slot_s,
                   int64_t horizon, const double[::1] w, const double[:, :, ::1] pp,
-                  int64_t shift, const int64_t[::1] idx, Py_ssize_t num_instances):
+                  int64_t shift, const int64_t[::1] idx, Py_ssize_t num_instances,
+                  const double[:, :] cached):
     cdef Py_ssize_t N = prompt.shape[0]
     cdef Py_ssize_t d = idx.shape[0]
     cdef Py_ssize_t G = num_instances
@@ -172,7 +179,8 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
     cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]
     cdef double s, o, t, tp, tw, kv_a, kv_b, ca, work, qps, thr, eel_saved, ttft_saved
     cdef double eel_slo, ttft_slo, util, reward, decode_in_h, tokens, eel, t2, price
-    cdef double fin, batch_a
+    cdef double fin, batch_a, fresh
+    cdef bint has_cached = cached is not None
     cdef int64_t k0, end, n_slots, ps, pe, kw, dw, kept, s0, e0, ps0, pe0
     for k in range(d):
         g = idx[k]
@@ -189,8 +197,10 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
             end = k0 + _decode_slots(o, tp, slot_s, horizon)
             if end > horizon:
                 end = horizon
+            # the prompt tokens it computes (and whose KV it adds): its cached prefix left out
+            fresh = s - cached[j, k] if has_cached else s
             # reward.prefill_span
-            work = s / budget[g]
+            work = fresh / budget[g]
             n_slots = _slots(work, horizon)
             if k0 >= horizon:
                 pe = horizon
@@ -208,7 +218,7 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
             ca = work / kept
             if ca > 1.0:
                 ca = 1.0
-            kv_a = (s + 1.0) / kv_cap[g]
+            kv_a = (fresh + 1.0) / kv_cap[g]
             kv_b = (slot_s / tp) / kv_cap[g]
             # reward.reward_terms (TTFT from the arrival)
             tw = t + waited[j]

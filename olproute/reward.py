@@ -471,7 +471,8 @@ def score_reference(prompt: FloatArray, decode: FloatArray, utility: FloatArray,
                     beta: FloatArray, waited: FloatArray, target: FloatArray,
                     batch_cap: FloatArray, kv_cap: FloatArray, budget: FloatArray,
                     slot_s: float, horizon: int, w: RewardConfig, p0: FloatArray,
-                    p1: FloatArray, shift: int, idx: IntArray, num_instances: int
+                    p1: FloatArray, shift: int, idx: IntArray, num_instances: int,
+                    cached: FloatArray | None = None
                     ) -> tuple[FloatArray, IntArray, npt.NDArray[np.bool_]]:
     """The NumPy twin of ``_score.Scorer.score`` (its bound constants and its loads as
     arguments, the weights as a ``RewardConfig``; the same results for finite inputs),
@@ -483,8 +484,9 @@ def score_reference(prompt: FloatArray, decode: FloatArray, utility: FloatArray,
     n = prompt.shape[0]
     s = prompt[:, None]
     tpot = decode_step_time(beta[idx], num_resident, resident_context, prompt)
-    cols = usage_columns(s, decode, ttft, tpot, batch_cap[idx], kv_cap[idx], budget[idx],
-                         slot_s, horizon)
+    fresh = s if cached is None else s - cached   # the prompt tokens it computes
+    cols = usage_columns(fresh, decode, ttft, tpot, batch_cap[idx], kv_cap[idx],
+                         budget[idx], slot_s, horizon)
     out = Outlook(decode, utility, np.zeros_like(utility))
     terms = reward_terms(s, target[:, None], out, ttft, tpot, w.model_copy(
         update={"cost_lambda": 0.0}), slot_s, horizon, waited_s=waited[:, None])

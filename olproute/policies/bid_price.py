@@ -95,6 +95,7 @@ from olproute.types import (
     Explanation,
     InstanceSpec,
     Outcome,
+    PrefixMatch,
     Request,
     RoutingContext,
 )
@@ -247,13 +248,16 @@ class BidPrice(Policy):
         self._free_time_s = 0.0
 
     def _score(self, ctx: RoutingContext, requests: Sequence[Request],
-               instances: npt.NDArray[np.int64] | None = None) -> _Scores:
+               instances: npt.NDArray[np.int64] | None = None,
+               prefixes: Sequence[PrefixMatch | None] | None = None) -> _Scores:
         """Every figure a decision reads, for N requests deciding on the same context,
         each as if it alone joined now: (N, G) arrays, from one BEA call and one call of
         the compiled kernel (``_score.Scorer``, with this policy's constants bound; its
         twin is ``reward.score_reference``). With ``instances``,
         only those are estimated and scored; the others read as never started there
-        (``complete`` is then False)."""
+        (``complete`` is then False). ``prefixes``: each request's prefix as the router
+        finds it cached (default: the context's, for its own request alone); the replay
+        prefills only the rest, and the compute and KV columns leave it out."""
         snaps = ctx.snapshots
         if snaps is None:
             raise ValueError("bid_price needs instance snapshots in the context")
@@ -265,14 +269,17 @@ class BidPrice(Policy):
         if not complete:
             decode, utility = decode[:, idx], utility[:, idx]
         prompt = np.array([r.prompt_tokens for r in requests], dtype=np.int64)
+        cached = _cached(ctx, requests, prefixes, idx)
         loads = np.empty((idx.shape[0], 2))
         ttft = self._bea.ttft_many(ctx, prompt, np.rint(decode).astype(np.int64),
-                                   None if complete else idx, loads)
+                                   None if complete else idx, loads, cached)
         waited = np.array([ctx.now_s - r.arrival_s for r in requests])
         target = np.array([r.ttft_target_s for r in requests])
         f, i, on_time = self._scorer.score(loads, idx, prompt.astype(np.float64),
                                            decode, utility, ttft, waited, target,
-                                           *self.book.prefix(ctx.now_s))
+                                           *self.book.prefix(ctx.now_s),
+                                           None if cached is None
+                                           else cached.astype(np.float64))
         cols = Columns(start=i[I_START], end=i[I_END], batch_a=self._batch_a,
                        kv_a=f[F_KV_A], kv_b=f[F_KV_B], pre_start=i[I_PRE_START],
                        pre_end=i[I_PRE_END], compute_a=f[F_COMPUTE_A])
@@ -312,10 +319,13 @@ class BidPrice(Policy):
             yield from super().decide_held(requests, context)
             return
         ctx = context(requests[0])
-        sc = self._score(ctx, requests)
+        # each request's own prefix (the context's is the first one's)
+        prefixes = [ctx.prefixes if j == 0 or r.block_hashes is None
+                    else context(r).prefixes for j, r in enumerate(requests)]
+        sc = self._score(ctx, requests, prefixes=prefixes)
         for j, req in enumerate(requests):
             if req.request_id not in self._seen:
-                self._sample(req, sc, j, ctx)
+                self._sample(req, sc, j, replace(ctx, request=req, prefixes=prefixes[j]))
         cands = [self._candidates() for _ in requests]
         src: list[tuple[_Scores, int]] = [(sc, j) for j in range(len(requests))]
         chosen, had = (self._assign_exact(ctx, requests, src, cands)
@@ -514,8 +524,10 @@ class BidPrice(Policy):
         give). A sample prices every instance: a decision that scored a sample of them
         (``admission.candidates``) is scored again here on all of them."""
         batch: list[tuple[Request, _Row, Outlook, float]] = []
+        taken = []
         while self._unsampled:
             req, sc, j, ctx = self._unsampled.popleft()
+            taken.append((req, sc, j, ctx))
             if not sc.complete:
                 sc, j = self._score(ctx, (req,)), 0
             batch.append((req, sc.row(j), sc.outlooks[j], float(sc.waited[j])))
@@ -525,6 +537,10 @@ class BidPrice(Policy):
         out = Outlook(*(np.stack([getattr(b[2], f) for b in batch])
                         for f in ("decode_tokens", "quality", "cost_musd")))
         prompt = np.array([b[0].prompt_tokens for b in batch], dtype=np.float64)
+        # the prompt tokens each computes on each instance (its cached prefix left out)
+        fresh = prompt[:, None] - np.stack([
+            np.zeros(len(self._specs)) if ctx.prefixes is None
+            else ctx.prefixes.cached_tokens for _req, _sc, _j, ctx in taken])
         tpot = np.stack([r.tpot for r in rows])
         def stacked(f: str) -> npt.NDArray[Any]:
             return np.stack([getattr(r.cols, f) for r in rows])
@@ -537,7 +553,7 @@ class BidPrice(Policy):
                                   np.stack([r.ttft for r in rows]), tpot,
                                   np.array([b[3] for b in batch]),
                                   np.stack([r.reward for r in rows])),
-            cols, sample_extent(cols, prompt[:, None], out.decode_tokens, tpot,
+            cols, sample_extent(cols, fresh, out.decode_tokens, tpot,
                                 self._budget, self._slot_s))
 
     def _explanation(self, req: Request, sc: _Scores, j: int, score: FloatArray,
@@ -756,6 +772,22 @@ class _Starts:
     def take(self, j: int, g: int) -> None:
         self.waiting[g] += 1
         self.free[g] -= self.need[j, g]
+
+
+def _cached(ctx: RoutingContext, requests: Sequence[Request],
+            prefixes: Sequence[PrefixMatch | None] | None,
+            idx: npt.NDArray[np.int64]) -> npt.NDArray[np.int64] | None:
+    """Each request's prompt tokens cached on each instance of ``idx`` (N, d), as the
+    router's prefix index finds them; None when none has any."""
+    if prefixes is None:
+        if len(requests) != 1 or requests[0] is not ctx.request:
+            return None
+        prefixes = (ctx.prefixes,)
+    if all(p is None for p in prefixes):
+        return None
+    d = idx.shape[0]
+    return np.stack([np.zeros(d, dtype=np.int64) if p is None else p.cached_tokens[idx]
+                     for p in prefixes])
 
 
 def _rows_of(arrays: list[FloatArray]) -> FloatArray:

@@ -924,9 +924,9 @@ def test_with_candidates_only_the_sampled_instances_are_replayed_and_scored() ->
     replayed: list[int] = []
     inner = policy._bea._replay
 
-    def spy(ctx, prompts, decode, instances, loads=None):  # type: ignore[no-untyped-def]
+    def spy(ctx, prompts, decode, instances, loads=None, cached=None):  # type: ignore[no-untyped-def]
         replayed.append(len(ctx.snapshots) if instances is None else len(instances))
-        return inner(ctx, prompts, decode, instances, loads)
+        return inner(ctx, prompts, decode, instances, loads, cached)
 
     policy._bea._replay = spy  # type: ignore[method-assign]
     snaps = tuple(_snap(n_running=k) for k in range(6))

@@ -37,13 +37,14 @@ def _snapshot(rng: np.random.Generator, rows: int) -> EngineSnapshot:
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5), g=st.integers(1, 9),
        sampled=st.booleans(), shift=st.integers(0, H + 3), threshold=st.booleans(),
-       zeta=st.floats(0, 3))
+       zeta=st.floats(0, 3), hits=st.booleans())
 def test_the_kernel_gives_the_twins_numbers(seed: int, n: int, g: int, sampled: bool,
                                             shift: int, threshold: bool,
-                                            zeta: float) -> None:
+                                            zeta: float, hits: bool) -> None:
     """Random requests, instances, prices and weights (TTFTs past the horizon and
-    infinite ones included; every instance or a sample of them): every float and integer
-    output equal, and the step times equal ``decode_step_times_s``."""
+    infinite ones included; every instance or a sample of them; with or without cached
+    prefixes): every float and integer output equal, and the step times equal
+    ``decode_step_times_s``."""
     rng = np.random.default_rng(seed)
     specs = [_spec(int(rng.integers(2, 12))) for _ in range(g)]
     snaps = [_snapshot(rng, int(rng.integers(0, 14))) for _ in range(g)]
@@ -72,9 +73,11 @@ def test_the_kernel_gives_the_twins_numbers(seed: int, n: int, g: int, sampled: 
     args = (prompt, decode, utility, ttft, loads[:, 0].copy(), loads[:, 1].copy(), beta,
             waited, target, batch_cap, kv_cap, budget, SLOT, H)
     scorer = _score.Scorer(beta, batch_cap, kv_cap, budget, reward_weights(w), SLOT, H)
+    cached = (np.floor(rng.uniform(0, 1, (n, d)) * (prompt[:, None] - 1)) if hits
+              else None)
     got_f, got_i, got_on = scorer.score(loads, idx, prompt, decode, utility, ttft, waited,
-                                        target, pack_prefix(p0, p1), shift)
-    want_f, want_i, want_on = score_reference(*args, w, p0, p1, shift, idx, g)
+                                        target, pack_prefix(p0, p1), shift, cached)
+    want_f, want_i, want_on = score_reference(*args, w, p0, p1, shift, idx, g, cached)
     np.testing.assert_array_equal(got_f, want_f)
     np.testing.assert_array_equal(got_i, want_i)
     np.testing.assert_array_equal(got_on, want_on)
@@ -172,3 +175,32 @@ def test_a_nan_in_the_free_curve_never_fits() -> None:
     assert not reward.fits_under(free, col, 0, H)
     assert not _score.fits_column(free, s, e, ba, ka, kb, ps, pe, 0, H)
     assert _score.fits_column(free, s, e, ba, ka, kb, ps, pe, 10, H)   # moved past it
+
+
+def test_a_cached_prefix_leaves_the_compute_and_kv_columns_not_the_decode() -> None:
+    """The same request on one instance with and without 3000 of its 4000 prompt tokens
+    cached: its prefill work and KV column shrink to those of a 1000-token prompt, its
+    decode step time (attention reads the whole context) and reward stay."""
+    rng = np.random.default_rng(3)
+    snaps = [_snapshot(rng, 4)]
+    beta = np.array([[1e-2, 1e-4, 1e-6, 1e-6]])
+    scorer = _score.Scorer(beta, np.array([64.0]), np.array([50_000.0]), np.array([5000.0]),
+                           reward_weights(RewardConfig()), SLOT, H)
+    idx = np.arange(1, dtype=np.int64)
+    loads = _loads(snaps, [_spec(8)], idx, beta)
+    p0, p1 = price_prefix(np.zeros((1, H, 3)))
+
+    def scored(prompt: float, cached: float | None) -> tuple[np.ndarray, np.ndarray]:
+        f, i, _ = scorer.score(loads, idx, np.array([float(prompt)]), np.full((1, 1), 50.0),
+                               np.zeros((1, 1)), np.full((1, 1), 0.4), np.zeros(1),
+                               np.ones(1), pack_prefix(p0, p1), 0,
+                               None if cached is None else np.full((1, 1), float(cached)))
+        return f[:, 0, 0], i[:, 0, 0]
+
+    whole, hit, short = scored(4000, None), scored(4000, 3000), scored(1000, None)
+    for r in (_score.F_KV_A, _score.F_COMPUTE_A):
+        assert hit[0][r] == short[0][r] < whole[0][r]
+    assert (hit[1][_score.I_PRE_START], hit[1][_score.I_PRE_END]) == (
+        short[1][_score.I_PRE_START], short[1][_score.I_PRE_END])
+    assert hit[0][_score.F_TPOT] == whole[0][_score.F_TPOT] > short[0][_score.F_TPOT]
+    assert hit[0][_score.F_REWARD] == whole[0][_score.F_REWARD]
