@@ -437,8 +437,13 @@ class _Run:
             raise ValueError(f"policy chose instance {g}, out of range")
         rec.instance[rid] = g
         rec.dispatch_s[rid] = now
+        cached = 0
         if req.block_hashes is not None:
-            self._index(replica_of(rid, len(self.routers))).routed(g, req.block_hashes)
+            index = self._index(replica_of(rid, len(self.routers)))
+            if c.feed.age_s > 0:   # a stale snapshot's pending rows carry it
+                cached = int(index.match(req.block_hashes, req.prompt_tokens)
+                             .cached_tokens[g])
+            index.routed(g, req.block_hashes)
         self.outstanding[g] += 1
         model = c.specs[g].model
         predicted = req.predicted_decode_tokens_for(model)
@@ -453,7 +458,7 @@ class _Run:
             self.feed.dispatched(g, now, rid, req.prompt_tokens, 1)
             self._admit(g, req, 1, 1)
         else:
-            self.feed.dispatched(g, now, rid, req.prompt_tokens, predicted)
+            self.feed.dispatched(g, now, rid, req.prompt_tokens, predicted, cached)
             self._admit(g, req, int(rec.decode_tokens[rid]), predicted)
         if not self.engines[g].busy:
             self._start(g, now)

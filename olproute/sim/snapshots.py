@@ -39,17 +39,19 @@ class SnapshotFeed:
         # per engine, for the router view: request_id -> dispatch time, unfinished
         self._dispatch_s: list[dict[int, float]] = [{} for _ in engines]
         self._published: list[deque[EngineSnapshot]] = [deque() for _ in engines]
-        # per engine: request_id -> (dispatch time, prompt, predicted decode), unfinished
-        self._dispatched: list[dict[int, tuple[float, int, int]]] = [{} for _ in engines]
+        # per engine: request_id -> (dispatch time, prompt, predicted decode, prompt tokens
+        # the router expected cached there), unfinished
+        self._dispatched: list[dict[int, tuple[float, int, int, int]]] = [
+            {} for _ in engines]
 
     def publish(self, g: int, now_s: float) -> None:
         if self.age_s > 0:
             self._published[g].append(self.engines[g].snapshot(now_s))
 
     def dispatched(self, g: int, now_s: float, request_id: int, prompt: int,
-                   predicted: int) -> None:
+                   predicted: int, cached: int = 0) -> None:
         if self.age_s > 0:
-            self._dispatched[g][request_id] = (now_s, prompt, predicted)
+            self._dispatched[g][request_id] = (now_s, prompt, predicted, cached)
         if self.view_of == "router":
             self._dispatch_s[g][request_id] = now_s
 
@@ -66,7 +68,8 @@ class SnapshotFeed:
 
     def view(self, now_s: float) -> tuple[tuple[EngineSnapshot, ...],
                                          tuple[FloatArray | None, ...] | None]:
-        """(snapshots, pending) as the router sees them at now_s."""
+        """(snapshots, pending) as the router sees them at now_s; a pending row has a
+        fourth column, its cached prompt tokens, when one of them has some."""
         if self.age_s == 0:
             return tuple(self._seen(g, e.snapshot(now_s))
                          for g, e in enumerate(self.engines)), None
@@ -82,10 +85,11 @@ class SnapshotFeed:
             snaps.append(self._seen(g, snap))
             known = set(snap.request_ids.tolist())
             # dicts keep insertion order, which is dispatch order
-            rows = [(p, d, t) for rid, (t, p, d) in self._dispatched[g].items()
+            rows = [(p, d, t, c) for rid, (t, p, d, c) in self._dispatched[g].items()
                     if rid not in known]
-            pending.append(np.array(rows, dtype=np.float64).reshape(len(rows), 3)
-                           if rows else None)
+            table = np.array(rows, dtype=np.float64).reshape(len(rows), 4)
+            pending.append(None if not rows else table if table[:, 3].any()
+                           else np.ascontiguousarray(table[:, :3]))
         return tuple(snaps), tuple(pending)
 
     def _empty(self, g: int, time_s: float) -> EngineSnapshot:

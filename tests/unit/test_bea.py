@@ -240,6 +240,11 @@ def test_stale_snapshot_counts_the_routers_own_dispatches() -> None:
     behind = est.estimate(RoutingContext(ctx.request, ctx.now_s, ctx.instances, ctx.specs,
                                          ctx.snapshots, pending)).ttft_s[0]
     assert behind > alone
+    # the same dispatch expected to find 384 of its 400 prompt tokens cached
+    cached = (np.array([[400, 50, 0.0, 384]], dtype=np.float64),)
+    behind_hit = est.estimate(RoutingContext(ctx.request, ctx.now_s, ctx.instances,
+                                             ctx.specs, ctx.snapshots, cached)).ttft_s[0]
+    assert alone < behind_hit < behind
 
 
 def test_nnls_recovers_beta_from_a_four_term_truth() -> None:
