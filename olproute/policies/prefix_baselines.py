@@ -116,9 +116,9 @@ class CacheAware(NoFeedback):
             g = pick_best(score, self._rng)
             reason = (f"match rate {rate.max():.2f} <= {p.cache_threshold:g}: fewest "
                       "indexed blocks")
-        self._grow(ctx.prefixes, g)
-        return dispatch(ctx, g, reason, figures(score=score, outstanding=load,
-                                                hit_fraction=rate, index_blocks=sizes))
+        why = figures(score=score, outstanding=load, hit_fraction=rate, index_blocks=sizes)
+        self._grow(ctx.prefixes, g)   # after the figures: it grows ``sizes`` in place
+        return dispatch(ctx, g, reason, why)
 
     def _tree_sizes(self, prefixes: PrefixMatch | None) -> IntArray:
         """Blocks indexed per instance: the context's, else the last known estimate."""
