@@ -18,9 +18,9 @@ CONVERSATION = REPO / "data" / "mooncake" / "conversation_trace.jsonl"
 def runs() -> dict[str, SimResult]:
     """600 conversation requests from 20 minutes in (about three minutes of the trace, so
     that many later turns of a conversation find their earlier ones: the trace's median
-    gap between them is about two minutes) on four Qwen2-7B engines, whose KV caches hold them without
-    preemption. Round robin finds 6.3% of the prompt tokens cached, cache_aware 13.1%,
-    prefix_load 12.3%."""
+    gap between them is about two minutes) on four Qwen2-7B engines, whose KV caches hold
+    them without preemption. Round robin finds 6.3% of the prompt tokens cached,
+    cache_aware 13.1%, prefix_load 12.3%."""
     loaded = make_config(
         instances=[{"name": "qwen", "model": "qwen2-7b", "gpu": "h100", "replicas": 4}],
         workload={"kind": "mooncake", "path": str(CONVERSATION), "num_requests": 600,

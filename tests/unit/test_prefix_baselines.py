@@ -17,8 +17,8 @@ from olproute.types import (
     InstanceSpec,
     PrefixMatch,
     Request,
-    RoutingContext,
     Role,
+    RoutingContext,
 )
 
 KV_BLOCKS = 1000
