@@ -31,6 +31,7 @@ def runs() -> dict[str, SimResult]:
 
 def _hit_rate(res: SimResult) -> float:
     """Cached prompt tokens over prompt tokens."""
+    assert res.cached_prompt_tokens is not None   # a result of a run has them
     prompts = sum(r.prompt_tokens for r in res.requests)
     return float(res.cached_prompt_tokens.sum()) / prompts
 
