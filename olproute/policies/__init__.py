@@ -9,6 +9,9 @@ from olproute.policies import bid_price as _bid_price  # noqa: F401
 from olproute.policies import calibrated_cost as _calibrated_cost  # noqa: F401
 from olproute.policies import latency_agnostic as _latency_agnostic  # noqa: F401
 from olproute.policies import lmdeploy as _lmdeploy  # noqa: F401
+
+# the prefix-cache-aware baselines (SGLang's router, llm-d's scheduler)
+from olproute.policies import prefix_baselines as _prefix_baselines  # noqa: F401
 from olproute.policies import route_balance as _route_balance  # noqa: F401
 from olproute.policies import score as _score  # noqa: F401
 from olproute.policies.base import (

@@ -231,7 +231,7 @@ FRAGMENT_ERRORS: list[tuple[str, Any, str, list[str]]] = [
     ("unknown-gpu", _config(instances=[{**LLAMA, "gpu": "b200"}]), "instances[0].gpu",
      ["unknown gpu 'b200'", "a100-80gb", "h100"]),
     ("unknown-policy", _config(router={"policy": "magic"}), "router.policy",
-     ["unknown policy 'magic'", *BASELINES]),
+     ["unknown policy 'magic'", *BASELINES, "cache_aware", "prefix_load"]),
 ]
 
 

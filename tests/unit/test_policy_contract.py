@@ -18,7 +18,8 @@ from tests.conftest import make_config
 
 # policies whose explanation holds one figure per instance for every key
 PER_INSTANCE = {"bear", "prefill_tps", "latency_agnostic", "lmdeploy", "score",
-                "route_balance", "calibrated_cost", "least_outstanding"}
+                "route_balance", "calibrated_cost", "least_outstanding", "cache_aware",
+                "prefix_load"}
 RECORDS = ("instance", "dispatch_s", "first_token_s", "finish_s", "num_preemptions",
            "decode_tokens", "shed", "batch_log")
 
