@@ -183,10 +183,10 @@ def role_problems(instances: Sequence[InstanceConfig]) -> list[tuple[str, str]]:
 
 def workload_block_problems(workload: WorkloadConfig,
                             specs: Sequence[InstanceSpec]) -> list[tuple[str, str]]:
-    """A workload whose requests carry block hashes (kind mooncake) hashes blocks of
-    ``block_tokens``: every instance's blocks must be that size, or no hash would name
-    one of its blocks."""
-    if workload.kind != "mooncake":
+    """A workload whose requests carry block hashes (kind mooncake, or synthetic with
+    ``prefix_hashes``) hashes blocks of ``block_tokens``: every instance's blocks must be
+    that size, or no hash would name one of its blocks."""
+    if workload.kind != "mooncake" and not workload.prefix_hashes:
         return []
     other = sorted({s.block_size for s in specs} - {workload.block_tokens})
     if not other:

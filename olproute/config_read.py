@@ -166,6 +166,10 @@ def workload_problems(wl: WorkloadConfig, prefix: str = "workload") -> list[tupl
         if wl.lengths_path is None and not fixed:
             problems.append((f"{prefix}.lengths_path",
                              "give lengths_path or both prompt_tokens and decode_tokens"))
+    if wl.prefix_hashes and wl.kind != "synthetic":
+        problems.append((f"{prefix}.prefix_hashes", "only kind 'synthetic' has prompt texts "
+                         f"to hash, not {wl.kind!r}" + (" (its rows carry their own hashes)"
+                                                         if wl.kind == "mooncake" else "")))
     if wl.kind == "synthetic":
         if wl.rate_per_s is None:
             problems.append((f"{prefix}.rate_per_s", "required when kind is 'synthetic'"))

@@ -108,7 +108,9 @@ class WorkloadConfig(_Frozen):
     mmpp2``, an MMPP-2 with rate ratio ``ratio`` (BEAR paper App. B). ``mooncake`` replays a
     Mooncake JSONL trace (``path``; ``data/mooncake``) as ``trace`` does, its requests
     carrying their prompts' block hashes (``olproute.sim.mooncake``) for blocks of
-    ``block_tokens``, the instances' block size.
+    ``block_tokens``, the instances' block size. ``synthetic`` with ``prefix_hashes``
+    gives its requests their prompt texts' block hashes, blocks of ``block_tokens``
+    words.
     """
 
     kind: Literal["poisson", "mmpp2", "trace", "synthetic", "mooncake"] = "trace"
@@ -126,7 +128,14 @@ class WorkloadConfig(_Frozen):
     duration_s: float | None = Field(default=None, gt=0)
     block_tokens: int = Field(
         default=16, ge=1, description="kind mooncake: tokens per hashed block, the "
-        "instances' block_size (a divisor of the trace's 512-token blocks)")
+        "instances' block_size (a divisor of the trace's 512-token blocks); kind synthetic "
+        "with prefix_hashes: words per hashed block, the instances' block_size")
+    prefix_hashes: bool = Field(
+        default=False, description="kind synthetic: each request carries its prompt text's "
+        "block hashes (olproute.prefix_index.text_block_hashes, blocks of block_tokens "
+        "words, as the router and the emulator name a live prompt's blocks), so the "
+        "engines' prefix caches and the router's prefix index see repeated prefixes; off, "
+        "requests carry none, as before")
 
 
 class SloClassConfig(_Frozen):

@@ -16,6 +16,15 @@ prefix (a chained hash names its whole prefix), which touches the blocks before 
 it; so a block is never older than the ones after it, and what is indexed of a chain is
 always a prefix of it. ``match`` finds the longest indexed prefix by bisection.
 
+**Names of prefixes.** Live, the router and the emulator count a prompt's tokens as its
+whitespace-separated words (``olproute.server.schema.count_words``), and both name its
+blocks the same way: ``text_block_hashes`` cuts the words into blocks of ``block_size``,
+full blocks only, and chains a 63-bit blake2b hash over them (a block's hash names its
+whole prefix). A real vLLM hashes its tokenizer's tokens, which the router never sees: the
+router's hashes are its own names for prefixes, as SGLang's router matches characters
+rather than tokens. They need only be consistent with themselves, which is all the
+index needs; a block of words is about a block of tokens for the router's accounting.
+
 Where a backend publishes its cache's events (vLLM's KV-events stream: BlockStored /
 BlockRemoved / AllBlocksCleared per engine, over ZMQ), an exact view would replace
 ``routed`` and the LRU ageing with ``stored`` / ``removed`` calls from a subscriber per
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from hashlib import blake2b
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +43,41 @@ import numpy.typing as npt
 from olproute.types import InstanceSpec, PrefixMatch
 
 IntArray = npt.NDArray[np.int64]
+
+_MASK_63 = np.uint64((1 << 63) - 1)
+# the digest before a chain's first block
+_ROOT = b"\xff" * 8
+
+
+def text_block_hashes(text: str, block_size: int, max_blocks: int | None = None
+                      ) -> IntArray:
+    """The chained hashes of a prompt text's full blocks of ``block_size`` whitespace
+    words (``str.split``; at most ``max_blocks`` of them): block i's digest is
+    ``d_i = blake2b(d_{i-1} + its words joined by a space, encoded UTF-8, digest_size=8)``
+    with ``d_{-1} = b"\\xff" * 8``, and its hash ``d_i`` as a little-endian integer with
+    its top bit cleared (an int64 >= 0). So a block's hash names the block and every
+    word before it; it is the same in every process (no salted ``hash()``). A partial
+    last block has no hash. A read-only int64 array.
+
+    Cost: one blake2b call per block, about 3x ``str.split`` of the same text (which the
+    request path pays anyway to count its words): 0.5-0.7 ms for 7,000 words in blocks
+    of 16 on the development machine (``bench/bench_prefix_hash.py``)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    words = text.split()
+    n = len(words) // block_size
+    if max_blocks is not None:
+        n = min(n, max(max_blocks, 0))
+    digests: list[bytes] = []
+    d = _ROOT
+    join = " ".join
+    for i in range(0, n * block_size, block_size):
+        d = blake2b(d + join(words[i:i + block_size]).encode("utf-8", "surrogatepass"),
+                    digest_size=8).digest()
+        digests.append(d)
+    hashes = (np.frombuffer(b"".join(digests), dtype="<u8") & _MASK_63).astype(np.int64)
+    hashes.setflags(write=False)
+    return hashes
 
 
 class PrefixIndex:

@@ -23,11 +23,13 @@ from olproute.assembly import CalibrationSource, build_policy
 from olproute.config import LoadedConfig
 from olproute.disagg import Pools
 from olproute.policies import Policy
+from olproute.prefix_index import PrefixIndex, text_block_hashes
 from olproute.reward import RESOURCES
 from olproute.types import (
     Decision,
     EngineSnapshot,
     InstanceLoad,
+    InstanceSpec,
     Outcome,
     Request,
     RoutingContext,
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 # prompt text, the caller's own figure (``/route``'s ``predicted_tokens``), or the
 # request's ``max_tokens`` (no predictor, no text, or no model of the pool it knows)
 PredictionSource = Literal["predictor", "request", "max_tokens"]
+IntArray = npt.NDArray[np.int64]
 
 
 class Router:
@@ -48,7 +51,14 @@ class Router:
     ``olproute.sim.scenario.CalibrationSource``). ``predictor``: the one that predicts
     each request's output length and quality from its prompt text
     (``olproute.assembly.served_predictor``); None: every request is predicted its
-    ``max_tokens``."""
+    ``max_tokens``.
+
+    ``prefixes``: where this router sent prompt prefixes (``olproute.prefix_index``), over
+    the backends, when one of them caches prefixes and all have one block size (else
+    None: no request gets block hashes). A request with prompt text gets its text's block
+    hashes (``new_request``), the context the index's match (``context``), and a dispatch
+    carried out is recorded with ``routed``. Replicas sharing state on Redis
+    (``olproute.server.shared``) each keep their own index, of their own dispatches."""
 
     def __init__(self, loaded: LoadedConfig, calibration: CalibrationSource | None = None,
                  seed: int | None = None, predictor: Predictor | None = None) -> None:
@@ -63,6 +73,7 @@ class Router:
         self.needs_snapshots = self.policy.needs_snapshots
         self.tick_s = self.policy.tick_s
         self._ids = itertools.count()
+        self.prefixes = _prefix_index(self.specs)
         self.predictor = predictor
         self.predictions: PoolPredictor | None = None
         if predictor is not None:
@@ -79,7 +90,9 @@ class Router:
         request (``PoolPredictor``), and ``max_tokens`` on any other model. Without:
         ``max_tokens`` (the most the backend will generate) on every model.
         ``predicted_tokens`` (the caller's own figure) is the length on every model; the
-        predictor still gives the quality."""
+        predictor still gives the quality. With a prefix index and prompt text, the
+        request carries the text's block hashes (at most its full blocks of
+        ``prompt_tokens``)."""
         found = (None if self.predictions is None or text is None
                  else self.predictions.predict(text, max_tokens))
         decode = max_tokens if found is None else found.decode_tokens
@@ -91,7 +104,14 @@ class Router:
                        predicted_decode_tokens=decode, ttft_target_s=ttft_target_s,
                        slo_class=slo_class, text=text, predicted_decode_by_model=by_model,
                        predicted_quality_by_model=None if found is None
-                       else found.quality_by_model)
+                       else found.quality_by_model,
+                       block_hashes=self._block_hashes(text, prompt_tokens))
+
+    def _block_hashes(self, text: str | None, prompt_tokens: int) -> IntArray | None:
+        if self.prefixes is None or text is None:
+            return None
+        size = self.prefixes.block_size
+        return text_block_hashes(text, size, prompt_tokens // size)
 
     def decide(self, request: Request, now_s: float, loads: tuple[InstanceLoad, ...],
                snapshots: tuple[EngineSnapshot, ...] | None,
@@ -134,11 +154,35 @@ class Router:
     def context(self, request: Request, now_s: float, loads: tuple[InstanceLoad, ...],
                 snapshots: tuple[EngineSnapshot, ...] | None,
                 inbound: tuple[npt.NDArray[np.float64] | None, ...] | None) -> RoutingContext:
+        """What the policy sees for ``request`` now; ``prefixes``, for a request with
+        block hashes, is its prompt's prefix as this router's index finds it on each
+        backend."""
         pools = self.pools.disaggregated
+        hashes = request.block_hashes
         return RoutingContext(request=request, now_s=now_s, instances=loads,
                               specs=self.specs,
                               snapshots=snapshots if self.needs_snapshots else None,
-                              inbound=inbound if pools else None)
+                              inbound=inbound if pools else None,
+                              prefixes=None if self.prefixes is None or hashes is None
+                              else self.prefixes.match(hashes, request.prompt_tokens))
+
+    def routed(self, g: int, request: Request) -> None:
+        """``request`` was sent to backend g (a dispatch carried out, where it went after
+        any move off an unhealthy backend; on disaggregated pools, its prefill backend):
+        its prompt's blocks become g's most recent in the prefix index."""
+        if self.prefixes is not None:
+            self.prefixes.routed(g, request.block_hashes)
+
+    def cache_lost(self, g: int) -> None:
+        """Backend g was marked down or restarted: whatever it cached is gone, or may be;
+        the index forgets it (a short outage that kept the cache costs some misses of
+        the router's own estimate, never a wrong hit)."""
+        if self.prefixes is not None:
+            self.prefixes.clear(g)
+
+    def prefix_index_blocks(self) -> list[int] | None:
+        """Blocks the prefix index holds per backend (None without an index)."""
+        return None if self.prefixes is None else self.prefixes.sizes().tolist()
 
     def _no_backend(self, request_id: int, healthy: Sequence[bool]) -> Decision | None:
         """A shed when no healthy backend (in either pool) could take a request."""
@@ -199,8 +243,12 @@ class Router:
 
     def continue_ids(self, previous: Router) -> None:
         """Take over another router's request-id sequence (after a reload, so that ids of
-        requests still in flight are never reused)."""
+        requests still in flight are never reused) and its prefix index (the backends do
+        not change on a reload, nor what they cache)."""
         self._ids = previous._ids
+        if self.prefixes is not None and previous.prefixes is not None \
+                and self.prefixes.block_size == previous.prefixes.block_size:
+            self.prefixes = previous.prefixes
 
     def observe(self, outcome: Outcome) -> None:
         self.policy.observe(outcome)
@@ -252,6 +300,15 @@ def prediction_source(request: Request, given: bool) -> PredictionSource:
     if given:
         return "request"
     return "max_tokens" if request.predicted_decode_by_model is None else "predictor"
+
+
+def _prefix_index(specs: Sequence[InstanceSpec]) -> PrefixIndex | None:
+    """An index over the backends, unless none caches prefixes or their block sizes
+    differ (a block's hash names a block of one size)."""
+    if not any(s.enable_prefix_caching for s in specs) \
+            or len({s.block_size for s in specs}) != 1:
+        return None
+    return PrefixIndex(specs)
 
 
 def _finite(x: float) -> float:

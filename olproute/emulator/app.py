@@ -97,7 +97,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             await inst.receive_kv(gen.prompt_tokens, gen.remote_engine_id)
             req = inst.submit_decode(gen.prompt_tokens, gen.max_tokens, arrival, output)
         else:
-            req = inst.submit(gen.prompt_tokens, gen.max_tokens, output)
+            req = inst.submit(gen.prompt_tokens, gen.max_tokens, output,
+                              inst.block_hashes(gen.prompt_text, gen.prompt_tokens))
     except ApiError as err:
         return _error(err)
     except RuntimeError:  # the engine is stopping
@@ -107,7 +108,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         if gen.stream:
             return await _stream(request, req, ChunkWriter(gen, request_id, output), headers,
-                                 inst.stream_interval)
+                                 inst.stream_interval, inst.prompt_tokens_details)
         await req.wait_done()
         if req.failed:
             _cut(request)
@@ -118,17 +119,20 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             kv_params = prefill_kv_params(inst.spec.name, request.url.host, request.url.port,
                                           gen.prompt_tokens, inst.spec.block_size,
                                           inst.spec.tensor_parallel)
-        body = response_body(gen, request_id, int(time.time()), req.num_tokens, kv_params)
+        body = response_body(gen, request_id, int(time.time()), req.num_tokens, kv_params,
+                             req.cached_tokens if inst.prompt_tokens_details else None)
         return web.json_response(body, headers=headers)
     finally:
         inst.abort(req)  # no-op when it finished; frees slot and KV when the client left
 
 
 async def _stream(request: web.Request, req: EmulatedRequest, writer: ChunkWriter,
-                  headers: dict[str, str], interval: int = 1) -> web.StreamResponse:
+                  headers: dict[str, str], interval: int = 1,
+                  cached_tokens: bool = False) -> web.StreamResponse:
     """Send the tokens as they come, one SSE event each, in one write per ``interval``
     new tokens (vLLM's ``--stream-interval``: the first token at once, then whenever
-    ``interval`` more exist, the rest when the request ends), then the end events.
+    ``interval`` more exist, the rest when the request ends), then the end events (with
+    ``cached_tokens``, the usage event reports the request's cached prompt tokens).
     Unlike vLLM, which puts the text of a write's tokens in one event, each token keeps
     its event, so whoever counts tokens by events (the router's proxy) counts right."""
     resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
@@ -143,7 +147,7 @@ async def _stream(request: web.Request, req: EmulatedRequest, writer: ChunkWrite
                 return resp
             await resp.write(b"".join(writer.token(i) for i in range(sent, n)))
             sent = n
-        await resp.write(writer.end(sent))
+        await resp.write(writer.end(sent, req.cached_tokens if cached_tokens else None))
         await resp.write_eof()
     except ConnectionResetError:
         pass  # the client went away; the caller aborts the request
@@ -172,7 +176,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     inst = request.app[INSTANCE_KEY]
-    text = inst.metrics.render(inst.num_running, inst.num_waiting, inst.kv_cache_usage)
+    text = inst.metrics.render(inst.num_running, inst.num_waiting, inst.kv_cache_usage,
+                               inst.prefix_cache_queries, inst.prefix_cache_hits)
     return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -282,6 +287,7 @@ async def start_emulators(
     truth_path: str | os.PathLike[str] | None = None,
     clock: Callable[[], float] = time.monotonic,
     batch_records: bool = True,
+    prompt_tokens_details: bool = False,
 ) -> list[RunningEmulator]:
     """Start one emulated instance per spec in the running event loop, instance i on port
     ``base_port + i`` (``base_port=0``: free ports chosen by the OS).
@@ -294,8 +300,9 @@ async def start_emulators(
     ``exact_lengths`` it generates all its ``max_tokens``. ``stream_interval``: vLLM's
     ``--stream-interval`` (``EmulatedInstance``). ``clock``: the engines' clock (a
     virtual-time loop's ``time`` in tests). ``batch_records=False``: no
-    ``/olproute/batches``, as on a real vLLM. Stop them with ``stop_emulators`` (or use
-    ``emulators(...)``)."""
+    ``/olproute/batches``, as on a real vLLM. ``prompt_tokens_details``: vLLM's
+    ``--enable-prompt-tokens-details`` (cached prompt tokens in the usage). Stop them with
+    ``stop_emulators`` (or use ``emulators(...)``)."""
     if loaded is None:
         loaded = load_config()
     if timers is None:
@@ -315,7 +322,7 @@ async def start_emulators(
                 kv_transfer=None if model is None else KvTransfer.of(
                     model, loaded.config.transfer),
                 lengths=lengths, exact_lengths=exact_lengths, stream_interval=stream_interval,
-                clock=clock)
+                clock=clock, prompt_tokens_details=prompt_tokens_details)
             runner = web.AppRunner(init_app(inst, max_body_bytes=max_body_bytes,
                                             batch_records=batch_records),
                                    handler_cancellation=True, access_log=None,

@@ -24,6 +24,16 @@ client's first token; every token the decode instance streams is new. While its 
 is in transfer the request is not in the engine (vLLM would already hold its blocks and
 count it as waiting).
 
+Prefix caching (vLLM's automatic prefix caching, when the spec has
+``enable_prefix_caching``): a request admitted with its prompt's block hashes
+(``block_hashes``: the HTTP face names its prompt text's blocks with
+``olproute.prefix_index.text_block_hashes``, as the router does) starts after the longest
+prefix the engine's cache holds, so a repeated prompt's first token comes sooner.
+``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` count the tokens looked up and
+found, and a finished request's ``cached_tokens`` holds the prompt tokens it found cached
+when it was first scheduled (vLLM's ``num_cached_tokens``). A decode request whose KV came
+from a prefill instance is admitted without hashes.
+
 Metrics of a decode request are those of any request, as vLLM reports them on a decode
 instance: its first token is a normal first token, the time to it counted from the
 request's arrival at the instance (so it includes the KV transfer wait: vLLM stamps the
@@ -48,6 +58,7 @@ from olproute.core_ref import FINISHED
 from olproute.disagg import KvTransfer, decode_admission
 from olproute.emulator.lengths import OutputLengths
 from olproute.emulator.metrics import EngineMetrics
+from olproute.prefix_index import IntArray, text_block_hashes
 from olproute.sim.engine import BATCH_LOG_COLUMNS, BatchTimer, SimEngine
 from olproute.types import InstanceSpec
 
@@ -74,9 +85,9 @@ class EmulatedRequest:
     batches commit; ``done`` is set when it finished all its tokens, was aborted, or the
     engine stopped (``failed``)."""
 
-    __slots__ = ("_changed", "_finished", "aborted", "arrival_s", "done", "failed", "first_token_s",
-                 "max_tokens", "num_tokens", "output_tokens", "prompt_tokens", "request_id",
-                 "slot")
+    __slots__ = ("_changed", "_finished", "aborted", "arrival_s", "cached_tokens", "done",
+                 "failed", "first_token_s", "max_tokens", "num_tokens", "output_tokens",
+                 "prompt_tokens", "request_id", "slot")
 
     def __init__(self, request_id: int, prompt_tokens: int, max_tokens: int,
                  arrival_s: float, output_tokens: int | None = None) -> None:
@@ -91,6 +102,7 @@ class EmulatedRequest:
         self.slot = -1
         self.num_tokens = 0
         self.first_token_s: float | None = None
+        self.cached_tokens = 0   # prompt tokens found in the prefix cache, once finished
         self.done = False
         self.aborted = False
         self.failed = False
@@ -149,7 +161,9 @@ class EmulatedInstance:
     the default trace, seed 0); ``exact_lengths`` makes every request generate all its
     ``max_tokens`` instead. ``stream_interval`` (>= 1) is vLLM's ``--stream-interval``:
     a stream sends its first token at once, then whenever ``stream_interval`` more tokens
-    exist, and the rest when the request ends.
+    exist, and the rest when the request ends. ``prompt_tokens_details`` is vLLM's
+    ``--enable-prompt-tokens-details`` (off by default, as in vLLM): the HTTP face
+    reports a request's cached prompt tokens in its usage.
     """
 
     def __init__(self, spec: InstanceSpec, timer: BatchTimer, *, index: int = 0,
@@ -158,7 +172,7 @@ class EmulatedInstance:
                  kv_transfer: KvTransfer | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  lengths: OutputLengths | None = None, exact_lengths: bool = False,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, prompt_tokens_details: bool = False) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         if stream_interval < 1:
@@ -167,6 +181,7 @@ class EmulatedInstance:
             lengths = OutputLengths([1], exact=True)
         self.lengths = lengths if lengths is not None else OutputLengths.from_trace()
         self.stream_interval = stream_interval
+        self.prompt_tokens_details = prompt_tokens_details
         self.spec = spec
         self.index = index
         self.time_scale = time_scale
@@ -212,6 +227,16 @@ class EmulatedInstance:
         return 1.0 - self._engine.core.num_free_blocks / self.spec.num_kv_blocks
 
     @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache (vLLM's counter)."""
+        return self._engine.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, the tokens found cached (vLLM's counter)."""
+        return self._engine.prefix_cache_hits
+
+    @property
     def num_batches(self) -> int:
         return self._num_batches
 
@@ -223,21 +248,33 @@ class EmulatedInstance:
         return start, list(itertools.islice(self._log, start - first, None))
 
     # -- requests ------------------------------------------------------------------------
+    def block_hashes(self, text: str | None, prompt_tokens: int) -> IntArray | None:
+        """The block hashes of a prompt text of ``prompt_tokens`` tokens for this engine's
+        prefix cache (at most its full blocks), or None: no text, or no prefix caching."""
+        if text is None or not self.spec.enable_prefix_caching:
+            return None
+        size = self.spec.block_size
+        return text_block_hashes(text, size, prompt_tokens // size)
+
     def submit(self, prompt_tokens: int, max_tokens: int,
-               output_tokens: int | None = None) -> EmulatedRequest:
-        """Queue a request that generates ``output_tokens`` (default: all ``max_tokens``);
-        raises ValueError if it could never fit in the KV cache."""
-        return self._admit(prompt_tokens, max_tokens, output_tokens, 0, self.clock())
+               output_tokens: int | None = None,
+               block_hashes: IntArray | None = None) -> EmulatedRequest:
+        """Queue a request that generates ``output_tokens`` (default: all ``max_tokens``),
+        its prompt's ``block_hashes`` looked up in the prefix cache; raises ValueError if
+        it could never fit in the KV cache."""
+        return self._admit(prompt_tokens, max_tokens, output_tokens, 0, self.clock(),
+                           block_hashes)
 
     def _admit(self, prompt_tokens: int, max_tokens: int, output_tokens: int | None,
-               computed_tokens: int, arrival_s: float) -> EmulatedRequest:
+               computed_tokens: int, arrival_s: float,
+               block_hashes: IntArray | None = None) -> EmulatedRequest:
         if self._task is None:
             raise RuntimeError("the engine is not running")
         req = EmulatedRequest(next(self._ids), prompt_tokens, max_tokens, arrival_s,
                               output_tokens)
         # the engine's truth is the real length; like vLLM, it is told only max_tokens
         req.slot = self._engine.admit(req.request_id, prompt_tokens, req.output_tokens,
-                                      max_tokens, computed_tokens)
+                                      max_tokens, computed_tokens, block_hashes)
         self._requests[req.request_id] = req
         self._by_slot[req.slot] = req
         self._wake.set()
@@ -339,6 +376,7 @@ class EmulatedInstance:
             if flags & FINISHED:
                 req = self._requests.pop(request_id)
                 del self._by_slot[req.slot]
+                req.cached_tokens = self._engine.cached_prompt_tokens.pop(request_id, 0)
                 produced += self._advance(req, req.output_tokens, now)
                 if req.aborted:  # its client left during this, its last batch
                     self.metrics.aborted()

@@ -41,6 +41,16 @@ class EngineMetrics:
         self._success = {reason: success.labels(model_name, reason)
                          for reason in ("stop", "length")}
         self._aborted = success.labels(model_name, "abort")
+        # vLLM v1's prefix-cache counters (vllm/v1/metrics/loggers.py), in tokens; the
+        # engine counts them, and ``render`` brings these up to its counts
+        self._prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.", labels,
+            registry=r).labels(model_name)
+        self._prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+            labels, registry=r).labels(model_name)
+        self._prefix_counted = (0, 0)
         self._ttft = Histogram("vllm:time_to_first_token_seconds",
                                "Histogram of time to first token in seconds.", labels,
                                buckets=TTFT_BUCKETS_S, registry=r).labels(model_name)
@@ -67,9 +77,15 @@ class EngineMetrics:
     def aborted(self) -> None:
         self._aborted.inc()
 
-    def render(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> bytes:
-        """The Prometheus text exposition, gauges set to the given state."""
+    def render(self, num_running: int, num_waiting: int, kv_cache_usage: float,
+               prefix_cache_queries: int = 0, prefix_cache_hits: int = 0) -> bytes:
+        """The Prometheus text exposition, gauges set to the given state and the
+        prefix-cache counters to the engine's counts (which only grow)."""
         self._running.set(num_running)
         self._waiting.set(num_waiting)
         self._kv.set(kv_cache_usage)
+        queries, hits = self._prefix_counted
+        self._prefix_queries.inc(max(prefix_cache_queries - queries, 0))
+        self._prefix_hits.inc(max(prefix_cache_hits - hits, 0))
+        self._prefix_counted = (max(prefix_cache_queries, queries), max(prefix_cache_hits, hits))
         return generate_latest(self.registry)

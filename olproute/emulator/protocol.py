@@ -7,7 +7,14 @@ What the emulator generates: as many tokens as its model would before its EOS, a
 is the filler word ``FILLER[i % len(FILLER)]`` preceded by a space. Prompt tokens are
 counted simply: the number of whitespace-separated words of a string prompt (of every
 message's text for chat), the length of a token-id list, or the extension field
-``prompt_tokens`` when given.
+``prompt_tokens`` when given. A chat's prompt text is its messages' texts (a list of
+content parts: their texts joined by a space) joined by a newline, roles left out: the
+words the router counts and hashes for the same body
+(``olproute.server.schema.prompt_tokens_of``), so both name its blocks alike.
+
+With ``cached_tokens`` (vLLM's ``--enable-prompt-tokens-details``), a response's usage
+reports the prompt tokens found in the prefix cache as
+``usage.prompt_tokens_details.cached_tokens``, when there are any, as vLLM does.
 
 Disaggregated prefill/decode (vLLM's NIXL connector): ``kv_transfer_params`` with
 ``do_remote_decode`` asks a prefill instance to keep the KV cache for a decode instance
@@ -59,6 +66,7 @@ class GenerationRequest:
     remote_decode: bool = False         # kv_transfer_params.do_remote_decode
     remote_prefill: bool = False        # kv_transfer_params.do_remote_prefill
     remote_engine_id: str | None = None  # the prefill instance the KV comes from
+    prompt_text: str | None = None      # what its prompt tokens are the words of
 
 
 def token_text(index: int) -> str:
@@ -74,14 +82,15 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _count_prompt(prompt: object) -> int:
-    """Prompt tokens of a completion ``prompt`` (one prompt only)."""
+def _count_prompt(prompt: object) -> tuple[int, str | None]:
+    """(prompt tokens, text) of a completion ``prompt`` (one prompt only; a token-id
+    list has no text)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return len(prompt.split())
+        return len(prompt.split()), prompt
     if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        return len(prompt)
+        return len(prompt), None
     raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per "
                         "request)", "prompt")
 
@@ -101,16 +110,19 @@ def _message_text(content: object, i: int) -> str:
                    f"messages[{i}].content")
 
 
-def _count_messages(messages: object) -> int:
+def _count_messages(messages: object) -> tuple[int, str]:
+    """(prompt tokens, text) of a chat's ``messages``: the words of their texts joined
+    by a newline."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
-    words = 0
+    texts = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a role",
                            f"messages[{i}]")
-        words += len(_message_text(m.get("content"), i).split())
-    return words
+        texts.append(_message_text(m.get("content"), i))
+    text = "\n".join(texts)
+    return len(text.split()), text
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -135,8 +147,8 @@ def parse_request(body: dict[str, Any], kind: Kind, served_model: str,
     field = "prompt" if kind == "completion" else "messages"
     if field not in body:
         raise ApiError(400, f"{field} is required", field)
-    counted = (_count_prompt(body[field]) if kind == "completion"
-               else _count_messages(body[field]))
+    counted, text = (_count_prompt(body[field]) if kind == "completion"
+                     else _count_messages(body[field]))
     prompt_tokens = body.get("prompt_tokens", counted)
     if not _is_int(prompt_tokens) or prompt_tokens < 1:
         param = "prompt_tokens" if "prompt_tokens" in body else field
@@ -176,7 +188,7 @@ def parse_request(body: dict[str, Any], kind: Kind, served_model: str,
     remote_decode, remote_prefill, remote_engine_id = _kv_transfer(
         body.get("kv_transfer_params"))
     return GenerationRequest(kind, model, prompt_tokens, max_tokens, stream, include_usage,
-                             remote_decode, remote_prefill, remote_engine_id)
+                             remote_decode, remote_prefill, remote_engine_id, text)
 
 
 def _kv_transfer(params: object) -> tuple[bool, bool, str | None]:
@@ -232,9 +244,17 @@ def prefill_kv_params(engine_id: str, host: str | None, port: int | None,
 
 
 # -- bodies -------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; with ``cached_tokens`` > 0, vLLM's
+    ``prompt_tokens_details.cached_tokens`` too (the caller passes it only where vLLM
+    would report it: ``--enable-prompt-tokens-details``)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                           "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def finish_reason(req: GenerationRequest, num_tokens: int) -> str:
@@ -245,10 +265,11 @@ def finish_reason(req: GenerationRequest, num_tokens: int) -> str:
 
 def response_body(req: GenerationRequest, request_id: str, created: int,
                   num_tokens: int,
-                  kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+                  kv_transfer_params: dict[str, Any] | None = None,
+                  cached_tokens: int | None = None) -> dict[str, Any]:
     """The non-streaming response of a request that generated ``num_tokens``: the whole
     text, ``finish_reason`` and ``usage`` (and ``kv_transfer_params`` when given: a
-    prefill for a remote decode)."""
+    prefill for a remote decode; ``cached_tokens``: as ``usage`` takes them)."""
     text = generated_text(num_tokens)
     reason = finish_reason(req, num_tokens)
     choice: dict[str, Any]
@@ -260,7 +281,7 @@ def response_body(req: GenerationRequest, request_id: str, created: int,
                   "logprobs": None, "finish_reason": reason}
         obj = "chat.completion"
     body = {"id": request_id, "object": obj, "created": created, "model": req.model,
-            "choices": [choice], "usage": usage(req.prompt_tokens, num_tokens)}
+            "choices": [choice], "usage": usage(req.prompt_tokens, num_tokens, cached_tokens)}
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
     return body
@@ -312,11 +333,13 @@ class ChunkWriter:
         return (self._prefix + text + b',"logprobs":null,"finish_reason":' + reason
                 + self._suffix)
 
-    def end(self, num_tokens: int) -> bytes:
+    def end(self, num_tokens: int, cached_tokens: int | None = None) -> bytes:
+        """The usage event if asked (``cached_tokens`` as ``usage`` takes them), then
+        ``[DONE]``."""
         tail = b""
         if self.req.include_usage:
             tail = _event({**self._head, "choices": [],
-                           "usage": usage(self.req.prompt_tokens, num_tokens)})
+                           "usage": usage(self.req.prompt_tokens, num_tokens, cached_tokens)})
         return tail + b"data: [DONE]\n\n"
 
 

@@ -68,7 +68,7 @@ async def reload(request: web.Request) -> web.Response:
     except ConfigError as exc:
         key = exc.problems[0][0] if exc.problems else None
         return proxy.error_response(400, str(exc), param=key or None, kind="invalid_config")
-    router.continue_ids(st.router)  # requests in flight keep their ids unique
+    router.continue_ids(st.router)  # ids of requests in flight stay unique; index kept
     for g, beta in st.recalibrated():
         router.set_beta(g, beta)
     st.router = router

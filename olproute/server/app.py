@@ -302,7 +302,7 @@ async def _health(st: ServerState) -> None:
         if ok:
             st.tracker.mark_success(g)
         elif b.healthy or st.now() >= b.next_probe_s:
-            st.tracker.mark_failure(g, st.now())
+            st.mark_failure(g)
 
     await asyncio.gather(*(probe(g) for g in st.tracker.due_for_probe(st.now())))
     st.metrics.set_backends([b.spec.name for b in st.tracker.backends], st.tracker.healthy(),
@@ -509,6 +509,8 @@ async def instances(request: web.Request) -> web.Response:
     # batches or streams: olproute.streamcal), the stream rows in its window and the
     # batch records read
     has_bea = st.router.policy.takes_beta and bool(st.calibrators)
+    # blocks the router's prefix index holds per backend (None: it keeps none)
+    blocks = st.router.prefix_index_blocks()
     out = []
     for b, load in zip(st.tracker.backends, loads, strict=True):
         out.append({
@@ -528,7 +530,8 @@ async def instances(request: web.Request) -> web.Response:
             "beta_source": st.beta_sources[b.index],
             "stream_rows": {"prefill": st.stream_calibrators[b.index].num_prefill_rows,
                             "decode": st.stream_calibrators[b.index].num_decode_rows},
-            "batch_records": b.batches_seen})
+            "batch_records": b.batches_seen,
+            "prefix_index_blocks": None if blocks is None else blocks[b.index]})
     return web.json_response({"policy": st.router.policy_name, "instances": out,
                               "prediction": prediction_status(st)})
 
@@ -548,6 +551,8 @@ def public_url(url: str) -> str:
 
 async def metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
+    st.metrics.set_prefix_index([s.name for s in st.loaded.specs],
+                                st.router.prefix_index_blocks())
     return web.Response(body=st.metrics.render(),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

@@ -52,6 +52,9 @@ class ServerMetrics:
             "/metrics (gauge: vllm:num_requests_running, vllm:num_requests_waiting, "
             "vllm:kv_cache_usage_perc; summed over its label sets)", ["instance", "gauge"],
             registry=r)
+        self.prefix_index_blocks = Gauge(
+            "olproute_prefix_index_blocks", "Prompt blocks the router's prefix index holds "
+            "for the backend (olproute.prefix_index)", ["instance"], registry=r)
         self.price_sum = Gauge("olproute_price_sum", "Sum over the horizon of the shadow "
                                "price (resource: batch, kv or compute)",
                                ["instance", "resource"], registry=r)
@@ -160,6 +163,13 @@ class ServerMetrics:
         for name, ok, n in zip(names, healthy, in_flight, strict=True):
             self.backend_up.labels(name).set(1.0 if ok else 0.0)
             self.in_flight.labels(name).set(n)
+
+    def set_prefix_index(self, names: Sequence[str], blocks: Sequence[int] | None) -> None:
+        """The prefix index's blocks per backend (None: the router keeps no index)."""
+        if blocks is None:
+            return
+        for name, n in zip(names, blocks, strict=True):
+            self.prefix_index_blocks.labels(name).set(n)
 
     def set_scraped(self, name: str, gauges: dict[str, float]) -> None:
         for gauge, value in gauges.items():

@@ -266,6 +266,7 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         data["model"] = backend.served_model  # the name the backend answers to
         now = st.now()
         st.tracker.dispatched(g, req, now, streamed=stream)
+        st.router.routed(g, req)   # the prefix index: where its prompt went
         try:
             upstream, failure = await _post(st, g, request.path, data)
         except asyncio.CancelledError:   # the client left before the backend answered
@@ -277,7 +278,7 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         if upstream is not None:
             upstream.release()
         st.tracker.finished(g, req.request_id)
-        st.tracker.mark_failure(g, st.now())
+        st.mark_failure(g)
         st.metrics.errors.labels(backend.spec.name, "before_first_byte").inc()
         tried.add(g)
         if len(tried) > 1:
@@ -365,7 +366,7 @@ async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Requ
                 upstream.close()
                 return resp, False
     except (TimeoutError, aiohttp.ClientError, _Stalled) as exc:
-        st.tracker.mark_failure(g, st.now())
+        st.mark_failure(g)
         kind = "stalled" if isinstance(exc, _Stalled) else "mid_stream"
         st.metrics.errors.labels(st.loaded.specs[g].name, kind).inc()
         why = str(exc) if isinstance(exc, _Stalled) else type(exc).__name__
@@ -396,7 +397,7 @@ async def _relay_whole(st: ServerState, g: int, req: Request,
         async with asyncio.timeout(st.loaded.config.server.read_timeout_s):
             raw = await upstream.read()
     except (TimeoutError, aiohttp.ClientError) as exc:
-        st.tracker.mark_failure(g, st.now())
+        st.mark_failure(g)
         name = st.loaded.specs[g].name
         st.metrics.errors.labels(name, "mid_stream").inc()
         return error_response(502, f"backend {name} failed mid-answer: "
@@ -502,7 +503,7 @@ async def _prefill(st: ServerState, p: int, path: str, body: dict[str, Any],
             status, raw = -1, b"an answer that is not JSON"
     if status != 200:
         failure = raw.decode(errors="replace") if status <= 0 else f"status {status}"
-        st.tracker.mark_failure(p, st.now())
+        st.mark_failure(p)
         st.metrics.errors.labels(name, "prefill").inc()
         raise _Failed(error_response(502, f"prefill backend {name} failed: {failure}",
                                      kind="backend_error", headers=headers))
@@ -525,6 +526,7 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
     dispatch = st.now()
     completed = False
     st.tracker.dispatched_pair(p, q, req, dispatch)
+    st.router.routed(p, req)   # its prefill backend computes (and caches) the prompt
     try:
         answer = await _prefill(st, p, request.path, prefill_body(data, bp.served_model),
                                 headers)
@@ -534,7 +536,7 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
         upstream, failure = await _post(st, q, request.path, body)
         try:
             if failure is not None:
-                st.tracker.mark_failure(q, st.now())
+                st.mark_failure(q)
                 st.metrics.errors.labels(bq.spec.name, "before_first_byte").inc()
                 return error_response(502, f"decode backend {bq.spec.name} failed after the "
                                       f"prefill on {bp.spec.name}: {failure}",

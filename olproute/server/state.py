@@ -122,6 +122,12 @@ class ServerState:
         name = "" if d.instance is None else self.loaded.specs[d.instance].name
         self.metrics.decided(d.action, name, time.perf_counter() - t0)
 
+    def mark_failure(self, g: int) -> None:
+        """Backend g failed (a request, a probe): the tracker marks it down, with backoff,
+        and the router's prefix index forgets what it cached (it may have restarted)."""
+        self.tracker.mark_failure(g, self.now())
+        self.router.cache_lost(g)
+
     def certifying(self) -> bool:
         """Is the live certificate on: a certifier, this replica learns the prices (the
         only one, or the leader of several), a period, and bid_price on mixed instances

@@ -18,6 +18,7 @@ from olproute.config import (
     prediction_problems,
     workload_block_problems,
 )
+from olproute.prefix_index import text_block_hashes
 from olproute.sim import workloads as wl
 from olproute.sim.mooncake import load_mooncake
 from olproute.types import Request
@@ -165,10 +166,13 @@ def _synthetic_drawn(loaded: LoadedConfig, st: Streams) -> list[Request]:
 
 
 def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
-    """``_synthetic_drawn``'s requests with their SLO classes (``slo.mode: classes``) and
-    the router's predictions for every model of the pool (``_predict_per_model``)."""
+    """``_synthetic_drawn``'s requests with their SLO classes (``slo.mode: classes``),
+    their prompts' block hashes (``workload.prefix_hashes``) and the router's predictions
+    for every model of the pool (``_predict_per_model``)."""
     cfg = loaded.config
     reqs = _synthetic_drawn(loaded, st)
+    if cfg.workload.prefix_hashes:
+        reqs = with_block_hashes(reqs, cfg.workload.block_tokens)
     if cfg.slo.mode == "classes":
         slo = [wl.SloClass(c.name, c.ttft_ms / 1e3, c.tpot_ms / 1e3, c.weight)
                for c in cfg.slo.classes]
@@ -176,6 +180,15 @@ def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
         reqs = [replace(r, ttft_target_s=slo[i].ttft_s, tpot_target_s=slo[i].tpot_s,
                         slo_class=slo[i].name) for r, i in zip(reqs, idx, strict=True)]
     return _predict_per_model(loaded, reqs, st)
+
+
+def with_block_hashes(reqs: list[Request], block_size: int) -> list[Request]:
+    """The requests carrying their prompt texts' block hashes
+    (``olproute.prefix_index.text_block_hashes``: blocks of ``block_size`` words, as the
+    router names a live prompt's), at most one per full block of ``prompt_tokens``; a
+    request without text carries none."""
+    return [r if r.text is None else replace(r, block_hashes=text_block_hashes(
+        r.text, block_size, r.prompt_tokens // block_size)) for r in reqs]
 
 
 def _predict_per_model(loaded: LoadedConfig, reqs: list[Request],

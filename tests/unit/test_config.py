@@ -304,6 +304,12 @@ WORKLOAD_ERRORS: list[tuple[str, Any, list[str]]] = [
       "'mooncake'"]),
     ("mooncake-block-tokens", {"kind": "mooncake", "path": "m.jsonl", "block_tokens": 24},
      ["workload.block_tokens: must divide 512, the trace's block of tokens (got 24)"]),
+    ("prefix-hashes-without-text", {"kind": "trace", "path": "t.csv", "prefix_hashes": True},
+     ["workload.prefix_hashes: only kind 'synthetic' has prompt texts to hash, not 'trace'"]),
+    ("prefix-hashes-of-mooncake", {"kind": "mooncake", "path": "m.jsonl",
+                                   "prefix_hashes": True},
+     ["workload.prefix_hashes: only kind 'synthetic' has prompt texts to hash, not "
+      "'mooncake' (its rows carry their own hashes)"]),
     ("trace-without-path", {"workload": {"kind": "trace"}},
      ["workload.path: required when kind is 'trace'"]),
     ("poisson-without-lengths", {"kind": "poisson", "rate_per_s": 1, "duration_s": 10},
