@@ -413,6 +413,24 @@ def _batch_time(beta: tuple[float, float, float, float] | list[float], sums: lis
     return beta[0] + beta[1] * sums[1] + beta[2] * sums[3] + beta[3] * sums[5]
 
 
+def _replay_engine(table: IntArray, limits: tuple[int, int, int, int],
+                   ex: list[tuple[int, int, float, int]]
+                   ) -> tuple[ReferenceCore, list[tuple[int, int, int, int, int]]]:
+    """A core without a prefix cache holding the snapshot's rows, then the later
+    dispatches' (prompt, decode, dispatch time, cached), in its first slots; a slot
+    left for the new request."""
+    total, block_size, max_num_seqs, budget = limits
+    core = ReferenceCore(total, block_size, max_num_seqs, budget,
+                         capacity=table.shape[0] + len(ex) + 1, prefix_caching=False)
+    rows = [(int(r[0]), int(r[1]), int(r[2]) if r[2] > r[1] else int(r[1]) + 1,
+             int(r[3]), int(r[4])) for r in table]
+    rows += [(p, 0, d, c, 0) for p, d, _t, c in ex]
+    for s, (prompt, out, mx, computed, blocks) in enumerate(rows):
+        core._prompt[s], core._output[s], core._max_output[s] = prompt, out, mx
+        core._computed[s], core._blocks[s] = computed, blocks
+    return core, rows
+
+
 def replay_ttft_reference(
     table: IntArray,
     num_running: int,
@@ -436,18 +454,10 @@ def replay_ttft_reference(
     time, and optionally their cached prompt tokens) joining the queue at their dispatch
     times; then the new request, its first ``new_cached`` prompt tokens computed (at most
     all but its last)."""
-    total, block_size, max_num_seqs, budget = limits
     ex = [] if extras is None else [
         (int(e[0]), max(int(e[1]), 1), float(e[2]),
          min(max(int(e[3]), 0), int(e[0]) - 1) if len(e) > 3 else 0) for e in extras]
-    core = ReferenceCore(total, block_size, max_num_seqs, budget,
-                         capacity=table.shape[0] + len(ex) + 1, prefix_caching=False)
-    rows = [(int(r[0]), int(r[1]), int(r[2]) if r[2] > r[1] else int(r[1]) + 1,
-             int(r[3]), int(r[4])) for r in table]
-    rows += [(p, 0, d, c, 0) for p, d, _t, c in ex]
-    for s, (prompt, out, mx, computed, blocks) in enumerate(rows):
-        core._prompt[s], core._output[s], core._max_output[s] = prompt, out, mx
-        core._computed[s], core._blocks[s] = computed, blocks
+    core, rows = _replay_engine(table, limits, ex)
     core._running = list(range(num_running))
     core._waiting = list(range(num_running, table.shape[0]))
     core._free_slots = []

@@ -127,6 +127,17 @@ class PrefixIndex:
                            request_blocks=0 if hashes is None else len(hashes),
                            index_blocks=self.sizes())
 
+    def cached_on(self, g: int, hashes: IntArray | None, prompt_tokens: int) -> int:
+        """``match``'s cached tokens on instance g alone."""
+        n = 0 if hashes is None else min(len(hashes), max(prompt_tokens - 1, 0)
+                                         // self.block_size)
+        blocks = self._blocks[g]
+        if n == 0 or not blocks:
+            return 0
+        assert hashes is not None
+        keys = hashes[:n].tolist()
+        return _longest(blocks, keys) * self.block_size if keys[0] in blocks else 0
+
     def routed(self, g: int, hashes: IntArray | None) -> None:
         """A request with these block hashes went to instance g: its blocks become g's
         most recent (the first block most of all), and g forgets its least recent blocks

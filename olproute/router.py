@@ -166,12 +166,16 @@ class Router:
                               prefixes=None if self.prefixes is None or hashes is None
                               else self.prefixes.match(hashes, request.prompt_tokens))
 
-    def routed(self, g: int, request: Request) -> None:
+    def routed(self, g: int, request: Request) -> int:
         """``request`` was sent to backend g (a dispatch carried out, where it went after
         any move off an unhealthy backend; on disaggregated pools, its prefill backend):
-        its prompt's blocks become g's most recent in the prefix index."""
-        if self.prefixes is not None:
-            self.prefixes.routed(g, request.block_hashes)
+        its prompt's blocks become g's most recent in the prefix index. Returns its
+        prompt tokens the index expected cached there (0 without an index or hashes)."""
+        if self.prefixes is None or request.block_hashes is None:
+            return 0
+        cached = self.prefixes.cached_on(g, request.block_hashes, request.prompt_tokens)
+        self.prefixes.routed(g, request.block_hashes)
+        return cached
 
     def cache_lost(self, g: int) -> None:
         """Backend g was marked down or restarted: whatever it cached is gone, or may be;

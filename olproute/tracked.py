@@ -10,7 +10,8 @@ has streamed. From these it rebuilds the ``EngineSnapshot`` BEA replays:
   ``max_num_seqs`` of them in dispatch order run, the rest wait;
 * the others wait in dispatch order with nothing computed (their prefill may have begun
   inside the backend: the replay then over-estimates their remaining prefill), except
-  the prompt tokens whose KV arrived computed from a prefill instance;
+  the prompt tokens whose KV arrived computed from a prefill instance, and (live) those
+  the router's prefix index expected cached there when it sent the request;
 * no batch is in flight (the replay starts at the snapshot's time), and the free KV
   blocks are the capacity less the running requests' blocks (``used_blocks``, which the
   live tracker reconciles with the backend's scraped KV gauge).
@@ -73,12 +74,13 @@ def tracked_snapshot(now_s: float, spec: InstanceSpec, request_ids: Sequence[int
 
 
 def router_view(snap: EngineSnapshot, dispatch_s: Mapping[int, float],
-                spec: InstanceSpec) -> EngineSnapshot:
+                spec: InstanceSpec, cached: Mapping[int, int] | None = None) -> EngineSnapshot:
     """What a router tracking its own traffic rebuilds of an engine's exact state
     ``snap``: its resident requests in dispatch order (``dispatch_s`` by request id),
     those with an output token running, every one's tokens so far, and for a waiting
-    request on a decode instance the prompt it received computed (otherwise nothing
-    computed); the rest as ``tracked_snapshot`` says, which this computes on arrays (the
+    request on a decode instance the prompt it received computed (otherwise what
+    ``cached`` says the router expected cached, by request id, or nothing); the rest as
+    ``tracked_snapshot`` says, which this computes on arrays (the
     simulator asks for it at every decision; ``tests/unit/test_tracked.py`` holds the two
     equal)."""
     ids = snap.request_ids
@@ -96,8 +98,13 @@ def router_view(snap: EngineSnapshot, dispatch_s: Mapping[int, float],
     table = np.empty((len(ids), 5), dtype=np.int64)
     table[: len(run)] = np.stack([prompt[run], tokens[run], t[run, SNAP_PREDICTED],
                                   context[run] - 1, blocks[run]], axis=1)
-    computed = (t[wait, SNAP_COMPUTED] * ~running[wait] if spec.role == "decode"
-                else np.zeros(len(wait), dtype=np.int64))
+    if spec.role == "decode":
+        computed = t[wait, SNAP_COMPUTED] * ~running[wait]
+    elif cached:
+        computed = np.array([cached.get(i, 0) for i in ids[order][wait].tolist()],
+                            dtype=np.int64)
+    else:
+        computed = np.zeros(len(wait), dtype=np.int64)
     table[len(run):] = np.stack([prompt[wait], np.zeros_like(computed), t[wait, SNAP_PREDICTED],
                                  computed, np.zeros_like(computed)], axis=1)
     used = int(blocks[running].sum())

@@ -265,8 +265,10 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         backend = st.tracker.backends[g]
         data["model"] = backend.served_model  # the name the backend answers to
         now = st.now()
-        st.tracker.dispatched(g, req, now, streamed=stream)
-        st.router.routed(g, req)   # the prefix index: where its prompt went
+        # the prefix index: where its prompt went, and what of it the index expects
+        # cached there (the tracker's snapshots count it computed while it waits)
+        cached = st.router.routed(g, req)
+        st.tracker.dispatched(g, req, now, streamed=stream, cached_tokens=cached)
         try:
             upstream, failure = await _post(st, g, request.path, data)
         except asyncio.CancelledError:   # the client left before the backend answered

@@ -51,7 +51,9 @@ class Flight:
     tokens: int = 0
     first_token_s: float | None = None
     streamed: bool = True  # False: tokens are only known when the whole answer arrives
-    computed_tokens: int = 0  # prompt tokens whose KV arrived computed (a decode flight)
+    # prompt tokens whose KV arrived computed (a decode flight), or that the router's
+    # prefix index expected cached there (its snapshots count them computed while it waits)
+    computed_tokens: int = 0
     origin: Inbound | None = None  # a decode flight: its time as inbound
 
     @property
@@ -184,9 +186,12 @@ class Tracker:
         self._max_backoff = max_backoff_s
 
     # -- traffic -------------------------------------------------------------------------
-    def dispatched(self, g: int, request: Request, now_s: float, streamed: bool = True) -> None:
+    def dispatched(self, g: int, request: Request, now_s: float, streamed: bool = True,
+                   cached_tokens: int = 0) -> None:
+        """``cached_tokens``: its prompt tokens the router expects cached there."""
         b = self.backends[g]
-        b.flights[request.request_id] = Flight(request, now_s, streamed=streamed)
+        b.flights[request.request_id] = Flight(request, now_s, streamed=streamed,
+                                               computed_tokens=cached_tokens)
         b.version += 1
         b.recorder.dispatched(request.request_id, request.prompt_tokens, streamed)
 

@@ -440,7 +440,9 @@ class _Run:
         cached = 0
         if req.block_hashes is not None:
             index = self._index(replica_of(rid, len(self.routers)))
-            if c.feed.age_s > 0:   # a stale snapshot's pending rows carry it
+            # a stale snapshot's pending rows carry it, and the router's view of a
+            # waiting request
+            if c.feed.age_s > 0 or c.feed.view_of == "router":
                 cached = int(index.match(req.block_hashes, req.prompt_tokens)
                              .cached_tokens[g])
             index.routed(g, req.block_hashes)

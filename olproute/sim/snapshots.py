@@ -36,8 +36,10 @@ class SnapshotFeed:
         self.engines = list(engines)
         self.age_s = age_s
         self.view_of = view
-        # per engine, for the router view: request_id -> dispatch time, unfinished
+        # per engine, for the router view: request_id -> dispatch time, unfinished, and
+        # the prompt tokens the router expected cached (when some)
         self._dispatch_s: list[dict[int, float]] = [{} for _ in engines]
+        self._cached: list[dict[int, int]] = [{} for _ in engines]
         self._published: list[deque[EngineSnapshot]] = [deque() for _ in engines]
         # per engine: request_id -> (dispatch time, prompt, predicted decode, prompt tokens
         # the router expected cached there), unfinished
@@ -54,17 +56,20 @@ class SnapshotFeed:
             self._dispatched[g][request_id] = (now_s, prompt, predicted, cached)
         if self.view_of == "router":
             self._dispatch_s[g][request_id] = now_s
+            if cached:
+                self._cached[g][request_id] = cached
 
     def finished(self, g: int, request_id: int) -> None:
         if self.age_s > 0:
             self._dispatched[g].pop(request_id, None)
         if self.view_of == "router":
             self._dispatch_s[g].pop(request_id, None)
+            self._cached[g].pop(request_id, None)
 
     def _seen(self, g: int, snap: EngineSnapshot) -> EngineSnapshot:
         if self.view_of == "engine":
             return snap
-        return router_view(snap, self._dispatch_s[g], self.engines[g].spec)
+        return router_view(snap, self._dispatch_s[g], self.engines[g].spec, self._cached[g])
 
     def view(self, now_s: float) -> tuple[tuple[EngineSnapshot, ...],
                                          tuple[FloatArray | None, ...] | None]:

@@ -248,6 +248,11 @@ def test_many_chains_stay_prefix_closed_under_eviction() -> None:
             assert not any(present[depth:]), "an indexed chain has a gap"
             found = index.match(np.array(chain, dtype=np.int64), 1000)
             assert found.matched_blocks.tolist() == [depth]
+            # what one instance's lookup gives, as the proxy asks it at a dispatch
+            for prompt in (1000, 16 * depth, 17):
+                on = index.cached_on(0, np.array(chain, dtype=np.int64), prompt)
+                assert on == index.match(np.array(chain, dtype=np.int64),
+                                         prompt).cached_tokens[0]
         assert len(blocks) <= 12
 
 

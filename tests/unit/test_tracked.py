@@ -52,14 +52,21 @@ def _engine_mid_run(spec: InstanceSpec, prompts: list[int], decodes: list[int],
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 600), st.integers(1, 40)), min_size=1,
                 max_size=24),
-       st.integers(0, 12), st.integers(2, 8), st.integers(0, 10**6))
+       st.integers(0, 12), st.integers(2, 8), st.integers(0, 10**6), st.booleans())
 def test_router_view_is_the_live_trackers_snapshot(rows: list[tuple[int, int]], batches: int,
-                                                   seqs: int, seed: int) -> None:
+                                                   seqs: int, seed: int,
+                                                   hits: bool) -> None:
+    """With ``hits``, the router expected part of some prompts cached (its prefix
+    index): both views count it computed while the request waits."""
     spec = _spec(seqs, 400, 256)
     prompts, decodes = [p for p, _ in rows], [d for _, d in rows]
     eng, dispatch = _engine_mid_run(spec, prompts, decodes, batches, seed)
     exact = eng.snapshot(5.0)
-    view = router_view(exact, dispatch, spec)
+    rng = np.random.default_rng(seed)
+    cached = ({rid: int(rng.integers(0, p)) for rid, p in zip(
+        exact.request_ids.tolist(), exact.table[:, 0].tolist(), strict=True)} if hits
+              else {})
+    view = router_view(exact, dispatch, spec, cached)
     # the tracker, fed the same traffic: dispatches in order, the tokens streamed so far
     tracker = Tracker([spec], ["http://x"])
     out = dict(zip(exact.request_ids.tolist(), exact.table[:, SNAP_OUTPUT].tolist(),
@@ -69,7 +76,7 @@ def test_router_view_is_the_live_trackers_snapshot(rows: list[tuple[int, int]], 
     for rid in sorted(out, key=dispatch.__getitem__):
         req = Request(request_id=rid, arrival_s=0.0, prompt_tokens=prompt[rid],
                       decode_tokens=1, predicted_decode_tokens=pred[rid], ttft_target_s=1.0)
-        tracker.dispatched(0, req, dispatch[rid])
+        tracker.dispatched(0, req, dispatch[rid], cached_tokens=cached.get(rid, 0))
         if out[rid]:
             tracker.token(0, rid, 1.0, out[rid])
     live = tracker.snapshot(0, 5.0)
@@ -80,7 +87,9 @@ def test_router_view_is_the_live_trackers_snapshot(rows: list[tuple[int, int]], 
     # what the router cannot see is gone: no batch in flight, no queued prefill progress
     assert view.inflight.shape == (0, 2) and view.inflight_start_s == view.time_s
     waiting = view.table[view.num_running:]
-    assert not waiting[:, SNAP_COMPUTED].any() and not waiting[:, SNAP_OUTPUT].any()
+    assert not waiting[:, SNAP_OUTPUT].any()
+    assert waiting[:, SNAP_COMPUTED].tolist() == [
+        cached.get(i, 0) for i in view.request_ids[view.num_running:].tolist()]
 
 
 def test_router_view_loses_prefill_progress_and_the_batch_in_flight() -> None:
