@@ -8,8 +8,8 @@ the router's index instead (``ctx.prefixes``, ``olproute.prefix_index``: an LRU 
 16-token block hashes per instance, bounded by the instance's KV blocks), so that they
 differ from each other, and from our policies, in their rule alone. A request without
 block hashes carries no match (``ctx.prefixes`` is None) and each rule reads it as a
-prompt that matches nothing; so does every request in the server, which does not keep a
-prefix index yet (the simulator does).
+prompt that matches nothing (in the server: a prompt given as a count, or token ids,
+which it cannot hash).
 
 Both route mixed pools only. SGLang's disaggregated mode runs a separate policy per pool
 (``--prefill-policy`` / ``--decode-policy``) and llm-d's decides per request whether to
