@@ -117,6 +117,19 @@ def slo_flags(res: SimResult) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.boo
     return ttft_met, both
 
 
+def hit_rate(res: SimResult) -> float:
+    """The run's prefix-cache hit rate: prompt tokens found in the prefix cache over all
+    prompt tokens, both summed over the served requests (finished, not shed: the engines
+    record a request's cached tokens, vLLM's ``num_cached_tokens`` at its first
+    admission, when it finishes). 0 for requests without block hashes; NaN when nothing
+    was served or the result holds no record of cached tokens (built without a run)."""
+    served = ~res.shed & np.isfinite(res.finish_s)
+    prompt = np.array([r.prompt_tokens for r in res.requests], dtype=np.int64)[served]
+    if res.cached_prompt_tokens is None or not prompt.size:
+        return float("nan")
+    return float(res.cached_prompt_tokens[served].sum() / prompt.sum())
+
+
 def realised_utility(res: SimResult, profiles: Profiles | None = None,
                      cost_lambda: float = 5e-4) -> FloatArray:
     """Per request, the accuracy-cost utility it realised (BEAR eq. 4 on the truth):

@@ -3,6 +3,7 @@ before, and a cached prefix shortens a request's prefill and its TTFT."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -114,6 +115,18 @@ def test_engines_count_queries_and_hits() -> None:
     engine = cluster.engines[0]
     assert (engine.prefix_cache_queries, engine.prefix_cache_hits) == (4000, 1984)
     assert res.cached_prompt_tokens.sum() == engine.prefix_cache_hits
+
+
+def test_hit_rate_is_cached_over_prompt_tokens_of_the_served() -> None:
+    loaded = _one_engine({})
+    res = simulate(loaded, "round_robin", _twice(2000, np.arange(125, dtype=np.int64)))
+    assert metrics.hit_rate(res) == 1984 / 4000
+    # a shed request counts in neither sum; nothing served, or no records: NaN
+    shed = replace(res, shed=np.array([True, False]))
+    assert metrics.hit_rate(shed) == 1984 / 2000
+    assert math.isnan(metrics.hit_rate(replace(res, shed=np.array([True, True]))))
+    assert math.isnan(metrics.hit_rate(replace(res, cached_prompt_tokens=None)))
+    assert metrics.hit_rate(simulate(loaded, "round_robin", _twice(2000, None))) == 0.0
 
 
 def test_on_pd_pools_the_prefill_instance_caches() -> None:

@@ -1,0 +1,69 @@
+"""bench/prefix_table.py, quick: two seeds of the trace's first 30 s, the JSON's keys and
+sane values, and an unknown policy named rather than skipped."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import prefix_table  # noqa: E402
+
+REQUIRED = ("ttft_mean_s", "ttft_p99_s", "goodput", "hit_rate", "served_fraction",
+            "tokens_per_s")
+POLICIES = ("round_robin", "least_outstanding", "bid_price")
+
+
+def test_a_short_window_gives_every_figure(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "prefix.json"
+    prefix_table.main(["--seeds", "10,11", "--window", "30", "--json", str(out),
+                       "--policies", ",".join(POLICIES)])
+    printed = capsys.readouterr().out
+    s = json.loads(out.read_text())
+    assert s["seeds"] == [10, 11] and s["window_s"] == 30.0
+    assert s["time_scale"] == prefix_table.TIME_SCALE and s["num_requests"] > 50
+    assert list(s["policies"]) == list(POLICIES)
+    for name, p in s["policies"].items():
+        assert name in printed
+        for key in REQUIRED:
+            spread = p[f"{key}_spread"]
+            assert len(spread["per_seed"]) == 2, (name, key)
+            # the required key is the mean over the seeds
+            assert p[key] == pytest.approx(sum(spread["per_seed"]) / 2), (name, key)
+            assert spread["min"] <= p[key] <= spread["max"]
+        assert 0.0 < p["ttft_mean_s"] <= p["ttft_p99_s"] < 60.0
+        assert 0.0 <= p["goodput"] <= p["ttft_attainment"] <= 1.0
+        assert 0.0 <= p["hit_rate"] < 1.0 and p["tokens_per_s"] > 0.0
+        assert 0.0 < p["served_fraction"] <= 1.0
+    # the baselines refuse nothing; the trace's shared prefixes give some cache hits
+    for name in ("round_robin", "least_outstanding"):
+        assert s["policies"][name]["served_fraction"] == 1.0
+    assert s["policies"]["round_robin"]["hit_rate"] > 0.0
+
+
+def test_an_unknown_policy_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        prefix_table.main(["--policies", "round_robin,no_such_policy", "--window", "30"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'no_such_policy'" in err and "round_robin" in err
+
+
+def test_estimate_eval_splits_by_the_cached_share(tmp_path: Path) -> None:
+    out = tmp_path / "ee.json"
+    prefix_table.main(["--estimate-eval", "--seeds", "10", "--window", "30",
+                       "--estimators", "bea", "--json", str(out)])
+    ev = json.loads(out.read_text())["estimates"][0]
+    parts = ev["parts"]
+    assert list(parts) == ["all", "cached 0%-10%", "cached 10%-50%", "cached 50%-100%"]
+    (everyone,) = parts["all"]
+    assert everyone["estimator"] == "bea" and everyone["mape_pct"] >= 0.0
+    # the three shares split the requests
+    assert sum(rows[0]["n"] for name, rows in parts.items() if name != "all" and rows) \
+        == everyone["n"]
