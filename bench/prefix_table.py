@@ -28,9 +28,10 @@ Figures: TTFT mean and P99 over the served requests, TTFT attainment (``slo_atta
 and goodput (``Summary.goodput``: TTFT and TPOT targets both met, of all requests,
 refused ones included), the hit rate (``metrics.hit_rate``: prompt tokens found in the
 prefix cache over all prompt tokens of the served requests), the served fraction, and
-tokens/s over the arrival window; each the mean [min-max] over seeds. A policy that
-refuses requests (``bid_price``, the router's default ``admission: shed``) has its TTFT
-over another set than one that serves all: read it beside the served fraction.
+tokens/s over the arrival window; each the mean [min-max] over seeds. The scenario
+defers a held request at its patience instead of refusing it (``admission: defer``), so
+every policy serves every request and its TTFT is over the same set; the served
+fraction in the table checks it.
 
 ``--policies`` names the policies (default: all five of the issue); an unknown one is an
 error naming it, never skipped. ``--estimate-eval`` reports, per estimator, the TTFT

@@ -3,10 +3,12 @@
 (``prefix_load``).
 
 Each of them keeps its own approximate index of where prompts went (SGLang a radix tree
-of characters per worker, llm-d an LRU of prompt-block hashes per pod); here both read
-the router's index instead (``ctx.prefixes``, ``olproute.prefix_index``: an LRU of
-16-token block hashes per instance, bounded by the instance's KV blocks), so that they
-differ from each other, and from our policies, in their rule alone. A request without
+of characters per worker, llm-d an LRU of prompt-block hashes per pod); here both match
+prompts in the router's index instead (``ctx.prefixes``, ``olproute.prefix_index``: an
+LRU of 16-token block hashes per instance, bounded by the instance's KV blocks), so that
+they differ from each other, and from our policies, in their rule alone. SGLang's rule
+also reads the size of each worker's tree, which ``cache_aware`` keeps as SGLang does
+(far larger than a KV cache; see there). A request without
 block hashes carries no match (``ctx.prefixes`` is None) and each rule reads it as a
 prompt that matches nothing (in the server: a prompt given as a count, or token ids,
 which it cannot hash).
@@ -24,7 +26,7 @@ from pydantic import Field
 
 from olproute.policies._common import FloatArray, IntArray, NoFeedback, figures, pick_best
 from olproute.policies.base import REGISTRY, PolicyEnv, PolicyParams, Weight, dispatch
-from olproute.types import Decision, PrefixMatch, RoutingContext
+from olproute.types import Decision, RoutingContext
 
 
 def _hit_fraction(ctx: RoutingContext) -> FloatArray:
@@ -35,6 +37,8 @@ def _hit_fraction(ctx: RoutingContext) -> FloatArray:
 
 
 # -- SGLang ---------------------------------------------------------------------------------
+# characters a token stands for in SGLang's tree sizes (it counts text; we have tokens)
+CHARS_PER_TOKEN = 4
 class CacheAwareParams(PolicyParams):
     """``router.policy_params.cache_aware``. The defaults are those SGLang's router starts
     with: the CLI of its Rust binary (``sgl-router/src/main.rs``, commit 0773f04) and of
@@ -45,10 +49,8 @@ class CacheAwareParams(PolicyParams):
     (``sgl-router/src/config/validation.rs``). The library's own
     ``CacheAwareConfig::default()`` (``sgl-router/src/policies/mod.rs``: 0.5, 32, 1.1,
     30 s, 10,000) applies only to a router built without either launcher.
-
-    SGLang's two eviction settings bound its tree and have no counterpart: the router's
-    index holds at most an instance's KV blocks and forgets the least recently routed
-    ones as it goes."""
+    The two eviction settings bound the size of each worker's tree, which its third
+    branch reads (``CacheAware``)."""
 
     cache_threshold: float = Field(
         default=0.3, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
@@ -59,6 +61,12 @@ class CacheAwareParams(PolicyParams):
     balance_rel_threshold: float = Field(
         default=1.5, ge=1.0, strict=True, allow_inf_nan=False,
         description="imbalanced when max outstanding exceeds this x min (and the gap)")
+    eviction_interval_secs: float = Field(
+        default=120.0, gt=0.0, strict=True, allow_inf_nan=False,
+        description="how often a tree larger than max_tree_size is cut back to it")
+    max_tree_size: int = Field(
+        default=2**26, ge=1, strict=True,
+        description="characters a worker's tree keeps after an eviction")
 
 
 class CacheAware(NoFeedback):
@@ -71,8 +79,8 @@ class CacheAware(NoFeedback):
        loaded instance, the first of them on a tie (Rust's ``min_by_key``);
     2. else, when the best match rate exceeds ``cache_threshold``: the instance with the
        longest match;
-    3. else the instance whose tree is smallest (SGLang: fewest characters; here fewest
-       indexed blocks), the one that "has the most cache to spare".
+    3. else the instance whose tree is smallest (fewest characters), the one that "has
+       the most cache to spare".
 
     SGLang's match rate is the characters its radix tree matches over the request's
     characters; ours is the request's matched 16-token blocks over its blocks (the
@@ -80,11 +88,20 @@ class CacheAware(NoFeedback):
     iteration order (the first tenant of the deepest matched node; the first smallest
     tenant), which is arbitrary: here a draw from the policy's generator.
 
-    A request without hashes (SGLang: no text) matches nothing and goes to branch 3.
-    Its context carries no index sizes, so the policy keeps the last ones it saw, grown
-    by its own later dispatch of a request with hashes as the index grows (its unmatched
-    blocks, at most the instance's KV blocks; nothing on an instance without prefix
-    caching, which the index leaves empty).
+    A request without hashes matches nothing and goes to branch 3.
+
+    The tree sizes are the policy's own, as SGLang's: each dispatch inserts the prompt
+    into the worker's tree, which grows by the part not matched there (all of it without
+    hashes), and every ``eviction_interval_secs`` a tree over ``max_tree_size`` is cut
+    back to it (SGLang evicts least recently used leaves until it fits). SGLang counts
+    characters of text and we have tokens: a token is taken as 4 characters (the usual
+    figure for English text under BPE tokenizers). Its tree is far larger than a KV
+    cache (2**26 characters, about 16M tokens, against 405k on an H100 serving
+    Qwen3-8B), so its third branch sends a request to the worker sent the least
+    unmatched text in the last tens of minutes; the router's index, bounded by the KV
+    cache, fills on every instance within minutes and would make that branch a coin
+    flip. Its matches come from the router's index, which forgets what the engine has
+    likely evicted: a better guess than SGLang's larger tree.
 
     ``score`` in the explanation is what the branch taken ranks by, higher better
     (minus outstanding, the match rate, minus indexed blocks), so that the router's
@@ -95,14 +112,16 @@ class CacheAware(NoFeedback):
     def __init__(self, env: PolicyEnv, params: CacheAwareParams) -> None:
         self.params = params
         self._rng = env.rng
-        self._capacity = np.array([s.num_kv_blocks if s.enable_prefix_caching else 0
-                                   for s in env.specs], dtype=np.int64)
-        self._sizes: IntArray = np.zeros(len(env.specs), dtype=np.int64)
+        # per worker: characters of its tree, and when trees were last cut back
+        self._tree: FloatArray = np.zeros(len(env.specs))
+        self._cap_chars = float(params.max_tree_size)
+        self._evicted_s: float | None = None
 
     def decide(self, ctx: RoutingContext) -> Decision:
         load = np.array([inst.num_outstanding for inst in ctx.instances], dtype=np.int64)
         rate = _hit_fraction(ctx)
-        sizes = self._tree_sizes(ctx.prefixes)
+        self._evict(ctx.now_s)
+        sizes = self._tree
         p = self.params
         most, least = int(load.max()), int(load.min())
         if most - least > p.balance_abs_threshold and most > least * p.balance_rel_threshold:
@@ -113,25 +132,27 @@ class CacheAware(NoFeedback):
             g, score = pick_best(rate, self._rng), rate
             reason = f"match rate {rate.max():.2f} > {p.cache_threshold:g}: longest match"
         else:
-            score = -sizes.astype(np.float64)
+            score = -sizes
             g = pick_best(score, self._rng)
-            reason = (f"match rate {rate.max():.2f} <= {p.cache_threshold:g}: fewest "
-                      "indexed blocks")
-        why = figures(score=score, outstanding=load, hit_fraction=rate, index_blocks=sizes)
-        self._grow(ctx.prefixes, g)   # after the figures: it grows ``sizes`` in place
+            reason = (f"match rate {rate.max():.2f} <= {p.cache_threshold:g}: smallest "
+                      "tree")
+        why = figures(score=score.copy(), outstanding=load, hit_fraction=rate,
+                      tree_chars=sizes.copy())
+        self._insert(ctx, g)
         return dispatch(ctx, g, reason, why)
 
-    def _tree_sizes(self, prefixes: PrefixMatch | None) -> IntArray:
-        """Blocks indexed per instance: the context's, else the last known estimate."""
-        if prefixes is not None:
-            self._sizes = prefixes.index_blocks.astype(np.int64)   # a copy: _grow adds
-        return self._sizes
+    def _evict(self, now_s: float) -> None:
+        """Every ``eviction_interval_secs``: trees over ``max_tree_size`` cut back to it."""
+        if self._evicted_s is None:
+            self._evicted_s = now_s
+        elif now_s - self._evicted_s >= self.params.eviction_interval_secs:
+            np.minimum(self._tree, self._cap_chars, out=self._tree)
+            self._evicted_s = now_s
 
-    def _grow(self, prefixes: PrefixMatch | None, g: int) -> None:
-        """Instance g is sent the request: its index gains the unmatched blocks."""
-        if prefixes is not None:
-            new = prefixes.request_blocks - int(prefixes.matched_blocks[g])
-            self._sizes[g] = min(int(self._sizes[g]) + new, int(self._capacity[g]))
+    def _insert(self, ctx: RoutingContext, g: int) -> None:
+        """Worker g's tree takes the prompt: its part not matched there."""
+        cached = 0 if ctx.prefixes is None else int(ctx.prefixes.cached_tokens[g])
+        self._tree[g] += CHARS_PER_TOKEN * max(ctx.request.prompt_tokens - cached, 0)
 
 
 REGISTRY.register(CacheAware.name, CacheAwareParams)(CacheAware)

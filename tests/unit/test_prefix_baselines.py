@@ -101,13 +101,47 @@ def test_cache_aware_sends_a_match_above_the_threshold_to_the_longest_match() ->
     assert d.explanation["hit_fraction"] == d.explanation["score"]
 
 
+PROMPT = 16 * 10 + 5      # _ctx's request: 10 full blocks and 5 tokens
+
+
 def test_cache_aware_sends_a_match_at_or_below_the_threshold_to_the_smallest_tree() -> None:
-    """0.3 is not above the default threshold 0.3: the fewest indexed blocks win."""
-    d = _policy("cache_aware", 3).decide(_ctx([0, 0, 0], _match([3, 0, 0], 10, [50, 80, 20])))
+    """Its trees grow by what each dispatch did not match there (4 characters a token);
+    0.3 is not above the default threshold 0.3: the smallest tree wins."""
+    policy = _policy("cache_aware", 3)
+    assert policy.decide(_ctx([0, 0, 0], _match([7, 0, 0], 10))).instance == 0
+    assert policy.decide(_ctx([1, 0, 0], _match([0, 7, 0], 10))).instance == 1
+    d = policy.decide(_ctx([1, 1, 0], _match([3, 0, 0], 10)))
+    grown = 4.0 * (PROMPT - 16 * 7)
     assert d.instance == 2
-    assert d.reason == "match rate 0.30 <= 0.3: fewest indexed blocks"
-    assert d.explanation["score"] == (-50.0, -80.0, -20.0)
-    assert d.explanation["index_blocks"] == (50.0, 80.0, 20.0)
+    assert d.reason == "match rate 0.30 <= 0.3: smallest tree"
+    assert d.explanation["tree_chars"] == (grown, grown, 0.0)
+    assert d.explanation["score"] == (-grown, -grown, -0.0)
+
+
+def test_cache_aware_without_hashes_inserts_the_whole_prompt() -> None:
+    """A request without hashes matches nothing (branch 3) and its whole prompt enters
+    the tree it goes to."""
+    policy = _policy("cache_aware", 3)
+    policy.decide(_ctx([0, 0, 0], _match([7, 0, 0], 10)))
+    policy.decide(_ctx([1, 0, 0], _match([0, 7, 0], 10)))
+    d = policy.decide(_ctx([1, 1, 0]))
+    assert d.instance == 2 and d.explanation["hit_fraction"] == (0.0, 0.0, 0.0)
+    d = policy.decide(_ctx([1, 1, 1]))
+    grown = 4.0 * (PROMPT - 16 * 7)
+    assert d.explanation["tree_chars"] == (grown, grown, 4.0 * PROMPT)
+    assert d.instance in (0, 1)
+
+
+def test_cache_aware_cuts_its_trees_back_every_eviction_interval() -> None:
+    """Trees over max_tree_size are cut back to it once per eviction interval, not in
+    between (SGLang's eviction thread)."""
+    policy = _policy("cache_aware", 3, max_tree_size=300, eviction_interval_secs=1.0)
+    for k in range(3):   # at 0.0, 0.1, 0.2 s: 660 characters each to 0, 1, 2
+        policy.decide(_ctx([0, 0, 0], _match([0, 0, 0], 10, None), request_id=k))
+    d = policy.decide(_ctx([0, 0, 0], _match([0, 0, 0], 10), request_id=5))
+    assert sorted(d.explanation["tree_chars"]) == [4.0 * PROMPT] * 3
+    d = policy.decide(_ctx([0, 0, 0], _match([0, 0, 0], 10), request_id=10))   # 1.0 s
+    assert d.explanation["tree_chars"] == (300.0, 300.0, 300.0)
 
 
 def test_cache_aware_takes_its_threshold_from_its_parameters() -> None:
@@ -117,31 +151,12 @@ def test_cache_aware_takes_its_threshold_from_its_parameters() -> None:
     assert loose.decide(_ctx([150, 0, 0], _match([10, 0, 0], 10))).instance == 0
 
 
-def test_cache_aware_without_hashes_goes_to_the_smallest_tree_it_knows() -> None:
-    """A request without hashes matches nothing; its context has no index sizes, so the
-    policy uses the last ones it saw, grown by what it sent since (unmatched blocks)."""
-    policy = _policy("cache_aware", 3)
-    assert policy.decide(_ctx([0, 0, 0], _match([0, 0, 0], 10, [50, 80, 20]))).instance == 2
-    d = policy.decide(_ctx([0, 0, 1]))                 # 2 holds 20 + 10 blocks now
-    assert d.instance == 2 and d.explanation["index_blocks"] == (50.0, 80.0, 30.0)
-    assert d.explanation["hit_fraction"] == (0.0, 0.0, 0.0)
-    # a request of 40 blocks, 5 of them matched on 2: 2 holds 30 + 35 blocks
-    assert policy.decide(_ctx([0, 0, 2], _match([0, 0, 5], 40, [50, 80, 30]))).instance == 2
-    d = policy.decide(_ctx([0, 0, 3]))
-    assert d.instance == 0 and d.explanation["index_blocks"] == (50.0, 80.0, 65.0)
-    # never more than the instance's KV blocks, as the index
-    assert policy.decide(_ctx([0, 0, 0], _match([0, 0, 0], 5000, [999, 990, 995]))
-                         ).instance == 1
-    assert policy.decide(_ctx([0, 0, 0])).explanation["index_blocks"] == (
-        999.0, float(KV_BLOCKS), 995.0)
-
-
 def test_cache_aware_breaks_match_and_size_ties_with_its_generator() -> None:
     """SGLang's ties fall in hash-map order; here a draw from the policy's generator:
     reproducible from the seed, and each tied instance drawn over seeds."""
     longest = _ctx([0, 0, 0], _match([6, 6, 0], 10))
-    smallest = _ctx([0, 0, 0], _match([0, 0, 0], 10, [40, 10, 10]))
-    for ctx, tied in ((longest, {0, 1}), (smallest, {1, 2})):
+    smallest = _ctx([0, 0, 0], _match([0, 0, 0], 10))    # every tree empty
+    for ctx, tied in ((longest, {0, 1}), (smallest, {0, 1, 2})):
         picks = [_policy("cache_aware", 3, seed=s).decide(ctx).instance for s in range(20)]
         assert set(picks) == tied
         assert picks == [_policy("cache_aware", 3, seed=s).decide(ctx).instance
@@ -204,7 +219,8 @@ def test_prefix_load_breaks_ties_with_its_generator() -> None:
 # -- parameters and pools ---------------------------------------------------------------------
 @pytest.mark.parametrize(("name", "params", "message"), [
     ("cache_aware", {"x": 1}, "parameter x: unknown key"),
-    ("cache_aware", {"eviction_interval_secs": 120}, "eviction_interval_secs: unknown key"),
+    ("cache_aware", {"eviction_interval_secs": 0.0}, "eviction_interval_secs"),
+    ("cache_aware", {"max_tree_size": 0}, "max_tree_size"),
     ("cache_aware", {"cache_threshold": 1.5}, "cache_threshold"),
     ("cache_aware", {"balance_rel_threshold": 0.9}, "balance_rel_threshold"),
     ("cache_aware", {"balance_abs_threshold": True}, "balance_abs_threshold"),
@@ -220,7 +236,8 @@ def test_bad_parameters_are_refused(name: str, params: dict[str, Any], message: 
 def test_defaults_are_the_authors(name: str) -> None:
     params = REGISTRY.entry(name).params()
     expected = ({"cache_threshold": 0.3, "balance_abs_threshold": 64,
-                 "balance_rel_threshold": 1.5} if name == "cache_aware" else
+                 "balance_rel_threshold": 1.5, "eviction_interval_secs": 120.0,
+                 "max_tree_size": 2**26} if name == "cache_aware" else
                 {"prefix_cache_weight": 3.0, "queue_weight": 2.0,
                  "kv_cache_utilization_weight": 2.0})
     assert params.model_dump() == expected
