@@ -46,7 +46,7 @@ from olproute.reward import (
 )
 from olproute.sim import metrics
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate
-from olproute.types import EngineSnapshot, InstanceSpec, Request, RoutingContext
+from olproute.types import EngineSnapshot, InstanceSpec, PrefixMatch, Request, RoutingContext
 from solvers.problem import prefill_interval, random_instance
 from tests.conftest import CONV_TRACE, make_config
 
@@ -943,3 +943,35 @@ def test_with_candidates_only_the_sampled_instances_are_replayed_and_scored() ->
     policy.tick(0.0, snaps)
     assert replayed == [2, 6, 6]
     assert np.isfinite(policy.book.samples.reward[0, :, 0]).all()
+
+
+def _prefix_ctx(snaps: tuple[EngineSnapshot, ...], cached: list[int] | None,
+                prompt: int = 4000) -> RoutingContext:
+    """A 4000-token prompt, with ``cached`` of it found in each instance's cache by the
+    router's index (None: no hashes)."""
+    req = Request(request_id=1, arrival_s=0.0, prompt_tokens=prompt, decode_tokens=50,
+                  predicted_decode_tokens=50, ttft_target_s=5.0)
+    prefixes = None if cached is None else PrefixMatch(
+        cached_tokens=np.array(cached, dtype=np.int64),
+        matched_blocks=np.array(cached, dtype=np.int64) // 16,
+        request_blocks=prompt // 16, index_blocks=np.zeros(len(cached), dtype=np.int64))
+    return RoutingContext(request=req, now_s=0.0, instances=(), specs=(SPEC,) * len(snaps),
+                          snapshots=snaps, prefixes=prefixes)
+
+
+def test_a_cached_prefix_is_traded_against_the_queue_ahead_of_it() -> None:
+    """The same prompt on an idle instance and on one running two decoders: without
+    hashes the idle one scores higher; with most of the prompt cached on the busy one, it
+    scores higher there (its TTFT estimate, compute and KV columns net of the prefix);
+    behind two queued requests that take the busy one's last slots the idle one wins
+    again."""
+    busy, idle = _snap(n_running=2), _snap()
+    plain = _policy().decide(_prefix_ctx((busy, idle), None))
+    assert plain.explanation["score"][1] > plain.explanation["score"][0]
+    hit = _policy().decide(_prefix_ctx((busy, idle), [3984, 0]))
+    assert hit.explanation["score"][0] > hit.explanation["score"][1]
+    assert hit.explanation["ttft_s"][0] < 0.5 * plain.explanation["ttft_s"][0]
+    assert hit.explanation["ttft_s"][1] == plain.explanation["ttft_s"][1]
+    queued = _policy().decide(_prefix_ctx((_snap(n_running=2, n_waiting=2), idle),
+                                          [3984, 0]))
+    assert queued.explanation["score"][1] > queued.explanation["score"][0]
