@@ -185,6 +185,13 @@ class PrefixMatch:
     request_blocks: int
     index_blocks: npt.NDArray[np.int64]
 
+    def of(self, instances: npt.NDArray[np.int64]) -> PrefixMatch:
+        """The match on ``instances`` alone, in their order (a pool's)."""
+        return PrefixMatch(cached_tokens=self.cached_tokens[instances],
+                           matched_blocks=self.matched_blocks[instances],
+                           request_blocks=self.request_blocks,
+                           index_blocks=self.index_blocks[instances])
+
     @property
     def hit_fraction(self) -> npt.NDArray[np.float64]:
         """Per instance, the fraction of the request's hashed blocks found (0 without)."""

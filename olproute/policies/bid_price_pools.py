@@ -197,7 +197,9 @@ class PoolBidPrice(Policy):
         pre_ctx = replace(ctx, specs=self._pre_specs,
                           snapshots=tuple(snaps[g] for g in self._pre),
                           pending=None if ctx.pending is None else tuple(
-                              ctx.pending[g] for g in self._pre))
+                              ctx.pending[g] for g in self._pre),
+                          prefixes=None if ctx.prefixes is None
+                          else ctx.prefixes.of(np.asarray(self._pre, dtype=np.int64)))
         ones = np.ones(len(self._pre), dtype=np.int64)                   # prefill: 1 token
         ttft_pre = self._bea.estimate(pre_ctx, predicted_decode=ones).ttft_s
         xfer = self._transfer(req.prompt_tokens)

@@ -140,6 +140,10 @@ def test_on_pd_pools_the_prefill_instance_caches() -> None:
     assert (res.instance == 0).all() and (res.decode_instance == 1).all()
     prefill = res.batch_log[(res.batch_log[:, 0] == 0) & (res.batch_log[:, 7] > 0)]
     assert prefill[:, 7].tolist() == [2000, 16]
+    # bid_price replays the prefill pool with its cached prefixes (the index's match
+    # taken on that pool's instances): the second prompt's prefill is one block there too
+    res = simulate(loaded, "bid_price", _twice(2000, np.arange(125, dtype=np.int64)))
+    assert res.cached_prompt_tokens.tolist() == [0, 1984]
 
 
 class _PrefixProbe(Policy):
