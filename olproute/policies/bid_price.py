@@ -330,7 +330,7 @@ class BidPrice(Policy):
         src: list[tuple[_Scores, int]] = [(sc, j) for j in range(len(requests))]
         chosen, had = (self._assign_exact(ctx, requests, src, cands)
                        if self._release == "assignment"
-                       else self._assign(ctx, requests, src, cands))
+                       else self._assign(ctx, requests, src, cands, prefixes))
         done = {j for j, _ in chosen}
         for rank, (j, c) in enumerate(chosen, 1):
             req = requests[j]
@@ -349,7 +349,8 @@ class BidPrice(Policy):
                                 LOST_PLACE if j in had else None)
 
     def _assign(self, ctx: RoutingContext, requests: Sequence[Request],
-                src: list[tuple[_Scores, int]], cands: list[npt.NDArray[np.int64]]
+                src: list[tuple[_Scores, int]], cands: list[npt.NDArray[np.int64]],
+                prefixes: Sequence[PrefixMatch | None]
                 ) -> tuple[list[tuple[int, int]], set[int]]:
         """The joint pass, greedy: (request index, instance) dispatches in the order
         chosen, and the requests that had an instance to go to in some round. In rounds:
@@ -366,7 +367,8 @@ class BidPrice(Policy):
         budget, take = self._slot_budget(requests)
         starts = _Starts(snaps, self._specs, requests, self._adm.max_waiting)
         expired = [not still_patient(self._adm, r, ctx.now_s - r.arrival_s) for r in requests]
-        pending: list[list[tuple[float, float, float]]] = [[] for _ in snaps]
+        # per instance: this pass's dispatches (prompt, decode, time, cached prompt tokens)
+        pending: list[list[tuple[float, float, float, float]]] = [[] for _ in snaps]
         chosen: list[tuple[float, int, int]] = []
         had: set[int] = set()
         left = list(range(len(requests)))
@@ -390,9 +392,11 @@ class BidPrice(Policy):
                 starts.take(j, c)
                 budget[c] -= take[j, c]
                 taken.append((key, j, c))
+                hit = prefixes[j]
                 pending[c].append((float(requests[j].prompt_tokens),
                                    float(np.rint(sc.outlooks[i].decode_tokens[c])),
-                                   ctx.now_s))
+                                   ctx.now_s,
+                                   0.0 if hit is None else float(hit.cached_tokens[c])))
             if not taken:
                 break
             chosen += taken
@@ -401,7 +405,8 @@ class BidPrice(Policy):
             if not left or not (budget > 1e-9).any():
                 break
             extra = tuple(self._pending_with(ctx, g, pending[g]) for g in range(len(snaps)))
-            again = self._score(replace(ctx, pending=extra), [requests[j] for j in left])
+            again = self._score(replace(ctx, pending=extra), [requests[j] for j in left],
+                                prefixes=[prefixes[j] for j in left])
             for i, j in enumerate(left):
                 src[j] = (again, i)
         return [(j, c) for _, j, c in chosen], had
@@ -468,14 +473,19 @@ class BidPrice(Policy):
         return [(j, g) for j, g, _ in chosen], {j for j, _, _ in pairs}
 
     @staticmethod
-    def _pending_with(ctx: RoutingContext, g: int, rows: list[tuple[float, float, float]]
-                      ) -> FloatArray | None:
-        """Instance g's rows of dispatches since its snapshot, with this pass's after."""
+    def _pending_with(ctx: RoutingContext, g: int,
+                      rows: list[tuple[float, float, float, float]]) -> FloatArray | None:
+        """Instance g's rows of dispatches since its snapshot, with this pass's after (four
+        columns: the cached prompt tokens last, 0 for rows that came without)."""
         before = None if ctx.pending is None else ctx.pending[g]
         if not rows:
             return before
         new = np.array(rows, dtype=np.float64)
-        return new if before is None else np.concatenate([before, new])
+        if before is None:
+            return new
+        if before.shape[1] == 3:
+            before = np.column_stack([before, np.zeros(len(before))])
+        return np.concatenate([before, new])
 
     def _dispatch(self, req: Request, c: int, best: int, score: FloatArray,
                   on_time: npt.NDArray[np.bool_], candidates: npt.NDArray[np.int64],
