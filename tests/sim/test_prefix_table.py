@@ -42,14 +42,12 @@ def test_a_short_window_gives_every_figure(tmp_path: Path,
         assert 0.0 <= p["hit_rate"] < 1.0 and p["tokens_per_s"] > 0.0
         assert 0.0 < p["served_fraction"] <= 1.0
     # nobody refuses a request (the scenario defers at patience), so every TTFT is over
-    # the same requests; the trace's shared prefixes give some cache hits, and the
-    # prefix-aware baselines more than round robin
+    # the same requests; the trace's shared first block gives some cache hits (30 s holds
+    # no later turn of a conversation: tests/sim/test_prefix_routing.py compares the
+    # policies' hit rates on a longer stretch)
     for name in POLICIES:
         assert s["policies"][name]["served_fraction"] == 1.0
-    rr = s["policies"]["round_robin"]["hit_rate"]
-    assert rr > 0.0
-    for name in ("cache_aware", "prefix_load"):
-        assert s["policies"][name]["hit_rate"] > rr
+        assert s["policies"][name]["hit_rate"] > 0.0
 
 
 def test_an_unknown_policy_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
