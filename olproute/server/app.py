@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                "vllm:kv_cache_usage_perc")
+# vLLM v1's prefix-cache query counter (tokens): going down means the backend restarted
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_COUNTERS = (PREFIX_QUERIES,)
 # recalibration from a backend's streams (olproute.streamcal): the rows' window, a refit
 # every so many new rows, once the window holds this many of each kind
 STREAM_WINDOW_ROWS = 4096
@@ -356,21 +359,28 @@ async def _scrape(st: ServerState) -> None:
                   "exports none): its KV use is the router's own count", file=sys.stderr)
         st.tracker.set_scraped(g, gauges, st.now())
         st.metrics.set_scraped(b.spec.name, gauges)
+        queries = vllm_gauges(text, PREFIX_COUNTERS).get(PREFIX_QUERIES)
+        if queries is not None and st.tracker.prefix_queries_scraped(g, queries):
+            # a restart between two health probes (one that saw it down clears it too)
+            print(f"olproute: backend {b.spec.name}'s prefix-cache query counter went "
+                  "down (it restarted): its entries in the prefix index are dropped",
+                  file=sys.stderr)
+            st.router.cache_lost(g)
 
     await asyncio.gather(*(one(b.index) for b in st.tracker.backends if b.healthy))
 
 
-def vllm_gauges(text: str) -> dict[str, float]:
-    """The sums over their label sets of the vLLM gauges (``VLLM_GAUGES``) in a
-    Prometheus text exposition. Only lines that start with one of the names are read:
-    the full parser (``prometheus_client.parser``) took milliseconds of the event loop
-    for an emulator's page, this takes tens of microseconds."""
+def vllm_gauges(text: str, names: tuple[str, ...] = VLLM_GAUGES) -> dict[str, float]:
+    """The sums over their label sets of the vLLM gauges (``VLLM_GAUGES``, or other
+    ``names``) in a Prometheus text exposition. Only lines that start with one of the
+    names are read: the full parser (``prometheus_client.parser``) took milliseconds of
+    the event loop for an emulator's page, this takes tens of microseconds."""
     found: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith(_GAUGE_PREFIXES):
+        if not line.startswith(names):
             continue
         name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
-        if name not in VLLM_GAUGES:
+        if name not in names:
             continue   # a longer name that starts with a gauge's
         value = rest.rpartition("}")[2] if "}" in rest else rest
         fields = value.split()
@@ -380,8 +390,6 @@ def vllm_gauges(text: str) -> dict[str, float]:
             continue
     return found
 
-
-_GAUGE_PREFIXES = tuple(VLLM_GAUGES)
 
 
 async def _recalibrate(st: ServerState) -> None:

@@ -154,6 +154,7 @@ class BackendState:
     next_probe_s: float = 0.0
     scraped: dict[str, float] = field(default_factory=dict)
     scraped_at_s: float | None = None
+    prefix_queries: float | None = None   # its scraped vllm:prefix_cache_queries_total
     batches_seen: int = 0
     num_handoffs: int = 0           # streamed decodes started here after a remote prefill
     handoff_seconds: float = 0.0    # their handoffs (prefill end -> first token), summed
@@ -322,6 +323,14 @@ class Tracker:
         b.scraped = gauges
         b.scraped_at_s = now_s
         b.version += 1
+
+    def prefix_queries_scraped(self, g: int, total: float) -> bool:
+        """Backend g's prefix-cache query counter was scraped at ``total``: True when it
+        went down since the last scrape (the backend restarted: its cache is empty)."""
+        b = self.backends[g]
+        restarted = b.prefix_queries is not None and total < b.prefix_queries
+        b.prefix_queries = total
+        return restarted
 
     # -- health ----------------------------------------------------------------------------
     def healthy(self) -> list[bool]:

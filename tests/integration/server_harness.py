@@ -51,6 +51,7 @@ class FakeState:
     hold: asyncio.Event | None = None
     hold_after: int = 1
     gauges: bool = True   # False: /metrics without vLLM's gauges (--disable-log-stats)
+    prefix_queries: float | None = None   # vllm:prefix_cache_queries_total, when set
 
 
 STATE = web.AppKey("fake_state", FakeState)
@@ -140,6 +141,10 @@ async def _metrics(request: web.Request) -> web.Response:
             'vllm:num_requests_waiting{model_name="fake"} 0.0\n'
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             'vllm:kv_cache_usage_perc{model_name="fake"} 0.0\n')
+    queries = request.app[STATE].prefix_queries
+    if queries is not None:
+        text += ("# TYPE vllm:prefix_cache_queries counter\n"
+                 f'vllm:prefix_cache_queries_total{{model_name="fake"}} {queries}\n')
     return web.Response(text=text, content_type="text/plain")
 
 

@@ -97,6 +97,37 @@ def test_a_backend_without_vllm_gauges_is_named_once(
         s.close()
 
 
+def test_a_backend_whose_prefix_query_counter_goes_down_is_forgotten(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A restart between health probes: the scraped vllm:prefix_cache_queries_total goes
+    down, and the router's prefix index drops what it had sent there."""
+    loaded = load_config(_config(tmp_path))
+    s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
+    try:
+        s.call(lambda: setattr(s.fakes[0], "prefix_queries", 5000.0))
+        prompt = " ".join(f"w{i}" for i in range(100))   # 6 full blocks of 16 words
+        status, headers, _ = request(s.url, "POST", "/v1/completions",
+                                     {"prompt": prompt, "max_tokens": 2})
+        assert status == 200 and headers["x-olproute-instance"] == "q-0"
+
+        def blocks() -> list[int]:
+            inst = json.loads(request(s.url, "GET", "/instances")[2])["instances"]
+            return [i["prefix_index_blocks"] for i in inst]
+
+        assert blocks() == [6, 0, 0]
+        # several scrapes of the same total, then one of a larger: nothing dropped
+        wait_until(lambda: False, timeout=0.6)
+        s.call(lambda: setattr(s.fakes[0], "prefix_queries", 7000.0))
+        wait_until(lambda: False, timeout=0.6)
+        assert blocks() == [6, 0, 0]
+        s.call(lambda: setattr(s.fakes[0], "prefix_queries", 12.0))   # restarted
+        assert wait_until(lambda: blocks() == [0, 0, 0])
+        err = capsys.readouterr().err
+        assert err.count("q-0's prefix-cache query counter went down") == 1
+    finally:
+        s.close()
+
+
 def test_a_connection_closed_before_the_answer_is_retried_once(tmp_path: Path) -> None:
     """A backend that closes the connection before answering (as uvicorn closes an idle
     kept-alive one the request was sent on) gets the request once more, on a new

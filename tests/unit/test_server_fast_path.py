@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from olproute.reward import RESOURCES
-from olproute.server.app import VLLM_GAUGES, vllm_gauges
+from olproute.server.app import PREFIX_COUNTERS, PREFIX_QUERIES, VLLM_GAUGES, vllm_gauges
 from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics
 from olproute.server.proxy import _tokens_in, _tokens_in_chunk
@@ -114,6 +114,14 @@ def test_gauges_read_as_prometheus_parser_reads_them() -> None:
     assert vllm_gauges(PAGE) == expected == {"vllm:num_requests_running": 5.0,
                                              "vllm:num_requests_waiting": 7.0,
                                              "vllm:kv_cache_usage_perc": 0.25}
+    # the prefix-cache query counter, read by name from the same kind of page (its
+    # _created sample and the gauges left out), summed over label sets
+    page = PAGE + ("# TYPE vllm:prefix_cache_queries counter\n"
+                   'vllm:prefix_cache_queries_total{engine="0"} 1200.0\n'
+                   'vllm:prefix_cache_queries_total{engine="1"} 34.0\n'
+                   'vllm:prefix_cache_queries_created{engine="0"} 1.7e9\n')
+    assert vllm_gauges(page, PREFIX_COUNTERS) == {PREFIX_QUERIES: 1234.0}
+    assert vllm_gauges(page) == expected
 
 
 def test_loop_lag_summary_over_a_window() -> None:
