@@ -24,6 +24,9 @@ whole prefix). A real vLLM hashes its tokenizer's tokens, which the router never
 router's hashes are its own names for prefixes, as SGLang's router matches characters
 rather than tokens. They need only be consistent with themselves, which is all the
 index needs; a block of words is about a block of tokens for the router's accounting.
+A prompt given as token ids is cut into blocks of ids (``id_block_hashes``, chained from
+a root of its own); those are the tokenizer's, so only the hash function differs from
+vLLM's there.
 
 Where a backend publishes its cache's events (vLLM's KV-events stream: BlockStored /
 BlockRemoved / AllBlocksCleared per engine, over ZMQ), an exact view would replace
@@ -34,7 +37,7 @@ backend; ``match`` and what the policies read would stay as they are.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from hashlib import blake2b
 
 import numpy as np
@@ -45,8 +48,9 @@ from olproute.types import InstanceSpec, PrefixMatch
 IntArray = npt.NDArray[np.int64]
 
 _MASK_63 = np.uint64((1 << 63) - 1)
-# the digest before a chain's first block
+# the digest before a chain's first block: of words, and of token ids (their own space)
 _ROOT = b"\xff" * 8
+_ID_ROOT = b"\xfe" * 8
 
 
 def text_block_hashes(text: str, block_size: int, max_blocks: int | None = None
@@ -62,18 +66,40 @@ def text_block_hashes(text: str, block_size: int, max_blocks: int | None = None
     Cost: one blake2b call per block, about 3x ``str.split`` of the same text (which the
     request path pays anyway to count its words): 0.5-0.7 ms for 7,000 words in blocks
     of 16 on the development machine (``bench/bench_prefix_hash.py``)."""
+    words = text.split()
+    n = _num_blocks(len(words), block_size, max_blocks)
+    join = " ".join
+    return _chained(_ROOT, (join(words[i:i + block_size]).encode("utf-8", "surrogatepass")
+                            for i in range(0, n * block_size, block_size)))
+
+
+def id_block_hashes(ids: Sequence[int], block_size: int, max_blocks: int | None = None
+                    ) -> IntArray:
+    """``text_block_hashes`` for a prompt given as token ids: blocks of ``block_size``
+    ids, each block's bytes its ids as little-endian int64, chained from a root of their
+    own (``b"\xfe" * 8``), so that id prompts share prefixes with id prompts only. The
+    router and the emulator hash a token-id prompt this way."""
+    n = _num_blocks(len(ids), block_size, max_blocks)
+    if n == 0:
+        return _chained(_ID_ROOT, ())
+    raw = np.asarray(ids[:n * block_size], dtype="<i8").tobytes()
+    width = 8 * block_size
+    return _chained(_ID_ROOT, (raw[i:i + width] for i in range(0, len(raw), width)))
+
+
+def _num_blocks(length: int, block_size: int, max_blocks: int | None) -> int:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    words = text.split()
-    n = len(words) // block_size
-    if max_blocks is not None:
-        n = min(n, max(max_blocks, 0))
+    n = length // block_size
+    return n if max_blocks is None else min(n, max(max_blocks, 0))
+
+
+def _chained(root: bytes, blocks: Iterable[bytes]) -> IntArray:
+    """The chain of blake2b digests over ``blocks`` from ``root``, as int64 >= 0."""
     digests: list[bytes] = []
-    d = _ROOT
-    join = " ".join
-    for i in range(0, n * block_size, block_size):
-        d = blake2b(d + join(words[i:i + block_size]).encode("utf-8", "surrogatepass"),
-                    digest_size=8).digest()
+    d = root
+    for block in blocks:
+        d = blake2b(d + block, digest_size=8).digest()
         digests.append(d)
     hashes = (np.frombuffer(b"".join(digests), dtype="<u8") & _MASK_63).astype(np.int64)
     hashes.setflags(write=False)

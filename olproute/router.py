@@ -23,7 +23,7 @@ from olproute.assembly import CalibrationSource, build_policy
 from olproute.config import LoadedConfig
 from olproute.disagg import Pools
 from olproute.policies import Policy
-from olproute.prefix_index import PrefixIndex, text_block_hashes
+from olproute.prefix_index import PrefixIndex, id_block_hashes, text_block_hashes
 from olproute.reward import RESOURCES
 from olproute.types import (
     Decision,
@@ -83,16 +83,17 @@ class Router:
 
     def new_request(self, now_s: float, prompt_tokens: int, max_tokens: int,
                     ttft_target_s: float, slo_class: str = "default",
-                    text: str | None = None, predicted_tokens: int | None = None) -> Request:
+                    text: str | None = None, predicted_tokens: int | None = None,
+                    prompt_ids: Sequence[int] | None = None) -> Request:
         """A Request for the policy, with its predictions. With a predictor and prompt
         text: the predictor's output length (capped at ``max_tokens``) and quality on each
         model of the pool it knows, the fields ``apply_predictor`` gives a simulated
         request (``PoolPredictor``), and ``max_tokens`` on any other model. Without:
         ``max_tokens`` (the most the backend will generate) on every model.
         ``predicted_tokens`` (the caller's own figure) is the length on every model; the
-        predictor still gives the quality. With a prefix index and prompt text, the
-        request carries the text's block hashes (at most its full blocks of
-        ``prompt_tokens``)."""
+        predictor still gives the quality. With a prefix index and prompt text (or
+        ``prompt_ids``, a prompt given as token ids), the request carries its block hashes
+        (at most its full blocks of ``prompt_tokens``)."""
         found = (None if self.predictions is None or text is None
                  else self.predictions.predict(text, max_tokens))
         decode = max_tokens if found is None else found.decode_tokens
@@ -105,13 +106,16 @@ class Router:
                        slo_class=slo_class, text=text, predicted_decode_by_model=by_model,
                        predicted_quality_by_model=None if found is None
                        else found.quality_by_model,
-                       block_hashes=self._block_hashes(text, prompt_tokens))
+                       block_hashes=self._block_hashes(text, prompt_ids, prompt_tokens))
 
-    def _block_hashes(self, text: str | None, prompt_tokens: int) -> IntArray | None:
-        if self.prefixes is None or text is None:
+    def _block_hashes(self, text: str | None, ids: Sequence[int] | None,
+                      prompt_tokens: int) -> IntArray | None:
+        if self.prefixes is None:
             return None
         size = self.prefixes.block_size
-        return text_block_hashes(text, size, prompt_tokens // size)
+        if text is not None:
+            return text_block_hashes(text, size, prompt_tokens // size)
+        return None if ids is None else id_block_hashes(ids, size, prompt_tokens // size)
 
     def decide(self, request: Request, now_s: float, loads: tuple[InstanceLoad, ...],
                snapshots: tuple[EngineSnapshot, ...] | None,

@@ -98,7 +98,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             req = inst.submit_decode(gen.prompt_tokens, gen.max_tokens, arrival, output)
         else:
             req = inst.submit(gen.prompt_tokens, gen.max_tokens, output,
-                              inst.block_hashes(gen.prompt_text, gen.prompt_tokens))
+                              inst.block_hashes(gen.prompt_text, gen.prompt_tokens,
+                                                gen.prompt_ids))
     except ApiError as err:
         return _error(err)
     except RuntimeError:  # the engine is stopping

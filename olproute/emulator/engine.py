@@ -58,7 +58,7 @@ from olproute.core_ref import FINISHED
 from olproute.disagg import KvTransfer, decode_admission
 from olproute.emulator.lengths import OutputLengths
 from olproute.emulator.metrics import EngineMetrics
-from olproute.prefix_index import IntArray, text_block_hashes
+from olproute.prefix_index import IntArray, id_block_hashes, text_block_hashes
 from olproute.sim.engine import BATCH_LOG_COLUMNS, BatchTimer, SimEngine
 from olproute.types import InstanceSpec
 
@@ -248,13 +248,17 @@ class EmulatedInstance:
         return start, list(itertools.islice(self._log, start - first, None))
 
     # -- requests ------------------------------------------------------------------------
-    def block_hashes(self, text: str | None, prompt_tokens: int) -> IntArray | None:
-        """The block hashes of a prompt text of ``prompt_tokens`` tokens for this engine's
-        prefix cache (at most its full blocks), or None: no text, or no prefix caching."""
-        if text is None or not self.spec.enable_prefix_caching:
+    def block_hashes(self, text: str | None, prompt_tokens: int,
+                     ids: Sequence[int] | None = None) -> IntArray | None:
+        """The block hashes of a prompt of ``prompt_tokens`` tokens, its text or else its
+        token ids, for this engine's prefix cache (at most its full blocks), as the
+        router hashes it; None: neither, or no prefix caching."""
+        if not self.spec.enable_prefix_caching:
             return None
         size = self.spec.block_size
-        return text_block_hashes(text, size, prompt_tokens // size)
+        if text is not None:
+            return text_block_hashes(text, size, prompt_tokens // size)
+        return None if ids is None else id_block_hashes(ids, size, prompt_tokens // size)
 
     def submit(self, prompt_tokens: int, max_tokens: int,
                output_tokens: int | None = None,

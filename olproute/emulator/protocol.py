@@ -67,6 +67,7 @@ class GenerationRequest:
     remote_prefill: bool = False        # kv_transfer_params.do_remote_prefill
     remote_engine_id: str | None = None  # the prefill instance the KV comes from
     prompt_text: str | None = None      # what its prompt tokens are the words of
+    prompt_ids: tuple[int, ...] | None = None   # or its token ids, when given as ids
 
 
 def token_text(index: int) -> str:
@@ -93,6 +94,16 @@ def _count_prompt(prompt: object) -> tuple[int, str | None]:
         return len(prompt), None
     raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per "
                         "request)", "prompt")
+
+
+def _prompt_ids(prompt: object) -> tuple[int, ...] | None:
+    """The token ids of a completion ``prompt`` given as ids (``_count_prompt`` checked
+    it), else None."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return tuple(prompt)
+    return None
 
 
 def _message_text(content: object, i: int) -> str:
@@ -187,8 +198,9 @@ def parse_request(body: dict[str, Any], kind: Kind, served_model: str,
                             f"it", key)
     remote_decode, remote_prefill, remote_engine_id = _kv_transfer(
         body.get("kv_transfer_params"))
+    ids = _prompt_ids(body[field]) if kind == "completion" and text is None else None
     return GenerationRequest(kind, model, prompt_tokens, max_tokens, stream, include_usage,
-                             remote_decode, remote_prefill, remote_engine_id, text)
+                             remote_decode, remote_prefill, remote_engine_id, text, ids)
 
 
 def _kv_transfer(params: object) -> tuple[bool, bool, str | None]:

@@ -10,7 +10,7 @@ they differ from each other, and from our policies, in their rule alone. SGLang'
 also reads the size of each worker's tree, which ``cache_aware`` keeps as SGLang does
 (far larger than a KV cache; see there). A request without
 block hashes carries no match (``ctx.prefixes`` is None) and each rule reads it as a
-prompt that matches nothing (in the server: a prompt given as a count, or token ids,
+prompt that matches nothing (in the server: a prompt given as a bare token count,
 which it cannot hash).
 
 Both route mixed pools only. SGLang's disaggregated mode runs a separate policy per pool

@@ -39,6 +39,7 @@ from olproute.server.schema import (
     explanation_doc,
     parse_json,
     prediction_doc,
+    prompt_ids_of,
     prompt_tokens_of,
     validate,
 )
@@ -235,7 +236,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     data["max_tokens"] = max_tokens  # the backend generates exactly what was accounted for
     prompt_tokens, text = prompt_tokens_of(body)
     req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_s,
-                                request.headers.get("x-slo-class", "default"), text)
+                                request.headers.get("x-slo-class", "default"), text,
+                                prompt_ids=prompt_ids_of(body))
     # a model the pool serves (by its profile's name or the name a backend answers to)
     # constrains the choice; any other name is an alias
     names = [(b.spec.model, b.served_model) for b in st.tracker.backends]

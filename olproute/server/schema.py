@@ -305,6 +305,14 @@ def _is_type_tag(part: int | str) -> bool:
     return isinstance(part, str) and (part in _MEMBERS or not part.isidentifier())
 
 
+def prompt_ids_of(body: CompletionBody | ChatBody) -> list[int] | None:
+    """The token ids of a completion request whose prompt is given as ids, else None."""
+    if isinstance(body, CompletionBody) and body.prompt and isinstance(body.prompt, list) \
+            and isinstance(body.prompt[0], int):
+        return [int(t) for t in body.prompt]
+    return None
+
+
 def prompt_tokens_of(body: CompletionBody | ChatBody) -> tuple[int, str | None]:
     """(token count, text) of a completion or chat request."""
     if isinstance(body, ChatBody):

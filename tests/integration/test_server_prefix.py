@@ -110,6 +110,27 @@ def test_repeated_prompts_match_where_they_went_and_a_down_backend_is_forgotten(
         s.close()
 
 
+def test_token_id_prompts_are_hashed_alike_by_the_router_and_the_emulators(
+        tmp_path: Path) -> None:
+    """A prompt given as token ids: the router hashes blocks of ids as the emulators do
+    (in a space of their own), so the second of two equal id prompts sent to the same
+    backend matches there, and that backend's hits are the router's estimate."""
+    s = _stack(tmp_path)
+    try:
+        seen = _record_prefixes(s)
+        ids = list(range(1000, 1000 + NUM_WORDS))
+        went = [_complete(s, {"prompt": ids}), _complete(s, {"prompt": PROMPT}),
+                _complete(s, {"prompt": ids})]
+        assert went == ["e-0", "e-1", "e-0"]
+        matched = [p.matched_blocks.tolist() for p in seen if p is not None]
+        # the text prompt of other words shares nothing with the id prompt
+        assert matched == [[0, 0], [0, 0], [MATCHED, 0]]
+        emus = s.app[STATE].emulators
+        assert [e.instance.prefix_cache_hits for e in emus] == [MATCHED * BLOCK, 0]
+    finally:
+        s.close()
+
+
 def test_a_reload_keeps_the_index(tmp_path: Path) -> None:
     """``POST /admin/reload`` builds a new router over the same backends: what the old
     one indexed stays."""

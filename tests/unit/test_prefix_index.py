@@ -12,7 +12,7 @@ import pytest
 
 from olproute.emulator.lengths import chat_text
 from olproute.emulator.protocol import parse_request
-from olproute.prefix_index import PrefixIndex, text_block_hashes
+from olproute.prefix_index import PrefixIndex, id_block_hashes, text_block_hashes
 from olproute.server.schema import ChatBody, CompletionBody, prompt_tokens_of, validate
 from olproute.types import InstanceSpec
 
@@ -281,3 +281,21 @@ def test_capacity_defaults_to_each_instances_kv_blocks_and_is_checked() -> None:
         PrefixIndex([_spec("a")], capacity=[1, 2])
     with pytest.raises(ValueError, match="one block size"):
         PrefixIndex([_spec("a", block_size=4), _spec("b", block_size=8)])
+
+
+def test_token_id_prompts_hash_by_blocks_of_ids_in_their_own_space() -> None:
+    """Token-id prompts: equal leading blocks give equal hashes, a changed id changes its
+    block and every one after, a partial block has none, and no id prompt shares a hash
+    with the text of the same numbers."""
+    ids = list(range(100, 164))                       # 4 blocks of 16
+    same = id_block_hashes([*ids[:48], *[7] * 16], 16)
+    full = id_block_hashes(ids, 16)
+    assert len(full) == 4 and full.dtype == np.int64 and (full >= 0).all()
+    assert same[:3].tolist() == full[:3].tolist() and same[3] != full[3]
+    changed = id_block_hashes([99, *ids[1:]], 16)
+    assert not set(changed.tolist()) & set(full.tolist())
+    assert id_block_hashes([*ids, 1, 2, 3], 16).tolist() == full.tolist()
+    assert id_block_hashes(ids, 16, max_blocks=2).tolist() == full[:2].tolist()
+    assert len(id_block_hashes(ids[:15], 16)) == 0
+    text = text_block_hashes(" ".join(str(i) for i in ids), 16)
+    assert not set(text.tolist()) & set(full.tolist())
