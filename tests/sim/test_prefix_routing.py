@@ -20,7 +20,7 @@ def runs() -> dict[str, SimResult]:
     that many later turns of a conversation find their earlier ones: the trace's median
     gap between them is about two minutes) on four Qwen2-7B engines, whose KV caches hold
     them without preemption. Round robin finds 6.3% of the prompt tokens cached,
-    cache_aware 13.1%, prefix_load 12.3%."""
+    cache_aware 13.0%, prefix_load 12.3%."""
     loaded = make_config(
         instances=[{"name": "qwen", "model": "qwen2-7b", "gpu": "h100", "replicas": 4}],
         workload={"kind": "mooncake", "path": str(CONVERSATION), "num_requests": 600,
