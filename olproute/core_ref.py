@@ -456,7 +456,7 @@ def replay_ttft_reference(
     all but its last)."""
     ex = [] if extras is None else [
         (int(e[0]), max(int(e[1]), 1), float(e[2]),
-         min(max(int(e[3]), 0), int(e[0]) - 1) if len(e) > 3 else 0) for e in extras]
+         max(min(int(e[3]), int(e[0]) - 1), 0) if len(e) > 3 else 0) for e in extras]
     core, rows = _replay_engine(table, limits, ex)
     core._running = list(range(num_running))
     core._waiting = list(range(num_running, table.shape[0]))
@@ -491,7 +491,7 @@ def replay_ttft_reference(
     new_slot = len(rows)
     core._prompt[new_slot], core._output[new_slot] = new_prompt, 0
     core._max_output[new_slot] = max(new_decode, 1)
-    core._computed[new_slot] = min(max(new_cached, 0), new_prompt - 1)
+    core._computed[new_slot] = max(min(new_cached, new_prompt - 1), 0)
     core._blocks[new_slot] = 0
     core._waiting.append(new_slot)
     wait = -1.0

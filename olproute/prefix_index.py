@@ -48,6 +48,7 @@ from olproute.types import InstanceSpec, PrefixMatch
 IntArray = npt.NDArray[np.int64]
 
 _MASK_63 = np.uint64((1 << 63) - 1)
+_MASK_64 = (1 << 64) - 1
 # the digest before a chain's first block: of words, and of token ids (their own space)
 _ROOT = b"\xff" * 8
 _ID_ROOT = b"\xfe" * 8
@@ -82,7 +83,11 @@ def id_block_hashes(ids: Sequence[int], block_size: int, max_blocks: int | None 
     n = _num_blocks(len(ids), block_size, max_blocks)
     if n == 0:
         return _chained(_ID_ROOT, ())
-    raw = np.asarray(ids[:n * block_size], dtype="<i8").tobytes()
+    head = ids[:n * block_size]
+    try:
+        raw = np.asarray(head, dtype="<i8").tobytes()
+    except OverflowError:   # an id past 64 bits (the backend judges it): its low 64 bits
+        raw = np.array([int(t) & _MASK_64 for t in head], dtype="<u8").tobytes()
     width = 8 * block_size
     return _chained(_ID_ROOT, (raw[i:i + width] for i in range(0, len(raw), width)))
 

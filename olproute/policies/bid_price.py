@@ -319,8 +319,8 @@ class BidPrice(Policy):
             yield from super().decide_held(requests, context)
             return
         ctx = context(requests[0])
-        # each request's own prefix (the context's is the first one's)
-        prefixes = [ctx.prefixes if j == 0 or r.block_hashes is None
+        # each request's own prefix (the context's is the first one's; none without hashes)
+        prefixes = [None if r.block_hashes is None else ctx.prefixes if j == 0
                     else context(r).prefixes for j, r in enumerate(requests)]
         sc = self._score(ctx, requests, prefixes=prefixes)
         for j, req in enumerate(requests):

@@ -340,6 +340,9 @@ class Tracker:
         b = self.backends[g]
         b.failures += 1
         b.healthy = False
+        # its prefix cache is forgotten with it: the next scrape starts a new count, so a
+        # restart seen here is not taken for a second one at the next scrape
+        b.prefix_queries = None
         backoff = min(self._base_backoff * 2 ** (b.failures - 1), self._max_backoff)
         b.next_probe_s = now_s + backoff
 

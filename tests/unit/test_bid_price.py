@@ -975,3 +975,30 @@ def test_a_cached_prefix_is_traded_against_the_queue_ahead_of_it() -> None:
     queued = _policy().decide(_prefix_ctx((_snap(n_running=2, n_waiting=2), idle),
                                           [3984, 0]))
     assert queued.explanation["score"][1] > queued.explanation["score"][0]
+
+
+def test_held_requests_released_together_each_read_their_own_prefix() -> None:
+    """A joint release over a request with a cached prefix and one without hashes: the
+    kernel gets the first's cached tokens and nothing for the second (not the first's,
+    which the release's one context carries)."""
+    policy = _policy(release="density")
+    snaps = (_snap(n_running=2), _snap())
+    hit = _prefix_ctx(snaps, [3984, 0])
+    hashed = replace(hit.request, request_id=1, block_hashes=np.arange(250, dtype=np.int64))
+    plain = Request(request_id=2, arrival_s=0.0, prompt_tokens=100, decode_tokens=50,
+                    predicted_decode_tokens=50, ttft_target_s=5.0)
+    seen: list[Any] = []
+    score = policy._scorer.score
+
+    def spy(*args: Any) -> Any:
+        seen.append(args[-1])
+        return score(*args)
+
+    policy._scorer = type("Spy", (), {"score": staticmethod(spy)})()  # type: ignore[assignment]
+
+    def context(r: Request) -> RoutingContext:
+        return replace(hit, request=r, prefixes=hit.prefixes if r is hashed else None)
+
+    decisions = list(policy.decide_held([hashed, plain], context))
+    assert len(decisions) == 2
+    assert seen[0].tolist() == [[3984.0, 0.0], [0.0, 0.0]]

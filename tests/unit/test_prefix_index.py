@@ -299,3 +299,12 @@ def test_token_id_prompts_hash_by_blocks_of_ids_in_their_own_space() -> None:
     assert len(id_block_hashes(ids[:15], 16)) == 0
     text = text_block_hashes(" ".join(str(i) for i in ids), 16)
     assert not set(text.tolist()) & set(full.tolist())
+
+
+def test_an_id_past_64_bits_hashes_by_its_low_64_bits() -> None:
+    """The server forwards integers past 64 bits for the backend to judge; hashing such
+    a prompt must not fail (its low 64 bits stand for it)."""
+    big = [2**63 + 5, 2**70, *range(30)]
+    low = [(2**63 + 5) & (2**64 - 1), 0, *range(30)]
+    assert id_block_hashes(big, 16).tolist() == id_block_hashes(low, 16).tolist()
+    assert len(id_block_hashes(big, 16)) == 2
