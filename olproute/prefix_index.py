@@ -144,30 +144,36 @@ class PrefixIndex:
         """The longest indexed prefix of ``hashes`` on every instance, in blocks and in
         tokens (at most ``prompt_tokens - 1``, in whole blocks). Reading does not
         refresh anything: only routing does."""
-        G = len(self._blocks)
-        matched = np.zeros(G, dtype=np.int64)
-        n = 0 if hashes is None else min(len(hashes), max(prompt_tokens - 1, 0)
-                                         // self.block_size)
-        if n > 0:
-            assert hashes is not None
-            keys = hashes[:n].tolist()
-            for g, blocks in enumerate(self._blocks):
-                if blocks and keys[0] in blocks:
-                    matched[g] = _longest(blocks, keys)
+        keys = self._keys(hashes, prompt_tokens)
+        matched = np.fromiter((self._depth(g, keys) for g in range(len(self._blocks))),
+                              dtype=np.int64, count=len(self._blocks))
         return PrefixMatch(cached_tokens=matched * self.block_size, matched_blocks=matched,
                            request_blocks=0 if hashes is None else len(hashes),
                            index_blocks=self.sizes())
 
     def cached_on(self, g: int, hashes: IntArray | None, prompt_tokens: int) -> int:
         """``match``'s cached tokens on instance g alone."""
-        n = 0 if hashes is None else min(len(hashes), max(prompt_tokens - 1, 0)
-                                         // self.block_size)
+        return self._depth(g, self._keys(hashes, prompt_tokens)) * self.block_size
+
+    def sent(self, g: int, hashes: IntArray | None, prompt_tokens: int) -> int:
+        """A request of ``prompt_tokens`` with these hashes was sent to instance g: its
+        prompt tokens the index expected cached there (``cached_on``), then recorded
+        there (``routed``)."""
+        cached = self.cached_on(g, hashes, prompt_tokens)
+        self.routed(g, hashes)
+        return cached
+
+    def _keys(self, hashes: IntArray | None, prompt_tokens: int) -> list[int]:
+        """The hashes a match may count: at most ``prompt_tokens - 1`` tokens of blocks."""
+        if hashes is None:
+            return []
+        keys: list[int] = hashes[:max(prompt_tokens - 1, 0) // self.block_size].tolist()
+        return keys
+
+    def _depth(self, g: int, keys: list[int]) -> int:
+        """How many of ``keys`` from the front instance g's index holds."""
         blocks = self._blocks[g]
-        if n == 0 or not blocks:
-            return 0
-        assert hashes is not None
-        keys = hashes[:n].tolist()
-        return _longest(blocks, keys) * self.block_size if keys[0] in blocks else 0
+        return _longest(blocks, keys) if keys and keys[0] in blocks else 0
 
     def routed(self, g: int, hashes: IntArray | None) -> None:
         """A request with these block hashes went to instance g: its blocks become g's

@@ -175,11 +175,9 @@ class Router:
         any move off an unhealthy backend; on disaggregated pools, its prefill backend):
         its prompt's blocks become g's most recent in the prefix index. Returns its
         prompt tokens the index expected cached there (0 without an index or hashes)."""
-        if self.prefixes is None or request.block_hashes is None:
+        if self.prefixes is None:
             return 0
-        cached = self.prefixes.cached_on(g, request.block_hashes, request.prompt_tokens)
-        self.prefixes.routed(g, request.block_hashes)
-        return cached
+        return self.prefixes.sent(g, request.block_hashes, request.prompt_tokens)
 
     def cache_lost(self, g: int) -> None:
         """Backend g was marked down or restarted: whatever it cached is gone, or may be;

@@ -437,15 +437,10 @@ class _Run:
             raise ValueError(f"policy chose instance {g}, out of range")
         rec.instance[rid] = g
         rec.dispatch_s[rid] = now
-        cached = 0
-        if req.block_hashes is not None:
-            index = self._index(replica_of(rid, len(self.routers)))
-            # a stale snapshot's pending rows carry it, and the router's view of a
-            # waiting request
-            if c.feed.age_s > 0 or c.feed.view_of == "router":
-                cached = int(index.match(req.block_hashes, req.prompt_tokens)
-                             .cached_tokens[g])
-            index.routed(g, req.block_hashes)
+        # what the index expected cached there: a stale snapshot's pending rows carry it,
+        # and the router's view of a waiting request
+        cached = 0 if req.block_hashes is None else self._index(
+            replica_of(rid, len(self.routers))).sent(g, req.block_hashes, req.prompt_tokens)
         self.outstanding[g] += 1
         model = c.specs[g].model
         predicted = req.predicted_decode_tokens_for(model)
