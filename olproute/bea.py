@@ -169,14 +169,10 @@ class BeaEstimator:
         """Dispatches reach the replay through the snapshot and ctx.pending."""
 
 
-def cached_rows(ctx: RoutingContext, instances: IntArray | None = None) -> IntArray | None:
-    """The request's prompt tokens the router expects cached on each instance (or on
-    ``instances``), as one row (1, G or d) for ``estimate_many``; None without block
-    hashes."""
-    if ctx.prefixes is None:
-        return None
-    cached = ctx.prefixes.cached_tokens
-    return (cached if instances is None else cached[instances])[None, :]
+def cached_rows(ctx: RoutingContext) -> IntArray | None:
+    """The request's prompt tokens the router expects cached on each instance, as one
+    row (1, G) for ``estimate_many``; None without block hashes."""
+    return None if ctx.prefixes is None else ctx.prefixes.cached_tokens[None, :]
 
 
 def remaining_prefill_tokens(snap: EngineSnapshot) -> IntArray:

@@ -534,10 +534,11 @@ class BidPrice(Policy):
         give). A sample prices every instance: a decision that scored a sample of them
         (``admission.candidates``) is scored again here on all of them."""
         batch: list[tuple[Request, _Row, Outlook, float]] = []
-        taken = []
+        hits: list[npt.NDArray[Any]] = []   # each one's cached prompt tokens per instance
         while self._unsampled:
             req, sc, j, ctx = self._unsampled.popleft()
-            taken.append((req, sc, j, ctx))
+            hits.append(np.zeros(len(self._specs)) if ctx.prefixes is None
+                        else ctx.prefixes.cached_tokens)
             if not sc.complete:
                 sc, j = self._score(ctx, (req,)), 0
             batch.append((req, sc.row(j), sc.outlooks[j], float(sc.waited[j])))
@@ -548,9 +549,7 @@ class BidPrice(Policy):
                         for f in ("decode_tokens", "quality", "cost_musd")))
         prompt = np.array([b[0].prompt_tokens for b in batch], dtype=np.float64)
         # the prompt tokens each computes on each instance (its cached prefix left out)
-        fresh = prompt[:, None] - np.stack([
-            np.zeros(len(self._specs)) if ctx.prefixes is None
-            else ctx.prefixes.cached_tokens for _req, _sc, _j, ctx in taken])
+        fresh = prompt[:, None] - np.stack(hits)
         tpot = np.stack([r.tpot for r in rows])
         def stacked(f: str) -> npt.NDArray[Any]:
             return np.stack([getattr(r.cols, f) for r in rows])
