@@ -92,6 +92,18 @@ def id_block_hashes(ids: Sequence[int], block_size: int, max_blocks: int | None 
     return _chained(_ID_ROOT, (raw[i:i + width] for i in range(0, len(raw), width)))
 
 
+def prompt_block_hashes(text: str | None, ids: Sequence[int] | None, block_size: int,
+                        prompt_tokens: int) -> IntArray | None:
+    """A live prompt's block hashes, as the router and the emulator both name them: of
+    its text when it has one (``text_block_hashes``), else of its token ids
+    (``id_block_hashes``), at most its full blocks of ``prompt_tokens``; None with
+    neither."""
+    if text is not None:
+        return text_block_hashes(text, block_size, prompt_tokens // block_size)
+    return None if ids is None else id_block_hashes(ids, block_size,
+                                                    prompt_tokens // block_size)
+
+
 def _num_blocks(length: int, block_size: int, max_blocks: int | None) -> int:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")

@@ -23,7 +23,7 @@ from olproute.assembly import CalibrationSource, build_policy
 from olproute.config import LoadedConfig
 from olproute.disagg import Pools
 from olproute.policies import Policy
-from olproute.prefix_index import PrefixIndex, id_block_hashes, text_block_hashes
+from olproute.prefix_index import PrefixIndex, prompt_block_hashes
 from olproute.reward import RESOURCES
 from olproute.types import (
     Decision,
@@ -112,10 +112,7 @@ class Router:
                       prompt_tokens: int) -> IntArray | None:
         if self.prefixes is None:
             return None
-        size = self.prefixes.block_size
-        if text is not None:
-            return text_block_hashes(text, size, prompt_tokens // size)
-        return None if ids is None else id_block_hashes(ids, size, prompt_tokens // size)
+        return prompt_block_hashes(text, ids, self.prefixes.block_size, prompt_tokens)
 
     def decide(self, request: Request, now_s: float, loads: tuple[InstanceLoad, ...],
                snapshots: tuple[EngineSnapshot, ...] | None,

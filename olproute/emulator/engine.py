@@ -58,7 +58,7 @@ from olproute.core_ref import FINISHED
 from olproute.disagg import KvTransfer, decode_admission
 from olproute.emulator.lengths import OutputLengths
 from olproute.emulator.metrics import EngineMetrics
-from olproute.prefix_index import IntArray, id_block_hashes, text_block_hashes
+from olproute.prefix_index import IntArray, prompt_block_hashes
 from olproute.sim.engine import BATCH_LOG_COLUMNS, BatchTimer, SimEngine
 from olproute.types import InstanceSpec
 
@@ -255,10 +255,7 @@ class EmulatedInstance:
         router hashes it; None: neither, or no prefix caching."""
         if not self.spec.enable_prefix_caching:
             return None
-        size = self.spec.block_size
-        if text is not None:
-            return text_block_hashes(text, size, prompt_tokens // size)
-        return None if ids is None else id_block_hashes(ids, size, prompt_tokens // size)
+        return prompt_block_hashes(text, ids, self.spec.block_size, prompt_tokens)
 
     def submit(self, prompt_tokens: int, max_tokens: int,
                output_tokens: int | None = None,
