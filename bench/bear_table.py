@@ -83,7 +83,7 @@ from bench.common import (  # noqa: E402
     add_executor_args,
     executor_from,
     fmt_spread,
-    jsonable,
+    write_json,
 )
 
 if TYPE_CHECKING:
@@ -580,11 +580,6 @@ def issue16_goals(summaries: Mapping[str, ProcessSummary]) -> dict[str, Any]:
             "vs_best_other": mean_best, "vs_best_without_ttft": float(np.mean(vs_no_ttft)),
             "vs_best_without_ttft_by_process": vs_no_ttft,
             "vs_best_bear_paper_baseline": float(np.mean(vs_paper)), "lines": lines}
-
-
-def write_json(path: str, data: Mapping[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(jsonable(data), indent=2) + "\n")
 
 
 # -- the sweep ------------------------------------------------------------------------------

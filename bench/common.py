@@ -10,6 +10,7 @@ they belong to tuning.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import socket
@@ -63,6 +64,14 @@ def seed_figure(values: Sequence[float]) -> dict[str, Any]:
     mean, lo, hi = spread(values)
     return {"mean": finite_or_none(mean), "min": finite_or_none(lo),
             "max": finite_or_none(hi), "per_seed": [finite_or_none(v) for v in values]}
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """A bench's figures as JSON at ``path`` (its folder made when missing): ``jsonable``
+    of them, indented, one newline at the end."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(jsonable(data), indent=2, allow_nan=False) + "\n")
 
 
 def jsonable(x: Any) -> Any:

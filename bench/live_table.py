@@ -91,10 +91,10 @@ from common import (
     REPORT_SEEDS,
     fmt_spread,
     free_port,
-    jsonable,
     spread,
     stop_process,
     wait_healthy,
+    write_json,
 )
 
 from olproute.config import Config, LoadedConfig, load_profiles
@@ -574,7 +574,7 @@ def main() -> None:
         out["scenarios"].append(_summarise(scenario, seeds, per_seed, sides))
     print(table(out))
     if args.json:
-        Path(args.json).write_text(json.dumps(jsonable(out), indent=2) + "\n")
+        write_json(args.json, out)
         print(f"wrote {args.json}")
 
 

@@ -16,14 +16,12 @@ latency and mean decode time (first token to finish). Default seeds: the tuning 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import TUNING_SEEDS, jsonable
+from common import TUNING_SEEDS, write_json
 from olp_table import scenario
 
 from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, make_policy
@@ -85,8 +83,7 @@ def main() -> None:
                   f"{f['ttft_mean_s']:7.3f} {f['eel_mean_s']:7.2f} {f['decode_mean_s']:9.2f}",
                   flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(jsonable({"rate": args.rate, "seeds": seeds,
-                                                         "runs": rows}), indent=2) + "\n")
+        write_json(args.json, {"rate": args.rate, "seeds": seeds, "runs": rows})
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import sys
 import time
@@ -57,7 +56,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_SEEDS, add_executor_args, executor_from, jsonable, spread
+from common import REPORT_SEEDS, add_executor_args, executor_from, spread, write_json
 
 from olproute.config import Config, LoadedConfig, load_profiles
 from olproute.executors import Executor
@@ -324,8 +323,7 @@ def main() -> None:
     plot(results, Path(args.png))
     print(f"\nwrote {args.png}; {time.perf_counter() - t0:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(jsonable(as_json(results, seeds)), indent=2,
-                                              allow_nan=False) + "\n")
+        write_json(args.json, as_json(results, seeds))
         print(f"wrote {args.json}")
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import subprocess
@@ -46,7 +45,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
-from common import free_port, jsonable, stop_process, wait_healthy
+from common import free_port, stop_process, wait_healthy, write_json
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
@@ -417,7 +416,7 @@ def main() -> None:
     result["shutdown_s"] = shutdown_s
     print(table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(jsonable(result), indent=2) + "\n")
+        write_json(args.json, result)
         print(f"wrote {args.json}")
 
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import textwrap
 import time
@@ -61,8 +60,8 @@ from common import (
     add_executor_args,
     executor_from,
     fmt_spread,
-    jsonable,
     seed_figure,
+    write_json,
 )
 
 from olproute.config import LoadedConfig, load_config
@@ -348,8 +347,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(render(results, out))
     print(f"wall time {time.perf_counter() - t0:.0f} s")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(jsonable(out), indent=2, allow_nan=False) + "\n")
+        write_json(args.json, out)
         print(f"wrote {args.json}")
 
 

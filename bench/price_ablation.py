@@ -26,7 +26,6 @@ request's target, a refused request a miss). Goals (issue 14): in every scenario
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import REPORT_SEEDS, fmt_spread, jsonable, seed_figure  # noqa: E402
+from bench.common import REPORT_SEEDS, fmt_spread, seed_figure, write_json  # noqa: E402
 from olproute.sim import metrics  # noqa: E402
 from olproute.sim.cluster import SimResult  # noqa: E402
 from solvers.certificate import online_reward  # noqa: E402
@@ -155,7 +154,7 @@ def main() -> None:
     print()
     print(table(doc))
     if args.json:
-        Path(args.json).write_text(json.dumps(jsonable(as_json(doc)), indent=2) + "\n")
+        write_json(args.json, as_json(doc))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import RedisServer, free_port, jsonable, stop_process, wait_healthy
+from bench.common import RedisServer, free_port, stop_process, wait_healthy, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = json.dumps({"prompt": "tell me a story " * 40, "max_tokens": 64}).encode()
@@ -228,8 +228,7 @@ def main() -> None:
         redis.close()
     report(out)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(jsonable(out), indent=2))
+        write_json(args.json, out)
 
 
 def report(out: dict[str, Any]) -> None:

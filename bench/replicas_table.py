@@ -41,7 +41,6 @@ the price sync adds to the ledgers').
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -52,7 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import pd_table
-from common import REPORT_SEEDS, fmt_spread, jsonable, seed_figure
+from common import REPORT_SEEDS, fmt_spread, seed_figure, write_json
 from olp_table import scenario as olp_scenario
 
 from olproute.config import LoadedConfig, load_config
@@ -282,8 +281,7 @@ def main() -> None:
     print(render(s))
     print(f"wall time {time.perf_counter() - t0:.0f} s")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(jsonable(s), indent=2, allow_nan=False) + "\n")
+        write_json(args.json, s)
         print(f"wrote {args.json}")
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt_spread, free_port, jsonable, seed_figure
+from common import fmt_spread, free_port, seed_figure, write_json
 from vllm_cpu import VllmServer, build_tiny_model
 
 from olproute.bea import BeaEstimator
@@ -278,7 +277,7 @@ def main() -> int:
             print(f"  {name:<18} {fmt_spread([d['ttft_mape'][name] for d in docs], '{:.1f}', 100)}"
                   f"  {fmt_spread([d['ttft_bias'][name] for d in docs], '{:+.1f}', 100)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(jsonable(out), indent=2) + "\n")
+        write_json(args.json, out)
     return 0
 
 
