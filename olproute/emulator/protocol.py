@@ -83,27 +83,17 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _count_prompt(prompt: object) -> tuple[int, str | None]:
-    """(prompt tokens, text) of a completion ``prompt`` (one prompt only; a token-id
-    list has no text)."""
+def _count_prompt(prompt: object) -> tuple[int, str | None, tuple[int, ...] | None]:
+    """(prompt tokens, text, token ids) of a completion ``prompt`` (one prompt only:
+    text, or token ids)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return len(prompt.split()), prompt
+        return len(prompt.split()), prompt, None
     if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        return len(prompt), None
+        return len(prompt), None, tuple(prompt)
     raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per "
                         "request)", "prompt")
-
-
-def _prompt_ids(prompt: object) -> tuple[int, ...] | None:
-    """The token ids of a completion ``prompt`` given as ids (``_count_prompt`` checked
-    it), else None."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return tuple(prompt)
-    return None
 
 
 def _message_text(content: object, i: int) -> str:
@@ -158,8 +148,8 @@ def parse_request(body: dict[str, Any], kind: Kind, served_model: str,
     field = "prompt" if kind == "completion" else "messages"
     if field not in body:
         raise ApiError(400, f"{field} is required", field)
-    counted, text = (_count_prompt(body[field]) if kind == "completion"
-                     else _count_messages(body[field]))
+    counted, text, ids = (_count_prompt(body[field]) if kind == "completion"
+                          else (*_count_messages(body[field]), None))
     prompt_tokens = body.get("prompt_tokens", counted)
     if not _is_int(prompt_tokens) or prompt_tokens < 1:
         param = "prompt_tokens" if "prompt_tokens" in body else field
@@ -198,7 +188,6 @@ def parse_request(body: dict[str, Any], kind: Kind, served_model: str,
                             f"it", key)
     remote_decode, remote_prefill, remote_engine_id = _kv_transfer(
         body.get("kv_transfer_params"))
-    ids = _prompt_ids(body[field]) if kind == "completion" and text is None else None
     return GenerationRequest(kind, model, prompt_tokens, max_tokens, stream, include_usage,
                              remote_decode, remote_prefill, remote_engine_id, text, ids)
 
