@@ -26,8 +26,8 @@ count it as waiting).
 
 Prefix caching (vLLM's automatic prefix caching, when the spec has
 ``enable_prefix_caching``): a request admitted with its prompt's block hashes
-(``block_hashes``: the HTTP face names its prompt text's blocks with
-``olproute.prefix_index.text_block_hashes``, as the router does) starts after the longest
+(``block_hashes``: the HTTP face names its prompt's blocks, of words or of token ids,
+with ``olproute.prefix_index.prompt_block_hashes``, as the router does) starts after the longest
 prefix the engine's cache holds, so a repeated prompt's first token comes sooner.
 ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` count the tokens looked up and
 found, and a finished request's ``cached_tokens`` holds the prompt tokens it found cached
