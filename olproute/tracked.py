@@ -86,6 +86,7 @@ def router_view(snap: EngineSnapshot, dispatch_s: Mapping[int, float],
     ids = snap.request_ids
     when = np.array([dispatch_s.get(i, math.inf) for i in ids.tolist()], dtype=np.float64)
     order = np.argsort(when, kind="stable")
+    ordered = ids[order]
     t = snap.table[order]
     prompt, tokens = t[:, SNAP_PROMPT], t[:, SNAP_OUTPUT]
     running = tokens > 0
@@ -101,7 +102,7 @@ def router_view(snap: EngineSnapshot, dispatch_s: Mapping[int, float],
     if spec.role == "decode":
         computed = t[wait, SNAP_COMPUTED] * ~running[wait]
     elif cached:
-        computed = np.array([cached.get(i, 0) for i in ids[order][wait].tolist()],
+        computed = np.array([cached.get(i, 0) for i in ordered[wait].tolist()],
                             dtype=np.int64)
     else:
         computed = np.zeros(len(wait), dtype=np.int64)
@@ -112,4 +113,4 @@ def router_view(snap: EngineSnapshot, dispatch_s: Mapping[int, float],
         time_s=snap.time_s, table=table, num_running=len(run),
         num_free_blocks=spec.num_kv_blocks - min(used, spec.num_kv_blocks),
         inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=snap.time_s,
-        request_ids=ids[order][np.concatenate([run, wait])])
+        request_ids=ordered[np.concatenate([run, wait])])
