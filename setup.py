@@ -8,9 +8,10 @@ from setuptools import Extension, setup
 setup(
     ext_modules=cythonize(
         [Extension("olproute._core", ["olproute/_core.pyx"], include_dirs=[np.get_include()]),
-         Extension("olproute._score", ["olproute/_score.pyx"], include_dirs=[np.get_include()]),
-         Extension("olproute._featurize", ["olproute/_featurize.pyx"]),
-         Extension("olproute._rowheads", ["olproute/_rowheads.pyx"])],
+         Extension("olproute.pricing._score", ["olproute/pricing/_score.pyx"],
+                   include_dirs=[np.get_include()]),
+         Extension("olproute.predict._featurize", ["olproute/predict/_featurize.pyx"]),
+         Extension("olproute.predict._rowheads", ["olproute/predict/_rowheads.pyx"])],
         compiler_directives={"language_level": "3"},
     )
 )

@@ -87,7 +87,7 @@ from bench.common import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from olproute.executors import Executor
+    from olproute.operator.executors import Executor
 
 POOL = (
     {"name": "qwen3-0.6b", "model": "qwen3-0.6b", "gpu": "h100"},
@@ -267,7 +267,7 @@ class Variant:
 
 
 def _loaded(point: Point, **sections: Any) -> Any:
-    from olproute.config import DEFAULT_CONFIG, Config, LoadedConfig, load_profiles
+    from olproute.config.loader import DEFAULT_CONFIG, Config, LoadedConfig, load_profiles
 
     data: dict[str, Any] = {
         "instances": list(POOL),
@@ -287,7 +287,7 @@ def _loaded(point: Point, **sections: Any) -> Any:
 def ensure_predictor() -> dict[str, Any]:
     """Train the predictor into PREDICTOR_DIR unless it is there; its held-out figures."""
     if not (PREDICTOR_DIR / "eval.json").exists():
-        from olproute.cli import main as cli
+        from olproute.cli.main import main as cli
 
         argv = ["train-predictors", "--data", "synthetic", "--out", str(PREDICTOR_DIR),
                 "--models", ",".join(MODELS), "--seed", str(PREDICTOR_SEED),

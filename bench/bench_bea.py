@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from olproute.bea import BeaEstimator
-from olproute.calibration import InstanceCalibration
-from olproute.config import Config, LoadedConfig, load_profiles
+from olproute.config.loader import Config, LoadedConfig, load_profiles
+from olproute.estimate.bea import BeaEstimator
+from olproute.estimate.calibration import InstanceCalibration
 from olproute.sim.engine import FINISHED, SimEngine
 from olproute.sim.estimate_eval import error_rows, run_estimate_eval
 from olproute.sim.scenario import profile_calibration, saturation_profile

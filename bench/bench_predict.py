@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from olproute.config import load_profiles
+from olproute.config.loader import load_profiles
 from olproute.predict import (
     Featurizer,
     Predictor,

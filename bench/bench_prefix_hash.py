@@ -1,4 +1,5 @@
-"""Benchmark of the request path's prompt hashing (``olproute.prefix_index.text_block_hashes``).
+"""Benchmark of the request path's prompt hashing
+(``olproute.routing.prefix_index.text_block_hashes``).
 
     python bench/bench_prefix_hash.py [--words N ...] [--block-size B] [--repeat R]
 
@@ -18,7 +19,7 @@ import timeit
 from collections.abc import Callable
 from functools import partial
 
-from olproute.prefix_index import PrefixIndex, text_block_hashes
+from olproute.routing.prefix_index import PrefixIndex, text_block_hashes
 from olproute.types import InstanceSpec
 
 

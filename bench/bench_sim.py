@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from olproute._core import BatchCore
-from olproute.config import load_config
+from olproute.config.loader import load_config
 from olproute.core_ref import FINISHED, ReferenceCore
 from olproute.sim.scenario import build_requests, simulate
 from olproute.sim.workloads import read_trace_csv

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from olproute.executors import Executor
+    from olproute.operator.executors import Executor
 
 REPORT_SEEDS: tuple[int, ...] = (10, 11, 12)
 TUNING_SEEDS: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
@@ -132,7 +132,7 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
 def add_executor_args(ap: argparse.ArgumentParser, workers_option: str = "--workers") -> None:
     """``--executor {process,ray}`` and ``--ray-address ADDR``, as ``olproute tune`` has
     them: where a bench's independent points run."""
-    from olproute.cli_args import add_executor_options
+    from olproute.cli.args import add_executor_options
 
     add_executor_options(ap, workers_option)
 
@@ -142,8 +142,8 @@ def executor_from(ap: argparse.ArgumentParser, args: argparse.Namespace,
     """The executor of ``add_executor_args``' options with ``workers`` processes (or
     local Ray CPUs); options that cannot run (an address without ``--executor ray``, Ray
     missing, nothing at the address) are a usage error."""
-    from olproute.cli_args import executor_of
-    from olproute.executors import ExecutorError
+    from olproute.cli.args import executor_of
+    from olproute.operator.executors import ExecutorError
 
     try:
         return executor_of(args, max(1, workers))

@@ -48,7 +48,7 @@ snapshots) as further simulator runs on the same requests, each adding one thing
 has and the simulator does not: ``sim_live_predictions``, the live router's predictions
 (the shipped predictor on the prompt text, capped at max_tokens, in place of the
 simulator's); ``sim_live_predictions_router_view``, also the snapshots a router rebuilds
-from its own traffic (``sim.snapshot_view: router``, ``olproute.tracked``) in place of
+from its own traffic (``sim.snapshot_view: router``, ``olproute.routing.tracked``) in place of
 the engines' exact state. What remains between the last and live is the live path
 itself: HTTP, the processes sharing two cores (the router's decision time and event-loop
 lag are reported), streamed token counts arriving every ``STREAM_INTERVAL`` tokens, and
@@ -97,7 +97,7 @@ from common import (
     write_json,
 )
 
-from olproute.config import Config, LoadedConfig, load_profiles
+from olproute.config.loader import Config, LoadedConfig, load_profiles
 from olproute.server.schema import count_words
 from olproute.sim.metrics import eel_s, ttft_s
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate

@@ -58,8 +58,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPORT_SEEDS, add_executor_args, executor_from, spread, write_json
 
-from olproute.config import Config, LoadedConfig, load_profiles
-from olproute.executors import Executor
+from olproute.config.loader import Config, LoadedConfig, load_profiles
+from olproute.operator.executors import Executor
 from olproute.policies import REGISTRY
 from olproute.sim.metrics import Summary, summarize
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate

@@ -78,8 +78,8 @@ from common import (
     seed_figure,
 )
 
-from olproute.config import LoadedConfig, load_config
-from olproute.executors import Executor
+from olproute.config.loader import LoadedConfig, load_config
+from olproute.operator.executors import Executor
 from olproute.sim import metrics
 from olproute.sim import workloads as wl
 from olproute.sim.scenario import CalibrationSource, make_cluster, make_policy
@@ -199,7 +199,7 @@ def bid_price_config(loaded: LoadedConfig, route_only: bool = False,
                      step_size: float | None = None) -> LoadedConfig:
     """``loaded`` with the goodput weight profile merged over it; ``route_only``: no
     admission control (defer at once); ``step_size``: another dual step."""
-    from olproute.weights import apply_profiles
+    from olproute.config.profiles import apply_profiles
 
     cfg = apply_profiles(loaded.config, [REPO / "configs" / "weights" / "goodput.yaml"])
     if route_only:

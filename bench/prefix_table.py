@@ -64,8 +64,8 @@ from common import (
     write_json,
 )
 
-from olproute.config import LoadedConfig, load_config
-from olproute.executors import Executor
+from olproute.config.loader import LoadedConfig, load_config
+from olproute.operator.executors import Executor
 from olproute.policies import REGISTRY
 from olproute.sim import metrics
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate

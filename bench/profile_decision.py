@@ -27,9 +27,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prices
 
-from olproute import bea, outlook
+from olproute.estimate import bea
 from olproute.policies import bid_price as bp
 from olproute.predict import PoolPredictor
+from olproute.routing import outlook
 
 PARTS: tuple[tuple[str, Any, str], ...] = (
     ("predictor (before decide)", PoolPredictor, "predict"),

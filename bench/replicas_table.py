@@ -54,7 +54,7 @@ import pd_table
 from common import REPORT_SEEDS, fmt_spread, seed_figure, write_json
 from olp_table import scenario as olp_scenario
 
-from olproute.config import LoadedConfig, load_config
+from olproute.config.loader import LoadedConfig, load_config
 from olproute.sim.cluster import SimResult
 from olproute.sim.metrics import summarize
 from olproute.sim.replicas import Sync

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from common import REPORT_SEEDS, TUNING_SEEDS, fmt_spread, seed_figure
 
-from olproute.config import LoadedConfig, load_config
+from olproute.config.loader import LoadedConfig, load_config
 from olproute.sim import metrics
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate
 

@@ -1,8 +1,8 @@
 """How well BEA predicts a real vLLM's time to first token with beta from three sources:
 (i) the profile's guess (``calibration: auto`` of configs/vllm_cpu.yaml: the simulator's
 roofline of tiny-llama on cpu-2core, profiled in the simulator), (ii) an offline sweep of
-the server over HTTP (``olproute calibrate --backend``'s, ``olproute.sweep``), (iii) beta
-refitted online from the held-out run's own streams (``olproute.streamcal``, as the
+the server over HTTP (``olproute calibrate --backend``'s, ``olproute.estimate.sweep``), (iii) beta
+refitted online from the held-out run's own streams (``olproute.estimate.streamcal``, as the
 router does for a backend without batch records; prequential: a request's estimate
 uses only rows settled before it, starting from (i)).
 
@@ -45,13 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fmt_spread, free_port, seed_figure, write_json
 from vllm_cpu import VllmServer, build_tiny_model
 
-from olproute.bea import BeaEstimator
-from olproute.calibration import Beta, InstanceCalibration
-from olproute.config import REPO_ROOT, load_config
-from olproute.server.tracker import Tracker
-from olproute.sim.scenario import CalibrationSource
-from olproute.streamcal import StreamCalibrator
-from olproute.sweep import (
+from olproute.config.loader import REPO_ROOT, load_config
+from olproute.estimate.bea import BeaEstimator
+from olproute.estimate.calibration import Beta, InstanceCalibration
+from olproute.estimate.streamcal import StreamCalibrator
+from olproute.estimate.sweep import (
     MAX_TOKEN_ID,
     MIN_TOKEN_ID,
     QUICK_PLAN,
@@ -61,6 +59,8 @@ from olproute.sweep import (
     sse_tokens,
     sweep_backend,
 )
+from olproute.server.tracker import Tracker
+from olproute.sim.scenario import CalibrationSource
 from olproute.types import InstanceSpec, Request, RoutingContext
 
 CONFIG = REPO_ROOT / "configs" / "vllm_cpu.yaml"

@@ -105,7 +105,7 @@ METRICS = (("tokens/s (arrivals)", "throughput_tokens_per_s", 1.0, "{:,.0f}"),
 
 
 def _loaded(rate: float, num_requests: int, seed: int, profile: dict[str, Any]) -> Any:
-    from olproute.config import DEFAULT_CONFIG, Config, LoadedConfig, load_profiles
+    from olproute.config.loader import DEFAULT_CONFIG, Config, LoadedConfig, load_profiles
 
     data: dict[str, Any] = {
         "instances": [{"name": "llama7b-a100", "model": "llama-2-7b", "gpu": "a100-80gb",

@@ -218,7 +218,7 @@ class RoutingContext:
     # (in prefill or in transfer); None without pools or when empty
     inbound: tuple[npt.NDArray[np.float64] | None, ...] | None = None
     # the router's estimate of the request's prompt prefix cached on each instance
-    # (``olproute.prefix_index``), for a request with block hashes; None without
+    # (``olproute.routing.prefix_index``), for a request with block hashes; None without
     prefixes: PrefixMatch | None = None
 
 

@@ -2,7 +2,7 @@
 
 - ``solvers.problem``: the LP's data (a window of requests on an absolute slot grid,
   three priced resources: batch slots, KV cache, compute) and its columns, with the
-  reward terms of ``olproute.reward`` evaluated for every start slot;
+  reward terms of ``olproute.pricing.reward`` evaluated for every start slot;
 - ``solvers.lp``: the LP as one sparse matrix passed to HiGHS (``highspy``), solved in
   one shot or by column generation, with primal, duals, status and timings;
 - ``solvers.cvx``: the same LP written plainly in cvxpy (tests, small offline studies);

@@ -23,7 +23,7 @@ update take that update's slot 0. Any p >= 0 gives a valid bound; this mapping o
 decides how tight it is for the prices bid_price actually acted on.
 
 **Online reward** (``online_reward``): for each request the online policy served, the
-same ``olproute.reward.reward_terms`` evaluated on its realised times: TTFT = first token
+same ``olproute.pricing.reward.reward_terms`` evaluated on its realised times: TTFT = first token
 - arrival, the decode time finish - first token spread over the predicted output
 (tpot = that time / o_jg, so the completion slot and EEL are the realised ones), the
 horizon counted from the arrival, prorated like the LP's columns when the decode runs
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from olproute.outlook import Outlook
-from olproute.reward import NUM_RESOURCES, reward_terms
+from olproute.pricing.reward import NUM_RESOURCES, reward_terms
+from olproute.routing.outlook import Outlook
 from solvers.problem import (
     ColumnBlock,
     FlatColumns,

@@ -10,7 +10,7 @@ many the online prices price (p > 1e-6). The LP's duals are not unique (the LP i
 degenerate), so prices are compared through D(p), and the PNG is a picture, not an
 element-wise test.
 Rows are (instance, slot, resource) over the three resources batch, KV and compute
-(``olproute.reward.RESOURCES``); the binding rows are also counted per resource.
+(``olproute.pricing.reward.RESOURCES``); the binding rows are also counted per resource.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config import LoadedConfig
-from olproute.reward import BATCH, COMPUTE, KV, RESOURCES
+from olproute.config.loader import LoadedConfig
+from olproute.pricing.reward import BATCH, COMPUTE, KV, RESOURCES
 from olproute.sim.cluster import ProgressFn
 from solvers.certificate import (
     absolute_prices,

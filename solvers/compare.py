@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from olproute.config import Config, LoadedConfig, load_profiles
+from olproute.config.loader import Config, LoadedConfig, load_profiles
 from solvers.check import CheckResult, plot_prices, run_check
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,8 +1,8 @@
 """The window's LP written plainly in cvxpy: for tests against ``solvers.lp`` and small
 offline studies. It shares only the problem data with the HiGHS builder: rewards come
-from ``olproute.reward.reward_terms`` request by request, usage from
-``olproute.reward.dense`` column by column (the prefill slots from
-``olproute.reward.prefill_span`` on the LP's grid), and the capacity rows are written out
+from ``olproute.pricing.reward.reward_terms`` request by request, usage from
+``olproute.pricing.reward.dense`` column by column (the prefill slots from
+``olproute.pricing.reward.prefill_span`` on the LP's grid), and the capacity rows are written out
 slot by slot (no difference form, no column generation). Dense in (columns x slots): keep it
 to a few thousand columns.
 """
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from olproute.outlook import Outlook
-from olproute.reward import NUM_RESOURCES, Columns, dense, prefill_span, reward_terms
+from olproute.pricing.reward import NUM_RESOURCES, Columns, dense, prefill_span, reward_terms
+from olproute.routing.outlook import Outlook
 from solvers.problem import FlatColumns, LpProblem
 
 FloatArray = npt.NDArray[np.float64]

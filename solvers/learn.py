@@ -2,7 +2,7 @@
 
     python -m solvers.learn [--steps T] [--quick] [--json PATH] [--png PATH]
 
-The exact step bid_price takes online (``olproute.prices``: the JAX steps, or their NumPy
+The exact step bid_price takes online (``olproute.pricing.prices``: the JAX steps, or their NumPy
 twin) is run on exactly one LP window (``solvers.problem``): the window's requests are
 the samples, each with its LP columns (every instance, every delay d = 0..max_delay, its
 first-token slot and prorated reward exactly as ``column_block`` builds them), N_H = N,
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from olproute.prices import Backend, Samples, run_steps, step_sizes
-from olproute.reward import first_token_slot
+from olproute.pricing.prices import Backend, Samples, run_steps, step_sizes
+from olproute.pricing.reward import first_token_slot
 from solvers.certificate import Pricer
 from solvers.problem import LpProblem, random_instance, reward_grid
 

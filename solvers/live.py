@@ -3,7 +3,7 @@
 process every ``prices.certify_period_s`` (the CLI injects this function: the server
 may not import the solvers).
 
-:func:`certify` turns the :class:`~olproute.live_window.LiveWindow` into a
+:func:`certify` turns the :class:`~olproute.routing.live_window.LiveWindow` into a
 :class:`~solvers.record.WindowLog` (its price updates become the log's, the free
 capacity at its start the log's one tick), builds the LP of [t0, t1) with
 ``build_window`` and checks it with ``check`` (``solvers.check``: D(p_online)/LP* - 1,
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from olproute.live_window import LiveWindow
+from olproute.routing.live_window import LiveWindow
 from solvers.certificate import PriceUpdate
 from solvers.check import check
 from solvers.record import WindowLog, build_window

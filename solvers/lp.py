@@ -55,7 +55,7 @@ import numpy as np
 import numpy.typing as npt
 from scipy import sparse
 
-from olproute.reward import BATCH, COMPUTE, KV, NUM_RESOURCES
+from olproute.pricing.reward import BATCH, COMPUTE, KV, NUM_RESOURCES
 from solvers.problem import FlatColumns, LpProblem, column_block, flatten, prefill_interval
 
 FloatArray = npt.NDArray[np.float64]

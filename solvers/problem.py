@@ -8,24 +8,24 @@ first token on g in slot k". A start ``d`` slots later than the earliest possibl
 
 with ``exec_jg`` the queue-free TTFT (prefill alone): waiting is modelled by the delay d,
 so it is not also inside exec. d runs over 0..max_delay (and k < K). The column is the
-usage column of ``olproute.reward`` moved to k: one batch slot (1/B) and the KV ramp
+usage column of ``olproute.pricing.reward`` moved to k: one batch slot (1/B) and the KV ramp
 (s + 1 + theta tokens over M) on [k, min(k + D_jg, K)), D_jg = ceil(o_jg * tpot_jg /
 slot_s); and compute, the prefill token budget b_g per slot: the prompt's P_jg =
 ceil(s_j / b_g) prefill slots [clip(k - P_jg, a_j, K), min(k, K)), each using
 s_j / (P_jg b_g) of the budget. No prefill runs before the request's arrival (clipped
 there, as the online column clips it at its slot 0, the decision), and a prefill cut
 there spreads over the slots left, at most the whole budget
-(``olproute.reward.prefill_share``).
+(``olproute.pricing.reward.prefill_share``).
 
 **The grid's end.** Usage past the grid's end is not constrained, so a column cut there
 at its full reward would be nearly free capacity: the late columns would bid the last
 slots' duals up to hundreds (the reward of a whole request over one slot's usage), an
 artefact of where the window ends. A column's reward therefore counts in proportion to
 the share of its decode slots inside the grid, (min(k + D, K) - k) / D, as the online
-price samples prorate theirs at the horizon (``olproute.prices``) and as
+price samples prorate theirs at the horizon (``olproute.pricing.prices``) and as
 ``solvers.certificate.online_reward`` prorates the online policy's.
 
-The reward r_jgd is ``olproute.reward.reward_terms`` with TTFT_jgd, measured from the
+The reward r_jgd is ``olproute.pricing.reward.reward_terms`` with TTFT_jgd, measured from the
 arrival and with the reward horizon H counted from the arrival: waiting lowers the
 TTFT- and EEL-saved terms and can lose the SLO indicators, exactly as for bid_price.
 ``reward_grid`` evaluates those terms vectorised over (requests, instances, delays);
@@ -33,7 +33,7 @@ the tests check it against ``reward_terms`` term by term.
 
 The capacity of (g, k, resource) is the free capacity ``free`` (capacity fractions, 1
 minus what the residents at the window start hold; resources ``BATCH, KV, COMPUTE`` of
-``olproute.reward``), clipped at 0: an over-committed slot can take no new request, and
+``olproute.pricing.reward``), clipped at 0: an over-committed slot can take no new request, and
 x = 0 stays feasible.
 """
 
@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config_schema import RewardConfig
-from olproute.reward import (
+from olproute.config.schema import RewardConfig
+from olproute.pricing.reward import (
     BATCH,
     COMPUTE,
     KV,
@@ -180,7 +180,7 @@ def prefill_interval(prob: LpProblem, j: IntArray, g: IntArray, start: IntArray
                      ) -> tuple[IntArray, IntArray, FloatArray]:
     """(pre_start, pre_end, share): the prefill slots [clip(k - P, a_j, K), min(k, K)) of
     columns of requests j on instances g with first-token slot k = ``start`` (arrays
-    broadcast together), as ``olproute.reward.prefill_span`` places them: no prefill
+    broadcast together), as ``olproute.pricing.reward.prefill_span`` places them: no prefill
     before the request arrives (as the online column has none before its slot 0, its
     decision); and the budget share on each (``prefill_share`` of the slots the arrival
     leaves, not the grid's end)."""
@@ -239,7 +239,7 @@ def flatten(blk: ColumnBlock, mask: npt.NDArray[np.bool_] | None = None,
 
 def reward_grid(prob: LpProblem, j: IntArray, ttft_s: FloatArray) -> FloatArray:
     """r for requests ``j`` (n,) on every instance with TTFT ``ttft_s`` (n, G, L): the
-    terms of ``olproute.reward.reward_terms`` with the reward horizon counted from the
+    terms of ``olproute.pricing.reward.reward_terms`` with the reward horizon counted from the
     arrival, vectorised."""
     w, h, slot = prob.reward, prob.horizon, prob.slot_s
     decode = prob.decode_tokens[j][:, :, None]

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from olproute.assembly import policy_env
-from olproute.config import LoadedConfig
-from olproute.config_schema import RewardConfig
+from olproute.config.loader import LoadedConfig
+from olproute.config.schema import RewardConfig
 from olproute.policies import REGISTRY, Policy
 from olproute.policies.bid_price import BidPrice
-from olproute.reward import NUM_RESOURCES
+from olproute.pricing.reward import NUM_RESOURCES
+from olproute.routing.assembly import policy_env
 from olproute.sim.cluster import ProgressFn, SimResult
 from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, streams
 from olproute.types import Decision, EngineSnapshot, Outcome, Request, RoutingContext

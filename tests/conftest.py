@@ -22,7 +22,7 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from olproute.config import DEFAULT_CONFIG, Config, LoadedConfig, load_profiles  # noqa: E402
+from olproute.config.loader import DEFAULT_CONFIG, Config, LoadedConfig, load_profiles  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONV_TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"

@@ -16,12 +16,14 @@ there is any:
    of its own layer (``sim`` and ``router`` know nothing of each other), is reported.
 3. **No function longer than** ``--max-lines`` (80) lines, ``def`` line to last line.
 
-The layer order is ``LAYERS`` below, bottom to top, as DESIGN.md section 3 states it
-(types -> core, calibration -> bea, predict, config schema -> reward -> prices -> policies
--> assembly -> sim / router -> server, solvers -> cli). Each layer is a tuple of
-columns, each column a tuple of module names: a name stands for the module and its
-submodules (``=name`` for the module alone), and a module belongs to the column with its
-longest matching name. A module in no layer is a problem too.
+The layer order is ``LAYERS`` below, bottom to top, as docs/design.md (section 3)
+states it (types -> kernels, calibration -> bea, predict, config schema -> reward ->
+prices -> policies -> assembly -> sim / router -> server, solvers -> cli), over the
+package's concept folders (``estimate``, ``pricing``, ``routing``, ``config``,
+``operator``, ...). Each layer is a tuple of columns, each column a tuple of module
+names: a name stands for the module and its submodules (``=name`` for the module
+alone), and a module belongs to the column with its longest matching name. A module in
+no layer is a problem too.
 """
 
 from __future__ import annotations
@@ -34,42 +36,45 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
-    # the package's own __init__ (exactly), and the messages every layer speaks
-    (("=olproute", "olproute.types"),),
+    # the package's own __init__ and its subpackages' (exactly: each holds only its
+    # docstring), and the messages every layer speaks
+    (("=olproute", "=olproute.estimate", "=olproute.pricing", "=olproute.routing",
+      "=olproute.config", "=olproute.operator", "olproute.types"),),
     # running independent calls in worker processes or as Ray tasks (imports nothing of
     # the package) | the router's index of where prompt prefixes were sent
-    (("olproute.executors",), ("olproute.prefix_index",)),
-    # the compiled kernels (batch formation and its Python twin, with vLLM's block pool as
-    # the twin of its prefix cache; a decision's arithmetic, whose twin is
-    # reward.score_reference; the prompt featuriser; LightGBM's single-row calls)
-    (("olproute._core", "olproute.core_ref", "olproute.prefix_ref", "olproute._score",
-      "olproute._featurize", "olproute._rowheads"),),
+    (("olproute.operator.executors",), ("olproute.routing.prefix_index",)),
+    # the compiled kernels and their twins (batch formation and its Python twin, with
+    # vLLM's block pool as the twin of its prefix cache; a decision's arithmetic, whose
+    # twin is pricing.reward.score_reference; the prompt featuriser; LightGBM's single-row
+    # calls)
+    (("olproute._core", "olproute.core_ref", "olproute.prefix_ref", "olproute.pricing._score",
+      "olproute.predict._featurize", "olproute.predict._rowheads"),),
     # batch-time calibration (NNLS beta, online refit; from a backend's streams)
-    (("olproute.calibration", "olproute.streamcal"),),
+    (("olproute.estimate.calibration", "olproute.estimate.streamcal"),),
     # TTFT estimators, predictors, the config schema and what needs only it (reading
     # files, weight profiles, per-request outlook, prefill/decode pools, the live window the
-    # exact LP checks)
-    (("olproute.bea", "olproute.predict", "olproute.config_schema", "olproute.config_read",
-      "olproute.weights", "olproute.outlook", "olproute.disagg", "olproute.live_window",
-      "olproute.tracked"),),
+    # exact LP checks, tracked snapshots)
+    (("olproute.estimate.bea", "olproute.predict", "olproute.config.schema",
+      "olproute.config.read", "olproute.config.profiles", "olproute.routing.outlook",
+      "olproute.routing.disagg", "olproute.routing.live_window", "olproute.routing.tracked"),),
     # the multi-objective reward and usage columns
-    (("olproute.reward",),),
+    (("olproute.pricing.reward",),),
     # shadow prices
-    (("olproute.prices",),),
+    (("olproute.pricing.prices",),),
     # the policy interface, the registry and the policies
     (("olproute.policies",),),
     # the config loader (policy names and parameters) and the one assembly place
-    (("olproute.config", "olproute.assembly"),),
+    (("olproute.config.loader", "olproute.routing.assembly"),),
     # the simulator and its CDF plots | the router (no I/O): each builds its policy
     # through the assembly
-    (("olproute.sim", "olproute.plots"), ("olproute.router",)),
+    (("olproute.sim",), ("olproute.routing.router",)),
     # emulated instances (on the simulator's engine) | offline analysis (tune, its grid,
     # the operator's plots)
-    (("olproute.emulator",), ("olproute.operator_plots", "olproute.tune", "olproute.tune_grid")),
+    (("olproute.emulator",), ("olproute.operator",)),
     # the HTTP server | the exact LP and its checks | the profiling sweep of live backends
-    (("olproute.server",), ("solvers",), ("olproute.sweep",)),
+    (("olproute.server",), ("solvers",), ("olproute.estimate.sweep",)),
     # the command line
-    (("olproute.cli", "olproute.cli_args", "olproute.cli_operator", "olproute.cli_calibrate"),),
+    (("olproute.cli",),),
 )
 PACKAGES = ("olproute", "solvers")
 MAX_FUNCTION_LINES = 80

@@ -8,7 +8,7 @@ side of a disaggregated prefill/decode request (``kv_transfer_params``) it takes
 prefill instance answers ``do_remote_decode`` with the ``kv_transfer_params`` for the
 decode request; a decode (or mixed) instance takes ``do_remote_prefill`` by waiting the KV
 transfer time of the config's ``transfer`` section, then decoding with all but the last
-prompt token computed (``olproute.disagg.decode_admission``): every token it sends is
+prompt token computed (``olproute.routing.disagg.decode_admission``): every token it sends is
 new, the first one included.
 
 A request generates as many tokens as ``olproute.emulator.lengths`` says for its prompt
@@ -37,8 +37,7 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from olproute.config import LoadedConfig, Profiles, SimConfig, load_config
-from olproute.disagg import KvTransfer
+from olproute.config.loader import LoadedConfig, Profiles, SimConfig, load_config
 from olproute.emulator.engine import BATCH_COLUMNS, EmulatedInstance, EmulatedRequest
 from olproute.emulator.lengths import OutputLengths, describe_lengths, output_lengths
 from olproute.emulator.protocol import (
@@ -51,6 +50,7 @@ from olproute.emulator.protocol import (
     prefill_kv_params,
     response_body,
 )
+from olproute.routing.disagg import KvTransfer
 from olproute.sim.engine import BatchTimer
 from olproute.sim.scenario import streams
 from olproute.sim.timing import LinearTiming, RooflineTiming

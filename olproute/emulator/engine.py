@@ -14,10 +14,10 @@ times ``time_scale``; the loop sleeps that long, commits the batch and hands eve
 token to its request. Batches are laid back to back on a virtual clock, so the loop's
 wake-up jitter does not accumulate while the engine is busy.
 
-Disaggregated pools (``olproute.disagg``, as vLLM with its NIXL connector): a decode
+Disaggregated pools (``olproute.routing.disagg``, as vLLM with its NIXL connector): a decode
 request whose prompt's KV cache comes from a prefill instance (``receive_kv`` then
-``submit_decode``) waits the transfer time (``olproute.disagg.KvTransfer``, times
-``time_scale``); the engine then admits it as ``olproute.disagg.decode_admission`` says:
+``submit_decode``) waits the transfer time (``olproute.routing.disagg.KvTransfer``, times
+``time_scale``); the engine then admits it as ``olproute.routing.disagg.decode_admission`` says:
 the whole prompt, all but its last token computed, and all its outputs. Its first step
 recomputes the last prompt token and samples the first output token, which is the
 client's first token; every token the decode instance streams is new. While its KV
@@ -27,8 +27,8 @@ count it as waiting).
 Prefix caching (vLLM's automatic prefix caching, when the spec has
 ``enable_prefix_caching``): a request admitted with its prompt's block hashes
 (``block_hashes``: the HTTP face names its prompt's blocks, of words or of token ids,
-with ``olproute.prefix_index.prompt_block_hashes``, as the router does) starts after the longest
-prefix the engine's cache holds, so a repeated prompt's first token comes sooner.
+with ``olproute.routing.prefix_index.prompt_block_hashes``, as the router does) starts
+after the longest prefix the engine's cache holds, so a repeated prompt's first token comes sooner.
 ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` count the tokens looked up and
 found, and a finished request's ``cached_tokens`` holds the prompt tokens it found cached
 when it was first scheduled (vLLM's ``num_cached_tokens``). A decode request whose KV came
@@ -55,10 +55,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from olproute.core_ref import FINISHED
-from olproute.disagg import KvTransfer, decode_admission
 from olproute.emulator.lengths import OutputLengths
 from olproute.emulator.metrics import EngineMetrics
-from olproute.prefix_index import IntArray, prompt_block_hashes
+from olproute.routing.disagg import KvTransfer, decode_admission
+from olproute.routing.prefix_index import IntArray, prompt_block_hashes
 from olproute.sim.engine import BATCH_LOG_COLUMNS, BatchTimer, SimEngine
 from olproute.types import InstanceSpec
 

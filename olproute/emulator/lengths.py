@@ -54,7 +54,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config import REPO_ROOT, LoadedConfig
+from olproute.config.loader import REPO_ROOT, LoadedConfig
 from olproute.predict.training import csv_rows, jsonl_rows, output_tokens
 from olproute.sim.requests import synthetic_prompts
 from olproute.sim.workloads import WorkloadError, read_lengths_csv

@@ -20,7 +20,7 @@ Disaggregated prefill/decode (vLLM's NIXL connector): ``kv_transfer_params`` wit
 ``do_remote_decode`` asks a prefill instance to keep the KV cache for a decode instance
 (its answer carries ``kv_transfer_params`` for the decode request, ``prefill_kv_params``);
 with ``do_remote_prefill`` a decode instance takes the prompt's KV cache from a prefill
-instance instead of computing it (all but the last token: ``olproute.disagg``).
+instance instead of computing it (all but the last token: ``olproute.routing.disagg``).
 """
 
 from __future__ import annotations

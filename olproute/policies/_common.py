@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from olproute.outlook import Outlook
 from olproute.policies.base import Policy
+from olproute.routing.outlook import Outlook
 from olproute.types import Outcome
 
 FloatArray = npt.NDArray[np.float64]

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from olproute.config_schema import AdmissionConfig
+from olproute.config.schema import AdmissionConfig
 from olproute.types import Decision, EngineSnapshot, Request, RoutingContext
 
 

@@ -20,11 +20,11 @@ from typing import Annotated, Any, Generic, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from olproute.calibration import InstanceCalibration
-from olproute.config_read import problems_of
-from olproute.config_schema import AdmissionConfig, PriceConfig, RewardConfig
-from olproute.outlook import OutlookSource
-from olproute.prices import PriceBook, PriceView
+from olproute.config.read import problems_of
+from olproute.config.schema import AdmissionConfig, PriceConfig, RewardConfig
+from olproute.estimate.calibration import InstanceCalibration
+from olproute.pricing.prices import PriceBook, PriceView
+from olproute.routing.outlook import OutlookSource
 from olproute.types import (
     Decision,
     EngineSnapshot,

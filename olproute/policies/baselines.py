@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from olproute.bea import remaining_decode_tokens, remaining_prefill_tokens
-from olproute.disagg import Pools
+from olproute.estimate.bea import remaining_decode_tokens, remaining_prefill_tokens
 from olproute.policies.base import REGISTRY, NoParams, Policy, PolicyEnv, dispatch
+from olproute.routing.disagg import Pools
 from olproute.types import Decision, Outcome, RoutingContext
 
 

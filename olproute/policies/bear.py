@@ -4,7 +4,7 @@ Per request, every instance g gets the accuracy-cost utility
 ``U_g = acc_g - lambda * cost_g`` (eq. 4; ``reward.cost_lambda``, from the request's
 outlook) and a TTFT estimate ``T_g``:
 
-- ``bear``: ``T_g`` from the BEA replay of g's snapshot (``olproute.bea.BeaEstimator``),
+- ``bear``: ``T_g`` from the BEA replay of g's snapshot (``olproute.estimate.bea.BeaEstimator``),
   with the request's predicted output length on g's model;
 - ``prefill_tps``: ``T_g`` = pending prefill tokens on g, then the prompt, over the
   profiled prefill throughput of g's kind of instance (eq. 8, ``PrefillTpsEstimator``;
@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from olproute.bea import BeaEstimator, PrefillTpsEstimator, TtftEstimator
+from olproute.estimate.bea import BeaEstimator, PrefillTpsEstimator, TtftEstimator
 from olproute.policies._common import NoFeedback, decode_per_instance, figures, pick_best
 from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyParams, dispatch
 from olproute.types import Decision, RoutingContext

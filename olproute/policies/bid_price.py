@@ -37,7 +37,16 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import Field
 
-from olproute._score import (
+from olproute.estimate.bea import BeaEstimator, decode_step_times_s
+from olproute.policies.admission import (
+    can_start_now,
+    hold_shed_or_defer,
+    room_to_start,
+    still_patient,
+)
+from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, PolicyParams
+from olproute.policies.bid_price_pools import PoolBidPrice
+from olproute.pricing._score import (
     F_COMPUTE_A,
     F_EEL_SAVED,
     F_EEL_SLO,
@@ -62,19 +71,8 @@ from olproute._score import (
     fits_column,
     subtract_column,
 )
-from olproute.bea import BeaEstimator, decode_step_times_s
-from olproute.disagg import Pools
-from olproute.outlook import Outlook
-from olproute.policies.admission import (
-    can_start_now,
-    hold_shed_or_defer,
-    room_to_start,
-    still_patient,
-)
-from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, PolicyParams
-from olproute.policies.bid_price_pools import PoolBidPrice
-from olproute.prices import PriceBook, PriceView
-from olproute.reward import (
+from olproute.pricing.prices import PriceBook, PriceView
+from olproute.pricing.reward import (
     HARD,
     TERMS,
     Columns,
@@ -89,6 +87,8 @@ from olproute.reward import (
     shifted_usage,
     slots_since,
 )
+from olproute.routing.disagg import Pools
+from olproute.routing.outlook import Outlook
 from olproute.types import (
     Decision,
     EngineSnapshot,

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config_schema import RewardConfig
-from olproute.outlook import Outlook
-from olproute.reward import (
+from olproute.config.schema import RewardConfig
+from olproute.pricing.reward import (
     Columns,
     decode_slots,
     first_token_slot,
@@ -26,6 +25,7 @@ from olproute.reward import (
     reward_terms,
     usage_columns,
 )
+from olproute.routing.outlook import Outlook
 from olproute.types import Request
 
 FloatArray = npt.NDArray[np.float64]
@@ -37,7 +37,7 @@ BoolArray = npt.NDArray[np.bool_]
 class PoolFigures:
     """What pair scoring reads of the two pools, fixed for a run: global indices of each
     pool, the prefill engines' compute budget (prefill tokens per slot,
-    ``olproute.reward.compute_budget``) and KV capacity (tokens), the decode engines'
+    ``olproute.pricing.reward.compute_budget``) and KV capacity (tokens), the decode engines'
     batch and KV capacities, the slot, the horizon and the reward's weights."""
 
     pre: IntArray
@@ -52,7 +52,7 @@ class PoolFigures:
 
     def prefill_columns(self, prompt_tokens: int, ttft_s: FloatArray) -> Columns:
         """The prompt's column on each prefill instance: its share of the compute budget
-        over the slots its prefill runs in (the one definition of ``olproute.reward``),
+        over the slots its prefill runs in (the one definition of ``olproute.pricing.reward``),
         and its KV there, in capacity fractions; no batch row (the engine frees the slot
         as the prefill ends)."""
         k0 = first_token_slot(ttft_s, self.slot_s, self.horizon)

@@ -2,7 +2,7 @@
 
 A request is a pair of choices: the prefill instance p that runs its prompt, and the
 decode instance d its KV cache moves to, which gives the client its first token and the
-rest (``olproute.disagg``). For every pair
+rest (``olproute.routing.disagg``). For every pair
 
     score_pd = r_pd - delta * TTFT_pd - a_p . pi_p - b_pd . mu_d
 
@@ -11,9 +11,9 @@ rest (``olproute.disagg``). For every pair
   decode step on d for the first token;
 - ``tpot_d``: the calibrated time of one decode step of d's residents plus the requests
   bound for it and this one (``beta0 + beta1 n + beta2 sum of contexts``);
-- ``r_pd``: the multi-objective reward (``olproute.reward``) with that TTFT and tpot_d;
+- ``r_pd``: the multi-objective reward (``olproute.pricing.reward``) with that TTFT and tpot_d;
 - ``a_p . pi_p``: the price of p's **compute** (its prefill token budget b_p, the third
-  resource of ``olproute.reward``, one definition for every pool) and its KV over the
+  resource of ``olproute.pricing.reward``, one definition for every pool) and its KV over the
   slots the prompt runs in, ``[k0 - ceil(s / b_p), k0)`` with k0 = ceil(TTFT_p / Delta),
   the slot after the one its prefill ends in;
 - ``b_pd . mu_d``: the price of d's **batch slots and KV** over the decode column,
@@ -49,13 +49,12 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from olproute.bea import BeaEstimator, decode_step_times_s, remaining_prefill_tokens
-from olproute.disagg import Pools
+from olproute.estimate.bea import BeaEstimator, decode_step_times_s, remaining_prefill_tokens
 from olproute.policies.admission import can_start_now, hold_shed_or_defer
 from olproute.policies.base import Policy, PolicyEnv, PolicyError
 from olproute.policies.bid_price_pairs import PairScores, PoolFigures, score_pairs
-from olproute.prices import Backend, PriceBook, PriceView, price_view
-from olproute.reward import (
+from olproute.pricing.prices import Backend, PriceBook, PriceView, price_view
+from olproute.pricing.reward import (
     COLUMN_FIELDS,
     COMPUTE,
     HARD,
@@ -72,6 +71,7 @@ from olproute.reward import (
     shifted_usage,
     slots_since,
 )
+from olproute.routing.disagg import Pools
 from olproute.types import (
     Decision,
     EngineSnapshot,

@@ -52,8 +52,7 @@ from collections.abc import Sequence
 import numpy as np
 from pydantic import Field
 
-from olproute.bea import decode_step_times_s, remaining_prefill_tokens
-from olproute.disagg import Pools
+from olproute.estimate.bea import decode_step_times_s, remaining_prefill_tokens
 from olproute.policies._common import (
     FloatArray,
     NoFeedback,
@@ -62,6 +61,7 @@ from olproute.policies._common import (
     pick_best,
 )
 from olproute.policies.base import REGISTRY, PolicyEnv, PolicyParams, Weight, dispatch
+from olproute.routing.disagg import Pools
 from olproute.types import Decision, EngineSnapshot, InstanceSpec, RoutingContext
 
 

@@ -10,7 +10,7 @@ Our rule: ``expected_latency_g = (outstanding_g + 1) / mu_g``, least wins, ties 
 (from the policy's generator). ``outstanding_g`` is the router's count of requests
 dispatched to g and not finished (``InstanceLoad.num_outstanding``, never stale, so no
 snapshot is needed); the ``+ 1`` counts the new request, as
-``olproute.bea.LmdeployEstimator`` does, so an idle pool prefers the fastest instance
+``olproute.estimate.bea.LmdeployEstimator`` does, so an idle pool prefers the fastest instance
 instead of a coin flip. ``mu_g`` is the calibrated request throughput
 (``service_rate_per_s``, requests per busy second at saturation); an instance whose
 calibration has none gets the mean of the known ones, or 1 when none is known (the

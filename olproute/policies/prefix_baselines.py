@@ -4,7 +4,7 @@
 
 Each of them keeps its own approximate index of where prompts went (SGLang a radix tree
 of characters per worker, llm-d an LRU of prompt-block hashes per pod); here both match
-prompts in the router's index instead (``ctx.prefixes``, ``olproute.prefix_index``: an
+prompts in the router's index instead (``ctx.prefixes``, ``olproute.routing.prefix_index``: an
 LRU of 16-token block hashes per instance, bounded by the instance's KV blocks), so that
 they differ from each other, and from our policies, in their rule alone. SGLang's rule
 also reads the size of each worker's tree, which ``cache_aware`` keeps as SGLang does

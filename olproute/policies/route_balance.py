@@ -4,7 +4,7 @@ RouteBalance combines predicted quality with cost and latency scores normalised 
 the candidate instances. Per request, over the instances g:
 
     latency_g = tpot_g x pending decode tokens on g / batch size_g
-                                         (``olproute.bea.RouteBalanceEstimator``, wait part)
+                  (``olproute.estimate.bea.RouteBalanceEstimator``, wait part)
     q, c, l   = min-max normalisation to [0, 1] across instances of acc_g, cost_g,
                 latency_g (a figure equal on every instance normalises to 0)
     score_g   = w_quality x q_g - w_cost x c_g - w_latency x l_g
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import Field
 
-from olproute.bea import RouteBalanceEstimator
+from olproute.estimate.bea import RouteBalanceEstimator
 from olproute.policies._common import (
     FloatArray,
     NoFeedback,

@@ -5,7 +5,7 @@ estimating latency as queueing delay plus predicted output length times the mode
 per-token time. Per instance g:
 
     latency_g = pending prefill of g's waiting requests / prefill throughput_g
-                + o_g x tpot_g                         (``olproute.bea.ScoreEstimator``)
+                + o_g x tpot_g                         (``olproute.estimate.bea.ScoreEstimator``)
     score_g   = w_quality x acc_g - w_cost x cost_g - w_latency x latency_g
 
 with ``o_g`` the request's predicted output length on g's model, the prefill throughput
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from olproute.bea import ScoreEstimator
+from olproute.estimate.bea import ScoreEstimator
 from olproute.policies._common import NoFeedback, decode_per_instance, figures, pick_best
 from olproute.policies.base import REGISTRY, PolicyEnv, PolicyParams, Weight, dispatch
 from olproute.types import Decision, RoutingContext

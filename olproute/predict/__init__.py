@@ -14,8 +14,8 @@ model's BPE tokenizer. Token hashes use ``zlib.crc32``, so features are identica
 processes (Python's ``hash()`` is salted per process).
 
 The modules: ``features`` (tokenizer, statistics, hashing, PCA, the feature spec; the
-compiled kernel ``olproute._featurize`` computes them, the Python functions are its twin),
-``heads`` (the C API's single-row path, called from ``olproute._rowheads``),
+compiled kernel ``olproute.predict._featurize`` computes them, the Python functions are its twin),
+``heads`` (the C API's single-row path, called from ``olproute.predict._rowheads``),
 ``predictor`` (``Predictor``, saving and loading, ``apply_predictor``, the shipped
 predictor's folder ``SHIPPED_DIR``), ``pool`` (``PoolPredictor``: the predictor on the
 request path of one pool, as ``olproute serve`` runs it), ``training``

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from olproute import _featurize
+from olproute.predict import _featurize
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -217,7 +217,7 @@ def _kernel_stats(text: str, num_tokens: int, num_chars: int, counted: tuple[int
 class Featurizer:
     """Prompt text -> statistics and hashed token vector.
 
-    ``stats_and_hashed`` runs the compiled kernel (``olproute._featurize``: one pass over
+    ``stats_and_hashed`` runs the compiled kernel (``olproute.predict._featurize``: one pass over
     the UTF-8 bytes, every Unicode prompt, no fallback); ``compiled=False`` runs the
     plain-Python twin (``tokenize``, ``Counter``, ``prompt_stats``, ``hashed``), which
     gives bitwise-identical features and owns a bounded token-slot cache. Not

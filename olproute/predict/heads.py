@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from olproute._rowheads import predict_rows
+from olproute.predict._rowheads import predict_rows
 from olproute.predict.features import PredictorError
 
 FloatArray = npt.NDArray[np.float64]
@@ -51,7 +51,7 @@ def _free_heads(lib: ctypes.CDLL, boosters: list[ctypes.c_void_p],
 class RowHeads:
     """LightGBM models evaluated row by row on the C API's single-row fast path
     (``LGBM_BoosterPredictForMatSingleRowFast``), configured once with ``num_threads=1``
-    and called from the compiled kernel ``olproute._rowheads``.
+    and called from the compiled kernel ``olproute.predict._rowheads``.
 
     ``Booster.predict`` rebuilds its predictor and re-parses parameters on every call:
     measured here ~50 us per call on the request path, against ~5 us per row through

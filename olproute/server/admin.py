@@ -21,13 +21,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from olproute.assembly import CalibrationSource, served_predictor
-from olproute.config import ConfigError, LoadedConfig, load_config
-from olproute.router import Router
+from olproute.config.loader import ConfigError, LoadedConfig, load_config
+from olproute.config.profiles import WEIGHTS_DIR, resolve_profile
+from olproute.routing.assembly import CalibrationSource, served_predictor
+from olproute.routing.router import Router
 from olproute.server import proxy
 from olproute.server.schema import BadRequest, ReloadBody, validate
 from olproute.server.state import STATE, ServerState, log_unpredicted
-from olproute.weights import WEIGHTS_DIR, resolve_profile
 
 LOG = logging.getLogger("olproute.server")
 

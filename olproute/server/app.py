@@ -3,8 +3,8 @@ cleanup context (HTTP session, emulated backends when the config names none, the
 and its tracker) and background tasks run there too: price updates (in a worker thread,
 off the event loop), health checks with backoff, scraping the backends' Prometheus
 gauges, beta recalibration from the backends' batch records (or, for a backend without
-them, from the streams relayed from it: ``olproute.streamcal``), and the live certificate of
-bid_price's prices (``olproute.server.live``; the LP runs in a process of its own).
+them, from the streams relayed from it: ``olproute.estimate.streamcal``), and the live
+certificate of bid_price's prices (``olproute.server.live``; the LP runs in a process of its own).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from olproute.assembly import CalibrationSource, served_predictor
-from olproute.calibration import OnlineCalibrator
-from olproute.config import LoadedConfig
-from olproute.prices import PriceView
-from olproute.router import Router, prediction_source
+from olproute.config.loader import LoadedConfig
+from olproute.estimate.calibration import OnlineCalibrator
+from olproute.estimate.streamcal import StreamCalibrator, StreamRecorder
+from olproute.pricing.prices import PriceView
+from olproute.routing.assembly import CalibrationSource, served_predictor
+from olproute.routing.router import Router, prediction_source
 from olproute.server import admin, dashboard, live, proxy
 from olproute.server.capture import LiveCapture
 from olproute.server.certify import Certifier, LiveCert
@@ -47,7 +48,6 @@ from olproute.server.schema import (
 from olproute.server.shared import SharedState
 from olproute.server.state import STATE, ServerState, log_unpredicted, prediction_status
 from olproute.server.tracker import BackendState, Tracker
-from olproute.streamcal import StreamCalibrator, StreamRecorder
 from olproute.types import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
 # vLLM v1's prefix-cache query counter (tokens): going down means the backend restarted
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_COUNTERS = (PREFIX_QUERIES,)
-# recalibration from a backend's streams (olproute.streamcal): the rows' window, a refit
+# recalibration from a backend's streams (olproute.estimate.streamcal): the rows' window, a refit
 # every so many new rows, once the window holds this many of each kind
 STREAM_WINDOW_ROWS = 4096
 STREAM_REFIT_EVERY = 32
@@ -76,7 +76,7 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
              predictor: Predictor | None = None) -> web.Application:
     """The router application. ``backend_urls`` (one per instance, in order) overrides the
     config's backends; with neither, the instances are emulated in-process.
-    ``calibration``: what estimating policies read (``olproute.assembly``); without one,
+    ``calibration``: what estimating policies read (``olproute.routing.assembly``); without one,
     the config's calibration file (``calibration: auto`` needs the simulator's profiler:
     ``olproute serve`` passes ``olproute.sim.scenario.CalibrationSource``).
     ``certifier``: checks a window of bid_price's prices against the exact LP, in a
@@ -84,7 +84,7 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
     ``solvers.live.certify``); without one, no live certificate. ``predictor``: the one
     ``prediction.serve`` names, already loaded (``olproute serve`` loads it first, so a
     bad folder stops it before anything starts); without one, it is loaded at start-up
-    (``olproute.assembly.served_predictor``)."""
+    (``olproute.routing.assembly.served_predictor``)."""
     app = web.Application(client_max_size=loaded.config.server.max_body_bytes,
                           middlewares=[json_errors])  # every error in one JSON shape
     app[BACKEND_URLS] = list(backend_urls or [])
@@ -200,7 +200,7 @@ async def _start_shared(st: ServerState, stack: contextlib.AsyncExitStack) -> No
 
 def _recalibrators(st: ServerState) -> None:
     """Each backend's online calibrators, from the router's calibration: from its batch
-    records and from its streams (``olproute.streamcal``); its beta's source initial."""
+    records and from its streams (``olproute.estimate.streamcal``); its beta's source initial."""
     cal = st.router.calibration()
     st.calibrators = [OnlineCalibrator(c.beta) for c in cal]
     st.batches_supported = [True] * len(cal)
@@ -396,7 +396,7 @@ async def _recalibrate(st: ServerState) -> None:
     """Each backend's beta from its batch records (``/olproute/batches``, the emulator's
     extension; asked until it answers, and a backend that answers 404 is not asked
     again) or, for a backend without them (vLLM), from the streams the proxy relayed
-    from it (``olproute.streamcal``). The rows and refits run in a worker thread."""
+    from it (``olproute.estimate.streamcal``). The rows and refits run in a worker thread."""
     for b in st.tracker.backends:
         if st.batches_supported[b.index] and b.healthy:
             await _from_batches(st, b)
@@ -514,7 +514,7 @@ async def instances(request: web.Request) -> web.Response:
     now = st.now()
     loads = st.tracker.loads(now)
     # the beta each backend's replay runs with (None without BEA), its source (initial,
-    # batches or streams: olproute.streamcal), the stream rows in its window and the
+    # batches or streams: olproute.estimate.streamcal), the stream rows in its window and the
     # batch records read
     has_bea = st.router.policy.takes_beta and bool(st.calibrators)
     # blocks the router's prefix index holds per backend (None: it keeps none)

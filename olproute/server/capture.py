@@ -6,7 +6,7 @@ capacity and the prices after the tick's update.
 
 Bounded: a ring of the most recent requests (preallocated arrays; a decision writes one
 row) and the ticks of the last two windows. ``pack`` selects a window and copies its
-requests into a :class:`~olproute.live_window.LiveWindow`, with the ticks' price updates
+requests into a :class:`~olproute.routing.live_window.LiveWindow`, with the ticks' price updates
 and the free capacity at its start (arrays no one writes again: shared, not copied).
 
 **The window** (``window_bounds``) ends at the arrival of the first request still
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config_schema import PriceConfig, RewardConfig
-from olproute.live_window import LiveWindow
-from olproute.prices import PriceView
+from olproute.config.schema import PriceConfig, RewardConfig
+from olproute.pricing.prices import PriceView
+from olproute.routing.live_window import LiveWindow
 from olproute.types import Decision, Outcome, Request
 
 FloatArray = npt.NDArray[np.float64]

@@ -26,7 +26,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
-from olproute.live_window import LiveWindow
+from olproute.routing.live_window import LiveWindow
 from olproute.server.capture import LiveCapture
 
 LOG = logging.getLogger("olproute.server")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from olproute.reward import RESOURCES
+from olproute.pricing.reward import RESOURCES
 from olproute.server import live
 from olproute.server.state import STATE, ServerState
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from olproute.prices import PriceView
-from olproute.reward import capacities
+from olproute.pricing.prices import PriceView
+from olproute.pricing.reward import capacities
 from olproute.server.capture import pack
 from olproute.server.state import ServerState
 

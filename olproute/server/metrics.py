@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from olproute.reward import RESOURCES
+from olproute.pricing.reward import RESOURCES
 from olproute.server.shared import SharedStatus
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
@@ -54,7 +54,7 @@ class ServerMetrics:
             registry=r)
         self.prefix_index_blocks = Gauge(
             "olproute_prefix_index_blocks", "Prompt blocks the router's prefix index holds "
-            "for the backend (olproute.prefix_index)", ["instance"], registry=r)
+            "for the backend (olproute.routing.prefix_index)", ["instance"], registry=r)
         self.price_sum = Gauge("olproute_price_sum", "Sum over the horizon of the shadow "
                                "price (resource: batch, kv or compute)",
                                ["instance", "resource"], registry=r)
@@ -90,7 +90,7 @@ class ServerMetrics:
         self.certificate_solve_seconds: Gauge | None = None
         self.calibration_rows = Gauge(
             "olproute_calibration_rows", "Rows in a backend's window for recalibration from "
-            "its streams, by kind (prefill, decode; olproute.streamcal)",
+            "its streams, by kind (prefill, decode; olproute.estimate.streamcal)",
             ["instance", "kind"], registry=r)
         self.beta_refits = Counter("olproute_beta_refits", "Refits of a backend's batch-time "
                                    "coefficients, by source (batches: its batch records; "

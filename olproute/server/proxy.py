@@ -30,7 +30,7 @@ import orjson
 from aiohttp import web
 
 from olproute.policies.admission import patience_s
-from olproute.router import prediction_source
+from olproute.routing.router import prediction_source
 from olproute.server.schema import (
     BadRequest,
     ChatBody,

@@ -19,7 +19,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from olproute.config_read import key_path, problem, problems_of
+from olproute.config.read import key_path, problem, problems_of
 from olproute.types import Request
 
 # Nesting of a request body, counted in arrays and objects. OpenAI bodies nest a few

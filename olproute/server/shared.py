@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from olproute.config_schema import StateConfig
-from olproute.prices import Demand, PriceBook, PriceState
+from olproute.config.schema import StateConfig
+from olproute.pricing.prices import Demand, PriceBook, PriceState
 from olproute.server.tracker import NO_REMOTE, Remote, Tracker, by_dispatch
 
 LOG = logging.getLogger("olproute.server.shared")

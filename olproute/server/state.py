@@ -14,16 +14,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from olproute.calibration import Beta, OnlineCalibrator
-from olproute.config import LoadedConfig
-from olproute.router import Router
+from olproute.config.loader import LoadedConfig
+from olproute.estimate.calibration import Beta, OnlineCalibrator
+from olproute.estimate.streamcal import StreamCalibrator
+from olproute.routing.router import Router
 from olproute.server.certify import LiveCert
 from olproute.server.holding import HoldQueue
 from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics
 from olproute.server.shared import SharedState
 from olproute.server.tracker import Tracker
-from olproute.streamcal import StreamCalibrator
 from olproute.types import Decision, EngineSnapshot, Outcome, Request
 
 LOG = logging.getLogger("olproute.server")

@@ -3,7 +3,7 @@
 Every dispatch is counted at once (before the backend has seen the request); the proxied
 stream then reports each token, and the end of the request. From these the tracker
 builds, per backend, the load summary and the EngineSnapshot the estimators replay
-(``olproute.tracked``: requests that have streamed a token are running decoders, context
+(``olproute.routing.tracked``: requests that have streamed a token are running decoders, context
 = prompt + tokens; the others wait in dispatch order, their prefill may have begun
 inside the backend; the replay then over-estimates their remaining prefill, the safe
 side). Scraped gauges
@@ -11,7 +11,7 @@ side). Scraped gauges
 use than the tracker sees. Health: failures take a backend out; it is probed again after
 an exponentially growing backoff.
 
-Disaggregated prefill/decode pools (``olproute.disagg``): a dispatch names a prefill and a
+Disaggregated prefill/decode pools (``olproute.routing.disagg``): a dispatch names a prefill and a
 decode backend. The prefill backend holds the request as a flight (prompt, one output
 token, which is discarded) until its answer; the decode backend counts it as *inbound*
 (outstanding, and a row of ``inbound_rows`` for the policies) from the dispatch until its
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import numpy.typing as npt
 
-from olproute.disagg import decode_admission
-from olproute.streamcal import StreamRecorder
-from olproute.tracked import tracked_blocks, tracked_snapshot
+from olproute.estimate.streamcal import StreamRecorder
+from olproute.routing.disagg import decode_admission
+from olproute.routing.tracked import tracked_blocks, tracked_snapshot
 from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec, Request
 
 
@@ -96,7 +96,7 @@ class Handoff:
 
 def decode_view(request: Request) -> tuple[Request, int]:
     """(the request as its decode backend serves it, its prompt tokens whose KV arrives
-    computed), as ``olproute.disagg.decode_admission`` says: the same prompt, all but its
+    computed), as ``olproute.routing.disagg.decode_admission`` says: the same prompt, all but its
     last token computed, and the same (predicted) output, all of it generated there."""
     prompt, decode, computed = decode_admission(max(request.prompt_tokens, 1),
                                                 max(request.decode_tokens, 1))
@@ -162,7 +162,7 @@ class BackendState:
     version: int = 0
     cache: dict[str, tuple[int, object]] = field(default_factory=dict)
     # its mixed requests' dispatches, token events and ends, for calibration from its
-    # streams (olproute.streamcal); disaggregated requests are not recorded
+    # streams (olproute.estimate.streamcal); disaggregated requests are not recorded
     recorder: StreamRecorder = field(default_factory=StreamRecorder)
     # the other router replicas' requests here (none without shared state)
     remote: Remote = NO_REMOTE

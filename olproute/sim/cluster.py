@@ -14,7 +14,7 @@ policy with ``joint_release``, all held requests together at every slot boundary
 served. At most ``max_held`` requests are held at once, as in the server: an arrival the
 policy would hold past that is shed.
 
-With disaggregated pools (``olproute.disagg``) a dispatch names a prefill and a decode
+With disaggregated pools (``olproute.routing.disagg``) a dispatch names a prefill and a decode
 instance. The prefill engine runs the prompt and one token (not the client's); the KV
 cache then moves for ``transfer(prompt tokens)`` seconds (a transfer event, handled with
 the batch completions) and the decode engine admits the request with all but the last
@@ -40,9 +40,9 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from olproute.disagg import Pools, decode_admission
 from olproute.policies.base import Policy
-from olproute.prefix_index import PrefixIndex
+from olproute.routing.disagg import Pools, decode_admission
+from olproute.routing.prefix_index import PrefixIndex
 from olproute.sim.engine import BATCH_LOG_COLUMNS, FINISHED, FIRST_TOKEN, BatchTimer, SimEngine
 from olproute.sim.replicas import Replicas, Sync, replica_of
 from olproute.sim.snapshots import SnapshotFeed

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from olproute.bea import TtftEstimator, make_estimator
-from olproute.calibration import InstanceCalibration, predict_batch_time
-from olproute.config import LoadedConfig
+from olproute.config.loader import LoadedConfig
+from olproute.estimate.bea import TtftEstimator, make_estimator
+from olproute.estimate.calibration import InstanceCalibration, predict_batch_time
 from olproute.policies import Policy
 from olproute.sim import metrics
 from olproute.sim.cluster import ProgressFn, SimResult

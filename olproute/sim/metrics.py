@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config import Profiles
+from olproute.config.loader import Profiles
 from olproute.sim.cluster import SimResult
 from olproute.sim.engine import BATCH_LOG_COLUMNS
 
@@ -173,7 +173,7 @@ def on_time_utility(res: SimResult, profiles: Profiles | None = None,
 
 @functools.cache
 def _default_profiles() -> Profiles:
-    from olproute.config import REPO_ROOT, load_profiles
+    from olproute.config.loader import REPO_ROOT, load_profiles
 
     return load_profiles(REPO_ROOT / "configs" / "profiles.yaml")
 

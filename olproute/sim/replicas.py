@@ -2,7 +2,7 @@
 
 Each replica is its own policy object; the requests are split among them round robin in
 arrival order (``replica_of``). What a replica's policy sees is built the way the server
-builds it from its tracker's ledger (``olproute.tracked``): per engine, the requests in
+builds it from its tracker's ledger (``olproute.routing.tracked``): per engine, the requests in
 flight there (prompt, predicted output, tokens streamed so far, dispatch order), the ones
 streaming running and the others waiting with nothing computed, no batch in flight. Which
 requests it sees depends on the sync (``Sync``):
@@ -47,9 +47,9 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.policies.base import Policy
-from olproute.prices import Demand, PriceState
+from olproute.pricing.prices import Demand, PriceState
+from olproute.routing.tracked import router_view
 from olproute.sim.engine import SimEngine
-from olproute.tracked import router_view
 from olproute.types import (
     SNAP_OUTPUT,
     EngineSnapshot,

@@ -12,13 +12,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from olproute.config import (
+from olproute.config.loader import (
     ConfigError,
     LoadedConfig,
     prediction_problems,
     workload_block_problems,
 )
-from olproute.prefix_index import text_block_hashes
+from olproute.routing.prefix_index import text_block_hashes
 from olproute.sim import workloads as wl
 from olproute.sim.mooncake import load_mooncake
 from olproute.types import Request
@@ -184,7 +184,7 @@ def _synthetic_requests(loaded: LoadedConfig, st: Streams) -> list[Request]:
 
 def with_block_hashes(reqs: list[Request], block_size: int) -> list[Request]:
     """The requests carrying their prompt texts' block hashes
-    (``olproute.prefix_index.text_block_hashes``: blocks of ``block_size`` words, as the
+    (``olproute.routing.prefix_index.text_block_hashes``: blocks of ``block_size`` words, as the
     router names a live prompt's), at most one per full block of ``prompt_tokens``; a
     request without text carries none."""
     return [r if r.text is None else replace(r, block_hashes=text_block_hashes(

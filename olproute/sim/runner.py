@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from olproute.config import LoadedConfig
+from olproute.config.loader import LoadedConfig
 from olproute.sim import metrics
 from olproute.sim.cluster import SimResult
 from olproute.sim.scenario import build_requests, simulate
@@ -71,7 +71,7 @@ def compare_policies(
     runs = [run_policy(loaded, n, reqs, progress, out_dir) for n in names]
     if out_dir is not None:
         write_compare_csv(runs, out_dir / "compare.csv")
-        from olproute.plots import latency_cdfs
+        from olproute.sim.plots import latency_cdfs
 
         latency_cdfs([(r.policy, r.result) for r in runs], out_dir / "cdf.png",
                      title=f"{loaded.path.name}: {len(reqs)} requests, seed "

@@ -1,5 +1,5 @@
 """From a loaded config to a simulation run: the engines' timers, the policy (built by
-``olproute.assembly``), the cluster, and the run; and the profiling run behind
+``olproute.routing.assembly``), the cluster, and the run; and the profiling run behind
 ``calibration: auto`` (``profile_calibration``), which is a simulation too.
 
 The run's requests come from ``olproute.sim.requests`` (``build_requests``, ``streams``,
@@ -14,11 +14,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from olproute import assembly
-from olproute.assembly import build_policy, kv_transfer
-from olproute.calibration import InstanceCalibration, calibrate_log
-from olproute.config import LoadedConfig
+from olproute.config.loader import LoadedConfig
+from olproute.estimate.calibration import InstanceCalibration, calibrate_log
 from olproute.policies import Policy
+from olproute.routing import assembly
+from olproute.routing.assembly import build_policy, kv_transfer
 from olproute.sim.cluster import Cluster, ProgressFn, SimResult
 from olproute.sim.engine import BatchTimer
 from olproute.sim.replicas import Sync
@@ -48,7 +48,7 @@ def build_timers(loaded: LoadedConfig, seed: int | None = None) -> list[BatchTim
 
 
 class CalibrationSource(assembly.CalibrationSource):
-    """``olproute.assembly.CalibrationSource`` whose ``calibration: auto`` is answered by
+    """``olproute.routing.assembly.CalibrationSource`` whose ``calibration: auto`` is answered by
     a profiling run of the scenario in this simulator (``profile_calibration`` with round
     robin): what simulations, the benchmarks and the server's start-up use."""
 

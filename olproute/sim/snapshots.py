@@ -7,7 +7,7 @@ t - age_s, plus the requests it dispatched there that the snapshot does not hold
 that have not finished (the router tracks its own dispatches and finishes at once).
 
 With ``view="router"`` each snapshot is reduced to what a router tracking its own traffic
-rebuilds of it (``olproute.tracked.router_view``: dispatch order, no batch in flight,
+rebuilds of it (``olproute.routing.tracked.router_view``: dispatch order, no batch in flight,
 nothing computed of a queued prefill, preempted requests still running), as
 ``olproute serve`` sees real backends.
 """
@@ -21,8 +21,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from olproute.routing.tracked import router_view
 from olproute.sim.engine import SimEngine
-from olproute.tracked import router_view
 from olproute.types import EngineSnapshot
 
 FloatArray = npt.NDArray[np.float64]

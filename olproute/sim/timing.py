@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from olproute.config_schema import GpuProfile, ModelProfile
+from olproute.config.schema import GpuProfile, ModelProfile
 
 _NOISE_BLOCK = 4096
 

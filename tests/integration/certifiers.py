@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any
 
-from olproute.live_window import LiveWindow
+from olproute.routing.live_window import LiveWindow
 
 
 def boom(window: LiveWindow) -> dict[str, Any]:

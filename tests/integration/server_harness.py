@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from olproute.config import LoadedConfig
+from olproute.config.loader import LoadedConfig
 from olproute.server import init_app
 from olproute.server.certify import Certifier
 from olproute.server.state import STATE as ROUTER_STATE

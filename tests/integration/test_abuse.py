@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from olproute.config import MAX_YAML_BYTES, load_config
+from olproute.config.loader import MAX_YAML_BYTES, load_config
 from olproute.server.app import public_url
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource

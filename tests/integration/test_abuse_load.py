@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from olproute.config import load_config
+from olproute.config.loader import load_config
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
 from tests.conftest import HANG_S, PROFILES

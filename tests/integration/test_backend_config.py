@@ -13,8 +13,8 @@ import openai
 import pytest
 import yaml
 
-from olproute.cli import main
-from olproute.config import ConfigError, load_config
+from olproute.cli.main import main
+from olproute.config.loader import ConfigError, load_config
 from olproute.server.state import STATE as ROUTER_STATE
 from olproute.sim.requests import build_requests
 from olproute.sim.scenario import SWEEP_DECODE_TOKENS, CalibrationSource, sweep_calibration

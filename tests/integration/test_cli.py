@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from olproute.cli import main
+from olproute.cli.main import main
 from olproute.sim.metrics import RECORD_COLUMNS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -310,7 +310,7 @@ def test_compare_on_pools_runs_the_pool_policies_by_default(
 
 # -- emulate ------------------------------------------------------------------------------------
 def test_emulate_length_and_stream_options_parse() -> None:
-    from olproute.cli import _cmd_emulate, build_parser
+    from olproute.cli.main import _cmd_emulate, build_parser
 
     args = build_parser().parse_args(["emulate", "--exact-lengths", "--stream-interval", "4"])
     assert args.exact_lengths is True and args.stream_interval == 4

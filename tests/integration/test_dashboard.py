@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olproute.cli import main
-from olproute.config import load_config
-from olproute.reward import RESOURCES
+from olproute.cli.main import main
+from olproute.config.loader import load_config
+from olproute.pricing.reward import RESOURCES
 from olproute.server.dashboard import PRICE_BINS, quantile
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource

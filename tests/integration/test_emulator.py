@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from olproute._core import BatchCore
-from olproute.config import load_config
+from olproute.config.loader import load_config
 from olproute.emulator import RunningEmulator, ground_truth_timers, start_emulators
 from olproute.emulator import stop_emulators as stop_all
 from olproute.sim.engine import BATCH_LOG_COLUMNS

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from olproute.config import load_config
+from olproute.config.loader import load_config
 from olproute.emulator import EmulatedInstance, RunningEmulator, start_emulators
 from olproute.emulator.protocol import generated_text
 from olproute.server.state import STATE

@@ -15,11 +15,11 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from olproute.config import load_config
-from olproute.disagg import KvTransfer
+from olproute.config.loader import load_config
 from olproute.emulator import RunningEmulator, start_emulators, stop_emulators
 from olproute.emulator.lengths import OutputLengths, prompt_key
 from olproute.emulator.protocol import generated_text
+from olproute.routing.disagg import KvTransfer
 from olproute.types import InstanceSpec
 
 pytestmark = pytest.mark.anyio

@@ -1,5 +1,5 @@
 """The emulator's prefix cache over HTTP: an instance names a prompt text's blocks as the
-router does (``olproute.prefix_index.text_block_hashes``), so a repeated prompt finds its
+router does (``olproute.routing.prefix_index.text_block_hashes``), so a repeated prompt finds its
 prefix cached: its first token comes sooner, vLLM's counters on /metrics count the
 cached tokens, and with ``--enable-prompt-tokens-details`` the usage reports them.
 
@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from olproute.config import load_config
+from olproute.config.loader import load_config
 from olproute.emulator import RunningEmulator, emulators
 from olproute.types import InstanceSpec
 from tests.virtual_time import run_virtual

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from olproute.config import load_config
+from olproute.config.loader import load_config
 from olproute.server.capture import LiveCapture
 from olproute.server.certify import Certifier, LiveCert
 from olproute.server.metrics import ServerMetrics

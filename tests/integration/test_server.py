@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from olproute.calibration import InstanceCalibration
-from olproute.config import load_config
-from olproute.reward import RESOURCES
+from olproute.config.loader import load_config
+from olproute.estimate.calibration import InstanceCalibration
+from olproute.pricing.reward import RESOURCES
 from olproute.sim.scenario import CalibrationSource
 from tests.conftest import HANG_S, PROFILES
 from tests.integration.server_harness import Stack, record_outcomes, wait_until

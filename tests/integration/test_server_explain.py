@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from olproute.config import load_config
+from olproute.config.loader import load_config
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import Decision

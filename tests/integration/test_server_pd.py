@@ -20,10 +20,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from olproute.config import ConfigError, LoadedConfig, load_config
-from olproute.disagg import KvTransfer
+from olproute.config.loader import ConfigError, LoadedConfig, load_config
 from olproute.emulator.engine import BATCH_COLUMNS
 from olproute.emulator.protocol import generated_text
+from olproute.routing.disagg import KvTransfer
 from olproute.server.proxy import PREFILL_KV_PARAMS
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource

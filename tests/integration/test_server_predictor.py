@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from olproute.cli import main
-from olproute.config import load_config
+from olproute.cli.main import main
+from olproute.config.loader import load_config
 from olproute.predict import SHIPPED_DIR, Predictor
 from olproute.sim.scenario import CalibrationSource
 from tests.conftest import PROFILES

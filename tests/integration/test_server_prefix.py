@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from olproute.config import load_config
+from olproute.config.loader import load_config
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import PrefixMatch, RoutingContext

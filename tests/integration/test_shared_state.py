@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from bench.common import RedisServer, free_port
-from olproute.cli import main
-from olproute.config import load_config
+from olproute.cli.main import main
+from olproute.config.loader import load_config
 from olproute.server.shared import SharedState, decode_prices
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource

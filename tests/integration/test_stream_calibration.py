@@ -18,16 +18,16 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from olproute.assembly import CalibrationSource as FileCalibration
-from olproute.calibration import InstanceCalibration, fit_beta, read_calibration
-from olproute.cli import main
-from olproute.config import LoadedConfig, load_config
+from olproute.cli.main import main
+from olproute.config.loader import LoadedConfig, load_config
 from olproute.core_ref import replay_ttft_reference
 from olproute.emulator import RunningEmulator, start_emulators, stop_emulators
+from olproute.estimate.calibration import InstanceCalibration, fit_beta, read_calibration
+from olproute.estimate.sweep import QUICK_PLAN, sweep_backend
+from olproute.routing.assembly import CalibrationSource as FileCalibration
+from olproute.routing.tracked import tracked_snapshot
 from olproute.server import app as server_app
 from olproute.sim.scenario import CalibrationSource
-from olproute.sweep import QUICK_PLAN, sweep_backend
-from olproute.tracked import tracked_snapshot
 from olproute.types import InstanceSpec
 from tests.conftest import HANG_S, PROFILES
 from tests.integration.server_harness import FakeState, Stack, _serve, fake_backend_app, wait_until

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import yaml
 
-from olproute.calibration import InstanceCalibration
-from olproute.cli import main
-from olproute.config import load_config
+from olproute.cli.main import main
+from olproute.config.loader import load_config
+from olproute.config.profiles import read_profile
+from olproute.estimate.calibration import InstanceCalibration
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
-from olproute.weights import read_profile
 from tests.conftest import PROFILES
 from tests.integration.server_harness import Stack
 from tests.integration.test_server import request

@@ -1,4 +1,4 @@
-"""``olproute tune --executor ray`` and the executors under it (``olproute.executors``):
+"""``olproute tune --executor ray`` and the executors under it (``olproute.operator.executors``):
 the same CSV as the process pool on a tiny grid, results in call order, a failing
 call named, and one-line errors for a Ray that cannot start.
 
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from olproute import executors
-from olproute.cli import main
-from olproute.executors import CallFailed, Executor
+from olproute.cli.main import main
+from olproute.operator import executors
+from olproute.operator.executors import CallFailed, Executor
 from tests.conftest import PROFILES
 
 # the one column that is not a result: the point's wall time, read from the clock of

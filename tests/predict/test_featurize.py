@@ -1,4 +1,4 @@
-"""Prompt featurisation: the compiled kernel (``olproute._featurize``) against its
+"""Prompt featurisation: the compiled kernel (``olproute.predict._featurize``) against its
 plain-Python twin (``Featurizer(compiled=False)``), bitwise, on hand cases and on random
 ASCII and Unicode text; the kernel's tokens against the regex over every code point; its
 crc32 against zlib's; and the predictor's request path on the compiled kernel."""
@@ -14,8 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from olproute import _featurize
-from olproute.predict import STAT_NAMES, Featurizer, TrainConfig, tokenize, train_and_evaluate
+from olproute.predict import (
+    STAT_NAMES,
+    Featurizer,
+    TrainConfig,
+    _featurize,
+    tokenize,
+    train_and_evaluate,
+)
 from olproute.predict import features as F
 from olproute.sim.prompts import generate_prompts, training_data
 

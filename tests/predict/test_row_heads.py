@@ -1,5 +1,5 @@
 """The heads on the request path (``RowHeads``: LightGBM's single-row fast path called
-from the compiled kernel ``olproute._rowheads``) give exactly ``Booster.predict``'s
+from the compiled kernel ``olproute.predict._rowheads``) give exactly ``Booster.predict``'s
 values."""
 
 from __future__ import annotations

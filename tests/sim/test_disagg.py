@@ -7,11 +7,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from olproute.config import ConfigError, load_config
+from olproute.config.loader import ConfigError, load_config
 from olproute.core_ref import ReferenceCore
-from olproute.disagg import KvTransfer, Pools, decode_admission
 from olproute.policies import REGISTRY, PolicyError
-from olproute.reward import COMPUTE
+from olproute.pricing.reward import COMPUTE
+from olproute.routing.disagg import KvTransfer, Pools, decode_admission
 from olproute.sim import metrics
 from olproute.sim.engine import SimEngine
 from olproute.sim.scenario import CalibrationSource, build_requests, kv_transfer, simulate
@@ -340,7 +340,7 @@ def test_core_admits_a_request_with_its_prompt_computed() -> None:
 
 
 def test_router_prices_show_both_pools_books() -> None:
-    from olproute.router import Router
+    from olproute.routing.router import Router
 
     loaded = pd_config(router={"policy": "bid_price", "horizon_slots": 40})
     router = Router(loaded, CalibrationSource(loaded))
@@ -359,7 +359,7 @@ def test_router_prices_show_both_pools_books() -> None:
 
 
 def test_recalibrated_beta_reaches_the_right_pool_instance() -> None:
-    from olproute.router import Router
+    from olproute.routing.router import Router
 
     loaded = pd_config(router={"policy": "bid_price"})
     router = Router(loaded, CalibrationSource(loaded))
@@ -377,7 +377,7 @@ def test_recalibrated_beta_reaches_the_right_pool_instance() -> None:
 def test_a_rerouted_dispatch_moves_its_decode_column_with_it() -> None:
     """The router moves a bid_price pair off an unhealthy decode engine: the policy then
     holds the request's decode column on the engine it actually goes to."""
-    from olproute.router import Router
+    from olproute.routing.router import Router
     from olproute.sim.engine import SimEngine
     from olproute.sim.scenario import build_timers
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from olproute.calibration import InstanceCalibration
-from olproute.cli import main
+from olproute.cli.main import main
+from olproute.estimate.calibration import InstanceCalibration
 from olproute.sim.scenario import CalibrationSource, simulate
 from solvers.certificate import dual_value
 from solvers.check import check, format_check, plot_prices

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from olproute.config import DEFAULT_CONFIG, ModelProfile, Profiles, load_profiles
+from olproute.config.loader import DEFAULT_CONFIG, ModelProfile, Profiles, load_profiles
 from olproute.sim import metrics
 from olproute.sim.cluster import SimResult
 from olproute.types import InstanceSpec, Request

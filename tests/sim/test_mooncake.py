@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olproute.config import ConfigError
+from olproute.config.loader import ConfigError
 from olproute.sim.mooncake import (
     engine_block_hashes,
     prefix_nodes,

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from olproute.config import Config, LoadedConfig, load_config
+from olproute.config.loader import Config, LoadedConfig, load_config
 from olproute.policies import REGISTRY, Policy
 from olproute.policies.base import PolicyEnv, dispatch
 from olproute.sim.prompts import TASKS

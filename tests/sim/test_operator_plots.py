@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import yaml
 
-from olproute.calibration import InstanceCalibration
-from olproute.cli import main
-from olproute.operator_plots import (
+from olproute.cli.main import main
+from olproute.estimate.calibration import InstanceCalibration
+from olproute.operator.plots import (
     COLOURS,
     PriceTrace,
     bottleneck_plot,
     price_heatmap,
     record_prices,
 )
-from olproute.reward import COMPUTE, RESOURCES
+from olproute.pricing.reward import COMPUTE, RESOURCES
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate
 from tests.conftest import CONV_TRACE, PROFILES, make_config
 

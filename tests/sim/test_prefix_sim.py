@@ -9,9 +9,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from olproute.bea import BeaEstimator
-from olproute.calibration import InstanceCalibration
-from olproute.config import DEFAULT_CONFIG, LoadedConfig, load_config
+from olproute.config.loader import DEFAULT_CONFIG, LoadedConfig, load_config
+from olproute.estimate.bea import BeaEstimator
+from olproute.estimate.calibration import InstanceCalibration
 from olproute.policies import Policy
 from olproute.sim import metrics
 from olproute.sim.cluster import Cluster, SimResult

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pytest
 
-from olproute.config import LoadedConfig
+from olproute.config.loader import LoadedConfig
 from olproute.policies import Policy
-from olproute.prices import PriceBook
+from olproute.pricing.prices import PriceBook
+from olproute.routing.tracked import router_view
 from olproute.sim.cluster import Cluster, SimResult
 from olproute.sim.replicas import Sync, replica_of
 from olproute.sim.scenario import (
@@ -25,7 +26,6 @@ from olproute.sim.scenario import (
     simulate,
     simulate_replicas,
 )
-from olproute.tracked import router_view
 from olproute.types import (
     SNAP_OUTPUT,
     Decision,

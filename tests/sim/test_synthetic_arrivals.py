@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from olproute.config import WorkloadConfig
+from olproute.config.loader import WorkloadConfig
 from olproute.sim import workloads as wl
 from olproute.sim.scenario import build_requests, streams
 from tests.conftest import make_config

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from olproute.config import ConfigError
-from olproute.prefix_index import text_block_hashes
+from olproute.config.loader import ConfigError
+from olproute.routing.prefix_index import text_block_hashes
 from olproute.sim.requests import with_block_hashes
 from olproute.sim.scenario import build_requests, simulate
 from tests.conftest import make_config

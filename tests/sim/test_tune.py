@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from olproute.config import LoadedConfig
+from olproute.config.loader import LoadedConfig
+from olproute.config.profiles import read_profile
+from olproute.operator.tune import PointResult, analyse, run_sweep, selected_profile, summary_lines
+from olproute.operator.tune_grid import Constraint, Grid, Param, Selection
 from olproute.sim.scenario import CalibrationSource
-from olproute.tune import PointResult, analyse, run_sweep, selected_profile, summary_lines
-from olproute.tune_grid import Constraint, Grid, Param, Selection
-from olproute.weights import read_profile
 from tests.conftest import make_config
 
 # BEAR's pool: a small fast model, a mid one and a large slow one (TP 2); quality differs

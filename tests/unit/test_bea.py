@@ -10,14 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from olproute._core import BatchCore, replay_ttft, replay_ttft_many
-from olproute.bea import (
+from olproute.core_ref import replay_ttft_reference
+from olproute.estimate.bea import (
     BeaEstimator,
     PrefillTpsEstimator,
     lps_wait_s,
     lps_wait_variability_s,
     make_estimator,
 )
-from olproute.calibration import (
+from olproute.estimate.calibration import (
     CalibrationError,
     InstanceCalibration,
     OnlineCalibrator,
@@ -28,7 +29,6 @@ from olproute.calibration import (
     read_calibration,
     write_calibration,
 )
-from olproute.core_ref import replay_ttft_reference
 from olproute.sim import metrics
 from olproute.sim.cluster import Cluster
 from olproute.sim.estimate_eval import EstimatorProbe

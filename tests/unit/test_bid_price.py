@@ -11,12 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from olproute.calibration import InstanceCalibration
-from olproute.config import AdmissionConfig, PriceConfig, RewardConfig
-from olproute.outlook import Outlook
+from olproute.config.loader import AdmissionConfig, PriceConfig, RewardConfig
+from olproute.estimate.calibration import InstanceCalibration
 from olproute.policies import REGISTRY, PolicyEnv
 from olproute.policies.bid_price import BidPrice, can_start_now
-from olproute.prices import (
+from olproute.pricing.prices import (
     PriceBook,
     Samples,
     _build_jax_steps,
@@ -25,7 +24,7 @@ from olproute.prices import (
     saa_dual_value,
     step_sizes,
 )
-from olproute.reward import (
+from olproute.pricing.reward import (
     Columns,
     SampleExtent,
     column_price,
@@ -44,6 +43,7 @@ from olproute.reward import (
     take_column,
     usage_columns,
 )
+from olproute.routing.outlook import Outlook
 from olproute.sim import metrics
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate
 from olproute.types import EngineSnapshot, InstanceSpec, PrefixMatch, Request, RoutingContext
@@ -444,8 +444,8 @@ def _snap(n_running: int = 0, n_waiting: int = 0, free: int = 625) -> EngineSnap
 
 def _policy(reward: RewardConfig | None = None, admission: AdmissionConfig | None = None,
             g: int = 2, form: str = "lagrangian", release: str = "in_order") -> BidPrice:
-    from olproute.config import load_profiles
-    from olproute.outlook import OutlookSource
+    from olproute.config.loader import load_profiles
+    from olproute.routing.outlook import OutlookSource
     from tests.conftest import PROFILES
 
     specs = (SPEC,) * g

@@ -49,7 +49,7 @@ def test_an_import_that_climbs_or_goes_sideways_fails(tmp_path: Path) -> None:
         "olproute/types.py": "import olproute.policies.base\n",
         "olproute/policies/__init__.py": "",
         "olproute/policies/base.py": "",
-        "olproute/router.py": "from olproute.sim.cluster import Cluster\n",
+        "olproute/routing/router.py": "from olproute.sim.cluster import Cluster\n",
         "olproute/sim/__init__.py": "",
         "olproute/sim/cluster.py": "Cluster = 1\n",
         "olproute/nowhere.py": "",
@@ -59,7 +59,7 @@ def test_an_import_that_climbs_or_goes_sideways_fails(tmp_path: Path) -> None:
     lines = out.stdout.splitlines()
     assert ("olproute/types.py:1: olproute.types imports olproute.policies.base "
             "(a higher layer)") in lines
-    assert ("olproute/router.py:1: olproute.router imports olproute.sim.cluster "
+    assert ("olproute/routing/router.py:1: olproute.routing.router imports olproute.sim.cluster "
             "(a sibling column of its layer)") in lines
     assert any(line.startswith("olproute.nowhere: in no layer") for line in lines)
     assert not any("cycle" in line for line in lines)

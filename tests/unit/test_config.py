@@ -1,4 +1,4 @@
-"""Tests for olproute.config: loading, derived KV capacity, error messages, workloads."""
+"""Tests for olproute.config.loader: loading, derived KV capacity, error messages, workloads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pydantic
 import pytest
 import yaml
 
-from olproute.config import (
+from olproute.config.loader import (
     DEFAULT_CONFIG,
     ConfigError,
     InstanceConfig,

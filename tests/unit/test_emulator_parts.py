@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from olproute.config import ConfigError, load_config
+from olproute.config.loader import ConfigError, load_config
 from olproute.emulator import (
     EmulatedInstance,
     EmulatedRequest,

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from olproute.calibration import InstanceCalibration
-from olproute.config import RewardConfig
-from olproute.outlook import Outlook
+from olproute.config.loader import RewardConfig
+from olproute.estimate.calibration import InstanceCalibration
 from olproute.policies import REGISTRY, Policy, PolicyEnv, PolicyError
 from olproute.policies.route_balance import min_max
+from olproute.routing.outlook import Outlook
 from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec, Request, RoutingContext
 
 BETA = (2e-3, 4e-5, 2e-8, 3e-9)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from olproute.config_schema import PriceConfig, RewardConfig
+from olproute.config.schema import PriceConfig, RewardConfig
 from olproute.server.capture import EXPLAINED, LiveCapture, pack, window_bounds
 from olproute.types import Decision, Outcome, Request
 
@@ -21,7 +21,7 @@ NO = -np.inf   # no request evicted
 
 @dataclass(frozen=True)
 class View:
-    """The fields of ``olproute.prices.PriceView`` the capture reads."""
+    """The fields of ``olproute.pricing.prices.PriceView`` the capture reads."""
 
     origin_s: float | None
     num_updates: int

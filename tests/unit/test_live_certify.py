@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from olproute.config_schema import RewardConfig
-from olproute.live_window import LiveWindow
+from olproute.config.schema import RewardConfig
+from olproute.routing.live_window import LiveWindow
 from solvers.live import certify, to_log
 from solvers.lp import solve
 from solvers.record import build_window

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from olproute.config import RewardConfig
-from olproute.outlook import Outlook
-from olproute.reward import BATCH, COMPUTE, KV, reward_terms
+from olproute.config.loader import RewardConfig
+from olproute.pricing.reward import BATCH, COMPUTE, KV, reward_terms
+from olproute.routing.outlook import Outlook
 from solvers.certificate import PriceUpdate, absolute_prices, dual_value, online_reward
 from solvers.cvx import enumerate_columns, solve_cvx, usage_matrix
 from solvers.lp import LpSolution, solve
@@ -164,7 +164,7 @@ def test_the_lp_prices_compute() -> None:
 
 def test_block_price_is_the_dense_usage_times_p() -> None:
     """a.p from prefix sums (batch, KV ramp and compute interval) equals the dense
-    usage of every column (built through olproute.reward.dense) times p."""
+    usage of every column (built through olproute.pricing.reward.dense) times p."""
     p = np.random.default_rng(3).exponential(1.0, _PROB.free.shape)
     blk = column_block(_PROB, np.arange(_PROB.num_requests))
     p0, p1 = prefix_sums(p)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from olproute.config import load_config
+from olproute.config.loader import load_config
 from olproute.emulator.lengths import (
     DEFAULT_TRACE,
     OutputLengths,

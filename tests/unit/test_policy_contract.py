@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from olproute.calibration import InstanceCalibration
-from olproute.config import LoadedConfig
+from olproute.config.loader import LoadedConfig
+from olproute.estimate.calibration import InstanceCalibration
 from olproute.policies import REGISTRY, Policy, PolicyEnv
 from olproute.sim.scenario import CalibrationSource, profile_calibration, simulate
 from olproute.types import ACTIONS, Decision, RoutingContext

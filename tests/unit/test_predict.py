@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from olproute import predict
-from olproute.cli import main
-from olproute.config import ConfigError, load_config, load_profiles
+from olproute.cli.main import main
+from olproute.config.loader import ConfigError, load_config, load_profiles
 from olproute.predict import (
     NUM_HASH_DIMS,
     STAT_NAMES,

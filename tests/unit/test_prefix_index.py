@@ -12,7 +12,7 @@ import pytest
 
 from olproute.emulator.lengths import chat_text
 from olproute.emulator.protocol import parse_request
-from olproute.prefix_index import PrefixIndex, id_block_hashes, text_block_hashes
+from olproute.routing.prefix_index import PrefixIndex, id_block_hashes, text_block_hashes
 from olproute.server.schema import ChatBody, CompletionBody, prompt_tokens_of, validate
 from olproute.types import InstanceSpec
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import yaml
 
-from olproute.assembly import served_predictor
-from olproute.config import ConfigError, LoadedConfig, load_config
+from olproute.config.loader import ConfigError, LoadedConfig, load_config
 from olproute.predict import SHIPPED_DIR, PoolPredictor, Predictor, apply_predictor
-from olproute.router import Router, prediction_source
+from olproute.routing.assembly import served_predictor
+from olproute.routing.router import Router, prediction_source
 from olproute.server.schema import prediction_doc
 from olproute.sim.prompts import MODELS, generate_prompts
 from olproute.types import Request

@@ -1,4 +1,4 @@
-"""The compiled decision kernel (``olproute._score``) against its NumPy twin
+"""The compiled decision kernel (``olproute.pricing._score``) against its NumPy twin
 (``reward.score_reference``) and ``bea.decode_step_times_s`` (the loads counted by the
 BEA replay's pass): the same doubles."""
 
@@ -8,11 +8,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from olproute import _score
 from olproute._core import replay_ttft_many
-from olproute.bea import decode_step_times_s
-from olproute.config_schema import RewardConfig
-from olproute.reward import pack_prefix, price_prefix, reward_weights, score_reference
+from olproute.config.schema import RewardConfig
+from olproute.estimate.bea import decode_step_times_s
+from olproute.pricing import _score
+from olproute.pricing.reward import pack_prefix, price_prefix, reward_weights, score_reference
 from olproute.types import EngineSnapshot, InstanceSpec
 
 H = 40
@@ -126,7 +126,7 @@ def test_fits_and_take_compiled_as_their_twins(seed: int, k: int) -> None:
     """``_score.fits_column`` and ``_score.subtract_column`` against ``reward.fits_under`` and
     ``reward.take_column`` on random curves (some slots already over-committed) and
     columns (empty, cut at the horizon, prefill only), shifted k slots."""
-    from olproute import reward
+    from olproute.pricing import reward
 
     rng = np.random.default_rng(seed)
     free = rng.uniform(-0.05, 1.0, (H, 3))
@@ -166,7 +166,7 @@ def test_a_decode_past_any_horizon_or_nan_ends_at_the_horizon() -> None:
 
 def test_a_nan_in_the_free_curve_never_fits() -> None:
     """As the twin's min() says: a slot whose free capacity is NaN has no room."""
-    from olproute import reward
+    from olproute.pricing import reward
 
     free = np.ones((H, 3))
     free[3, 1] = np.nan

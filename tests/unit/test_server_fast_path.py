@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from olproute.reward import RESOURCES
+from olproute.pricing.reward import RESOURCES
 from olproute.server.app import PREFIX_COUNTERS, PREFIX_QUERIES, VLLM_GAUGES, vllm_gauges
 from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics

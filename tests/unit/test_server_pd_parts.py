@@ -1,5 +1,5 @@
 """Disaggregated dispatch below HTTP: the prefill and decode bodies, the tracker's
-prefill / inbound / decode bookkeeping (``olproute.disagg``'s semantics: the prefill's
+prefill / inbound / decode bookkeeping (``olproute.routing.disagg``'s semantics: the prefill's
 token discarded, the decode with all but the last prompt token computed giving every
 output token), the router's health rerouting within pools, and
 the emulator's ``kv_transfer_params`` parsing."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from olproute.config import load_config
+from olproute.config.loader import load_config
 from olproute.emulator.protocol import (
     ApiError,
     check_role,
@@ -22,7 +22,7 @@ from olproute.emulator.protocol import (
     prefill_kv_params,
     response_body,
 )
-from olproute.router import Router
+from olproute.routing.router import Router
 from olproute.server.proxy import PREFILL_KV_PARAMS, decode_body, decode_kv_params, prefill_body
 from olproute.server.tracker import Tracker, decode_view
 from olproute.types import InstanceSpec, Request

@@ -11,7 +11,7 @@ import tomllib
 
 import pytest
 
-from olproute.config import load_profiles
+from olproute.config.loader import load_profiles
 from olproute.predict import (
     FEATURE_VERSION,
     NUM_HASH_DIMS,

@@ -1,4 +1,4 @@
-"""Calibration from streams (olproute.streamcal): rows from event sequences made by
+"""Calibration from streams (olproute.estimate.streamcal): rows from event sequences made by
 replaying a known engine (the plain-Python batch-formation core timed by a known linear
 beta, token events at batch ends), and the intervals that must make no row."""
 
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from olproute.core_ref import FINISHED, ReferenceCore
-from olproute.server.proxy import _tokens_in
-from olproute.streamcal import (
+from olproute.estimate.streamcal import (
     DISPATCH,
     END,
     TOKEN,
@@ -27,7 +26,8 @@ from olproute.streamcal import (
     prefill_row,
     rows_mape,
 )
-from olproute.sweep import sse_tokens
+from olproute.estimate.sweep import sse_tokens
+from olproute.server.proxy import _tokens_in
 
 BETA = (5e-3, 2e-5, 1e-7, 2e-9)
 BUDGET, SEQS = 512, 16

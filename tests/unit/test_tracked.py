@@ -1,4 +1,4 @@
-"""The router's rebuilt snapshot (olproute.tracked): the simulator's router view of an
+"""The router's rebuilt snapshot (olproute.routing.tracked): the simulator's router view of an
 exact engine state is the snapshot the live tracker builds from the same traffic, and it
 drops what a router cannot see (the batch in flight, prefill progress)."""
 
@@ -8,14 +8,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from olproute.config import Config, LoadedConfig, load_profiles
+from olproute.config.loader import Config, LoadedConfig, load_profiles
 from olproute.core_ref import FINISHED
+from olproute.routing.tracked import router_view
 from olproute.server.tracker import Tracker
 from olproute.sim.engine import SimEngine
 from olproute.sim.scenario import make_cluster, make_policy
 from olproute.sim.snapshots import SnapshotFeed
 from olproute.sim.timing import LinearTiming
-from olproute.tracked import router_view
 from olproute.types import SNAP_COMPUTED, SNAP_OUTPUT, InstanceSpec, Request
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from olproute.config import ConfigError
-from olproute.tune_grid import (
+from olproute.config.loader import ConfigError
+from olproute.operator.tune_grid import (
     Constraint,
     Selection,
     load_grid,

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from olproute.config import DEFAULT_CONFIG, ConfigError, RewardConfig, load_config
-from olproute.config_schema import key_docs
-from olproute.weights import (
+from olproute.config.loader import DEFAULT_CONFIG, ConfigError, RewardConfig, load_config
+from olproute.config.profiles import (
     SECTIONS,
     WEIGHTS_DIR,
     apply_profiles,
@@ -21,6 +20,7 @@ from olproute.weights import (
     read_profile,
     resolve_profile,
 )
+from olproute.config.schema import key_docs
 
 SHIPPED = ("balanced", "goodput", "mean_latency", "quality_first", "tail_latency",
            "throughput")

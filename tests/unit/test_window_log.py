@@ -9,8 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from olproute.config import RewardConfig
-from olproute.reward import RESOURCES
+from olproute.config.loader import RewardConfig
+from olproute.pricing.reward import RESOURCES
 from solvers.certificate import PriceUpdate
 from solvers.check import check, format_check
 from solvers.record import WindowLog, build_window

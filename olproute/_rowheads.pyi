@@ -1,8 +1,0 @@
-"""Stub of the LightGBM single-row kernel (olproute/_rowheads.pyx)."""
-
-import numpy as np
-import numpy.typing as npt
-
-def predict_rows(
-    function: int, config: int, x: npt.NDArray[np.float64], num_features: int
-) -> list[float]: ...

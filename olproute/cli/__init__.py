@@ -1,0 +1,1 @@
+"""The ``olproute`` command line."""

@@ -1,0 +1,477 @@
+"""The configuration's schema: frozen pydantic models, one per section, with bounds on
+every key and its documentation in ``Field(description=...)``, the one place a key is
+documented (weight profiles and ``olproute tune`` write these descriptions beside their
+keys, ``key_docs``).
+
+Reading and validating files is ``olproute.config.read``; ``olproute.config.loader`` loads a
+whole run configuration (weight profiles merged, policy names and parameters checked).
+Everything here is plain data, so that the policies may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def key_docs(model: type[BaseModel]) -> dict[str, str]:
+    """Key -> its description, for the keys of a section that have one."""
+    return {k: f.description for k, f in model.model_fields.items() if f.description}
+
+
+# -- profiles -------------------------------------------------------------------------
+class ModelProfile(_Frozen):
+    """Architecture of one model, as in its config.json."""
+
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    num_params: float = Field(gt=0)
+    bytes_per_param: float = Field(default=2.0, gt=0)
+    kv_bytes_per_element: float = Field(default=2.0, gt=0)
+    max_context_tokens: int = Field(ge=1)
+    price_input_per_mtok: float = Field(
+        default=0.0, ge=0, description="serving price of prompt tokens, USD per million "
+        "tokens (0 when unknown: no cost term)")
+    price_output_per_mtok: float = Field(
+        default=0.0, ge=0, description="serving price of output tokens, USD per million "
+        "tokens (0 when unknown: no cost term)")
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV cache bytes one token occupies across all layers (K and V), whole model."""
+        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+
+
+class GpuProfile(_Frozen):
+    """One GPU: datasheet peaks plus the achievable fractions used by the roofline."""
+
+    peak_bf16_flops: float = Field(gt=0)
+    hbm_bandwidth_bytes_per_s: float = Field(gt=0)
+    memory_gib: float = Field(gt=0)
+    interconnect_bytes_per_s: float = Field(gt=0)
+    interconnect_latency_s: float = Field(ge=0)
+    compute_efficiency: float = Field(gt=0, le=1)
+    memory_efficiency: float = Field(gt=0, le=1)
+
+
+class Profiles(_Frozen):
+    models: dict[str, ModelProfile]
+    gpus: dict[str, GpuProfile]
+
+
+# -- the run configuration ---------------------------------------------------------------
+class InstanceConfig(_Frozen):
+    """One serving instance (or ``replicas`` identical ones), with vLLM's engine limits."""
+
+    name: str = Field(min_length=1)
+    model: str
+    gpu: str
+    tensor_parallel: int = Field(default=1, ge=1, le=16)
+    replicas: int = Field(default=1, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    activation_reserve_gib: float = Field(default=1.0, ge=0)
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        default="mixed", description="mixed serves both phases; prefill / decode instances "
+        "form disaggregated pools")
+    enable_prefix_caching: bool = Field(
+        default=True, description="vLLM's automatic prefix caching (on by default, as in "
+        "vLLM v1): a request whose workload gives its prompt's block hashes starts after its "
+        "longest cached prefix; requests without hashes are served as without caching")
+
+
+class WorkloadConfig(_Frozen):
+    """Arrivals and lengths.
+
+    ``poisson`` / ``mmpp2`` generate arrivals at ``rate_per_s`` (MMPP-2 with rate ratio
+    ``ratio``) and take lengths from ``lengths_path`` (a trace or lengths-only CSV,
+    shuffled) or the fixed ``prompt_tokens`` / ``decode_tokens``. ``trace`` replays
+    ``path`` with its own arrivals, stretched by ``time_scale`` or rescaled to
+    ``rate_per_s`` when given. ``start_s`` / ``duration_s`` cut a window of a trace.
+    ``synthetic`` generates prompts with text and per-model truth (``olproute.sim.prompts``)
+    arriving at mean rate ``rate_per_s``, as a Poisson process or, with ``arrivals:
+    mmpp2``, an MMPP-2 with rate ratio ``ratio`` (BEAR paper App. B). ``mooncake`` replays a
+    Mooncake JSONL trace (``path``; ``data/mooncake``) as ``trace`` does, its requests
+    carrying their prompts' block hashes (``olproute.sim.mooncake``) for blocks of
+    ``block_tokens``, the instances' block size. ``synthetic`` with ``prefix_hashes``
+    gives its requests their prompt texts' block hashes, blocks of ``block_tokens``
+    words.
+    """
+
+    kind: Literal["poisson", "mmpp2", "trace", "synthetic", "mooncake"] = "trace"
+    arrivals: Literal["poisson", "mmpp2"] = Field(
+        default="poisson", description="arrival process of kind synthetic")
+    rate_per_s: float | None = Field(default=None, gt=0)
+    ratio: float = Field(default=3.0, ge=1)
+    num_requests: int | None = Field(default=None, ge=1)
+    path: str | None = None
+    lengths_path: str | None = None
+    prompt_tokens: int | None = Field(default=None, ge=1)
+    decode_tokens: int | None = Field(default=None, ge=1)
+    time_scale: float = Field(default=1.0, gt=0)
+    start_s: float = Field(default=0.0, ge=0)
+    duration_s: float | None = Field(default=None, gt=0)
+    block_tokens: int = Field(
+        default=16, ge=1, description="kind mooncake: tokens per hashed block, the "
+        "instances' block_size (a divisor of the trace's 512-token blocks); kind synthetic "
+        "with prefix_hashes: words per hashed block, the instances' block_size")
+    prefix_hashes: bool = Field(
+        default=False, description="kind synthetic: each request carries its prompt text's "
+        "block hashes (olproute.routing.prefix_index.text_block_hashes, blocks of block_tokens "
+        "words, as the router and the emulator name a live prompt's blocks), so the "
+        "engines' prefix caches and the router's prefix index see repeated prefixes; off, "
+        "requests carry none, as before")
+
+
+class SloClassConfig(_Frozen):
+    name: str
+    ttft_ms: float = Field(gt=0)
+    tpot_ms: float = Field(gt=0)
+    weight: float = Field(default=1.0, gt=0)
+
+
+class SloConfig(_Frozen):
+    """TTFT targets: the BEAR paper's per-prompt formula, or a mix of SLO classes."""
+
+    mode: Literal["bear", "classes"] = "bear"
+    classes: tuple[SloClassConfig, ...] = (
+        SloClassConfig(name="tight", ttft_ms=175.0, tpot_ms=39.7),
+        SloClassConfig(name="loose", ttft_ms=525.0, tpot_ms=119.1),
+    )
+
+
+class PredictionConfig(_Frozen):
+    """What the router is told of each request's output length and quality, per model of
+    the pool.
+
+    In the simulator (``mode``; made once per workload, so every policy sees the same
+    predictions): ``oracle``, the truth; ``noisy``, the truth times an independent uniform
+    factor in [1 - ``noise``, 1 + ``noise``] per model, and quality plus an independent
+    uniform error in [-``quality_noise``, +``quality_noise``] per model, clipped to [0, 1]
+    (workloads with per-model quality: ``synthetic``); ``predictor``, a trained predictor
+    (``olproute train-predictors``) saved in ``model_dir``, a path relative to the config
+    file, predicting from the prompt text (``synthetic`` workloads). The default
+    ``quality_noise`` is the size of a trained predictor's quality error: held out on the
+    Qwen3 pool its MAE is 0.13, and +/-0.3 uniform, clipped to [0, 1], gives 0.12 (but
+    independent per model, where the predictor's errors are correlated across models).
+
+    Served (``olproute serve``; ``serve``): the server has no truth, so ``oracle`` and
+    ``noisy`` cannot apply there, and ``mode`` is not read. ``serve: predictor`` (the
+    default) runs a trained predictor on each request's prompt text when it arrives: the
+    one saved in ``model_dir`` when that is given (the folder ``mode: predictor`` reads),
+    else the package's shipped one (``olproute/predict/shipped``, trained on synthetic
+    prompts of every model with synthetic truth). It is loaded and warmed at start-up (a
+    folder that does not load stops it, naming ``prediction.model_dir``), and gives each
+    request its predicted output length (rounded, at least 1, at most the request's
+    ``max_tokens``) and quality on every model of the pool, the fields ``mode: predictor``
+    gives a simulated request. A request without prompt text (token ids, or ``/route``
+    with ``prompt_tokens`` alone) is predicted ``max_tokens``, and so is every request
+    on a model the predictor was not trained for (said once at start-up, and in
+    ``/instances``); ``/route``'s ``predicted_tokens`` overrides the length. ``serve:
+    max_tokens``: no predictor; every request is predicted its ``max_tokens``, the most
+    the backend will generate."""
+
+    mode: Literal["oracle", "noisy", "predictor"] = "noisy"
+    noise: float = Field(default=0.2, ge=0, lt=1)
+    quality_noise: float = Field(default=0.3, ge=0, le=1)
+    model_dir: str | None = None
+    serve: Literal["predictor", "max_tokens"] = Field(
+        default="predictor", description="olproute serve: 'predictor' predicts each "
+        "request's output length and quality from its prompt text (model_dir's predictor, "
+        "else the shipped one); 'max_tokens' predicts every request its max_tokens")
+
+
+class SimConfig(_Frozen):
+    """Simulator settings. ``timing: roofline`` is the ground truth; ``linear`` times
+    batches with the 4-term model ``linear_beta`` (tests of the estimator only)."""
+
+    seed: int = Field(default=0, ge=0, description="the run seed (numpy's SeedSequence "
+                      "rejects negative seeds)")
+    timing: Literal["roofline", "linear"] = "roofline"
+    noise_cv: float = Field(default=0.03, ge=0, lt=1)
+    batch_overhead_ms: float = Field(default=3.0, ge=0)
+    linear_beta: tuple[float, float, float, float] = (3e-3, 5e-5, 1e-8, 1e-9)
+    record_batches: bool = True
+    snapshot_age_ms: float = Field(
+        default=0.0, ge=0, description="how old the instance snapshots are that "
+        "snapshot-reading policies see (BEAR: 0-1000)")
+    snapshot_view: Literal["engine", "router"] = Field(
+        default="engine", description="what snapshot-reading policies see of an engine: "
+        "its exact scheduler state, or what a router rebuilds of it from its own traffic "
+        "(olproute.routing.tracked: no batch in flight, no prefill progress, preempted requests "
+        "still running), as olproute serve sees real backends")
+
+
+class TransferConfig(_Frozen):
+    """Moving a request's KV cache from a prefill to a decode instance (disaggregated
+    pools) takes ``latency_ms + KV bytes / (link_gbytes_per_s x 1e9)``, KV bytes from
+    the model profile (prompt tokens x kv_bytes_per_token). The default link is
+    100 Gb/s RDMA (12.5 GB/s) with 1 ms setup (NIXL-style transfer)."""
+
+    link_gbytes_per_s: float = Field(default=12.5, gt=0)
+    latency_ms: float = Field(default=1.0, ge=0)
+
+
+class RouterConfig(_Frozen):
+    policy: str = Field(default="round_robin", description="the routing policy, by its "
+                        "registered name")
+    slot_ms: float = Field(default=50.0, gt=0)
+    horizon_slots: int = Field(default=600, ge=1)
+    policy_params: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per policy name, that policy's parameters "
+        "(each policy's typed parameter model, checked when the config is loaded)")
+
+
+class RewardConfig(_Frozen):
+    """Weights of the multi-objective reward r_jg (DESIGN.md section 1) and of the TTFT
+    penalty delta in the bid-price score. Latency terms count slots saved within the
+    horizon, so not serving a request is never rewarded."""
+
+    sigma: float = Field(default=1.0, ge=0,
+                         description="reward per request served (QPS term)")
+    alpha: float = Field(default=0.0, ge=0, description="reward per token_norm tokens "
+                         "(prompt + predicted output) in the horizon")
+    token_norm: float = Field(default=1000.0, gt=0,
+                              description="tokens per unit of the throughput term")
+    beta: float = Field(default=0.01, ge=0, description="reward per slot of end-to-end "
+                        "latency saved within the horizon")
+    gamma: float = Field(default=0.01, ge=0,
+                         description="reward per slot of TTFT saved within the horizon")
+    zeta1: float = Field(default=0.0, ge=0, description="bonus when the predicted "
+                         "end-to-end latency <= eel_threshold_s")
+    eel_threshold_s: float = Field(default=10.0, gt=0, description="end-to-end latency "
+                                   "threshold of zeta1, seconds")
+    zeta2: float = Field(default=0.0, ge=0, description="bonus when the predicted TTFT <= "
+                         "ttft_threshold_s (tail TTFT)")
+    ttft_threshold_s: float | None = Field(default=None, gt=0, description="TTFT threshold "
+                                           "of zeta2, seconds; null: each request's target")
+    omega: float = Field(default=0.0, ge=0, description="weight of the quality-cost utility "
+                         "(quality - cost_lambda * cost)")
+    cost_lambda: float = Field(default=5e-4, ge=0, description="lambda: utility lost per "
+                               "micro-USD of serving cost")
+    delta: float = Field(default=1.0, ge=0, description="score penalty per second of "
+                         "estimated TTFT (not part of the reward)")
+
+
+class PriceConfig(_Frozen):
+    """Online learning of the shadow prices (projected mini-batch SAA dual steps, see
+    ``olproute.pricing.prices``).
+
+    With ``schedule: adagrad`` (the default) ``step_size`` is a dimensionless fraction of
+    the window's break-even price (a request's reward over the capacity it uses), so one
+    value fits every scenario; with ``constant`` or ``inverse_sqrt`` it is eta0 in price
+    units per capacity fraction of (free capacity - demand)."""
+
+    enabled: bool = Field(default=True, description="learn shadow prices at all (false: "
+                          "prices stay 0)")
+    period_slots: int = Field(default=10, ge=1,
+                              description="update the prices every this many slots")
+    steps_per_period: int = Field(default=5, ge=1, description="K: dual steps per update")
+    step_size: float = Field(default=0.5, gt=0, description="adagrad: fraction of the "
+                             "break-even price per step; constant / inverse_sqrt: eta0, the "
+                             "price change per unit of (free capacity - demand)")
+    schedule: Literal["constant", "inverse_sqrt", "adagrad"] = Field(
+        default="adagrad", description="step sizes: adagrad (per-coordinate, scaled to the "
+        "break-even price), constant, or inverse_sqrt (eta0 / sqrt(t + 1))")
+    average_halflife_updates: float = Field(
+        default=6.0, ge=0, allow_inf_nan=False, description="the prices decisions read are "
+        "a moving average of the steps' prices with this half-life in updates (0: the last "
+        "step's): a stochastic step's noise, averaged out")
+    adagrad_halflife_steps: float = Field(default=500.0, gt=0, description="adagrad: "
+                                          "half-life of the squared-gradient sum, steps")
+    sample_delays_slots: tuple[int, ...] = Field(
+        default=(0, 4, 16, 64), min_length=1, description="delays (slots) each demand sample "
+        "may start after, as the LP may delay a start; the first must be 0")
+    window: int = Field(default=2000, ge=1, description="recent requests kept for sampling")
+    minibatch: int = Field(default=256, ge=1, description="samples per dual step")
+    arrival_rate_halflife_s: float = Field(default=10.0, gt=0, description="half-life of "
+                                           "the arrival-rate estimate behind N_H, s")
+    certify_period_s: float | None = Field(
+        default=60.0, gt=0, allow_inf_nan=False, description="olproute serve, bid_price: "
+        "every this many seconds, check the prices of the last window against the exact LP "
+        "in a background process (D(p_online)/LP* - 1 on /metrics, /prices and "
+        "/dashboard); null: never")
+    certify_window_s: float = Field(
+        default=60.0, gt=0, allow_inf_nan=False, description="the checked window: requests "
+        "that arrived at most this many seconds before its end (the first request still "
+        "running, or now)")
+    certify_max_requests: int = Field(
+        default=2000, ge=1, description="at most this many requests in a checked window "
+        "(the most recent; the router keeps this many)")
+    certify_time_limit_s: float = Field(
+        default=30.0, gt=0, allow_inf_nan=False, description="time limit of one check's "
+        "LP solve (HiGHS), seconds; a check that hits it reports the LP's best bound")
+    certify_gap_tol: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False, description="a check's column generation "
+        "may stop when D(p) - LP master <= this fraction of the master (0: exact; the "
+        "certificate is then at most this much too high, never too low)")
+
+    @field_validator("sample_delays_slots")
+    @classmethod
+    def _delays(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if v[0] != 0 or any(d < 0 for d in v) or list(v) != sorted(set(v)):
+            raise ValueError("must start at 0 and increase")
+        return v
+
+
+class AdmissionConfig(_Frozen):
+    """The central buffer: when a request is held, for how long, and what happens then.
+
+    ``shed`` (the default) refuses a request whose patience runs out (HTTP 429 with
+    Retry-After): a router that never refuses queues without bound under overload.
+    ``defer`` sends it to the best instance anyway. At most ``max_held`` requests are held
+    at once (a request the policy would hold past that is refused at once), and none is
+    held longer than ``max_patience_s``, whatever its patience or TTFT target says."""
+
+    mode: Literal["defer", "shed"] = Field(
+        default="shed", description="when patience runs out: defer (send to the best "
+        "instance) or shed (429)")
+    patience_s: float | None = Field(default=None, ge=0, description="how long a request "
+                                     "may wait in the router, seconds; null: its target")
+    max_patience_s: float = Field(default=30.0, gt=0, description="caps patience_s and "
+                                  "TTFT targets, seconds")
+    max_held: int = Field(default=256, ge=0, description="requests held at once")
+    candidates: int | None = Field(default=None, ge=1, description="instances sampled per "
+                                   "decision (against herding); null: all")
+    max_waiting: int = Field(default=0, ge=0, description="an instance can start a request "
+                             "if at most this many already wait")
+
+
+class BackendConfig(_Frozen):
+    """A real serving backend: ``name`` must be one of the instances (its spec gives the
+    limits the router models), ``url`` its OpenAI-compatible base URL, ``served_model``
+    the model name it answers to (vLLM's ``--served-model-name``; by default the
+    instance's profile name, e.g. ``qwen3-0.6b``)."""
+
+    name: str = Field(min_length=1)
+    url: str = Field(pattern=r"^https?://")
+    served_model: str | None = Field(
+        default=None, min_length=1, description="the model name sent to this backend in "
+        "every request (vLLM's --served-model-name, e.g. Qwen/Qwen3-0.6B); default the "
+        "instance's profile model name")
+    role: Literal["mixed", "prefill", "decode"] | None = Field(
+        default=None, description="optional: when given, it must be the role of the "
+        "instance of that name")
+
+
+class ServerConfig(_Frozen):
+    """``olproute serve``. With no ``backends``, every instance is emulated in-process
+    (``olproute.emulator``): the embedded default."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    backends: tuple[BackendConfig, ...] = ()
+    emulator_time_scale: float = Field(default=1.0, gt=0,
+                                       description="emulated batch-time multiplier")
+    emulator_exact_lengths: bool = Field(
+        default=False, description="emulated requests generate exactly max_tokens, instead "
+        "of stopping where their prompt's model would (olproute.emulator.lengths)")
+    emulator_stream_interval: int = Field(
+        default=1, ge=1, description="emulated streams send their first token at once, then "
+        "every N tokens (vLLM's --stream-interval)")
+    emulator_truth: str | None = Field(
+        default=None, description="CSV or JSONL of prompt, model, output_tokens (relative "
+        "to this file): where emulated requests with these prompts stop")
+    admin_token_env: str = Field(default="OLPROUTE_ADMIN_TOKEN",
+                                 description="bearer token for /admin, from the env")
+    admin_token: str | None = Field(default=None, description="or given here (the env wins)")
+    reload_weights_dirs: tuple[str, ...] = Field(
+        default=(), description="folders (relative to this file) besides its own and "
+        "configs/weights/ whose .yaml profiles POST /admin/reload may name in its body")
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    body_timeout_s: float = Field(default=5.0, gt=0, description="the whole body, else 408")
+    default_ttft_ms: float = Field(default=2000.0, gt=0,
+                                   description="when x-slo-ttft-ms is absent")
+    default_max_tokens: int = Field(default=16, ge=1)
+    request_timeout_s: float = Field(default=600.0, gt=0,
+                                     description="a whole backend request")
+    connect_timeout_s: float = Field(default=2.0, gt=0,
+                                     description="to open a backend connection")
+    first_byte_timeout_s: float = Field(
+        default=60.0, gt=0, description="from sending a request to its answer's headers "
+        "(a whole answer comes with them), and again from the headers of a stream to its "
+        "first chunk")
+    read_timeout_s: float = Field(default=30.0, gt=0,
+                                  description="between two chunks of a stream")
+    hold_budget_ms: float = Field(
+        default=10.0, gt=0, description="event-loop time per slot for re-scoring held "
+        "requests: past it, the rest wait for the next slot (round robin over the buffer), "
+        "so the loop never starves")
+    health_period_s: float = Field(default=2.0, gt=0)
+    health_max_backoff_s: float = Field(
+        default=30.0, gt=0, description="a failed backend is probed again after 0.5 s, "
+        "then after twice as long at each failure, up to this")
+    health_timeout_s: float = Field(
+        default=1.0, gt=0, description="a backend's /health must answer within this, or "
+        "the probe fails (the backend is taken out and probed again after a backoff)")
+    scrape_period_s: float = Field(default=1.0, gt=0, description="backends' /metrics")
+    recalibrate_period_s: float = Field(default=5.0, gt=0)
+    retry_after_s: int = Field(default=1, ge=0, description="on 429")
+
+
+STATE_URL = r"^(redis|rediss|unix)://"
+
+
+class StateConfig(_Frozen):
+    """Router replicas' shared state (``olproute serve --state``; ``olproute.server.
+    shared``). Without ``url`` each router keeps its own (in-process, the default). With
+    one, every replica publishes its ledger of each backend's requests every ``sync_ms``
+    and merges the others'; one holds the leader lease, learns the prices and runs the
+    LP certificate; the others read its prices."""
+
+    url: str | None = Field(default=None, pattern=STATE_URL, description="redis://HOST:"
+                            "PORT/DB (or rediss://, unix://): the replicas' shared state; "
+                            "none: in-process")
+    sync_ms: float = Field(default=50.0, gt=0, description="a replica publishes its ledger "
+                           "and reads the others' this often")
+    lease_ms: float = Field(default=1000.0, gt=0, description="the leader lease: a dead "
+                            "leader is replaced within two of these")
+    timeout_ms: float = Field(default=250.0, gt=0, description="each exchange with Redis; "
+                              "past it the replica goes on with its local state")
+    namespace: str = Field(default="olproute", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$",
+                           description="prefix of the keys: the routers of one fleet share "
+                           "it")
+    replica: str | None = Field(default=None, min_length=1, description="this replica's "
+                                "name (default: host:pid and a random suffix)")
+
+    @model_validator(mode="after")
+    def _lease_longer_than_sync(self) -> StateConfig:
+        if self.lease_ms < 2 * self.sync_ms:
+            raise ValueError(f"lease_ms ({self.lease_ms:g}) must be at least twice sync_ms "
+                             f"({self.sync_ms:g}): the leader renews its lease at each sync")
+        return self
+
+
+class Config(_Frozen):
+    profiles: str = "profiles.yaml"
+    instances: tuple[InstanceConfig, ...] = Field(min_length=1)
+    workload: WorkloadConfig = WorkloadConfig()
+    slo: SloConfig = SloConfig()
+    prediction: PredictionConfig = PredictionConfig()
+    sim: SimConfig = SimConfig()
+    router: RouterConfig = RouterConfig()
+    reward: RewardConfig = RewardConfig()
+    prices: PriceConfig = PriceConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    transfer: TransferConfig = TransferConfig()
+    calibration: str = Field(
+        default="auto", description="batch-time calibration for estimating policies: "
+        "'auto' profiles the scenario on another seed first; otherwise a YAML file "
+        "written by `olproute calibrate`")
+    server: ServerConfig = ServerConfig()
+    state: StateConfig = StateConfig()
