@@ -22,7 +22,7 @@ at its full reward would be nearly free capacity: the late columns would bid the
 slots' duals up to hundreds (the reward of a whole request over one slot's usage), an
 artefact of where the window ends. A column's reward therefore counts in proportion to
 the share of its decode slots inside the grid, (min(k + D, K) - k) / D, as the online
-price samples prorate theirs at the horizon (``olproute.pricing.prices``) and as
+price samples prorate theirs at the horizon (``olproute.pricing.step_ref``) and as
 ``solvers.certificate.online_reward`` prorates the online policy's.
 
 The reward r_jgd is ``olproute.pricing.reward.reward_terms`` with TTFT_jgd, measured from the

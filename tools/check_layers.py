@@ -59,8 +59,11 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
       "olproute.routing.disagg", "olproute.routing.live_window", "olproute.routing.tracked"),),
     # the multi-objective reward and usage columns
     (("olproute.pricing.reward",),),
-    # shadow prices
-    (("olproute.pricing.prices",),),
+    # shadow prices: the step in NumPy (the reference) and the samples it takes, the jitted
+    # step (JAX imported only inside its functions), the book that holds and learns them
+    (("olproute.pricing.step_ref",),),
+    (("olproute.pricing.step_jax",),),
+    (("olproute.pricing.book",),),
     # the policy interface, the registry and the policies
     (("olproute.policies",),),
     # the config loader (policy names and parameters) and the one assembly place

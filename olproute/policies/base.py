@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from olproute.config.read import problems_of
 from olproute.config.schema import AdmissionConfig, PriceConfig, RewardConfig
 from olproute.estimate.calibration import InstanceCalibration
-from olproute.pricing.prices import PriceBook, PriceView
+from olproute.pricing.book import PriceBook, PriceView
 from olproute.routing.outlook import OutlookSource
 from olproute.types import (
     Decision,

@@ -71,7 +71,7 @@ from olproute.pricing._score import (
     fits_column,
     subtract_column,
 )
-from olproute.pricing.prices import PriceBook, PriceView
+from olproute.pricing.book import PriceBook, PriceView
 from olproute.pricing.reward import (
     HARD,
     TERMS,

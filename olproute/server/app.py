@@ -27,7 +27,7 @@ from aiohttp import web
 from olproute.config.loader import LoadedConfig
 from olproute.estimate.calibration import OnlineCalibrator
 from olproute.estimate.streamcal import StreamCalibrator, StreamRecorder
-from olproute.pricing.prices import PriceView
+from olproute.pricing.book import PriceView
 from olproute.routing.assembly import CalibrationSource, served_predictor
 from olproute.routing.router import Router, prediction_source
 from olproute.server import admin, dashboard, live, proxy

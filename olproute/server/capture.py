@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config.schema import PriceConfig, RewardConfig
-from olproute.pricing.prices import PriceView
+from olproute.pricing.book import PriceView
 from olproute.routing.live_window import LiveWindow
 from olproute.types import Decision, Outcome, Request
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from olproute.pricing.prices import PriceView
+from olproute.pricing.book import PriceView
 from olproute.pricing.reward import capacities
 from olproute.server.capture import pack
 from olproute.server.state import ServerState

@@ -44,7 +44,7 @@ import numpy as np
 import orjson
 
 from olproute.config.schema import StateConfig
-from olproute.pricing.prices import Demand, PriceBook, PriceState
+from olproute.pricing.book import Demand, PriceBook, PriceState
 from olproute.server.tracker import NO_REMOTE, Remote, Tracker, by_dispatch
 
 LOG = logging.getLogger("olproute.server.shared")

@@ -47,7 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.policies.base import Policy
-from olproute.pricing.prices import Demand, PriceState
+from olproute.pricing.book import Demand, PriceState
 from olproute.routing.tracked import router_view
 from olproute.sim.engine import SimEngine
 from olproute.types import (

@@ -15,15 +15,7 @@ from olproute.config.loader import AdmissionConfig, PriceConfig, RewardConfig
 from olproute.estimate.calibration import InstanceCalibration
 from olproute.policies import REGISTRY, PolicyEnv
 from olproute.policies.bid_price import BidPrice, can_start_now
-from olproute.pricing.prices import (
-    PriceBook,
-    Samples,
-    _build_jax_steps,
-    demand_numpy,
-    dual_step_numpy,
-    saa_dual_value,
-    step_sizes,
-)
+from olproute.pricing.book import PriceBook
 from olproute.pricing.reward import (
     Columns,
     SampleExtent,
@@ -42,6 +34,14 @@ from olproute.pricing.reward import (
     slots_since,
     take_column,
     usage_columns,
+)
+from olproute.pricing.step_jax import _build_jax_steps
+from olproute.pricing.step_ref import (
+    Samples,
+    demand_numpy,
+    dual_step_numpy,
+    saa_dual_value,
+    step_sizes,
 )
 from olproute.routing.outlook import Outlook
 from olproute.sim import metrics

@@ -1,36 +1,9 @@
-"""Shadow prices p[g, k, r] >= 0 for batch slots, KV cache and compute (the prefill
-token budget), in capacity fractions, per instance g and future slot k, learned online by
-projected mini-batch steps on the SAA dual (DESIGN.md section 1):
-
-    grad = c - (N_H / |S|) * sum_{i in S} a_i(x_i(p));   p <- max(0, p - step(grad))
-
-``c`` is the free capacity from the current snapshots (clipped at 0, as the LP's
-right-hand side), ``x_i(p)`` sends sample i to its best (instance, delay) if its margin
-r_igl - a_igl . p_g is positive (else nowhere), each sample is placed at a random start
-offset in the horizon (a sample of the future), and N_H is the expected number of
-arrivals in the horizon. A sample has a column per instance and per **delay** l of
-``delays`` (slots): started l slots later, its column moves by l and its reward is the
-reward of that later start (the LP's columns d = 0..max_delay are exactly this), so the
-step is the stochastic subgradient step of the LP's dual D(p) itself.
-
-The step rule (``PriceConfig.schedule``):
-- ``constant`` / ``inverse_sqrt``: eta0 or eta0 / sqrt(t + 1) times the gradient, eta0 in
-  price units per capacity fraction (it must match the scale of rewards over usage:
-  a fixed eta0 that suits one scenario winds up or crawls in another);
-- ``adagrad`` (the default): per coordinate, eta0 * price_scale * grad / sqrt(sum of
-  squared past gradients). ``price_scale`` is the window's typical break-even price, a
-  request's reward over the capacity its column uses (reward per capacity-fraction-slot),
-  so eta0 is a dimensionless fraction of it and one value serves every scenario; the
-  per-coordinate normaliser makes the first steps move by about eta0 * price_scale and
-  later ones shrink where the gradient keeps changing sign (the dual's kinks), as
-  subgradient convergence needs. The accumulator forgets with a half-life of
-  ``adagrad_halflife_steps`` so that prices keep tracking a load that changes online.
-
-**Prorated reward.** A column cut by the horizon's end uses capacity only inside it, so
-at its full reward it would be nearly free capacity: samples (and the LP's columns) late
-in the horizon would bid the last slots' prices up without bound, an artefact of where
-the horizon ends. A column's reward therefore counts in proportion to the share of its
-decode slots inside the horizon (the exact LP, ``solvers.problem``, does the same).
+"""The price book: shadow prices p[g, k, r] >= 0 per instance g, future slot k and
+resource r (batch slots, KV cache, compute), the free capacity, the rolling window of
+recent requests and the arrival-rate estimate; it hands prices out on the request path
+(O(1) per column from prefix sums of p) and learns them off it, K projected mini-batch
+steps per update (``olproute.pricing.step_ref``, the step and its rules;
+``olproute.pricing.step_jax``, the jitted steps).
 
 **Averaged prices.** A mini-batch step moves a few slots' prices by what a few random
 samples happened to hit (a short prefill interval hits one slot in a hundred): the steps'
@@ -41,32 +14,21 @@ certificate D(p)/LP* - 1 of the prices decisions read goes from 12.0% (no averag
 7.4% (2 updates) and 6.2% (6, the default; 12: 6.2%).
 
 Prices start from the last prices, shifted by the slots elapsed since (warm start).
-
-The step never builds dense (samples x instances x slots) tensors: a column is an
-interval of ones, a linear ramp and (compute) another interval, so a_igl . p_g costs O(1)
-from prefix sums of p, and the chosen columns are summed through difference arrays in
-O(H) per instance. The JAX version runs K steps in one jitted call with fixed shapes
-(window and mini-batch are padded), off the request path; ``demand_numpy`` and
-``apply_step`` are the same step in NumPy, the reference the tests compare it with.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from olproute.config.schema import PriceConfig
 from olproute.pricing.reward import (
-    BATCH,
-    COMPUTE,
-    KV,
     NUM_RESOURCES,
     RESOURCES,
     Columns,
@@ -74,23 +36,14 @@ from olproute.pricing.reward import (
     capacities,
     column_price,
     pack_prefix,
-    prefill_share,
     price_prefix,
     shift_columns,
     slots_since,
 )
+from olproute.pricing.step_jax import Backend, run_steps
+from olproute.pricing.step_ref import BoolArray, FloatArray, IntArray, Samples, step_sizes
 from olproute.types import InstanceSpec
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
-Backend = Literal["jax", "numpy"]
-Rule = Literal["constant", "inverse_sqrt", "adagrad"]
-
-__all__ = ["BATCH", "COMPUTE", "KV", "RESOURCES", "Demand", "PriceBook", "PriceState",
-           "PriceView", "Samples"]
-
-ADAGRAD_EPS = 1e-12
 SCALE_EVERY = 20   # updates between refreshes of the break-even price (adagrad's scale)
 ARRIVALS_KEPT = 65_536   # arrival times kept for other replicas between two drains (latest)
 
@@ -157,327 +110,6 @@ def price_view(rows: Sequence[tuple[PriceBook, int]], state: PriceBook) -> Price
         prices=np.stack([b.p[i] for b, i in rows]), free=np.stack([b.c[i] for b, i in rows]),
         bottleneck=tuple(tops[id(b)][i] for b, i in rows),
         compute_budget=np.array([b.compute_budget[i] for b, i in rows]))
-
-
-@dataclass(frozen=True, slots=True)
-class Samples:
-    """W samples of demand on G instances with L delay options. ``reward`` (W, G, L):
-    the reward of starting the sample on g l delays later (-inf: no such column); the
-    delay-0 column (W, G): first-token slot ``start``, ``end`` = start + decode slots (not
-    cut at the horizon: the step prorates the reward by the share inside it), batch_a,
-    kv_a, kv_b, the prefill's slots [start - pre_lo, start + pre_hi) (a mixed instance's
-    P slots before the first token's: pre_lo = P, pre_hi = 0, not cut at now; a
-    disaggregated prefill engine's column is its prefill as cut at now: 0, pe - ps) and
-    the prefill's work s / b in slots of budget, ``prefill_work`` (where the step places
-    a sample it takes ``reward.prefill_share`` of the budget on each prefill slot left);
-    ``earliest`` (W,), the first slot a prefill may use (the request's arrival: 0 online,
-    where slot 0 is the decision); ``delays`` (L,) in slots, the first 0."""
-
-    reward: FloatArray
-    start: IntArray
-    end: IntArray
-    batch_a: FloatArray
-    kv_a: FloatArray
-    kv_b: FloatArray
-    pre_lo: IntArray
-    pre_hi: IntArray
-    prefill_work: FloatArray
-    earliest: IntArray
-    delays: IntArray
-
-    @property
-    def arrays(self) -> tuple[Any, ...]:
-        """The per-sample arrays in the order the steps take them."""
-        return (self.reward, self.start, self.end, self.batch_a, self.kv_a, self.kv_b,
-                self.pre_lo, self.pre_hi, self.prefill_work, self.earliest)
-
-    @staticmethod
-    def empty(w: int, g: int, delays: Sequence[int]) -> Samples:
-        dl = np.asarray(delays, dtype=np.int64)
-        return Samples(reward=np.full((w, g, len(dl)), -np.inf), start=np.zeros((w, g),
-                       dtype=np.int64), end=np.zeros((w, g), dtype=np.int64),
-                       batch_a=np.zeros((w, g)), kv_a=np.zeros((w, g)), kv_b=np.zeros((w, g)),
-                       pre_lo=np.zeros((w, g), dtype=np.int64),
-                       pre_hi=np.zeros((w, g), dtype=np.int64), prefill_work=np.zeros((w, g)),
-                       earliest=np.zeros(w, dtype=np.int64), delays=dl)
-
-    def put(self, i: int, reward: FloatArray, cols: Columns, extent: SampleExtent) -> None:
-        """Row i := one request's rewards (G,) (delay 0 only) or (G, L), its columns
-        (relative to its decision) and what the sample keeps beyond them (the decode's
-        whole extent, the prefill's P slots and share: ``SampleExtent``)."""
-        r = np.asarray(reward, dtype=np.float64)
-        if r.ndim == 1:
-            r = np.concatenate([r[:, None], np.full((r.shape[0], self.reward.shape[2] - 1),
-                                                    -np.inf)], axis=1)
-        self.put_many(np.array([i]), r[None], cols, extent)
-
-    def put_many(self, rows: IntArray, reward: FloatArray, cols: Columns,
-                 extent: SampleExtent) -> None:
-        """``put`` for K requests at once: rows (K,) := rewards (K, G, L), columns and
-        extents (K, G) (a per-instance-only field (G,) is the same on each row)."""
-        self.reward[rows] = reward
-        self.start[rows] = cols.start
-        self.end[rows] = extent.end
-        self.batch_a[rows] = cols.batch_a
-        self.kv_a[rows] = cols.kv_a
-        self.kv_b[rows] = cols.kv_b
-        self.pre_lo[rows] = extent.pre_lo
-        # the prefill's slots at or after the column's start (a prefill engine's column)
-        self.pre_hi[rows] = np.maximum(cols.pre_end - cols.start, 0)
-        self.prefill_work[rows] = extent.prefill_work
-
-    def take_rows(self, rows: IntArray) -> tuple[npt.NDArray[Any], ...]:
-        """Copies of ``rows`` of every per-sample array (``arrays``' order)."""
-        return tuple(a[rows].copy() for a in self.arrays)
-
-    def put_rows(self, rows: IntArray, values: Sequence[npt.NDArray[Any]]) -> None:
-        """Rows := ``values`` as ``take_rows`` gave them (another book's rows: the shapes
-        past the first must match this window's)."""
-        for a, v in zip(self.arrays, values, strict=True):
-            if v.shape[1:] != a.shape[1:] or v.shape[0] != len(rows):
-                raise ValueError(f"demand rows of shape {v.shape} do not fit a window of "
-                                 f"{a.shape} ({len(rows)} rows)")
-            a[rows] = v
-
-    def price_scale(self, n: int) -> float:
-        """The typical break-even price of the first n samples: median over samples of
-        the best delay-0 reward over the capacity (fraction x slots) its column uses
-        there. 0 when there is nothing to go by."""
-        if n == 0:
-            return 0.0
-        r = self.reward[:n, :, 0]
-        best = np.argmax(np.where(np.isfinite(r), r, -np.inf), axis=1)
-        rows = np.arange(n)
-        d = np.maximum(self.end[rows, best] - self.start[rows, best], 1).astype(np.float64)
-        mass = (self.batch_a[rows, best] * d + self.kv_a[rows, best] * d
-                + self.kv_b[rows, best] * d * (d - 1) / 2.0
-                + self.prefill_work[rows, best])
-        rb = r[rows, best]
-        ok = np.isfinite(rb) & (rb > 0) & (mass > 0)
-        return float(np.median(rb[ok] / mass[ok])) if ok.any() else 0.0
-
-
-def step_sizes(eta0: float, schedule: str, t0: int, k: int) -> FloatArray:
-    """Step sizes of steps t0 .. t0 + k - 1: eta0 / sqrt(t + 1) for inverse_sqrt, else
-    eta0 (constant; adagrad scales eta0 per coordinate itself)."""
-    t = np.arange(t0, t0 + k, dtype=np.float64)
-    if schedule == "inverse_sqrt":
-        result: FloatArray = eta0 / np.sqrt(t + 1.0)
-        return result
-    return np.full(k, eta0)
-
-
-@dataclass(frozen=True, slots=True)
-class _Placed:
-    """The mini-batch's columns moved by their offsets, (S, G, L): clipped batch/KV
-    interval [s0, s1), prefill interval [ps, pe) and its budget share, and each column's
-    margin at p (-inf: no such column, its start past the horizon)."""
-
-    s0: IntArray
-    s1: IntArray
-    ps: IntArray
-    pe: IntArray
-    share: FloatArray
-    margin: FloatArray
-
-
-def _place(p: FloatArray, smp: Samples, idx: IntArray, offset: IntArray) -> _Placed:
-    h = p.shape[1]
-    p0, p1 = price_prefix(p)
-    sh = offset[:, None, None] + smp.delays[None, None, :]
-    s = smp.start[idx][:, :, None] + sh
-    s0 = np.minimum(s, h)
-    s1 = np.minimum(smp.end[idx][:, :, None] + sh, h)
-    first = np.maximum(s - smp.pre_lo[idx][:, :, None],
-                       (smp.earliest[idx] + offset)[:, None, None])
-    last = s + smp.pre_hi[idx][:, :, None]
-    pe = np.minimum(last, h)
-    ps = np.minimum(first, h)
-    # the prefill's share on its slots left after the clip at the arrival (not the
-    # horizon's: the work goes on past it)
-    ca = prefill_share(smp.prefill_work[idx][:, :, None], last - first)
-    ba, ka, kb = (x[idx][:, :, None] for x in (smp.batch_a, smp.kv_a, smp.kv_b))
-    gi = np.arange(p.shape[0])[None, :, None]
-    cost = (ba * (p0[gi, s1, BATCH] - p0[gi, s0, BATCH])
-            + (ka - kb * s0) * (p0[gi, s1, KV] - p0[gi, s0, KV])
-            + kb * (p1[gi, s1, KV] - p1[gi, s0, KV])
-            + ca * (p0[gi, pe, COMPUTE] - p0[gi, ps, COMPUTE]))
-    with np.errstate(invalid="ignore"):  # -inf x 0 past the horizon: not selected
-        margin = np.where(s < h, smp.reward[idx] * _inside(smp, idx, s0, s1) - cost, -np.inf)
-    return _Placed(s0, s1, ps, pe, ca, margin)
-
-
-def _inside(smp: Samples, idx: IntArray, s0: Any, s1: Any) -> Any:
-    """The share of a column's decode slots inside the horizon: its reward counts in
-    that proportion (``prorated reward`` in the module docstring)."""
-    span = np.maximum(smp.end[idx] - smp.start[idx], 1)[:, :, None]
-    return np.clip((s1 - s0) / span, 0.0, 1.0)
-
-
-def saa_dual_value(p: FloatArray, c: FloatArray, smp: Samples, idx: IntArray,
-                   offset: IntArray, n_h: float) -> float:
-    """The SAA dual's objective sum p c + (N_H / S) sum_i max(0, best margin_i): with the
-    LP's requests as the samples (N_H = N, no offsets) it is the LP dual's D(p)."""
-    m = _place(p, smp, idx, offset).margin.reshape(len(idx), -1).max(axis=1)
-    return float(np.sum(p * c) + n_h / max(len(idx), 1) * np.maximum(m, 0.0).sum())
-
-
-def demand_numpy(p: FloatArray, smp: Samples, idx: IntArray, mask: BoolArray,
-                 offset: IntArray) -> FloatArray:
-    """(G, H, R) capacity the mini-batch ``idx`` takes at prices p, each sample at its
-    best (instance, delay) with a positive margin, moved by ``offset`` slots."""
-    g_count, h, _ = p.shape
-    pl = _place(p, smp, idx, offset)
-    margin = pl.margin.reshape(len(idx), -1)
-    best = np.argmax(margin, axis=1)
-    rows = np.arange(len(idx))
-    n_l = len(smp.delays)
-    bg, bl = best // n_l, best % n_l
-    w = (mask & (margin[rows, best] > 0)).astype(np.float64)
-    b0, b1 = pl.s0[rows, bg, bl], pl.s1[rows, bg, bl]
-    c0, c1 = pl.ps[rows, bg, bl], pl.pe[rows, bg, bl]
-    j = idx[rows]
-    bba, bka, bkb = (x[j, bg] for x in (smp.batch_a, smp.kv_a, smp.kv_b))
-    bca = pl.share[rows, bg, bl]
-    d0 = np.zeros((g_count, h + 1, NUM_RESOURCES))
-    d1 = np.zeros((g_count, h + 1))
-    const = bka - bkb * b0
-    for r, (lo, hi, v) in enumerate(((b0, b1, bba), (b0, b1, const), (c0, c1, bca))):
-        np.add.at(d0[:, :, r], (bg, lo), w * v)
-        np.add.at(d0[:, :, r], (bg, hi), -w * v)
-    np.add.at(d1, (bg, b0), w * bkb)
-    np.add.at(d1, (bg, b1), -w * bkb)
-    k = np.arange(h, dtype=np.float64)[None, :]
-    usage: FloatArray = np.cumsum(d0[:, :h], axis=1)
-    usage[:, :, KV] += k * np.cumsum(d1[:, :h], axis=1)
-    return usage
-
-
-def apply_step(p: FloatArray, acc: FloatArray, grad: FloatArray, eta: float, rule: str,
-               decay: float) -> tuple[FloatArray, FloatArray]:
-    """The projected step of ``rule`` on gradient ``grad``; returns (p, accumulator)."""
-    if rule == "adagrad":
-        acc = decay * acc + grad * grad
-        step = eta * grad / (np.sqrt(acc) + ADAGRAD_EPS)
-    else:
-        step = eta * grad
-    return np.maximum(p - step, 0.0), acc
-
-
-def dual_step_numpy(p: FloatArray, acc: FloatArray, c: FloatArray, smp: Samples,
-                    idx: IntArray, mask: BoolArray, offset: IntArray, n_h: float, eta: float,
-                    rule: str = "constant", decay: float = 1.0
-                    ) -> tuple[FloatArray, FloatArray]:
-    """One projected step: the reference the JAX steps are tested against."""
-    n_valid = max(int(mask.sum()), 1)
-    grad = c - (n_h / n_valid) * demand_numpy(p, smp, idx, mask, offset)
-    return apply_step(p, acc, grad, eta, rule, decay)
-
-
-def _jax_cumsum(x: Any) -> Any:
-    """Inclusive prefix sums along axis 1 of (G, H, ...) by blocked triangular matmuls:
-    XLA's own cumsum on CPU costs about twice as much at H = 600."""
-    import jax.numpy as jnp
-
-    h = x.shape[1]
-    block = next(b for b in (25, 24, 20, 16, 15, 12, 10, 8, 6, 5, 4, 3, 2, 1) if h % b == 0)
-    nb = h // block
-    tri = jnp.triu(jnp.ones((block, block), x.dtype))
-    low = jnp.triu(jnp.ones((nb, nb), x.dtype), 1)
-    y = jnp.moveaxis(x, 1, -1)
-    lead = y.shape[:-1]
-    y = y.reshape(*lead, nb, block)
-    within = y @ tri
-    out = within + (within[..., -1] @ low)[..., None]
-    return jnp.moveaxis(out.reshape(*lead, h), -1, 1)
-
-
-def _jax_demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: Any,
-                offset: Any) -> Any:
-    """(G, H, 3) capacity the mini-batch takes (``demand_numpy``), traced by JAX."""
-    import jax.numpy as jnp
-
-    reward, start, end, batch_a, kv_a, kv_b, pre_lo, pre_hi, work, earliest = arrays
-    g_count, h, _ = p.shape
-    kk = jnp.arange(h, dtype=p.dtype)
-    # one table of prefix sums, rows (g, k): P0 batch, P0 kv, P1 kv, P0 compute, so
-    # that each (sample, instance, delay) needs a few row gathers
-    table = _jax_cumsum(jnp.stack([p[:, :, BATCH], p[:, :, KV], p[:, :, KV] * kk[None, :],
-                                   p[:, :, COMPUTE]], axis=-1))
-    table = jnp.concatenate([jnp.zeros((g_count, 1, 4), p.dtype), table], axis=1)
-    table = table.reshape(g_count * (h + 1), 4)
-    sh = offset[:, None, None] + delays[None, None, :]
-    s = start[idx][:, :, None] + sh
-    valid = s < h
-    s0 = jnp.minimum(s, h)
-    s1 = jnp.minimum(end[idx][:, :, None] + sh, h)
-    first = jnp.maximum(s - pre_lo[idx][:, :, None], (earliest[idx] + offset)[:, None, None])
-    last = s + pre_hi[idx][:, :, None]
-    pe = jnp.minimum(last, h)
-    ps = jnp.minimum(first, h)
-    ca = prefill_share(work[idx][:, :, None], last - first)
-    ba, ka, kb = (x[idx][:, :, None] for x in (batch_a, kv_a, kv_b))
-    base = (jnp.arange(g_count) * (h + 1))[None, :, None]
-    diff = (table.at[base + s1].get(mode="promise_in_bounds")
-            - table.at[base + s0].get(mode="promise_in_bounds"))
-    pre_diff = (table.at[base + pe, 3].get(mode="promise_in_bounds")
-                - table.at[base + ps, 3].get(mode="promise_in_bounds"))
-    cost = (ba * diff[..., 0] + (ka - kb * s0) * diff[..., 1] + kb * diff[..., 2]
-            + ca * pre_diff)
-    inside = jnp.clip((s1 - s0) / jnp.maximum(end[idx] - start[idx], 1)[:, :, None],
-                      0.0, 1.0)
-    margin = jnp.where(valid, reward[idx] * inside - cost, -jnp.inf).reshape(
-        idx.shape[0], -1)
-    best = jnp.argmax(margin, axis=1)
-    rows = jnp.arange(idx.shape[0])
-    n_l = delays.shape[0]
-    bg, bl = best // n_l, best % n_l
-    w = jnp.where(mask & (margin[rows, best] > 0), 1.0, 0.0).astype(p.dtype)
-    b0, b1 = s0[rows, bg, bl], s1[rows, bg, bl]
-    c0, c1 = ps[rows, bg, bl], pe[rows, bg, bl]
-    bba, bka, bkb = (x[rows, bg, 0] for x in (ba, ka, kb))
-    bca = ca[rows, bg, bl]
-    const = bka - bkb * b0
-
-    def interval(lo: Any, hi: Any, v: Any) -> Any:
-        z = jnp.zeros((g_count, h + 1), p.dtype)
-        return z.at[bg, lo].add(w * v).at[bg, hi].add(-w * v)[:, :h]
-
-    sums = _jax_cumsum(jnp.stack([interval(b0, b1, bba), interval(b0, b1, const),
-                                  interval(b0, b1, bkb), interval(c0, c1, bca)], axis=-1))
-    return jnp.stack([sums[..., 0], sums[..., 1] + kk[None, :] * sums[..., 2],
-                      sums[..., 3]], axis=-1)
-
-
-@functools.cache
-def _build_jax_steps(rule: str = "constant") -> Callable[..., Any]:
-    """The jitted K-step update for a step rule; imported and compiled only where prices
-    are learned. One per process and rule: every price book shares it, so JAX compiles
-    each shape once (a new closure per book recompiled the same program, about 0.6 s of
-    CPU each)."""
-    import jax
-    import jax.numpy as jnp
-
-    def steps(p: Any, acc: Any, c: Any, arrays: tuple[Any, ...], delays: Any, idx: Any,
-              mask: Any, offset: Any, n_h: Any, etas: Any, decay: Any) -> Any:
-        """K steps; idx, mask, offset are (K, S), etas (K,); returns (p, accumulator)."""
-        def body(carry: Any, xs: Any) -> tuple[Any, None]:
-            p_in, acc_in = carry
-            i, m, o, eta = xs
-            n_valid = jnp.maximum(jnp.sum(m), 1)
-            grad = c - (n_h / n_valid) * _jax_demand(p_in, arrays, delays, i, m, o)
-            if rule == "adagrad":
-                acc_out = decay * acc_in + grad * grad
-                step = eta * grad / (jnp.sqrt(acc_out) + ADAGRAD_EPS)
-            else:
-                acc_out = acc_in
-                step = eta * grad
-            return (jnp.maximum(p_in - step, 0.0), acc_out), None
-
-        out, _ = jax.lax.scan(body, (p, acc), (idx, mask, offset, etas))
-        return out
-
-    return jax.jit(steps)
 
 
 class PriceBook:
@@ -823,20 +455,3 @@ def adagrad_decay(cfg: PriceConfig) -> float:
     return float(0.5 ** (1.0 / cfg.adagrad_halflife_steps))
 
 
-def run_steps(p: FloatArray, acc: FloatArray, c: FloatArray, smp: Samples, idx: IntArray,
-              mask: BoolArray, offset: IntArray, n_h: float, etas: FloatArray, rule: str,
-              decay: float, backend: Backend) -> tuple[FloatArray, FloatArray]:
-    """K projected steps (idx, mask, offset (K, S), etas (K,)); returns (p, accumulator)."""
-    if backend == "numpy":
-        for j in range(len(etas)):
-            p, acc = dual_step_numpy(p, acc, c, smp, idx[j], mask[j], offset[j], n_h,
-                                     float(etas[j]), rule, decay)
-        return p, acc
-    import jax
-
-    steps = _build_jax_steps(rule)
-    with jax.enable_x64(True):
-        p_out, acc_out = steps(p, acc, c, smp.arrays, smp.delays, idx, mask, offset, n_h,
-                               etas, decay)
-        # writable copies: advance() shifts them in place
-        return np.array(p_out, dtype=np.float64), np.array(acc_out, dtype=np.float64)
