@@ -211,7 +211,7 @@ class RoutingContext:
     specs: tuple[InstanceSpec, ...]
     snapshots: tuple[EngineSnapshot, ...] | None = None
     # per instance: (prompt, predicted decode, dispatch time) rows, in dispatch order, of
-    # requests the router dispatched there after its snapshot (None for live snapshots)
+    # requests the router dispatched there after its snapshot (None for fresh snapshots)
     pending: tuple[npt.NDArray[np.float64] | None, ...] | None = None
     # disaggregated pools, per instance: (prompt, predicted decode, dispatch time) rows of
     # requests bound for it as their decode instance whose decode has not started there

@@ -278,7 +278,7 @@ def column_block(prob: LpProblem, j: IntArray, delays: IntArray | None = None) -
                        reward=reward_grid(prob, j, ttft) * inside, valid=start < k)
 
 
-def prefix_sums(p: FloatArray) -> tuple[FloatArray, FloatArray]:
+def price_cumsums(p: FloatArray) -> tuple[FloatArray, FloatArray]:
     """P0[g, k] = sum_{i<k} p[g, i] and P1[g, k] = sum_{i<k} i p[g, i], each (G, K + 1, 3)."""
     g, k, r = p.shape
     idx = np.arange(k, dtype=np.float64)[None, :, None]
@@ -288,7 +288,7 @@ def prefix_sums(p: FloatArray) -> tuple[FloatArray, FloatArray]:
 
 
 def block_price(prob: LpProblem, blk: ColumnBlock, p0: FloatArray, p1: FloatArray) -> FloatArray:
-    """a_jgd . p for every column of the block, O(1) each from the prefix sums:
+    """a_jgd . p for every column of the block, O(1) each from the cumulative sums:
     sum_{k in [s, e)} (a + b (k - s)) p_k = (a - b s)(P0[e] - P0[s]) + b (P1[e] - P1[s])
     for batch and KV, plus the prefill's share (P0[pe] - P0[ps]) on its slots."""
     g = np.arange(prob.num_instances)[None, :, None]

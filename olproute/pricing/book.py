@@ -1,7 +1,7 @@
 """The price book: shadow prices p[g, k, r] >= 0 per instance g, future slot k and
 resource r (batch slots, KV cache, compute), the free capacity, the rolling window of
 recent requests and the arrival-rate estimate; it hands prices out on the request path
-(O(1) per column from prefix sums of p) and learns them off it, K projected mini-batch
+(O(1) per column from cumulative sums of p) and learns them off it, K projected mini-batch
 steps per update (``olproute.pricing.step_ref``, the step and its rules;
 ``olproute.pricing.step_jax``, the jitted steps).
 
@@ -35,8 +35,8 @@ from olproute.pricing.reward import (
     SampleExtent,
     capacities,
     column_price,
-    pack_prefix,
-    price_prefix,
+    pack_cumsums,
+    price_cumsums,
     shift_columns,
     slots_since,
 )
@@ -135,7 +135,7 @@ class PriceBook:
         self._iterate = np.zeros((g, horizon, NUM_RESOURCES))  # the steps' own prices
         self.c = np.ones((g, horizon, NUM_RESOURCES))
         self._acc = np.zeros((g, horizon, NUM_RESOURCES))
-        self.set_prefix()
+        self.set_cumsums()
         self.samples = Samples.empty(w, g, cfg.sample_delays_slots)
         batch_cap, _ = capacities(specs)
         self.samples.batch_a[:] = 1.0 / batch_cap
@@ -171,18 +171,18 @@ class PriceBook:
                                                              self.slot_s)
         return column_price(shift_columns(cols, shift, self.horizon), self._p0, self._p1)
 
-    def prefix(self, now_s: float) -> tuple[FloatArray, int]:
-        """What the compiled decision kernel prices from: the prices' prefix sums packed
-        (``reward.pack_prefix``) and the slots elapsed from their slot 0 to now."""
+    def cumsums(self, now_s: float) -> tuple[FloatArray, int]:
+        """What the compiled decision kernel prices from: the prices' cumulative sums packed
+        (``reward.pack_cumsums``) and the slots elapsed from their slot 0 to now."""
         shift = 0 if self._origin_s is None else slots_since(now_s, self._origin_s,
                                                              self.slot_s)
         return self._packed, shift
 
-    def set_prefix(self) -> None:
-        """The prefix sums of ``p`` that ``price`` and ``prefix`` read, after a change of
+    def set_cumsums(self) -> None:
+        """The cumulative sums of ``p`` that ``price`` and ``cumsums`` read, after a change of
         ``p`` (each update does this itself)."""
-        p0, p1 = price_prefix(self.p)
-        self._p0, self._p1, self._packed = p0, p1, pack_prefix(p0, p1)
+        p0, p1 = price_cumsums(self.p)
+        self._p0, self._p1, self._packed = p0, p1, pack_cumsums(p0, p1)
 
     def observe_arrival(self, now_s: float) -> None:
         """Count an arrival for the rate estimate behind N_H (exponential decay)."""
@@ -317,7 +317,7 @@ class PriceBook:
         self.num_updates, self.num_steps = state.num_updates, state.num_steps
         self.last_price_scale = state.price_scale
         self._scale_samples = self.num_samples
-        self.set_prefix()
+        self.set_cumsums()
 
     @property
     def arrivals_in_horizon(self) -> float:
@@ -359,7 +359,7 @@ class PriceBook:
         self._origin_s += shift * self.slot_s
         for arr in (self.p, self._iterate, self._acc):
             roll_tail(arr, shift)
-        self.set_prefix()
+        self.set_cumsums()
         return shift
 
     def _minibatches(self) -> tuple[IntArray, BoolArray, IntArray]:
@@ -405,7 +405,7 @@ class PriceBook:
         self.p[:, inside] = sched[:, ks[inside]]
         self._iterate = self.p.copy()
         self.num_updates += 1
-        self.set_prefix()
+        self.set_cumsums()
 
     def update(self, now_s: float) -> None:
         """Shift to now, then K projected mini-batch steps on the window (or, with a
@@ -429,7 +429,7 @@ class PriceBook:
         self.p = keep * self.p + (1.0 - keep) * self._iterate
         self.num_steps += k
         self.num_updates += 1
-        self.set_prefix()
+        self.set_cumsums()
 
 
 def roll_tail(arr: FloatArray, shift: int) -> None:

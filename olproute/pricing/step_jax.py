@@ -27,7 +27,7 @@ Backend = Literal["jax", "numpy"]
 
 
 def _jax_cumsum(x: Any) -> Any:
-    """Inclusive prefix sums along axis 1 of (G, H, ...) by blocked triangular matmuls:
+    """Inclusive cumulative sums along axis 1 of (G, H, ...) by blocked triangular matmuls:
     XLA's own cumsum on CPU costs about twice as much at H = 600."""
     import jax.numpy as jnp
 
@@ -52,7 +52,7 @@ def _jax_demand(p: Any, arrays: tuple[Any, ...], delays: Any, idx: Any, mask: An
     reward, start, end, batch_a, kv_a, kv_b, pre_lo, pre_hi, work, earliest = arrays
     g_count, h, _ = p.shape
     kk = jnp.arange(h, dtype=p.dtype)
-    # one table of prefix sums, rows (g, k): P0 batch, P0 kv, P1 kv, P0 compute, so
+    # one table of cumulative sums, rows (g, k): P0 batch, P0 kv, P1 kv, P0 compute, so
     # that each (sample, instance, delay) needs a few row gathers
     table = _jax_cumsum(jnp.stack([p[:, :, BATCH], p[:, :, KV], p[:, :, KV] * kk[None, :],
                                    p[:, :, COMPUTE]], axis=-1))

@@ -36,7 +36,7 @@ decode slots inside the horizon (the exact LP, ``solvers.problem``, does the sam
 
 The step never builds dense (samples x instances x slots) tensors: a column is an
 interval of ones, a linear ramp and (compute) another interval, so a_igl . p_g costs O(1)
-from prefix sums of p, and the chosen columns are summed through difference arrays in
+from cumulative sums of p, and the chosen columns are summed through difference arrays in
 O(H) per instance. ``demand_numpy`` and ``apply_step`` are the step in NumPy.
 """
 
@@ -57,7 +57,7 @@ from olproute.pricing.reward import (
     Columns,
     SampleExtent,
     prefill_share,
-    price_prefix,
+    price_cumsums,
 )
 
 FloatArray = npt.NDArray[np.float64]
@@ -191,7 +191,7 @@ class _Placed:
 
 def _place(p: FloatArray, smp: Samples, idx: IntArray, offset: IntArray) -> _Placed:
     h = p.shape[1]
-    p0, p1 = price_prefix(p)
+    p0, p1 = price_cumsums(p)
     sh = offset[:, None, None] + smp.delays[None, None, :]
     s = smp.start[idx][:, :, None] + sh
     s0 = np.minimum(s, h)
