@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,16 +23,40 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from olproute.config.read import problems_of
 from olproute.config.schema import AdmissionConfig, PriceConfig, RewardConfig
 from olproute.estimate.calibration import InstanceCalibration
-from olproute.pricing.book import PriceBook, PriceView
 from olproute.routing.outlook import OutlookSource
 from olproute.types import (
     Decision,
+    Demand,
     EngineSnapshot,
     InstanceSpec,
     Outcome,
+    PriceState,
+    PriceView,
     Request,
     RoutingContext,
 )
+
+
+class SharedPriceBook(Protocol):
+    """A price book as router replicas share it (``Policy.price_books``;
+    ``olproute.server.shared``, ``olproute.sim.replicas``): each replica's books drain
+    the demand they gathered and add the others'; the leader's books (``leading``) learn
+    and hand out their state, which the followers' books adopt. ``PriceBook``
+    (``olproute.pricing.book``) is one; this protocol keeps the policy interface free of
+    the pricing modules."""
+
+    leading: bool
+    num_updates: int
+
+    def share_demand(self, on: bool = True) -> None: ...
+
+    def drain_demand(self) -> Demand | None: ...
+
+    def add_demand(self, demand: Demand, shift_s: float = 0.0) -> None: ...
+
+    def state(self) -> PriceState: ...
+
+    def adopt(self, state: PriceState, shift_s: float = 0.0) -> None: ...
 
 
 class Policy(ABC):
@@ -99,7 +123,7 @@ class Policy(ABC):
         """The current shadow prices per instance, or None for a policy without them."""
         return None
 
-    def price_books(self) -> tuple[PriceBook, ...]:
+    def price_books(self) -> tuple[SharedPriceBook, ...]:
         """The price books the policy learns (none by default), in a fixed order, for
         router replicas that share demand and prices (``olproute.server.shared``): one
         leader learns, the others adopt its books' states."""
@@ -179,10 +203,28 @@ class Registration(Generic[P]):
 
 
 class PolicyRegistry:
-    """Policies by name; registering a name twice is an error, never a silent replace."""
+    """Policies by name; registering a name twice is an error, never a silent replace.
+
+    ``load_with(load)`` defers registrations to the first lookup: ``olproute.policies``
+    gives ``REGISTRY`` the import of its built-in policies (each registers itself), so
+    that importing this module (the interface) imports no policy, nor what they price
+    with."""
 
     def __init__(self) -> None:
         self._entries: dict[str, Registration[Any]] = {}
+        self._load: Callable[[], None] | None = None
+
+    def load_with(self, load: Callable[[], None]) -> None:
+        """Run ``load`` (which registers policies) before the next lookup or
+        registration, once."""
+        self._load = load
+
+    def _loaded(self) -> dict[str, Registration[Any]]:
+        """The entries, after the deferred registrations (``load_with``)."""
+        load, self._load = self._load, None
+        if load is not None:
+            load()
+        return self._entries
 
     def register(self, name: str, params: type[P], disaggregated: bool = False
                  ) -> Callable[[PolicyFactory[P]], PolicyFactory[P]]:
@@ -190,22 +232,22 @@ class PolicyRegistry:
         the policy can route prefill/decode pools (its decisions then name a decode
         instance too)."""
         def wrap(factory: PolicyFactory[P]) -> PolicyFactory[P]:
-            if name in self._entries:
+            if name in self._loaded():
                 raise PolicyError(f"policy {name!r} is already registered")
             self._entries[name] = Registration(name, factory, params, disaggregated)
             return factory
         return wrap
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted(self._loaded())
 
     def pool_names(self) -> list[str]:
         """The policies that route disaggregated prefill/decode pools."""
-        return sorted(n for n, e in self._entries.items() if e.disaggregated)
+        return sorted(n for n, e in self._loaded().items() if e.disaggregated)
 
     def entry(self, name: str) -> Registration[Any]:
         try:
-            return self._entries[name]
+            return self._loaded()[name]
         except KeyError:
             raise PolicyError(
                 f"unknown policy {name!r} (known: {', '.join(self.names())})") from None

@@ -71,7 +71,7 @@ from olproute.pricing._score import (
     fits_column,
     subtract_column,
 )
-from olproute.pricing.book import PriceBook, PriceView
+from olproute.pricing.book import PriceBook
 from olproute.pricing.reward import (
     HARD,
     TERMS,
@@ -96,6 +96,7 @@ from olproute.types import (
     InstanceSpec,
     Outcome,
     PrefixMatch,
+    PriceView,
     Request,
     RoutingContext,
 )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,62 +41,10 @@ from olproute.pricing.reward import (
 )
 from olproute.pricing.step_jax import Backend, run_steps
 from olproute.pricing.step_ref import BoolArray, FloatArray, IntArray, Samples, step_sizes
-from olproute.types import InstanceSpec
+from olproute.types import Demand, InstanceSpec, PriceState, PriceView
 
 SCALE_EVERY = 20   # updates between refreshes of the break-even price (adagrad's scale)
 ARRIVALS_KEPT = 65_536   # arrival times kept for other replicas between two drains (latest)
-
-
-@dataclass(frozen=True, slots=True)
-class PriceView:
-    """Shadow prices as an operator reads them, one row per instance in instance order:
-    prices ``p[g, k, r]`` and free capacity ``c[g, k, r]`` (copies; resources
-    ``RESOURCES``), each instance's bottleneck and compute budget (prefill tokens per
-    slot), and the learning's state: slot length, horizon, updates so far, N_H and the
-    time of price slot 0 (None before the first update). A policy with one book per pool
-    reports the state of one of them."""
-
-    slot_s: float
-    horizon_slots: int
-    num_updates: int
-    arrivals_in_horizon: float
-    origin_s: float | None
-    prices: FloatArray
-    free: FloatArray
-    bottleneck: tuple[str, ...]
-    compute_budget: FloatArray
-
-
-@dataclass(frozen=True, slots=True)
-class Demand:
-    """Demand a price book gathered since it was last drained, for other replicas' books
-    (``PriceBook.drain_demand``): its new samples' rows, each array of ``Samples.arrays``
-    cut to those rows (K first), and its arrival times (seconds, the book's clock)."""
-
-    rows: tuple[npt.NDArray[Any], ...]
-    arrivals_s: FloatArray
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.rows[0].shape[0])
-
-
-@dataclass(frozen=True, slots=True)
-class PriceState:
-    """What a book's learning leaves, for replicas that read prices rather than learn
-    them (``PriceBook.state`` / ``adopt``): the handed-out prices, the steps' own prices
-    and the step rule's accumulator (G, H, R), the time of price slot 0 (the book's clock;
-    None before the first update), N_H, the updates and steps so far, the break-even
-    price the step is scaled by."""
-
-    p: FloatArray
-    iterate: FloatArray
-    acc: FloatArray
-    origin_s: float | None
-    arrivals_in_horizon: float
-    num_updates: int
-    num_steps: int
-    price_scale: float
 
 
 def price_view(rows: Sequence[tuple[PriceBook, int]], state: PriceBook) -> PriceView:

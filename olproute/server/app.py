@@ -28,7 +28,6 @@ from aiohttp import web
 from olproute.config.loader import LoadedConfig
 from olproute.estimate.calibration import OnlineCalibrator
 from olproute.estimate.streamcal import StreamCalibrator, StreamRecorder
-from olproute.pricing.book import PriceView
 from olproute.routing.assembly import CalibrationSource, served_predictor
 from olproute.routing.router import Router, prediction_source
 from olproute.server import admin, certify_live, dashboard, proxy
@@ -49,7 +48,7 @@ from olproute.server.schema import (
 from olproute.server.shared import SharedState
 from olproute.server.state import STATE, ServerState, log_unpredicted, prediction_status
 from olproute.server.tracker import BackendState, Tracker
-from olproute.types import EngineSnapshot
+from olproute.types import EngineSnapshot, PriceView
 
 if TYPE_CHECKING:
     from olproute.predict import Predictor

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from olproute.pricing.book import PriceView
 from olproute.pricing.reward import capacities
 from olproute.server.capture import pack
 from olproute.server.state import ServerState
+from olproute.types import PriceView
 
 IDLE_S = 1.0   # how often a disabled certificate looks at the config again
 # a check still running after this many LP time limits plus STARTUP_S is stopped: the

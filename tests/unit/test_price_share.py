@@ -1,6 +1,7 @@
 """Price books shared by router replicas: demand drained from one book and added to
 another reproduces one book fed everything; a follower learns nothing and prices with the
-leader's state once adopted (``olproute.pricing.book``: ``Demand``, ``PriceState``)."""
+leader's state once adopted (``olproute.pricing.book``; ``Demand``, ``PriceState`` in
+``olproute.types``)."""
 
 from __future__ import annotations
 
