@@ -47,8 +47,9 @@ import numpy.typing as npt
 
 from olproute.config.loader import Config, LoadedConfig, load_profiles
 from olproute.config.schema import PriceConfig
-from olproute.pricing.prices import Samples, _build_jax_steps, dual_step_numpy, step_sizes
 from olproute.pricing.reward import NUM_RESOURCES
+from olproute.pricing.step_jax import _build_jax_steps
+from olproute.pricing.step_ref import Samples, dual_step_numpy, step_sizes
 
 REPO = Path(__file__).resolve().parents[1]
 G, H, W, S = 8, 600, 2000, 256
@@ -113,7 +114,7 @@ def update_times(repeats: int) -> dict[str, float]:
     adagrad steps of mini-batch 256 on a full window of 2,000 samples with 4 delays, three
     resources, G = 8, H = 600, the shift to now included), and its share of one core at
     the default period (10 slots of 50 ms)."""
-    from olproute.pricing.prices import PriceBook
+    from olproute.pricing.book import PriceBook
     from olproute.pricing.reward import sample_extent, usage_columns
     from olproute.types import InstanceSpec
 

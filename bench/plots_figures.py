@@ -23,7 +23,7 @@ import numpy as np
 from olproute.config.loader import load_config
 from olproute.operator.plots import PriceRecorder, PriceTrace
 from olproute.policies.bid_price import BidPrice
-from olproute.pricing.prices import RESOURCES
+from olproute.pricing.reward import RESOURCES
 from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, make_policy
 from olproute.types import EngineSnapshot
 

@@ -51,11 +51,11 @@ def get(url: str) -> Any:
 
 
 class Load:
-    """C client threads sending completions round robin over the live replicas."""
+    """C client threads sending completions round robin over the replicas still up."""
 
     def __init__(self, urls: list[str], clients: int) -> None:
         self.urls = list(urls)
-        self.live = set(urls)
+        self.up = set(urls)
         self.status: Counter[str] = Counter()
         self.to_dead: Counter[str] = Counter()   # statuses of requests to a killed replica
         self._stop = threading.Event()
@@ -69,8 +69,8 @@ class Load:
         i = k
         while not self._stop.is_set():
             with self._lock:
-                live = [u for u in self.urls if u in self.live]
-            url = live[i % len(live)]
+                up = [u for u in self.urls if u in self.up]
+            url = up[i % len(up)]
             i += 1
             req = urllib.request.Request(url + "/v1/completions", BODY,
                                          {"content-type": "application/json"})
@@ -83,14 +83,14 @@ class Load:
             except OSError as e:
                 code = type(e).__name__
             with self._lock:
-                if url in self.live:
+                if url in self.up:
                     self.status[code] += 1
                 else:
                     self.to_dead[code] += 1
 
     def drop(self, url: str) -> None:
         with self._lock:
-            self.live.discard(url)
+            self.up.discard(url)
 
     def take(self) -> Counter[str]:
         """The statuses since the last call."""

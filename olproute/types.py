@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -211,7 +211,7 @@ class RoutingContext:
     specs: tuple[InstanceSpec, ...]
     snapshots: tuple[EngineSnapshot, ...] | None = None
     # per instance: (prompt, predicted decode, dispatch time) rows, in dispatch order, of
-    # requests the router dispatched there after its snapshot (None for live snapshots)
+    # requests the router dispatched there after its snapshot (None for fresh snapshots)
     pending: tuple[npt.NDArray[np.float64] | None, ...] | None = None
     # disaggregated pools, per instance: (prompt, predicted decode, dispatch time) rows of
     # requests bound for it as their decode instance whose decode has not started there
@@ -318,3 +318,56 @@ class Outcome:
     def eel_s(self) -> float | None:
         """End-to-end latency, from arrival at the router to the last token."""
         return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+
+@dataclass(frozen=True, slots=True)
+class PriceView:
+    """Shadow prices as an operator reads them (``olproute.pricing.book.PriceBook.view``),
+    one row per instance in instance order: prices ``p[g, k, r]`` and free capacity
+    ``c[g, k, r]`` (copies; resources ``olproute.pricing.reward.RESOURCES``), each
+    instance's bottleneck and compute budget (prefill tokens per slot), and the learning's
+    state: slot length, horizon, updates so far, N_H and the time of price slot 0 (None
+    before the first update). A policy with one book per pool reports the state of one of
+    them."""
+
+    slot_s: float
+    horizon_slots: int
+    num_updates: int
+    arrivals_in_horizon: float
+    origin_s: float | None
+    prices: npt.NDArray[np.float64]
+    free: npt.NDArray[np.float64]
+    bottleneck: tuple[str, ...]
+    compute_budget: npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """Demand a price book gathered since it was last drained, for other replicas' books
+    (``PriceBook.drain_demand``): its new samples' rows, each array of ``Samples.arrays``
+    cut to those rows (K first), and its arrival times (seconds, the book's clock)."""
+
+    rows: tuple[npt.NDArray[Any], ...]
+    arrivals_s: npt.NDArray[np.float64]
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.rows[0].shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class PriceState:
+    """What a book's learning leaves, for replicas that read prices rather than learn
+    them (``PriceBook.state`` / ``adopt``): the handed-out prices, the steps' own prices
+    and the step rule's accumulator (G, H, R), the time of price slot 0 (the book's clock;
+    None before the first update), N_H, the updates and steps so far, the break-even
+    price the step is scaled by."""
+
+    p: npt.NDArray[np.float64]
+    iterate: npt.NDArray[np.float64]
+    acc: npt.NDArray[np.float64]
+    origin_s: float | None
+    arrivals_in_horizon: float
+    num_updates: int
+    num_steps: int
+    price_scale: float

@@ -9,7 +9,7 @@ is the LP dual's objective with the best y for that p, so D(p) >= LP* for every 
 (weak duality) and D(p*) = LP* for the LP's own prices. ``D(p)/LP* - 1`` certifies how
 good online prices are; ``(D(p) - online)/D(p)`` and ``(LP* - online)/LP*`` bound how far
 the online policy is from the hindsight optimum of the LP. a . p costs O(1) per column
-from prefix sums of p (``solvers.problem.block_price``), so D(p) of a whole window is
+from cumulative sums of p (``solvers.problem.block_price``), so D(p) of a whole window is
 N x G x (max_delay + 1) vectorised evaluations, no LP.
 
 **Rolling to absolute prices** (``absolute_prices``). The PriceBook's prices are relative:
@@ -50,7 +50,7 @@ from solvers.problem import (
     block_price,
     column_block,
     flatten,
-    prefix_sums,
+    price_cumsums,
 )
 
 FloatArray = npt.NDArray[np.float64]
@@ -99,7 +99,7 @@ class Pricer:
             raise ValueError(f"p must have shape {shape}, got {p.shape}")
         if np.any(p < 0):
             raise ValueError("prices must be >= 0")
-        p0, p1 = prefix_sums(p)
+        p0, p1 = price_cumsums(p)
         best = np.zeros(prob.num_requests)
         new: list[FlatColumns] = []
         for blk in self.blocks():

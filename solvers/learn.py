@@ -2,15 +2,15 @@
 
     python -m solvers.learn [--steps T] [--quick] [--json PATH] [--png PATH]
 
-The exact step bid_price takes online (``olproute.pricing.prices``: the JAX steps, or their NumPy
-twin) is run on exactly one LP window (``solvers.problem``): the window's requests are
-the samples, each with its LP columns (every instance, every delay d = 0..max_delay, its
-first-token slot and prorated reward exactly as ``column_block`` builds them), N_H = N,
-the LP's capacities (free capacity clipped at 0), and no random offsets. Its objective is
-then the LP dual's D(p) itself (``prices.saa_dual_value`` equals
-``solvers.certificate.dual_value``; a test holds them together), so the learner is a
-stochastic projected subgradient method on the LP's dual, and D(p_t)/LP* - 1 says how far
-it has come.
+The exact step bid_price takes online (``olproute.pricing.step_jax``: the JAX steps, or
+their NumPy twin, ``olproute.pricing.step_ref``) is run on exactly one LP window
+(``solvers.problem``): the window's requests are the samples, each with its LP columns
+(every instance, every delay d = 0..max_delay, its first-token slot and prorated reward
+exactly as ``column_block`` builds them), N_H = N, the LP's capacities (free capacity
+clipped at 0), and no random offsets. Its objective is then the LP dual's D(p) itself
+(``step_ref.saa_dual_value`` equals ``solvers.certificate.dual_value``; a test holds them
+together), so the learner is a stochastic projected subgradient method on the LP's dual,
+and D(p_t)/LP* - 1 says how far it has come.
 
 For each instance and step rule the table gives D(0)/LP* - 1 (where zero prices start),
 D(p_T)/LP* - 1 after T steps, and the share of D(0)'s excess the steps closed. The rules:
@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from olproute.pricing.prices import Backend, Samples, run_steps, step_sizes
 from olproute.pricing.reward import first_token_slot
+from olproute.pricing.step_jax import Backend, run_steps
+from olproute.pricing.step_ref import Samples, step_sizes
 from solvers.certificate import Pricer
 from solvers.problem import LpProblem, random_instance, reward_grid
 

@@ -25,7 +25,7 @@ maximisation above (p, y >= 0).
 - *Column generation* (``strategy="colgen"``). Most requests start at their earliest
   slot in an optimum; the master LP starts with that column per (request, instance),
   then adds the columns of positive reduced cost r - a.p - y_j (priced for all delays
-  in O(1) each from prefix sums of p) and re-solves with dual simplex warm-started
+  in O(1) each from cumulative sums of p) and re-solves with dual simplex warm-started
   from the last basis. It stops when no column prices out (the full LP's optimum, to
   ``tol``) or when the duality gap D(p) - master <= ``gap_tol`` x master: every
   iteration's D(p) is an upper bound on LP* (weak duality), so the answer always
@@ -175,7 +175,7 @@ def _x_entries_difference_coarse(prob: LpProblem, cols: FlatColumns, layout: Lay
     """The difference form on blocks of c slots. A column's block sums F_B are constant
     (batch, compute) or linear (KV) on the blocks it covers whole, so its first (batch,
     compute) and second (KV) differences are nonzero only on the blocks around its first
-    and last block: evaluated there from closed-form prefix sums, each block once."""
+    and last block: evaluated there from closed-form cumulative sums, each block once."""
     n, c, kc = prob.num_requests, layout.coarsen, layout.num_slots
     gk = prob.num_instances * kc
     j, g, s, e = cols.request, cols.instance, cols.start, cols.end

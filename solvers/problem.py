@@ -22,7 +22,7 @@ at its full reward would be nearly free capacity: the late columns would bid the
 slots' duals up to hundreds (the reward of a whole request over one slot's usage), an
 artefact of where the window ends. A column's reward therefore counts in proportion to
 the share of its decode slots inside the grid, (min(k + D, K) - k) / D, as the online
-price samples prorate theirs at the horizon (``olproute.pricing.prices``) and as
+price samples prorate theirs at the horizon (``olproute.pricing.step_ref``) and as
 ``solvers.certificate.online_reward`` prorates the online policy's.
 
 The reward r_jgd is ``olproute.pricing.reward.reward_terms`` with TTFT_jgd, measured from the
@@ -278,7 +278,7 @@ def column_block(prob: LpProblem, j: IntArray, delays: IntArray | None = None) -
                        reward=reward_grid(prob, j, ttft) * inside, valid=start < k)
 
 
-def prefix_sums(p: FloatArray) -> tuple[FloatArray, FloatArray]:
+def price_cumsums(p: FloatArray) -> tuple[FloatArray, FloatArray]:
     """P0[g, k] = sum_{i<k} p[g, i] and P1[g, k] = sum_{i<k} i p[g, i], each (G, K + 1, 3)."""
     g, k, r = p.shape
     idx = np.arange(k, dtype=np.float64)[None, :, None]
@@ -288,7 +288,7 @@ def prefix_sums(p: FloatArray) -> tuple[FloatArray, FloatArray]:
 
 
 def block_price(prob: LpProblem, blk: ColumnBlock, p0: FloatArray, p1: FloatArray) -> FloatArray:
-    """a_jgd . p for every column of the block, O(1) each from the prefix sums:
+    """a_jgd . p for every column of the block, O(1) each from the cumulative sums:
     sum_{k in [s, e)} (a + b (k - s)) p_k = (a - b s)(P0[e] - P0[s]) + b (P1[e] - P1[s])
     for batch and KV, plus the prefill's share (P0[pe] - P0[ps]) on its slots."""
     g = np.arange(prob.num_instances)[None, :, None]

@@ -17,13 +17,14 @@ there is any:
 3. **No function longer than** ``--max-lines`` (80) lines, ``def`` line to last line.
 
 The layer order is ``LAYERS`` below, bottom to top, as docs/design.md (section 3)
-states it (types -> kernels, calibration -> bea, predict, config schema -> reward ->
-prices -> policies -> assembly -> sim / router -> server, solvers -> cli), over the
-package's concept folders (``estimate``, ``pricing``, ``routing``, ``config``,
-``operator``, ...). Each layer is a tuple of columns, each column a tuple of module
-names: a name stands for the module and its submodules (``=name`` for the module
-alone), and a module belongs to the column with its longest matching name. A module in
-no layer is a problem too.
+states it (types -> kernels, calibration -> bea, predict, config schema -> the policy
+interface and the policies that price nothing -> reward -> the price step (NumPy, then
+JAX) -> the price book -> the policies that price -> assembly -> sim / router -> server,
+solvers -> cli), over the package's concept folders (``estimate``, ``pricing``,
+``routing``, ``config``, ``operator``, ...). Each layer is a tuple of columns, each column
+a tuple of module names: a name stands for the module and its submodules (``=name`` for
+the module alone), and a module belongs to the column with its longest matching name. A
+module in no layer is a problem too.
 """
 
 from __future__ import annotations
@@ -57,11 +58,22 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("olproute.estimate.bea", "olproute.predict", "olproute.config.schema",
       "olproute.config.read", "olproute.config.profiles", "olproute.routing.outlook",
       "olproute.routing.disagg", "olproute.routing.live_window", "olproute.routing.tracked"),),
+    # the policy interface (it imports nothing of pricing, not even for its types: it
+    # reads olproute.types), the registry, and the policies that price nothing
+    (("olproute.policies.base", "olproute.policies._common", "olproute.policies.admission",
+      "olproute.policies.baselines", "olproute.policies.bear", "olproute.policies.calibrated_cost",
+      "olproute.policies.latency_agnostic", "olproute.policies.lmdeploy",
+      "olproute.policies.prefix_baselines", "olproute.policies.route_balance",
+      "olproute.policies.score"),),
     # the multi-objective reward and usage columns
     (("olproute.pricing.reward",),),
-    # shadow prices
-    (("olproute.pricing.prices",),),
-    # the policy interface, the registry and the policies
+    # shadow prices: the step in NumPy (the reference) and the samples it takes, the jitted
+    # step (JAX imported only inside its functions), the book that holds and learns them
+    (("olproute.pricing.step_ref",),),
+    (("olproute.pricing.step_jax",),),
+    (("olproute.pricing.book",),),
+    # the policies that price (bid_price, its pools and pairs; a new policy lands here
+    # unless listed above), and the package, which imports every policy for the registry
     (("olproute.policies",),),
     # the config loader (policy names and parameters) and the one assembly place
     (("olproute.config.loader", "olproute.routing.assembly"),),

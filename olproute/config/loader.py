@@ -108,7 +108,7 @@ class LoadedConfig:
 
 
 def kv_capacity_tokens(inst: InstanceConfig, model: ModelProfile, gpu: GpuProfile) -> int:
-    """KV tokens that fit: (memory x utilisation - weights - activation reserve) per GPU,
+    """KV tokens that fit: (memory x utilisation - model weights - activation reserve) per GPU,
     over KV bytes per token per GPU (weights and KV are split by tensor parallelism)."""
     tp = inst.tensor_parallel
     free_per_gpu = (gpu.memory_gib * GIB * inst.gpu_memory_utilization

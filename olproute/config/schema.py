@@ -270,7 +270,7 @@ class RewardConfig(_Frozen):
 
 class PriceConfig(_Frozen):
     """Online learning of the shadow prices (projected mini-batch SAA dual steps, see
-    ``olproute.pricing.prices``).
+    ``olproute.pricing.step_ref``).
 
     With ``schedule: adagrad`` (the default) ``step_size`` is a dimensionless fraction of
     the window's break-even price (a request's reward over the capacity it uses), so one

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from olproute.config.loader import LoadedConfig
 from olproute.policies import Policy
-from olproute.pricing.prices import RESOURCES
+from olproute.pricing.reward import RESOURCES
 from olproute.routing.assembly import CalibrationSource
 from olproute.sim.cluster import SimResult
 from olproute.sim.scenario import build_requests, make_cluster, make_policy

@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,16 +23,40 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from olproute.config.read import problems_of
 from olproute.config.schema import AdmissionConfig, PriceConfig, RewardConfig
 from olproute.estimate.calibration import InstanceCalibration
-from olproute.pricing.prices import PriceBook, PriceView
 from olproute.routing.outlook import OutlookSource
 from olproute.types import (
     Decision,
+    Demand,
     EngineSnapshot,
     InstanceSpec,
     Outcome,
+    PriceState,
+    PriceView,
     Request,
     RoutingContext,
 )
+
+
+class SharedPriceBook(Protocol):
+    """A price book as router replicas share it (``Policy.price_books``;
+    ``olproute.server.shared``, ``olproute.sim.replicas``): each replica's books drain
+    the demand they gathered and add the others'; the leader's books (``leading``) learn
+    and hand out their state, which the followers' books adopt. ``PriceBook``
+    (``olproute.pricing.book``) is one; this protocol keeps the policy interface free of
+    the pricing modules."""
+
+    leading: bool
+    num_updates: int
+
+    def share_demand(self, on: bool = True) -> None: ...
+
+    def drain_demand(self) -> Demand | None: ...
+
+    def add_demand(self, demand: Demand, shift_s: float = 0.0) -> None: ...
+
+    def state(self) -> PriceState: ...
+
+    def adopt(self, state: PriceState, shift_s: float = 0.0) -> None: ...
 
 
 class Policy(ABC):
@@ -52,6 +76,55 @@ class Policy(ABC):
     - ``rerouted``: the router moved a dispatch off an unhealthy instance;
     - ``takes_beta`` / ``set_beta``: a recalibrated batch-time model for one instance;
     - ``price_view``: the shadow prices, for a policy that learns them.
+
+    **Threads.** The simulator (``olproute.sim.cluster``, ``olproute.sim.replicas``) calls
+    every hook from its one thread, in event order. The server calls them from two
+    threads, and lets a tick run while the loop decides:
+
+    - *The event loop, the request path*: ``decide`` (``ServerState.decide``, from
+      ``proxy.decide_until_dispatch`` and ``app.route``, which then calls ``forget``:
+      ``POST /route`` only asks), ``decide_held``, or ``decide`` again, on the held
+      requests every slot (``HoldQueue.rescore_together`` / ``rescore``), ``rerouted``
+      (inside ``Router.decide``), ``observe`` (``ServerState.observe``, when a relayed
+      request ends), ``forget`` (``ServerState.forget``, a held request's client left),
+      ``set_beta`` (``app._from_batches`` / ``_from_streams``, after the refit ran in a
+      worker thread; ``admin.reload`` on a new router) and ``price_view`` for ``GET
+      /prices`` and ``GET /dashboard`` (``Router.prices``). None takes a lock or waits;
+      each must not block the loop for more than about 1 ms (a decision's whole budget):
+      whatever is slower belongs in ``tick``. The snapshots a context carries are built
+      on the loop too, per decision (``ServerState.snapshots``: ``Tracker.snapshots``).
+    - *The tick thread*: every ``tick_s`` the loop takes the snapshots (``app._tick``)
+      and hands them to a worker thread of its default executor, which runs ``tick``
+      (``Router.tick``) and then ``price_view`` (``app._ticked``), both holding
+      ``ServerState.book_lock``; the view goes back to the loop (price metrics, and
+      ``certify_live.ticked``, which records it for the live certificate). For
+      ``bid_price`` the tick builds the demand samples its decisions queued
+      (``BidPrice._add_samples``), the free capacity from the snapshots, and the price
+      update (``PriceBook.update``: ``advance``, K steps in ``step_jax.run_steps``, the
+      average, ``set_cumsums``). What of it holds the GIL (Python, most of NumPy, JAX's
+      tracing at a first compile) makes the loop wait up to the switch interval at a
+      time (``app.GIL_SWITCH_S``, 0.5 ms, set by ``run_server``; Python's default 5 ms
+      elsewhere).
+    - ``book_lock`` is taken by ``app._ticked`` (waiting, in the tick thread) and by the
+      replicas' exchanges with ``price_books`` (``SharedState.try_books``, on the loop,
+      never waiting: ``share_demand`` / ``drain_demand``, ``add_demand`` / ``adopt``,
+      ``state``; a tick in progress puts them off to the next sync). The request path
+      does not take it: what a tick hands to the loop goes by reference stores or an
+      atomic container (``bid_price``: each update's new cumulative sums array, read by
+      ``PriceBook.cumsums``; decisions queue their samples on a deque the tick pops,
+      ``BidPrice._unsampled``), and the loop writes the arrival count for the tick
+      (``PriceBook.observe_arrival``), unlocked. Where a hand-over is two stores a
+      decision in between reads a mismatched pair: ``PriceBook.advance`` moves the
+      prices' slot 0 (``origin_s``) before it rebuilds the cumulative sums (prices read
+      ``shift`` slots off), and ``BidPrice.tick`` stores its free capacity before that
+      capacity's time; ``advance`` also rolls ``p`` in place, which a ``price_view`` on
+      the loop may copy half rolled.
+    - The LP check runs in neither: every ``prices.certify_period_s`` a task on the loop
+      packs the captured window (``certify_live.check_now``: ``capture.pack``) and a
+      worker process solves it (``LiveCert.submit``); its result comes back to the loop
+      (``call_soon_threadsafe``). A reload (``admin.reload``) builds the new router in a
+      worker thread (without start-up's warm-up tick, ``app._warm``) and swaps it in on
+      the loop; a tick of the old router still running finishes on it.
     """
 
     name: str = ""
@@ -99,7 +172,7 @@ class Policy(ABC):
         """The current shadow prices per instance, or None for a policy without them."""
         return None
 
-    def price_books(self) -> tuple[PriceBook, ...]:
+    def price_books(self) -> tuple[SharedPriceBook, ...]:
         """The price books the policy learns (none by default), in a fixed order, for
         router replicas that share demand and prices (``olproute.server.shared``): one
         leader learns, the others adopt its books' states."""
@@ -179,10 +252,28 @@ class Registration(Generic[P]):
 
 
 class PolicyRegistry:
-    """Policies by name; registering a name twice is an error, never a silent replace."""
+    """Policies by name; registering a name twice is an error, never a silent replace.
+
+    ``load_with(load)`` defers registrations to the first lookup: ``olproute.policies``
+    gives ``REGISTRY`` the import of its built-in policies (each registers itself), so
+    that importing this module (the interface) imports no policy, nor what they price
+    with."""
 
     def __init__(self) -> None:
         self._entries: dict[str, Registration[Any]] = {}
+        self._load: Callable[[], None] | None = None
+
+    def load_with(self, load: Callable[[], None]) -> None:
+        """Run ``load`` (which registers policies) before the next lookup or
+        registration, once."""
+        self._load = load
+
+    def _loaded(self) -> dict[str, Registration[Any]]:
+        """The entries, after the deferred registrations (``load_with``)."""
+        load, self._load = self._load, None
+        if load is not None:
+            load()
+        return self._entries
 
     def register(self, name: str, params: type[P], disaggregated: bool = False
                  ) -> Callable[[PolicyFactory[P]], PolicyFactory[P]]:
@@ -190,22 +281,22 @@ class PolicyRegistry:
         the policy can route prefill/decode pools (its decisions then name a decode
         instance too)."""
         def wrap(factory: PolicyFactory[P]) -> PolicyFactory[P]:
-            if name in self._entries:
+            if name in self._loaded():
                 raise PolicyError(f"policy {name!r} is already registered")
             self._entries[name] = Registration(name, factory, params, disaggregated)
             return factory
         return wrap
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted(self._loaded())
 
     def pool_names(self) -> list[str]:
         """The policies that route disaggregated prefill/decode pools."""
-        return sorted(n for n, e in self._entries.items() if e.disaggregated)
+        return sorted(n for n, e in self._loaded().items() if e.disaggregated)
 
     def entry(self, name: str) -> Registration[Any]:
         try:
-            return self._entries[name]
+            return self._loaded()[name]
         except KeyError:
             raise PolicyError(
                 f"unknown policy {name!r} (known: {', '.join(self.names())})") from None

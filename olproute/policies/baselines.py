@@ -19,7 +19,7 @@ from olproute.types import Decision, Outcome, RoutingContext
 
 class _Stateless(Policy):
     def observe(self, outcome: Outcome) -> None:
-        """Load balancers read the live load in the context; nothing to learn."""
+        """Load balancers read the current load in the context; nothing to learn."""
 
 
 def _groups(env: PolicyEnv) -> list[list[int]]:

@@ -10,7 +10,7 @@ is held in the router's central buffer and re-scored every slot. When its patien
 out (default: its TTFT target), ``admission: defer`` sends it to the best instance and
 ``admission: shed`` refuses it.
 
-Against herding on the momentarily cheapest instance: the TTFT term reads live
+Against herding on the momentarily cheapest instance: the TTFT term reads fresh
 snapshots that already hold the router's own dispatches (stale ones get the router's
 later dispatches added, ``ctx.pending``), and ``admission.candidates`` samples d of the
 G instances per decision. Prices are learned off the request path in ``tick``.
@@ -71,7 +71,7 @@ from olproute.pricing._score import (
     fits_column,
     subtract_column,
 )
-from olproute.pricing.prices import PriceBook, PriceView
+from olproute.pricing.book import PriceBook
 from olproute.pricing.reward import (
     HARD,
     TERMS,
@@ -96,6 +96,7 @@ from olproute.types import (
     InstanceSpec,
     Outcome,
     PrefixMatch,
+    PriceView,
     Request,
     RoutingContext,
 )
@@ -277,7 +278,7 @@ class BidPrice(Policy):
         target = np.array([r.ttft_target_s for r in requests])
         f, i, on_time = self._scorer.score(loads, idx, prompt.astype(np.float64),
                                            decode, utility, ttft, waited, target,
-                                           *self.book.prefix(ctx.now_s),
+                                           *self.book.cumsums(ctx.now_s),
                                            None if cached is None
                                            else cached.astype(np.float64))
         cols = Columns(start=i[I_START], end=i[I_END], batch_a=self._batch_a,

@@ -53,7 +53,7 @@ from olproute.estimate.bea import BeaEstimator, decode_step_times_s, remaining_p
 from olproute.policies.admission import can_start_now, hold_shed_or_defer
 from olproute.policies.base import Policy, PolicyEnv, PolicyError
 from olproute.policies.bid_price_pairs import PairScores, PoolFigures, score_pairs
-from olproute.pricing.prices import Backend, PriceBook, PriceView, price_view
+from olproute.pricing.book import PriceBook, price_view
 from olproute.pricing.reward import (
     COLUMN_FIELDS,
     COMPUTE,
@@ -71,11 +71,13 @@ from olproute.pricing.reward import (
     shifted_usage,
     slots_since,
 )
+from olproute.pricing.step_jax import Backend
 from olproute.routing.disagg import Pools
 from olproute.types import (
     Decision,
     EngineSnapshot,
     Outcome,
+    PriceView,
     RoutingContext,
 )
 

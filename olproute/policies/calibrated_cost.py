@@ -14,7 +14,7 @@ least estimated completion cost. Per instance g:
   those still in prefill or transfer) and this one, timed by g's batch-time
   coefficients calibrated from batch logs (``decode_step_times_s``). Calibrated, not
   taken from simulator constants (the paper's point is that calibration matters), and
-  live: a profiled mean TPOT is a constant that differs between identical replicas by
+  kept current: a profiled mean TPOT is a constant that differs between identical replicas by
   calibration noise alone, and a least-cost rule over it piles traffic onto the replica
   that happened to profile fastest.
 - ``press_g``: KV pressure after admission, ``(blocks in use + blocks of the pending
@@ -41,7 +41,7 @@ instance the least ``w_service x service x size + w_queue x queue`` of the decod
 whose queue and KV blocks count the requests bound for it still in prefill or transfer
 (``ctx.inbound``). Its warning
 about greedy herding under scarcity applies: the policy sees its own dispatches at once
-(live snapshots, or the pending dispatches with stale ones), which damps but does not
+(fresh snapshots, or the pending dispatches with stale ones), which damps but does not
 remove it.
 """
 

@@ -92,8 +92,8 @@ cdef class Scorer:
         ``target`` (N,); ``decode``, ``utility`` (weight omega not applied) and ``ttft``
         (N, d) in the order of ``idx``; ``loads`` (d, 2), each instance's residents
         counted and their contexts' sum as ``bea.decode_step_times_s`` counts them
-        (``replay_ttft_many`` writes them in its pass); the price prefix sums packed
-        (``reward.pack_prefix``: P0 of the three rows, P1 of KV), (G, H + 1, 4), whose slot
+        (``replay_ttft_many`` writes them in its pass); the prices' cumulative sums packed
+        (``reward.pack_cumsums``: P0 of the three rows, P1 of KV), (G, H + 1, 4), whose slot
         0 is ``shift`` slots before now; ``cached`` (N, d), optional: each request's
         prompt tokens cached on each instance (its prefix-cache hit), which its prefill
         work (compute column) and its KV column leave out: the cache holds those blocks

@@ -369,8 +369,8 @@ def dense(cols: Columns, horizon: int) -> FloatArray:
     return np.stack(np.broadcast_arrays(batch, kv, compute), axis=-1)
 
 
-def price_prefix(p: FloatArray) -> tuple[FloatArray, FloatArray]:
-    """Prefix sums of prices p (G, H, R): P0[g, k] = sum_{i<k} p[g, i] and
+def price_cumsums(p: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """Cumulative sums of prices p (G, H, R): P0[g, k] = sum_{i<k} p[g, i] and
     P1[g, k] = sum_{i<k} i * p[g, i], each (G, H + 1, R)."""
     g, h, r = p.shape
     k = np.arange(h, dtype=np.float64)[None, :, None]
@@ -380,16 +380,16 @@ def price_prefix(p: FloatArray) -> tuple[FloatArray, FloatArray]:
     return p0, p1
 
 
-def pack_prefix(p0: FloatArray, p1: FloatArray) -> FloatArray:
+def pack_cumsums(p0: FloatArray, p1: FloatArray) -> FloatArray:
     """(G, H + 1, 4): per slot P0 of the batch, KV and compute rows and P1 of the KV row,
     side by side, so the compiled kernel reads a column's price from a few cache lines
-    (``_score``); the same numbers as ``price_prefix``'s."""
+    (``_score``); the same numbers as ``price_cumsums``'s."""
     packed: FloatArray = np.concatenate([p0, p1[:, :, KV:KV + 1]], axis=2)
     return packed
 
 
 def column_price(cols: Columns, p0: FloatArray, p1: FloatArray) -> FloatArray:
-    """a_jg . p_g for every instance g, in O(1) each from the prefix sums:
+    """a_jg . p_g for every instance g, in O(1) each from the cumulative sums:
     sum_{k in [s, e)} (a + b (k - s)) p_k = (a - b s)(P0[e] - P0[s]) + b (P1[e] - P1[s]),
     plus compute_a (P0[pe] - P0[ps]) for the prefill's slots."""
     g = np.arange(p0.shape[0])

@@ -4,7 +4,8 @@ and its tracker) and background tasks run there too: price updates (in a worker 
 off the event loop), health checks with backoff, scraping the backends' Prometheus
 gauges, beta recalibration from the backends' batch records (or, for a backend without
 them, from the streams relayed from it: ``olproute.estimate.streamcal``), and the live
-certificate of bid_price's prices (``olproute.server.live``; the LP runs in a process of its own).
+certificate of bid_price's prices (``olproute.server.certify_live``; the LP runs in a
+process of its own).
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ from aiohttp import web
 from olproute.config.loader import LoadedConfig
 from olproute.estimate.calibration import OnlineCalibrator
 from olproute.estimate.streamcal import StreamCalibrator, StreamRecorder
-from olproute.pricing.prices import PriceView
 from olproute.routing.assembly import CalibrationSource, served_predictor
 from olproute.routing.router import Router, prediction_source
-from olproute.server import admin, dashboard, live, proxy
+from olproute.server import admin, certify_live, dashboard, proxy
 from olproute.server.capture import LiveCapture
 from olproute.server.certify import Certifier, LiveCert
 from olproute.server.errors import json_errors
@@ -48,7 +48,7 @@ from olproute.server.schema import (
 from olproute.server.shared import SharedState
 from olproute.server.state import STATE, ServerState, log_unpredicted, prediction_status
 from olproute.server.tracker import BackendState, Tracker
-from olproute.types import EngineSnapshot
+from olproute.types import EngineSnapshot, PriceView
 
 if TYPE_CHECKING:
     from olproute.predict import Predictor
@@ -157,12 +157,12 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                                    loaded.config.router.slot_ms / 1e3,
                                    server.hold_budget_ms / 1e3, st.now)
             if certifier is not None:
-                st.live = LiveCert(certifier, LiveCapture(
+                st.live_cert = LiveCert(certifier, LiveCapture(
                     len(loaded.specs), loaded.config.prices.certify_max_requests),
                     on_result=st.metrics.set_certificate)
-                stack.callback(st.live.close)
+                stack.callback(st.live_cert.close)
                 if st.certifying():
-                    st.live.start()
+                    st.live_cert.start()
             app[STATE] = st
             await _start_shared(st, stack)
             tasks = [asyncio.create_task(_every(period, job, st)) for period, job in (
@@ -172,8 +172,8 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 (loaded.config.state.sync_ms / 1e3 if st.shared else 0.0, _sync))
                 if period > 0]
             tasks.append(asyncio.create_task(st.lag.run(st.metrics.loop_lag_seconds.observe)))
-            if st.live is not None:
-                tasks.append(asyncio.create_task(live.run(st)))
+            if st.live_cert is not None:
+                tasks.append(asyncio.create_task(certify_live.run(st)))
             try:
                 yield
             finally:
@@ -269,7 +269,7 @@ async def _tick(st: ServerState) -> None:
         st.metrics.set_price_sums([s.name for s in st.loaded.specs], view.prices)
     st.metrics.price_updates.inc()
     if st.router is router and view is not None:   # not replaced by a reload meanwhile
-        live.ticked(st, now, view)
+        certify_live.ticked(st, now, view)
 
 
 def _ticked(router: Router, now_s: float, snapshots: tuple[EngineSnapshot, ...],
@@ -506,7 +506,7 @@ async def prices(request: web.Request) -> web.Response:
     if doc is None:
         doc = {"policy": st.router.policy_name, "instances": [],
                "message": "this policy has no shadow prices"}
-    return web.json_response({**doc, **live.certificate_doc(st)})
+    return web.json_response({**doc, **certify_live.certificate_doc(st)})
 
 
 async def instances(request: web.Request) -> web.Response:

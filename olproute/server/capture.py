@@ -30,9 +30,8 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config.schema import PriceConfig, RewardConfig
-from olproute.pricing.prices import PriceView
 from olproute.routing.live_window import LiveWindow
-from olproute.types import Decision, Outcome, Request
+from olproute.types import Decision, Outcome, PriceView, Request
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]

@@ -7,7 +7,7 @@ import the solvers). The request path never waits for it.
 One worker process (``ProcessPoolExecutor(max_workers=1)``, spawned at start-up and
 stopped with the server): a check still running when the next is due
 skips that period; a check that raises, a worker that dies, or a check that runs past
-its deadline (``olproute.server.live``: 3 LP time limits and 30 s; its worker is
+its deadline (``olproute.server.certify_live``: 3 LP time limits and 30 s; its worker is
 terminated) is logged and shown as the last check's error (a dead pool is replaced at
 the next check).
 """

@@ -2,7 +2,7 @@
 ``static/dashboard.html``, no build step, nothing fetched from outside the router), and
 ``GET /dashboard/data``: the JSON it polls every second — shadow prices per instance
 (batch, KV and compute, binned over the horizon), decisions per second by action,
-observed TTFT, and the last live certificate of the prices (``olproute.server.live``).
+observed TTFT, and the last live certificate of the prices (``olproute.server.certify_live``).
 
 Rates and recent TTFT come from the router's own Prometheus counters and histograms,
 sampled when the page asks (at most every 0.25 s, kept for a minute): no background
@@ -22,7 +22,7 @@ import numpy as np
 from aiohttp import web
 
 from olproute.pricing.reward import RESOURCES
-from olproute.server import live
+from olproute.server import certify_live
 from olproute.server.state import STATE, ServerState
 
 ACTIONS = ("dispatch", "hold", "shed")
@@ -193,7 +193,7 @@ def dashboard_doc(st: ServerState, now_s: float, sample: Sample,
             "price_sum": {r: float(sum(p[r])) if p else 0.0 for r in RESOURCES},
             **{r: binned(p[r]) if p else [] for r in RESOURCES}})
     return {
-        **live.certificate_doc(st),
+        **certify_live.certificate_doc(st),
         "policy": st.router.policy_name, "uptime_s": now_s,
         "has_prices": prices is not None,
         "price_updates": prices["updates"] if prices else 0,

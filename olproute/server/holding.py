@@ -144,12 +144,12 @@ class HoldQueue:
         after each dispatch the loop runs the request's handler up to its first wait."""
         t0 = self._clock()
         now = self._now()
-        live = [h for h in list(self._held.values()) if not self._gone(h)]
-        if not live:
+        waiting = [h for h in list(self._held.values()) if not self._gone(h)]
+        if not waiting:
             return
-        live.sort(key=lambda h: h.deadline_s > now)   # stable: the expired first
-        by_id = {h.request.request_id: h for h in live}
-        for d in decide_held([(h.request, h.exclude) for h in live]):
+        waiting.sort(key=lambda h: h.deadline_s > now)   # stable: the expired first
+        by_id = {h.request.request_id: h for h in waiting}
+        for d in decide_held([(h.request, h.exclude) for h in waiting]):
             self.stats.rescored += 1
             h = by_id[d.request_id]
             if h.future.done():   # its client left while the pass ran

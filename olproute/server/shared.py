@@ -44,8 +44,9 @@ import numpy as np
 import orjson
 
 from olproute.config.schema import StateConfig
-from olproute.pricing.prices import Demand, PriceBook, PriceState
+from olproute.policies.base import SharedPriceBook
 from olproute.server.tracker import NO_REMOTE, Remote, Tracker, by_dispatch
+from olproute.types import Demand, PriceState
 
 LOG = logging.getLogger("olproute.server.shared")
 
@@ -192,7 +193,7 @@ class SharedState:
     """One replica's link to the others through Redis (module docstring)."""
 
     def __init__(self, cfg: StateConfig, url: str, tracker: Tracker,
-                 books: Callable[[], tuple[PriceBook, ...]], now: Callable[[], float],
+                 books: Callable[[], tuple[SharedPriceBook, ...]], now: Callable[[], float],
                  book_lock: threading.Lock, on_leader: Callable[[bool], None] | None = None
                  ) -> None:
         import redis.asyncio as aioredis

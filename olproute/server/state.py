@@ -55,7 +55,7 @@ class ServerState:
     holding: HoldQueue | None = None
     lag: LoopLag = field(default_factory=lambda: LoopLag())
     # the live certificate (olproute.server.certify), when the CLI gave a certifier
-    live: LiveCert | None = None
+    live_cert: LiveCert | None = None
     # other router replicas' view on Redis (olproute.server.shared), when state.url is set
     shared: SharedState | None = None
     # held by the price tick's thread; the shared state's exchanges with the price books
@@ -132,7 +132,7 @@ class ServerState:
         """Is the live certificate on: a certifier, this replica learns the prices (the
         only one, or the leader of several), a period, and bid_price on mixed instances
         (the exact LP's model)?"""
-        return (self.live is not None
+        return (self.live_cert is not None
                 and (self.shared is None or self.shared.leading)
                 and self.loaded.config.prices.certify_period_s is not None
                 and self.router.policy_name == "bid_price"
@@ -141,21 +141,21 @@ class ServerState:
     def first_decision(self, request: Request, decision: Decision) -> None:
         """A request's first decision on its way to a backend: the live certificate
         records it (a few row writes)."""
-        if self.live is not None and self.certifying():
-            self.live.capture.decided(request, decision, self.now())
+        if self.live_cert is not None and self.certifying():
+            self.live_cert.capture.decided(request, decision, self.now())
 
     def observe(self, outcome: Outcome) -> None:
         """A request's outcome, to the policy and the live certificate."""
         self.router.observe(outcome)
-        if self.live is not None:
-            self.live.capture.finished(outcome)
+        if self.live_cert is not None:
+            self.live_cert.capture.finished(outcome)
 
     def forget(self, request_id: int) -> None:
         """A request whose decision will not be carried out (its client left while it
         was held): the policy drops it; the live certificate counts it not served."""
         self.router.forget(request_id)
-        if self.live is not None:
-            self.live.capture.dropped(request_id)
+        if self.live_cert is not None:
+            self.live_cert.capture.dropped(request_id)
 
 
 def log_unpredicted(router: Router) -> None:

@@ -47,14 +47,15 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.policies.base import Policy
-from olproute.pricing.prices import Demand, PriceState
 from olproute.routing.tracked import router_view
 from olproute.sim.engine import SimEngine
 from olproute.types import (
     SNAP_OUTPUT,
+    Demand,
     EngineSnapshot,
     InstanceLoad,
     InstanceSpec,
+    PriceState,
     Request,
     RoutingContext,
 )

@@ -1,4 +1,4 @@
-"""What the router knows of each engine: live snapshots, or stale ones (BEAR paper's
+"""What the router knows of each engine: fresh snapshots, or stale ones (BEAR paper's
 staleness study: 0, 25, 100, 400, 1000 ms).
 
 With ``age_s > 0`` each engine publishes a snapshot whenever it starts a batch or falls

@@ -173,7 +173,7 @@ def test_the_embedded_default_certifies_bid_prices_prices_live(tmp_path: Path) -
         line = page.ids["certificate"]
         assert re.match(r"[+-]\d+\.\d\d % · online/LP\* \d+\.\d{3} · LP\* ", line), line
         # bounded: the ring holds the requests once each, at their first decision
-        live = s.app[STATE].live
+        live = s.app[STATE].live_cert
         assert live is not None and s.call(lambda: live.capture.num_requests) == 12
     finally:
         s.close()
@@ -185,7 +185,7 @@ def test_a_raising_certifier_shows_as_the_error_and_serving_goes_on(tmp_path: Pa
         _serve(s, 3)
         cert = _checked(s, lambda c: c["status"] == "error" and c["requests"] > 0)
         assert cert["error"].startswith("ValueError: no LP today")
-        live = s.app[STATE].live
+        live = s.app[STATE].live_cert
         assert live is not None
         s.call(lambda: setattr(live, "certifier", certifiers.crash))
         _serve(s, 2)
@@ -206,7 +206,7 @@ def test_a_null_period_captures_nothing_and_shows_no_certificate(tmp_path: Path)
         doc = _get(s, "/prices")
         assert doc["certificate"] is None and "certify_period_s" in doc["certificate_message"]
         assert _metric(_get(s, "/metrics"), "olproute_price_certificate") is None
-        live = s.app[STATE].live
+        live = s.app[STATE].live_cert
         assert live is not None
         assert s.call(lambda: (live.capture.num_requests, len(live.capture.ticks),
                                live.busy)) == (0, 0, False)
@@ -222,7 +222,7 @@ def test_another_policy_has_no_certificate(tmp_path: Path) -> None:
         doc = _get(s, "/prices")
         assert doc["instances"] == [] and doc["certificate"] is None
         assert "bid_price" in doc["certificate_message"]
-        live = s.app[STATE].live
+        live = s.app[STATE].live_cert
         assert live is not None and s.call(lambda: live.capture.num_requests) == 0
     finally:
         s.close()

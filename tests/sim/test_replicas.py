@@ -13,7 +13,7 @@ import pytest
 
 from olproute.config.loader import LoadedConfig
 from olproute.policies import Policy
-from olproute.pricing.prices import PriceBook
+from olproute.pricing.book import PriceBook
 from olproute.routing.tracked import router_view
 from olproute.sim.cluster import Cluster, SimResult
 from olproute.sim.replicas import Sync, replica_of

@@ -15,15 +15,7 @@ from olproute.config.loader import AdmissionConfig, PriceConfig, RewardConfig
 from olproute.estimate.calibration import InstanceCalibration
 from olproute.policies import REGISTRY, PolicyEnv
 from olproute.policies.bid_price import BidPrice, can_start_now
-from olproute.pricing.prices import (
-    PriceBook,
-    Samples,
-    _build_jax_steps,
-    demand_numpy,
-    dual_step_numpy,
-    saa_dual_value,
-    step_sizes,
-)
+from olproute.pricing.book import PriceBook
 from olproute.pricing.reward import (
     Columns,
     SampleExtent,
@@ -34,7 +26,7 @@ from olproute.pricing.reward import (
     fits_under,
     free_capacity,
     prefill_span,
-    price_prefix,
+    price_cumsums,
     resident_usage,
     reward_terms,
     sample_extent,
@@ -42,6 +34,14 @@ from olproute.pricing.reward import (
     slots_since,
     take_column,
     usage_columns,
+)
+from olproute.pricing.step_jax import _build_jax_steps
+from olproute.pricing.step_ref import (
+    Samples,
+    demand_numpy,
+    dual_step_numpy,
+    saa_dual_value,
+    step_sizes,
 )
 from olproute.routing.outlook import Outlook
 from olproute.sim import metrics
@@ -88,15 +88,15 @@ def test_slots_and_columns_by_hand() -> None:
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(start=st.integers(0, H), length=st.integers(0, H), a=st.floats(0, 1),
        b=st.floats(0, 0.1), seed=st.integers(0, 10))
-def test_column_price_by_prefix_sums_equals_dense_dot(start: int, length: int, a: float,
-                                                       b: float, seed: int) -> None:
+def test_column_price_by_cumsums_equals_dense_dot(start: int, length: int, a: float,
+                                                  b: float, seed: int) -> None:
     p = np.random.default_rng(seed).uniform(0, 5, (1, H, 3))
     pre = max(start + 1 - length // 3, 0)
     cols = Columns(start=np.array([start]), end=np.array([min(start + length, H)]),
                    batch_a=np.array([a]), kv_a=np.array([a / 2]), kv_b=np.array([b]),
                    pre_start=np.array([min(pre, H)]), pre_end=np.array([min(start + 1, H)]),
                    compute_a=np.array([a / 3]))
-    p0, p1 = price_prefix(p)
+    p0, p1 = price_cumsums(p)
     fast = column_price(cols, p0, p1)[0]
     assert fast == pytest.approx(float((dense(cols, H)[0] * p[0]).sum()), rel=1e-9, abs=1e-9)
 
@@ -349,7 +349,7 @@ def test_a_decision_prices_its_column_on_the_slots_of_now() -> None:
     book = _book()
     book.update(1.0)                       # slot 0 of the book starts at t = 1 s
     book.p[:, :, 0] = np.arange(H)[None, :]
-    book.set_prefix()
+    book.set_cumsums()
     cols = usage_columns(100, np.full(2, 2 * SLOT / 0.025), np.full(2, 0.01),
                          np.full(2, 0.025), np.full(2, 4.0), np.full(2, 1e9),
                          np.full(2, 1e4), SLOT, H)     # batch 1/4 on slots [1, 3)
@@ -485,7 +485,7 @@ def test_an_instance_with_a_huge_price_is_never_chosen() -> None:
     policy.book.p[1] = 1e6
     policy.book.advance(0.0)
 
-    policy.book.set_prefix()
+    policy.book.set_cumsums()
     for n in range(4):
         d = policy.decide(_ctx((_snap(n_running=n), _snap(n_running=0)), rid=n))
         assert d.instance in (0, None)
@@ -584,7 +584,7 @@ def test_a_free_instance_beats_waiting_for_a_busy_better_one() -> None:
                           request_ids=np.arange(3))
 
     policy.book.p[1] = 0.6  # instance 1 is dearer, so the full instance 0 scores best
-    policy.book.set_prefix()
+    policy.book.set_cumsums()
     d = policy.decide(_ctx((_snap(n_running=4), slow), rid=2))
     score = d.explanation["score"]
     assert score[0] > score[1] > 0, "the full instance must be the better-scoring one"
@@ -597,7 +597,7 @@ def _priced(policy: BidPrice, g: int, batch_price: float) -> BidPrice:
 
     policy.book.advance(0.0)
     policy.book.p[g, :, 0] = batch_price
-    policy.book.set_prefix()
+    policy.book.set_cumsums()
     return policy
 
 

@@ -21,7 +21,7 @@ NO = -np.inf   # no request evicted
 
 @dataclass(frozen=True)
 class View:
-    """The fields of ``olproute.pricing.prices.PriceView`` the capture reads."""
+    """The fields of ``olproute.types.PriceView`` the capture reads."""
 
     origin_s: float | None
     num_updates: int

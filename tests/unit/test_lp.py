@@ -23,7 +23,7 @@ from solvers.problem import (
     LpProblem,
     block_price,
     column_block,
-    prefix_sums,
+    price_cumsums,
     random_instance,
 )
 
@@ -163,11 +163,11 @@ def test_the_lp_prices_compute() -> None:
 
 
 def test_block_price_is_the_dense_usage_times_p() -> None:
-    """a.p from prefix sums (batch, KV ramp and compute interval) equals the dense
+    """a.p from cumulative sums (batch, KV ramp and compute interval) equals the dense
     usage of every column (built through olproute.pricing.reward.dense) times p."""
     p = np.random.default_rng(3).exponential(1.0, _PROB.free.shape)
     blk = column_block(_PROB, np.arange(_PROB.num_requests))
-    p0, p1 = prefix_sums(p)
+    p0, p1 = price_cumsums(p)
     fast = block_price(_PROB, blk, p0, p1)
     plain = enumerate_columns(_PROB)
     dense_price = usage_matrix(_PROB, plain).reshape(-1, len(plain)).T @ p.ravel()

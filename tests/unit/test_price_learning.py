@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from olproute.pricing.prices import saa_dual_value
+from olproute.pricing.step_ref import saa_dual_value
 from solvers.certificate import Pricer, dual_value
 from solvers.learn import learn, lp_samples
 from solvers.lp import solve

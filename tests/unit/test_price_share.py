@@ -1,13 +1,14 @@
 """Price books shared by router replicas: demand drained from one book and added to
 another reproduces one book fed everything; a follower learns nothing and prices with the
-leader's state once adopted (``olproute.pricing.prices``: ``Demand``, ``PriceState``)."""
+leader's state once adopted (``olproute.pricing.book``; ``Demand``, ``PriceState`` in
+``olproute.types``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from olproute.pricing.prices import ARRIVALS_KEPT, PriceBook
+from olproute.pricing.book import ARRIVALS_KEPT, PriceBook
 from olproute.pricing.reward import sample_extent, usage_columns
 from tests.unit.test_bid_price import SLOT, SPEC, H, _book
 

@@ -12,7 +12,7 @@ from olproute._core import replay_ttft_many
 from olproute.config.schema import RewardConfig
 from olproute.estimate.bea import decode_step_times_s
 from olproute.pricing import _score
-from olproute.pricing.reward import pack_prefix, price_prefix, reward_weights, score_reference
+from olproute.pricing.reward import pack_cumsums, price_cumsums, reward_weights, score_reference
 from olproute.types import EngineSnapshot, InstanceSpec
 
 H = 40
@@ -68,7 +68,7 @@ def test_the_kernel_gives_the_twins_numbers(seed: int, n: int, g: int, sampled: 
                      eel_threshold_s=float(rng.uniform(1, 20)),
                      ttft_threshold_s=1.0 if threshold else None,
                      delta=float(rng.uniform(0, 3)))
-    p0, p1 = price_prefix(rng.uniform(0, 1, (g, H, 3)) * (rng.uniform(0, 1, (g, H, 3)) > 0.5))
+    p0, p1 = price_cumsums(rng.uniform(0, 1, (g, H, 3)) * (rng.uniform(0, 1, (g, H, 3)) > 0.5))
     loads = _loads(snaps, specs, idx, beta)
     args = (prompt, decode, utility, ttft, loads[:, 0].copy(), loads[:, 1].copy(), beta,
             waited, target, batch_cap, kv_cap, budget, SLOT, H)
@@ -76,7 +76,7 @@ def test_the_kernel_gives_the_twins_numbers(seed: int, n: int, g: int, sampled: 
     cached = (np.floor(rng.uniform(0, 1, (n, d)) * (prompt[:, None] - 1)) if hits
               else None)
     got_f, got_i, got_on = scorer.score(loads, idx, prompt, decode, utility, ttft, waited,
-                                        target, pack_prefix(p0, p1), shift, cached)
+                                        target, pack_cumsums(p0, p1), shift, cached)
     want_f, want_i, want_on = score_reference(*args, w, p0, p1, shift, idx, g, cached)
     np.testing.assert_array_equal(got_f, want_f)
     np.testing.assert_array_equal(got_i, want_i)
@@ -103,14 +103,14 @@ def test_instances_not_sampled_read_as_never_started() -> None:
     """Outside ``idx``: TTFT infinite, score and reward -inf, columns empty at the
     horizon, not on time."""
     g, idx = 3, np.array([1], dtype=np.int64)
-    p0, p1 = price_prefix(np.zeros((g, H, 3)))
+    p0, p1 = price_cumsums(np.zeros((g, H, 3)))
     snaps = [_snapshot(np.random.default_rng(0), 2) for _ in range(g)]
     beta = np.full((g, 4), 1e-4)
     scorer = _score.Scorer(beta, np.full(g, 8.0), np.full(g, 1e4), np.full(g, 500.0),
                            reward_weights(RewardConfig()), SLOT, H)
     f, i, on = scorer.score(_loads(snaps, [_spec(8)] * g, idx, beta), idx,
                             np.array([100.0]), np.array([[50.0]]), np.zeros((1, 1)),
-                            np.array([[0.2]]), np.zeros(1), np.ones(1), pack_prefix(p0, p1),
+                            np.array([[0.2]]), np.zeros(1), np.ones(1), pack_cumsums(p0, p1),
                             0)
     assert np.isfinite(f[_score.F_LAGRANGIAN, 0, 1])
     for other in (0, 2):
@@ -150,7 +150,7 @@ def test_a_decode_past_any_horizon_or_nan_ends_at_the_horizon() -> None:
     inf, a zero budget) ends the column at the horizon instead of wrapping to a negative
     slot (boundscheck is off: that would read another instance's prices)."""
     g, idx = 2, np.arange(2, dtype=np.int64)
-    p0, p1 = price_prefix(np.ones((g, H, 3)))
+    p0, p1 = price_cumsums(np.ones((g, H, 3)))
     loads = np.zeros((2, 2))
     scorer = _score.Scorer(np.full((g, 4), 1e-4), np.full(g, 8.0), np.full(g, 1e4),
                            np.array([500.0, 0.0]),
@@ -158,7 +158,7 @@ def test_a_decode_past_any_horizon_or_nan_ends_at_the_horizon() -> None:
     for decode in (np.nan, np.inf, 1e30):
         f, i, _ = scorer.score(loads, idx, np.array([100.0]), np.full((1, 2), decode),
                                np.zeros((1, 2)), np.array([[0.2, 0.2]]), np.zeros(1),
-                               np.ones(1), pack_prefix(p0, p1), 3)
+                               np.ones(1), pack_cumsums(p0, p1), 3)
         assert (i >= 0).all() and (i <= H).all(), decode
         assert (i[_score.I_END] == H).all()
         assert np.isfinite(f[_score.F_PRICE]).all()
@@ -188,12 +188,12 @@ def test_a_cached_prefix_leaves_the_compute_and_kv_columns_not_the_decode() -> N
                            reward_weights(RewardConfig()), SLOT, H)
     idx = np.arange(1, dtype=np.int64)
     loads = _loads(snaps, [_spec(8)], idx, beta)
-    p0, p1 = price_prefix(np.zeros((1, H, 3)))
+    p0, p1 = price_cumsums(np.zeros((1, H, 3)))
 
     def scored(prompt: float, cached: float | None) -> tuple[np.ndarray, np.ndarray]:
         f, i, _ = scorer.score(loads, idx, np.array([float(prompt)]), np.full((1, 1), 50.0),
                                np.zeros((1, 1)), np.full((1, 1), 0.4), np.zeros(1),
-                               np.ones(1), pack_prefix(p0, p1), 0,
+                               np.ones(1), pack_cumsums(p0, p1), 0,
                                None if cached is None else np.full((1, 1), float(cached)))
         return f[:, 0, 0], i[:, 0, 0]
 

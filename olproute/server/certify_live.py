@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from olproute.pricing.prices import PriceView
 from olproute.pricing.reward import capacities
 from olproute.server.capture import pack
 from olproute.server.state import ServerState
+from olproute.types import PriceView
 
 IDLE_S = 1.0   # how often a disabled certificate looks at the config again
 # a check still running after this many LP time limits plus STARTUP_S is stopped: the
@@ -34,24 +34,24 @@ async def run(st: ServerState) -> None:
         try:
             check_now(st)
         except Exception as exc:  # the certificate must never stop: show it and go on
-            assert st.live is not None
-            st.live.failed(st.now(), exc)
+            assert st.live_cert is not None
+            st.live_cert.failed(st.now(), exc)
 
 
 def check_now(st: ServerState) -> None:
     """Pack the last window and submit it (or show why there is nothing to check)."""
-    live = st.live
-    assert live is not None
+    cert = st.live_cert
+    assert cert is not None
     cfg = st.loaded.config
-    cap = live.capture
+    cap = cert.capture
     cap.resize(cfg.prices.certify_max_requests)
-    if live.busy:
+    if cert.busy:
         deadline = DEADLINE_LIMITS * cfg.prices.certify_time_limit_s + STARTUP_S
-        if not live.overdue(deadline):
-            live.num_skipped += 1
+        if not cert.overdue(deadline):
+            cert.num_skipped += 1
             st.metrics.certificate_checks.labels("skipped").inc()
             return
-        live.abandon(st.now, deadline)
+        cert.abandon(st.now, deadline)
     now = st.now()
     batch_cap, kv_cap = capacities(st.loaded.specs)
     window = pack(cap, now, cfg.prices, cfg.reward, cfg.router.slot_ms / 1e3,
@@ -59,17 +59,17 @@ def check_now(st: ServerState) -> None:
     if window is None:
         why = cap.last_problem if cap.num_requests == 0 and cap.last_problem else (
             "no price tick yet" if not cap.ticks else "no request arrived in the window")
-        live.empty(now, why)
+        cert.empty(now, why)
         return
-    live.submit(window, now, st.now)
+    cert.submit(window, now, st.now)
 
 
 def ticked(st: ServerState, now_s: float, view: PriceView) -> None:
     """After a policy tick: record its prices and free capacity (``view``, taken after
     the tick in its thread)."""
-    if st.live is None or not st.certifying():
+    if st.live_cert is None or not st.certifying():
         return
-    st.live.capture.ticked(now_s, view, 2.0 * st.loaded.config.prices.certify_window_s)
+    st.live_cert.capture.ticked(now_s, view, 2.0 * st.loaded.config.prices.certify_window_s)
 
 
 def certificate_doc(st: ServerState) -> dict[str, Any]:
@@ -80,10 +80,10 @@ def certificate_doc(st: ServerState) -> dict[str, Any]:
         why = "the live certificate checks bid_price on mixed instances only"
     elif cfg.certify_period_s is None:
         why = "prices.certify_period_s is null: the live certificate is off"
-    elif st.live is None:
+    elif st.live_cert is None:
         why = "no certifier: the router was started without the LP (olproute serve has it)"
-    elif st.live.last is None:
+    elif st.live_cert.last is None:
         why = (f"no check yet (the first after {cfg.certify_period_s:g} s)")
     else:
-        return {"certificate": st.live.last, "certificate_message": None}
+        return {"certificate": st.live_cert.last, "certificate_message": None}
     return {"certificate": None, "certificate_message": why}
