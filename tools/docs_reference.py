@@ -30,12 +30,15 @@ import sys
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types as at
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
+
+if TYPE_CHECKING:
+    from olproute.policies import PolicyRegistry
 
 MARKER = re.compile(r"^<!--\s*olproute:reference\s+([\w-]+)\s*-->[ \t]*$", re.MULTILINE)
 
@@ -308,18 +311,17 @@ def params_rows(params: type[BaseModel]) -> list[list[str]]:
              f.description or ""] for name, f in params.model_fields.items()]
 
 
-def render_policies() -> str:
-    from olproute.policies import REGISTRY
-
-    names = REGISTRY.names()
+def policies_page(registry: PolicyRegistry) -> str:
+    """A table of the registry's policies, then a section per policy."""
+    names = registry.names()
     overview = [[f"[`{n}`](#{n})",
-                 "yes" if REGISTRY.entry(n).disaggregated else "no",
-                 str(len(REGISTRY.entry(n).params.model_fields)),
-                 _policy_summary(REGISTRY.entry(n).factory)] for n in names]
+                 "yes" if registry.entry(n).disaggregated else "no",
+                 str(len(registry.entry(n).params.model_fields)),
+                 _policy_summary(registry.entry(n).factory)] for n in names]
     out = ["## All policies", "",
            _table(["policy", "prefill/decode pools", "parameters", "summary"], overview)]
     for n in names:
-        entry = REGISTRY.entry(n)
+        entry = registry.entry(n)
         factory = entry.factory
         out += ["", f"## `{n}` {{#{n}}}", "", _prose(_policy_doc(factory)), "",
                 f"*Factory:* `{factory.__module__}.{factory.__qualname__}`; "
@@ -333,6 +335,12 @@ def render_policies() -> str:
         else:
             out.append("No parameters.")
     return "\n".join(out)
+
+
+def render_policies() -> str:
+    from olproute.policies import REGISTRY
+
+    return policies_page(REGISTRY)
 
 
 # -- the command line --------------------------------------------------------------------
