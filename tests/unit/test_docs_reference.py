@@ -104,6 +104,15 @@ def test_the_config_page_lists_every_leaf_key_with_its_default_and_description()
     assert set(rows) == set(leaves)
 
 
+def test_every_leaf_config_key_has_a_description() -> None:
+    # the schema is the one place a key is documented: a key added without its
+    # description=... fails here, not silently as an empty cell of the reference page
+    leaves = {**_leaves(Config), **_leaves(Profiles)}
+    undocumented = sorted(k for k, f in leaves.items()
+                          if not (f.description and f.description.strip()))
+    assert not undocumented, undocumented
+
+
 def test_the_config_page_shows_bounds_and_types() -> None:
     rows = _rows(ref.render("config"))
     assert rows["instances[].tensor_parallel"][:3] == ["int", "`1`", ">= 1, &lt;= 16"]
