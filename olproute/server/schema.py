@@ -104,7 +104,9 @@ class RouteBody(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     predicted_tokens: int | None = Field(
         default=None, ge=1, le=MAX_TOKENS, description="predicted output tokens, if known: "
-        "overrides the router's prediction on every model (prediction.source: request)")
+        "the length on every model in place of the router's prediction (a predictor "
+        "that runs on the prompt still gives the quality); the answer's "
+        "explanation.prediction.source is then 'request'")
     ttft_target_ms: float | None = Field(default=None, gt=0, le=3_600_000)
     slo_class: str = "default"
     model: str | None = Field(default=None, description="only instances serving this model")
