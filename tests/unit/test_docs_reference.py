@@ -273,6 +273,9 @@ def test_the_openapi_document_lists_every_route_the_app_serves() -> None:
     for path in ("/dashboard/data", "/openapi.json"):
         assert list(doc["paths"][path]["get"]["responses"]["200"]["content"]) == [
             "application/json"]
+    # and the page shows each answer's media type
+    rows = _rows(_section(ref.render("http-api"), "### `GET /dashboard`"))
+    assert rows["200"][-1] == "string (text/html)"
 
 
 def test_a_route_left_out_of_the_document_is_listed_as_served_outside_it() -> None:
