@@ -518,7 +518,8 @@ def _operation_md(path: str, method: str, op: Mapping[str, Any]) -> str:
     rows = []
     for code, answer in op.get("responses", {}).items():
         content = answer.get("content", {})
-        shape = ", ".join(schema_type(c.get("schema", {})) for c in content.values())
+        shape = ", ".join(f"{schema_type(c.get('schema', {}))} ({t})"
+                          for t, c in content.items())
         rows.append([_code(str(code)), str(answer.get("description", "")), shape])
     out.append(_table(["status", "meaning", "body"], rows))
     return "\n".join(out)

@@ -28,15 +28,24 @@ def key_docs(model: type[BaseModel]) -> dict[str, str]:
 class ModelProfile(_Frozen):
     """Architecture of one model, as in its config.json."""
 
-    num_layers: int = Field(ge=1)
-    hidden_size: int = Field(ge=1)
-    num_attention_heads: int = Field(ge=1)
-    num_kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
-    num_params: float = Field(gt=0)
-    bytes_per_param: float = Field(default=2.0, gt=0)
-    kv_bytes_per_element: float = Field(default=2.0, gt=0)
-    max_context_tokens: int = Field(ge=1)
+    num_layers: int = Field(ge=1, description="transformer layers (config.json's "
+                            "num_hidden_layers)")
+    hidden_size: int = Field(ge=1, description="width of the hidden states, elements "
+                             "(what a tensor-parallel all-reduce moves per token and layer)")
+    num_attention_heads: int = Field(ge=1, description="query heads per layer (the "
+                                     "attention FLOPs of the roofline)")
+    num_kv_heads: int = Field(ge=1, description="key/value heads per layer "
+                              "(num_key_value_heads; the KV cache's size)")
+    head_dim: int = Field(ge=1, description="elements per attention head")
+    num_params: float = Field(gt=0, description="parameters of the whole model (count, "
+                              "e.g. 8.2e9): weight bytes and 2 FLOPs per parameter per token")
+    bytes_per_param: float = Field(default=2.0, gt=0, description="bytes per weight "
+                                   "(2: bf16), for the weights' memory and their reads")
+    kv_bytes_per_element: float = Field(default=2.0, gt=0, description="bytes per KV "
+                                        "cache element (2: bf16 / fp16)")
+    max_context_tokens: int = Field(ge=1, description="the model's context window, "
+                                    "tokens (prompt plus output; the emulator's "
+                                    "max_model_len)")
     price_input_per_mtok: float = Field(
         default=0.0, ge=0, description="serving price of prompt tokens, USD per million "
         "tokens (0 when unknown: no cost term)")
@@ -57,35 +66,58 @@ class ModelProfile(_Frozen):
 class GpuProfile(_Frozen):
     """One GPU: datasheet peaks plus the achievable fractions used by the roofline."""
 
-    peak_bf16_flops: float = Field(gt=0)
-    hbm_bandwidth_bytes_per_s: float = Field(gt=0)
-    memory_gib: float = Field(gt=0)
-    interconnect_bytes_per_s: float = Field(gt=0)
-    interconnect_latency_s: float = Field(ge=0)
-    compute_efficiency: float = Field(gt=0, le=1)
-    memory_efficiency: float = Field(gt=0, le=1)
+    peak_bf16_flops: float = Field(gt=0, description="datasheet peak dense BF16 "
+                                   "throughput of one GPU, FLOP/s")
+    hbm_bandwidth_bytes_per_s: float = Field(gt=0, description="datasheet peak memory "
+                                             "(HBM) bandwidth of one GPU, bytes/s")
+    memory_gib: float = Field(gt=0, description="memory of one GPU, GiB")
+    interconnect_bytes_per_s: float = Field(gt=0, description="GPU-to-GPU bandwidth of "
+                                            "the tensor-parallel all-reduces, bytes/s")
+    interconnect_latency_s: float = Field(ge=0, description="fixed latency of one "
+                                          "tensor-parallel all-reduce, seconds")
+    compute_efficiency: float = Field(gt=0, le=1, description="achievable fraction of "
+                                      "peak_bf16_flops in the roofline")
+    memory_efficiency: float = Field(gt=0, le=1, description="achievable fraction of "
+                                     "hbm_bandwidth_bytes_per_s in the roofline")
 
 
 class Profiles(_Frozen):
-    models: dict[str, ModelProfile]
-    gpus: dict[str, GpuProfile]
+    models: dict[str, ModelProfile] = Field(description="model architectures by name "
+                                            "(what instances[].model names)")
+    gpus: dict[str, GpuProfile] = Field(description="GPUs by name (what "
+                                        "instances[].gpu names)")
 
 
 # -- the run configuration ---------------------------------------------------------------
 class InstanceConfig(_Frozen):
     """One serving instance (or ``replicas`` identical ones), with vLLM's engine limits."""
 
-    name: str = Field(min_length=1)
-    model: str
-    gpu: str
-    tensor_parallel: int = Field(default=1, ge=1, le=16)
-    replicas: int = Field(default=1, ge=1)
-    max_num_seqs: int = Field(default=256, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    block_size: int = Field(default=16, ge=1)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    activation_reserve_gib: float = Field(default=1.0, ge=0)
-    kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    name: str = Field(min_length=1, description="the instance's name (with replicas > 1, "
+                      "the replicas are NAME-0, NAME-1, ...)")
+    model: str = Field(description="its model: a key of the profiles file's models")
+    gpu: str = Field(description="its GPU: a key of the profiles file's gpus")
+    tensor_parallel: int = Field(default=1, ge=1, le=16, description="GPUs per instance "
+                                 "(tensor parallelism; weights and KV cache split "
+                                 "across them)")
+    replicas: int = Field(default=1, ge=1, description="identical instances this entry "
+                          "stands for")
+    max_num_seqs: int = Field(default=256, ge=1, description="most requests in one batch "
+                              "(vLLM's --max-num-seqs)")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="most tokens "
+                                        "scheduled in one batch (vLLM's "
+                                        "--max-num-batched-tokens)")
+    block_size: int = Field(default=16, ge=1, description="tokens per KV cache block "
+                            "(vLLM's --block-size)")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="fraction "
+                                          "of each GPU's memory the engine may use "
+                                          "(vLLM's --gpu-memory-utilization)")
+    activation_reserve_gib: float = Field(default=1.0, ge=0, description="memory per GPU "
+                                          "kept for activations, GiB, not given to the KV "
+                                          "cache")
+    kv_capacity_tokens: int | None = Field(default=None, ge=1, description="KV cache "
+                                           "size, tokens (e.g. from vLLM's \"GPU KV cache "
+                                           "size\" log line); null: derived from the GPU's "
+                                           "memory, the weights and activation_reserve_gib")
     role: Literal["mixed", "prefill", "decode"] = Field(
         default="mixed", description="mixed serves both phases; prefill / decode instances "
         "form disaggregated pools")
@@ -113,19 +145,44 @@ class WorkloadConfig(_Frozen):
     words.
     """
 
-    kind: Literal["poisson", "mmpp2", "trace", "synthetic", "mooncake"] = "trace"
+    kind: Literal["poisson", "mmpp2", "trace", "synthetic", "mooncake"] = Field(
+        default="trace", description="where the requests come from: generated arrivals "
+        "(poisson, mmpp2) with trace or fixed lengths, a replayed CSV trace (trace), "
+        "generated prompts with per-model truth (synthetic), a Mooncake JSONL trace "
+        "(mooncake)")
     arrivals: Literal["poisson", "mmpp2"] = Field(
         default="poisson", description="arrival process of kind synthetic")
-    rate_per_s: float | None = Field(default=None, gt=0)
-    ratio: float = Field(default=3.0, ge=1)
-    num_requests: int | None = Field(default=None, ge=1)
-    path: str | None = None
-    lengths_path: str | None = None
-    prompt_tokens: int | None = Field(default=None, ge=1)
-    decode_tokens: int | None = Field(default=None, ge=1)
-    time_scale: float = Field(default=1.0, gt=0)
-    start_s: float = Field(default=0.0, ge=0)
-    duration_s: float | None = Field(default=None, gt=0)
+    rate_per_s: float | None = Field(default=None, gt=0, description="mean arrival rate, "
+                                     "requests/s (required by poisson, mmpp2, synthetic); "
+                                     "trace, mooncake: the trace's arrivals rescaled to it; "
+                                     "null: as recorded, times time_scale")
+    ratio: float = Field(default=3.0, ge=1, description="MMPP-2: arrival rate of the high "
+                         "state over that of the low state (dimensionless)")
+    num_requests: int | None = Field(default=None, ge=1, description="requests to "
+                                     "generate (null: ceil(rate_per_s x duration_s)); "
+                                     "trace, mooncake: at most the first this many of the "
+                                     "window; null: all")
+    path: str | None = Field(default=None, description="trace, mooncake: the trace file, "
+                             "relative to the config file (trace: CSV of arrived_at, "
+                             "num_prefill_tokens, num_decode_tokens; mooncake: JSONL)")
+    lengths_path: str | None = Field(default=None, description="poisson, mmpp2: CSV of "
+                                     "num_prefill_tokens, num_decode_tokens (relative to "
+                                     "the config file) whose rows, shuffled, give the "
+                                     "lengths; null: prompt_tokens and decode_tokens")
+    prompt_tokens: int | None = Field(default=None, ge=1, description="poisson, mmpp2 "
+                                      "without lengths_path: every prompt's length, "
+                                      "tokens")
+    decode_tokens: int | None = Field(default=None, ge=1, description="poisson, mmpp2 "
+                                      "without lengths_path: every output's length, "
+                                      "tokens")
+    time_scale: float = Field(default=1.0, gt=0, description="trace, mooncake: factor "
+                              "on the trace's arrival times (> 1 stretches it: lower "
+                              "load); rate_per_s, when given, rescales after it")
+    start_s: float = Field(default=0.0, ge=0, description="trace, mooncake: start of the "
+                           "replayed window, seconds of (scaled) trace time")
+    duration_s: float | None = Field(default=None, gt=0, description="length of the "
+                                     "window from start_s, seconds; generated kinds: only "
+                                     "arrivals before it are kept; null: no cut")
     block_tokens: int = Field(
         default=16, ge=1, description="kind mooncake: tokens per hashed block, the "
         "instances' block_size (a divisor of the trace's 512-token blocks); kind synthetic "
@@ -139,20 +196,23 @@ class WorkloadConfig(_Frozen):
 
 
 class SloClassConfig(_Frozen):
-    name: str
-    ttft_ms: float = Field(gt=0)
-    tpot_ms: float = Field(gt=0)
-    weight: float = Field(default=1.0, gt=0)
+    name: str = Field(description="the class's name (a request's slo_class)")
+    ttft_ms: float = Field(gt=0, description="time-to-first-token target, ms")
+    tpot_ms: float = Field(gt=0, description="time-per-output-token target, ms")
+    weight: float = Field(default=1.0, gt=0, description="relative share of requests "
+                          "drawn into this class (probability proportional to weight)")
 
 
 class SloConfig(_Frozen):
     """TTFT targets: the BEAR paper's per-prompt formula, or a mix of SLO classes."""
 
-    mode: Literal["bear", "classes"] = "bear"
-    classes: tuple[SloClassConfig, ...] = (
+    mode: Literal["bear", "classes"] = Field(
+        default="bear", description="bear: each request's TTFT target from the BEAR "
+        "paper's per-prompt formula; classes: each request drawn into one of classes")
+    classes: tuple[SloClassConfig, ...] = Field(default=(
         SloClassConfig(name="tight", ttft_ms=175.0, tpot_ms=39.7),
         SloClassConfig(name="loose", ttft_ms=525.0, tpot_ms=119.1),
-    )
+    ), description="mode classes: the SLO classes, each with its TTFT and TPOT targets")
 
 
 class PredictionConfig(_Frozen):
@@ -186,10 +246,20 @@ class PredictionConfig(_Frozen):
     max_tokens``: no predictor; every request is predicted its ``max_tokens``, the most
     the backend will generate."""
 
-    mode: Literal["oracle", "noisy", "predictor"] = "noisy"
-    noise: float = Field(default=0.2, ge=0, lt=1)
-    quality_noise: float = Field(default=0.3, ge=0, le=1)
-    model_dir: str | None = None
+    mode: Literal["oracle", "noisy", "predictor"] = Field(
+        default="noisy", description="the simulator's predictions: the truth (oracle), "
+        "the truth with noise (noisy) or model_dir's trained predictor (predictor); "
+        "olproute serve does not read it")
+    noise: float = Field(default=0.2, ge=0, lt=1, description="noisy: predicted length = "
+                         "true length x a uniform factor in [1 - noise, 1 + noise], per "
+                         "model (a fraction)")
+    quality_noise: float = Field(default=0.3, ge=0, le=1, description="noisy: predicted "
+                                 "quality = true quality + a uniform error in "
+                                 "[-quality_noise, +quality_noise], clipped to [0, 1]")
+    model_dir: str | None = Field(default=None, description="folder of a trained "
+                                  "predictor (olproute train-predictors), relative to the "
+                                  "config file: required by mode predictor; olproute "
+                                  "serve runs it, else the shipped one (serve: predictor)")
     serve: Literal["predictor", "max_tokens"] = Field(
         default="predictor", description="olproute serve: 'predictor' predicts each "
         "request's output length and quality from its prompt text (model_dir's predictor, "
@@ -202,11 +272,20 @@ class SimConfig(_Frozen):
 
     seed: int = Field(default=0, ge=0, description="the run seed (numpy's SeedSequence "
                       "rejects negative seeds)")
-    timing: Literal["roofline", "linear"] = "roofline"
-    noise_cv: float = Field(default=0.03, ge=0, lt=1)
-    batch_overhead_ms: float = Field(default=3.0, ge=0)
-    linear_beta: tuple[float, float, float, float] = (3e-3, 5e-5, 1e-8, 1e-9)
-    record_batches: bool = True
+    timing: Literal["roofline", "linear"] = Field(
+        default="roofline", description="batch times: the roofline of the model and GPU "
+        "profiles (the ground truth), or the 4-term model linear_beta (estimator tests)")
+    noise_cv: float = Field(default=0.03, ge=0, lt=1, description="coefficient of "
+                            "variation of the lognormal noise (mean 1) multiplying each "
+                            "simulated or emulated batch time (0: none)")
+    batch_overhead_ms: float = Field(default=3.0, ge=0, description="fixed time added to "
+                                     "each roofline batch, ms")
+    linear_beta: tuple[float, float, float, float] = Field(
+        default=(3e-3, 5e-5, 1e-8, 1e-9), description="timing linear: batch seconds = b0 "
+        "+ b1 x num_tokens + b2 x sum_decode_context + b3 x sum_prefill_attention")
+    record_batches: bool = Field(default=True, description="keep every simulated batch "
+                                 "in the run's batch log (what calibration and "
+                                 "--batch-log read); false: no log")
     snapshot_age_ms: float = Field(
         default=0.0, ge=0, description="how old the instance snapshots are that "
         "snapshot-reading policies see (BEAR: 0-1000)")
@@ -223,15 +302,20 @@ class TransferConfig(_Frozen):
     the model profile (prompt tokens x kv_bytes_per_token). The default link is
     100 Gb/s RDMA (12.5 GB/s) with 1 ms setup (NIXL-style transfer)."""
 
-    link_gbytes_per_s: float = Field(default=12.5, gt=0)
-    latency_ms: float = Field(default=1.0, ge=0)
+    link_gbytes_per_s: float = Field(default=12.5, gt=0, description="bandwidth of the "
+                                     "prefill-to-decode link, GB/s (1e9 bytes/s)")
+    latency_ms: float = Field(default=1.0, ge=0, description="fixed setup time of each KV "
+                              "transfer, ms")
 
 
 class RouterConfig(_Frozen):
     policy: str = Field(default="round_robin", description="the routing policy, by its "
                         "registered name")
-    slot_ms: float = Field(default=50.0, gt=0)
-    horizon_slots: int = Field(default=600, ge=1)
+    slot_ms: float = Field(default=50.0, gt=0, description="length of a time slot, ms: "
+                           "the unit of the price horizon and of the reward's latency "
+                           "terms; held requests are re-scored once a slot")
+    horizon_slots: int = Field(default=600, ge=1, description="slots in the horizon the "
+                               "shadow prices cover (horizon = horizon_slots x slot_ms)")
     policy_params: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per policy name, that policy's parameters "
         "(each policy's typed parameter model, checked when the config is loaded)")
@@ -358,8 +442,10 @@ class BackendConfig(_Frozen):
     the model name it answers to (vLLM's ``--served-model-name``; by default the
     instance's profile name, e.g. ``qwen3-0.6b``)."""
 
-    name: str = Field(min_length=1)
-    url: str = Field(pattern=r"^https?://")
+    name: str = Field(min_length=1, description="the instance this backend serves, by "
+                      "its name after replicas (NAME, or NAME-0, NAME-1, ...)")
+    url: str = Field(pattern=r"^https?://", description="the backend's OpenAI-compatible "
+                     "base URL")
     served_model: str | None = Field(
         default=None, min_length=1, description="the model name sent to this backend in "
         "every request (vLLM's --served-model-name, e.g. Qwen/Qwen3-0.6B); default the "
@@ -373,9 +459,13 @@ class ServerConfig(_Frozen):
     """``olproute serve``. With no ``backends``, every instance is emulated in-process
     (``olproute.emulator``): the embedded default."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    backends: tuple[BackendConfig, ...] = ()
+    host: str = Field(default="127.0.0.1", description="address olproute serve listens "
+                      "on (--host overrides it)")
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port olproute serve "
+                      "listens on (--port overrides it)")
+    backends: tuple[BackendConfig, ...] = Field(
+        default=(), description="the real backends, one per instance; none: every "
+        "instance emulated in-process")
     emulator_time_scale: float = Field(default=1.0, gt=0,
                                        description="emulated batch-time multiplier")
     emulator_exact_lengths: bool = Field(
@@ -393,11 +483,14 @@ class ServerConfig(_Frozen):
     reload_weights_dirs: tuple[str, ...] = Field(
         default=(), description="folders (relative to this file) besides its own and "
         "configs/weights/ whose .yaml profiles POST /admin/reload may name in its body")
-    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="largest request "
+                                "body, bytes; a larger one is refused with 413")
     body_timeout_s: float = Field(default=5.0, gt=0, description="the whole body, else 408")
     default_ttft_ms: float = Field(default=2000.0, gt=0,
                                    description="when x-slo-ttft-ms is absent")
-    default_max_tokens: int = Field(default=16, ge=1)
+    default_max_tokens: int = Field(default=16, ge=1, description="output-token limit, "
+                                    "tokens, of a request that gives none (max_tokens or "
+                                    "max_completion_tokens); a proxied one is sent with it")
     request_timeout_s: float = Field(default=600.0, gt=0,
                                      description="a whole backend request")
     connect_timeout_s: float = Field(default=2.0, gt=0,
@@ -412,7 +505,9 @@ class ServerConfig(_Frozen):
         default=10.0, gt=0, description="event-loop time per slot for re-scoring held "
         "requests: past it, the rest wait for the next slot (round robin over the buffer), "
         "so the loop never starves")
-    health_period_s: float = Field(default=2.0, gt=0)
+    health_period_s: float = Field(default=2.0, gt=0, description="seconds between two "
+                                   "probes of a healthy backend's /health (a failed one "
+                                   "waits its backoff, health_max_backoff_s)")
     health_max_backoff_s: float = Field(
         default=30.0, gt=0, description="a failed backend is probed again after 0.5 s, "
         "then after twice as long at each failure, up to this")
@@ -420,7 +515,10 @@ class ServerConfig(_Frozen):
         default=1.0, gt=0, description="a backend's /health must answer within this, or "
         "the probe fails (the backend is taken out and probed again after a backoff)")
     scrape_period_s: float = Field(default=1.0, gt=0, description="backends' /metrics")
-    recalibrate_period_s: float = Field(default=5.0, gt=0)
+    recalibrate_period_s: float = Field(default=5.0, gt=0, description="seconds between "
+                                        "two feeds of each backend's new batch records (or "
+                                        "stream events) to its batch-time calibration, "
+                                        "which refits beta when due")
     retry_after_s: int = Field(default=1, ge=0, description="on 429")
 
 
@@ -458,8 +556,10 @@ class StateConfig(_Frozen):
 
 
 class Config(_Frozen):
-    profiles: str = "profiles.yaml"
-    instances: tuple[InstanceConfig, ...] = Field(min_length=1)
+    profiles: str = Field(default="profiles.yaml", description="the profiles file (models, "
+                          "GPUs), relative to the config file")
+    instances: tuple[InstanceConfig, ...] = Field(min_length=1, description="the serving "
+                                                  "instances")
     workload: WorkloadConfig = WorkloadConfig()
     slo: SloConfig = SloConfig()
     prediction: PredictionConfig = PredictionConfig()

@@ -104,7 +104,9 @@ class RouteBody(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     predicted_tokens: int | None = Field(
         default=None, ge=1, le=MAX_TOKENS, description="predicted output tokens, if known: "
-        "overrides the router's prediction on every model (prediction.source: request)")
+        "the length on every model in place of the router's prediction (a predictor "
+        "that runs on the prompt still gives the quality); the answer's "
+        "explanation.prediction.source is then 'request'")
     ttft_target_ms: float | None = Field(default=None, gt=0, le=3_600_000)
     slo_class: str = "default"
     model: str | None = Field(default=None, description="only instances serving this model")
@@ -381,6 +383,16 @@ def _proxied(summary: str, body: str) -> dict[str, Any]:
             "502": _error("the backend failed"), "503": _error("no backend after a failure")}}}
 
 
+_NO_STORE = {"Cache-Control": {"description": "no-store",
+                               "schema": {"type": "string", "enum": ["no-store"]}}}
+
+
+def _json(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A 200 answer of a JSON object (``headers``: its response headers, if any)."""
+    return {"description": description, **({"headers": headers} if headers else {}),
+            "content": {"application/json": {"schema": {"type": "object"}}}}
+
+
 def _get(summary: str, description: str = "") -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {"200": {"description": description
                                                                  or summary}}}}
@@ -416,6 +428,9 @@ def openapi() -> dict[str, Any]:
                                "credentials)"),
             "/metrics": _get("Prometheus metrics", "text format"),
             "/healthz": _get("liveness", "ok (503 when no backend is healthy)"),
+            "/openapi.json": {"get": {
+                "summary": "this document (OpenAPI 3.1)",
+                "responses": {"200": _json("the router's OpenAPI document")}}},
             "/debug/loop-lag": {"get": {
                 "summary": "how late the router's event loop ran a timer (one every 10 ms) "
                            "over the last `seconds`: samples, p50_ms, p99_ms, max_ms",
@@ -434,6 +449,20 @@ def openapi() -> dict[str, Any]:
                                             "router may not read, or a change that needs a "
                                             "restart; param names the key"),
                               "401": _error("missing or wrong token")}}},
+            "/dashboard": {"get": {
+                "summary": "the operators' live page (HTML and JavaScript served by the "
+                           "router, nothing fetched from outside it), polling "
+                           "/dashboard/data every second",
+                "responses": {"200": {
+                    "description": "the page (never cached)", "headers": _NO_STORE,
+                    "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+            "/dashboard/data": {"get": {
+                "summary": "what the dashboard shows: shadow prices per instance (batch, KV "
+                           "and compute, binned over the horizon), decisions per second by "
+                           "action, observed TTFT, and the last live certificate of the "
+                           "prices",
+                "responses": {"200": _json("the dashboard's figures (never cached)",
+                                           _NO_STORE)}}},
         },
         "components": {
             "schemas": {**defs["$defs"], "Error": ERROR_SCHEMA},

@@ -177,6 +177,24 @@ def test_route_answers_with_its_explanation(stack: Stack) -> None:
     assert status == 200 and "/route" in json.loads(raw)["paths"]
 
 
+def test_the_served_openapi_document_lists_every_route_with_its_content_type(
+        stack: Stack) -> None:
+    status, headers, raw = request(stack.url, "GET", "/openapi.json")
+    assert status == 200 and headers["content-type"].startswith("application/json")
+    paths = json.loads(raw)["paths"]
+    routes = [(r.method, r.resource.canonical) for r in stack.app.router.routes()
+              if r.method != "HEAD" and r.resource is not None]
+    assert [(m, p) for m, p in routes if m.lower() not in paths.get(p, {})] == []
+    # what the handlers answer is what the document says they answer
+    for path in ("/openapi.json", "/dashboard", "/dashboard/data"):
+        status, headers, _ = request(stack.url, "GET", path)
+        declared = paths[path]["get"]["responses"]["200"]
+        assert status == 200
+        assert headers["content-type"].split(";")[0] == next(iter(declared["content"])), path
+        if "headers" in declared:
+            assert headers["cache-control"] == "no-store", path
+
+
 def test_prices_and_instances(stack: Stack) -> None:
     for _ in range(4):
         request(stack.url, "POST", "/v1/completions", {"prompt": "x y", "max_tokens": 2})

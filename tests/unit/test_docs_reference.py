@@ -104,6 +104,15 @@ def test_the_config_page_lists_every_leaf_key_with_its_default_and_description()
     assert set(rows) == set(leaves)
 
 
+def test_every_leaf_config_key_has_a_description() -> None:
+    # the schema is the one place a key is documented: a key added without its
+    # description=... fails here, not silently as an empty cell of the reference page
+    leaves = {**_leaves(Config), **_leaves(Profiles)}
+    undocumented = sorted(k for k, f in leaves.items()
+                          if not (f.description and f.description.strip()))
+    assert not undocumented, undocumented
+
+
 def test_the_config_page_shows_bounds_and_types() -> None:
     rows = _rows(ref.render("config"))
     assert rows["instances[].tensor_parallel"][:3] == ["int", "`1`", ">= 1, &lt;= 16"]
@@ -229,14 +238,54 @@ def test_the_http_page_lists_every_operation_schema_and_served_route() -> None:
             assert f"(#{slugify(f'{method} {path}', '-')})" in page
     for name in doc["components"]["schemas"]:
         assert f"### {name}\n" in page
-    served = _section(page, "## Served outside the OpenAPI document")
+    # every route is in the document (test below), so none is listed outside it
+    assert "## Served outside the OpenAPI document" not in page
+
+
+def _app_routes() -> list[tuple[str, str]]:
+    """(method, path) of every route ``init_app`` registers on the default configuration
+    (HEAD, which aiohttp adds to every GET, left out); nothing is started."""
     from olproute.config.loader import load_config as load_run_config
     from olproute.server.app import init_app
 
-    for route in init_app(load_run_config()).router.routes():
-        path = route.resource.canonical if route.resource is not None else ""
-        if route.method != "HEAD" and route.method.lower() not in doc["paths"].get(path, {}):
-            assert f"| {route.method} | `{path}` |" in served
+    return [(route.method, route.resource.canonical if route.resource is not None else "")
+            for route in init_app(load_run_config()).router.routes()
+            if route.method != "HEAD"]
+
+
+def test_the_openapi_document_lists_every_route_the_app_serves() -> None:
+    doc = openapi()
+    routes = _app_routes()
+    assert ("GET", "/dashboard/data") in routes and ("GET", "/openapi.json") in routes
+    missing = [(m, p) for m, p in routes if m.lower() not in doc["paths"].get(p, {})]
+    assert not missing, missing
+    # and nothing the app does not serve
+    documented = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
+    assert documented == set(routes)
+    # every answer of every operation says what it is
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            for code, answer in op["responses"].items():
+                assert answer.get("description"), (method, path, code)
+    # the content types the handlers answer with
+    assert list(doc["paths"]["/dashboard"]["get"]["responses"]["200"]["content"]) == [
+        "text/html"]
+    for path in ("/dashboard/data", "/openapi.json"):
+        assert list(doc["paths"][path]["get"]["responses"]["200"]["content"]) == [
+            "application/json"]
+    # and the page shows each answer's media type
+    rows = _rows(_section(ref.render("http-api"), "### `GET /dashboard`"))
+    assert rows["200"][-1] == "string (text/html)"
+
+
+def test_a_route_left_out_of_the_document_is_listed_as_served_outside_it() -> None:
+    doc = openapi()
+    del doc["paths"]["/dashboard"]
+    served = ref.served_routes(doc)
+    assert [(m, p) for m, p, _ in served] == [("GET", "/dashboard")]
+    assert "olproute.server.dashboard.page" in served[0][2]
+    section = _section(ref.http_page(doc, served), "## Served outside the OpenAPI document")
+    assert "| GET | `/dashboard` |" in section
 
 
 def test_an_operation_taken_out_of_the_document_leaves_the_page() -> None:
