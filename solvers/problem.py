@@ -1,4 +1,4 @@
-"""The data of the exact LP and its columns (DESIGN.md section 1).
+"""The data of the exact LP and its columns (docs/design.md section 1).
 
 A window of N requests on G instances, on an **absolute** grid of K slots of ``slot_s``
 (slot 0 starts at ``t0_s``; request j arrives in slot ``a_j``). Variable x_jgk is "j's

@@ -47,8 +47,8 @@ def add_operator_commands(sub: Any, add_run_options: AddOptions, loaded_of: Load
         description="Run the simulator once per point of a weight grid (or N random "
                     "draws), in worker processes or as Ray tasks; write tune.csv, "
                     "pareto.png and the selected point as a weight profile, selected.yaml. "
-                    "Grid file format and selection rule: olproute/operator/tune_grid.py and the "
-                    "README.")
+                    "Grid file format and selection rule: olproute/operator/tune_grid.py and "
+                    "docs/guides/operating.md.")
     add_run_options(p)
     p.add_argument("--grid", required=True, metavar="YAML", help="the search space")
     p.add_argument("--random", type=_jobs, metavar="N",

@@ -221,7 +221,7 @@ def _ms(seconds: float) -> str:
 
 
 def summary_lines(tune: TuneResult) -> list[str]:
-    """A table of the front points and the selected one, for the terminal and README.
+    """A table of the front points and the selected one, for the terminal.
     TTFT mean / p99 and EEL mean are over the served requests, beside the served
     fraction and the P99 TTFT over all requests (a refused one infinitely late); tok/s
     is over the arrival window."""

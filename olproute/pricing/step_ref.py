@@ -2,7 +2,7 @@
 are tested against, and the samples both take. Shadow prices p[g, k, r] >= 0 for batch
 slots, KV cache and compute (the prefill token budget), in capacity fractions, per
 instance g and future slot k, are learned online by projected mini-batch steps on the SAA
-dual (DESIGN.md section 1; the book that holds them: ``olproute.pricing.book``):
+dual (docs/design.md section 1; the book that holds them: ``olproute.pricing.book``):
 
     grad = c - (N_H / |S|) * sum_{i in S} a_i(x_i(p));   p <- max(0, p - step(grad))
 

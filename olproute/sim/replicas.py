@@ -1,4 +1,5 @@
-"""Several router replicas in front of one simulated cluster (DESIGN.md "Many routers").
+"""Several router replicas in front of one simulated cluster (docs/design.md, "Many
+routers" in section 4; docs/guides/replicas.md).
 
 Each replica is its own policy object; the requests are split among them round robin in
 arrival order (``replica_of``). What a replica's policy sees is built the way the server

@@ -93,7 +93,7 @@ class RooflineTiming:
 
 
 class LinearTiming:
-    """The 4-term batch-time model of DESIGN.md section 2, as a ground truth for tests:
+    """The 4-term batch-time model of docs/design.md section 2, as a ground truth for tests:
     T = b0 + b1*num_tokens + b2*sum_decode_context + b3*sum_prefill_attention."""
 
     def __init__(

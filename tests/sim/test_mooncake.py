@@ -42,7 +42,7 @@ def test_counts_and_units(conversation) -> None:  # type: ignore[no-untyped-def]
     assert conversation.hash_ids[0].tolist() == first["hash_ids"]
     # timestamps are milliseconds: the trace spans one hour
     assert t.arrival_s[0] == 0.0 and t.arrival_s[-1] == pytest.approx(3536.999)
-    # the README's medians: prompt 6,909 tokens, output 350
+    # data/mooncake/README.md's medians: prompt 6,909 tokens, output 350
     assert np.median(t.prompt_tokens) == 6909 and np.median(t.decode_tokens) == 350
     # one id per 512-token block, the last one possibly partial
     assert all(len(ids) == math.ceil(p / 512)
@@ -53,8 +53,8 @@ def test_counts_and_units(conversation) -> None:  # type: ignore[no-untyped-def]
 
 def test_an_unbounded_cache_would_hold_36_6_percent_of_prompt_blocks(
         conversation) -> None:  # type: ignore[no-untyped-def]
-    """The README's figure: 36.6% of the conversation trace's prompt blocks repeat an
-    earlier block."""
+    """data/mooncake/README.md's figure: 36.6% of the conversation trace's prompt blocks
+    repeat an earlier block."""
     assert round(repeat_fraction(conversation.hash_ids), 3) == 0.366
     # the trace's ids are prefix ids: numbering every chain of ids changes nothing
     assert repeat_fraction(prefix_nodes(conversation.hash_ids)) == repeat_fraction(

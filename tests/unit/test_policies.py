@@ -246,7 +246,7 @@ def test_a_policy_of_decide_and_observe_has_every_hook_with_a_default() -> None:
 
 
 def test_no_caller_probes_a_policy_with_getattr() -> None:
-    """DESIGN.md section 4: hooks live on the base; ``getattr(policy, ...)`` (or on a
+    """docs/design.md section 5: hooks live on the base; ``getattr(policy, ...)`` (or on a
     wrapped ``inner`` policy) appears nowhere in the package."""
     import ast
     from pathlib import Path
