@@ -45,10 +45,11 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("olproute.operator.executors",), ("olproute.routing.prefix_index",)),
     # the compiled kernels and their twins (batch formation and its Python twin, with
     # vLLM's block pool as the twin of its prefix cache; a decision's arithmetic, whose
-    # twin is pricing.reward.score_reference; the prompt featuriser; LightGBM's single-row
-    # calls)
+    # twin is pricing.reward.score_reference, with the layout of its output; the prompt
+    # featuriser; LightGBM's single-row calls)
     (("olproute._core", "olproute.core_ref", "olproute.prefix_ref", "olproute.pricing._score",
-      "olproute.predict._featurize", "olproute.predict._rowheads"),),
+      "olproute.pricing.score_fields", "olproute.predict._featurize",
+      "olproute.predict._rowheads"),),
     # batch-time calibration (NNLS beta, online refit; from a backend's streams)
     (("olproute.estimate.calibration", "olproute.estimate.streamcal"),),
     # TTFT estimators, predictors, the config schema and what needs only it (reading

@@ -48,6 +48,27 @@ from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, Pol
 from olproute.policies.bid_price_pools import PoolBidPrice
 from olproute.policies.release import Chosen, ReleaseName, ReleaseRule, release_rule
 from olproute.pricing._score import (
+    Scorer,
+    fits_column,
+    subtract_column,
+)
+from olproute.pricing.prices import PriceBook, PriceView
+from olproute.pricing.reward import (
+    HARD,
+    TERMS,
+    Columns,
+    capacities,
+    column_at,
+    column_mass,
+    compute_budget,
+    free_capacity,
+    reward_terms,
+    reward_weights,
+    sample_extent,
+    shifted_usage,
+    slots_since,
+)
+from olproute.pricing.score_fields import (
     F_COMPUTE_A,
     F_EEL_SAVED,
     F_EEL_SLO,
@@ -68,25 +89,6 @@ from olproute.pricing._score import (
     I_PRE_END,
     I_PRE_START,
     I_START,
-    Scorer,
-    fits_column,
-    subtract_column,
-)
-from olproute.pricing.prices import PriceBook, PriceView
-from olproute.pricing.reward import (
-    HARD,
-    TERMS,
-    Columns,
-    capacities,
-    column_at,
-    column_mass,
-    compute_budget,
-    free_capacity,
-    reward_terms,
-    reward_weights,
-    sample_extent,
-    shifted_usage,
-    slots_since,
 )
 from olproute.routing.disagg import Pools
 from olproute.routing.outlook import Outlook
@@ -153,7 +155,7 @@ class _Scores:
     ttft: FloatArray
     tpot: FloatArray
     cols: Columns
-    figures: FloatArray               # the kernel's (F, N, G) floats, by _score.F_*
+    figures: FloatArray               # the kernel's (F, N, G) floats, by score_fields.F_*
     reward: FloatArray
     price: FloatArray
     lagrangian: FloatArray

@@ -20,16 +20,12 @@ from libc.stdint cimport int64_t, uint8_t
 
 cnp.import_array()
 
-# rows of the float output (F, N, G)
-(F_TTFT, F_TPOT, F_KV_A, F_KV_B, F_COMPUTE_A, F_QPS, F_THROUGHPUT, F_EEL_SAVED, F_TTFT_SAVED,
- F_EEL_SLO, F_TTFT_SLO, F_UTILITY, F_REWARD, F_PRICE, F_LAGRANGIAN, F_FINITE_TTFT) = range(16)
-NUM_F = 16
-# rows of the integer output (4, N, G)
-I_START, I_END, I_PRE_START, I_PRE_END = range(4)
-# the weights vector
-(W_SIGMA, W_ALPHA, W_TOKEN_NORM, W_BETA, W_GAMMA, W_ZETA1, W_EEL_THRESHOLD, W_ZETA2,
- W_TTFT_THRESHOLD, W_OMEGA, W_DELTA) = range(11)
-NUM_W = 11
+# the output's rows and the weights vector, as olproute.pricing.score_fields declares them
+from olproute.pricing.score_fields import (
+    F_COMPUTE_A, F_EEL_SAVED, F_EEL_SLO, F_FINITE_TTFT, F_KV_A, F_KV_B, F_LAGRANGIAN, F_PRICE,
+    F_QPS, F_REWARD, F_THROUGHPUT, F_TPOT, F_TTFT, F_TTFT_SAVED, F_TTFT_SLO, F_UTILITY, I_END,
+    I_PRE_END, I_PRE_START, I_START, NUM_F, NUM_I, NUM_W, W_ALPHA, W_BETA, W_DELTA,
+    W_EEL_THRESHOLD, W_GAMMA, W_OMEGA, W_SIGMA, W_TOKEN_NORM, W_TTFT_THRESHOLD, W_ZETA1, W_ZETA2)
 
 
 cdef inline int64_t _first_slot(double ttft, double slot_s, int64_t horizon) noexcept nogil:
@@ -98,7 +94,8 @@ cdef class Scorer:
         prompt tokens cached on each instance (its prefix-cache hit), which its prefill
         work (compute column) and its KV column leave out: the cache holds those blocks
         whether or not the request goes there. Returns (F (16, N, G) float64 by ``F_*``,
-        I (4, N, G) int64 by ``I_*``, on_time (N, G) bool)."""
+        I (4, N, G) int64 by ``I_*``, on_time (N, G) bool), the rows as
+        ``score_fields`` declares them."""
         cdef Py_ssize_t G = self.beta.shape[0]
         _check_idx(idx, G)
         if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:
@@ -155,7 +152,7 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
     cdef int64_t g
 
     f_np = np.empty((NUM_F, N, G), dtype=np.float64)
-    i_np = np.empty((4, N, G), dtype=np.int64)
+    i_np = np.empty((NUM_I, N, G), dtype=np.int64)
     on_np = np.zeros((N, G), dtype=np.bool_)
     cdef double[:, :, ::1] f = f_np
     cdef int64_t[:, :, ::1] iv = i_np
@@ -171,7 +168,7 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
                 f[F_PRICE, j, g] = 0.0   # reward - price: -inf, not NaN
                 f[F_LAGRANGIAN, j, g] = -INFINITY
                 f[F_FINITE_TTFT, j, g] = 1e9
-                for r in range(4):
+                for r in range(NUM_I):
                     iv[r, j, g] = horizon
     cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]
     cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
