@@ -1048,6 +1048,43 @@ def replay_ttft(list snapshots, const int64_t[:, ::1] limits, const double[:, ::
     return out[0]
 
 
+cdef void _check_many(Py_ssize_t G, Py_ssize_t N, const int64_t[:, ::1] limits,
+                      const double[:, ::1] beta, const int64_t[:, ::1] new_decode,
+                      list extras, double[:, ::1] loads,
+                      const int64_t[:, ::1] new_cached) except *:
+    """``replay_ttft_many``'s arguments' shapes, or ValueError."""
+    if limits.shape[0] != G or beta.shape[0] != G or new_decode.shape[1] != G:
+        raise ValueError("limits, beta and new_decode need one row per snapshot")
+    if new_decode.shape[0] != N:
+        raise ValueError("new_decode needs one row per new prompt")
+    if limits.shape[1] != 4 or beta.shape[1] != 4:
+        raise ValueError("limits and beta need 4 columns")
+    if extras is not None and len(extras) != G:
+        raise ValueError("extras needs one entry per snapshot")
+    if loads is not None and (loads.shape[0] != G or loads.shape[1] != 2):
+        raise ValueError("loads needs shape (G, 2)")
+    if new_cached is not None and (new_cached.shape[0] != N or new_cached.shape[1] != G):
+        raise ValueError("new_cached needs shape (N, G), as new_decode")
+
+
+cdef inline void _count_load(const int64_t* rows, int64_t n_rows, int64_t max_num_seqs,
+                             double* load) noexcept nogil:
+    """An instance's decode load as ``bea.decode_step_times_s`` counts it from its
+    snapshot table: (residents counted, the sum of their contexts), the first
+    ``max_num_seqs - 1`` rows, written to ``load[0]``, ``load[1]``."""
+    cdef Py_ssize_t i
+    cdef Py_ssize_t n_counted = n_rows
+    cdef int64_t context = 0
+    if n_counted > max_num_seqs - 1:
+        n_counted = max_num_seqs - 1
+    if n_counted < 0:
+        n_counted = 0
+    for i in range(n_counted):
+        context += rows[i * SNAP_COLUMNS] + rows[i * SNAP_COLUMNS + 1]
+    load[0] = <double>n_counted
+    load[1] = <double>context
+
+
 def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[:, ::1] beta,
                      const int64_t[::1] new_prompts, const int64_t[:, ::1] new_decode,
                      double now_s, list extras=None, int64_t max_batches=200000,
@@ -1062,18 +1099,7 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
     (N, G), optional: each new request's prompt tokens cached on each instance."""
     cdef Py_ssize_t G = len(snapshots)
     cdef Py_ssize_t N = new_prompts.shape[0]
-    if limits.shape[0] != G or beta.shape[0] != G or new_decode.shape[1] != G:
-        raise ValueError("limits, beta and new_decode need one row per snapshot")
-    if new_decode.shape[0] != N:
-        raise ValueError("new_decode needs one row per new prompt")
-    if limits.shape[1] != 4 or beta.shape[1] != 4:
-        raise ValueError("limits and beta need 4 columns")
-    if extras is not None and len(extras) != G:
-        raise ValueError("extras needs one entry per snapshot")
-    if loads is not None and (loads.shape[0] != G or loads.shape[1] != 2):
-        raise ValueError("loads needs shape (G, 2)")
-    if new_cached is not None and (new_cached.shape[0] != N or new_cached.shape[1] != G):
-        raise ValueError("new_cached needs shape (N, G), as new_decode")
+    _check_many(G, N, limits, beta, new_decode, extras, loads, new_cached)
     out_np = np.empty((N, G, 3), dtype=np.float64)
     if N == 0:
         return out_np
@@ -1084,9 +1110,9 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
     cdef int64_t n_rows
     cdef const double[:, ::1] extra
     cdef const double[:, ::1] no_extras = _EMPTY_EXTRAS   # acquired once, not per instance
-    cdef Py_ssize_t g, i, n_counted
+    cdef Py_ssize_t g, i
     cdef int rc
-    cdef int64_t n_running, n_free, context
+    cdef int64_t n_running, n_free
     cdef double start_s, snap_s
     for g in range(G):
         snap = snapshots[g]
@@ -1097,16 +1123,7 @@ def replay_ttft_many(list snapshots, const int64_t[:, ::1] limits, const double[
         rows = <const int64_t*>cnp.PyArray_DATA(table)
         n_rows = cnp.PyArray_DIM(table, 0)
         if loads is not None:
-            n_counted = n_rows
-            if n_counted > limits[g, 2] - 1:
-                n_counted = limits[g, 2] - 1
-            if n_counted < 0:
-                n_counted = 0
-            context = 0
-            for i in range(n_counted):
-                context += rows[i * SNAP_COLUMNS] + rows[i * SNAP_COLUMNS + 1]
-            loads[g, 0] = <double>n_counted
-            loads[g, 1] = <double>context
+            _count_load(rows, n_rows, limits[g, 2], &loads[g, 0])
         n_running = snap.num_running
         n_free = snap.num_free_blocks
         start_s = snap.inflight_start_s

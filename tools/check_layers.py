@@ -14,7 +14,10 @@ there is any:
 2. **No import climbs** the layer order below: a module may import modules of a lower
    layer, or of its own layer and column; importing a higher layer, or a sibling column
    of its own layer (``sim`` and ``router`` know nothing of each other), is reported.
-3. **No function longer than** ``--max-lines`` (80) lines, ``def`` line to last line.
+3. **No function longer than** ``--max-lines`` (80) lines, ``def`` line to last line: the
+   Python modules' (from ``ast``) and the Cython sources' (``.pyx`` and the ``.pxi`` they
+   include: ``def``, ``cdef`` and ``cpdef`` functions, found by a line-based scanner,
+   ``cython_functions``, since ``ast`` cannot read Cython).
 
 The layer order is ``LAYERS`` below, bottom to top, as docs/design.md (section 3)
 states it (types -> kernels, calibration -> bea, predict, config schema -> the policy
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -46,10 +50,11 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("olproute.operator.executors",), ("olproute.routing.prefix_index",)),
     # the compiled kernels and their twins (batch formation and its Python twin, with
     # vLLM's block pool as the twin of its prefix cache; a decision's arithmetic, whose
-    # twin is pricing.reward.score_reference; the prompt featuriser; LightGBM's single-row
-    # calls)
+    # twin is pricing.reward.score_reference, with the layout of its output; the prompt
+    # featuriser; LightGBM's single-row calls)
     (("olproute._core", "olproute.core_ref", "olproute.prefix_ref", "olproute.pricing._score",
-      "olproute.predict._featurize", "olproute.predict._rowheads"),),
+      "olproute.pricing.score_fields", "olproute.predict._featurize",
+      "olproute.predict._rowheads"),),
     # batch-time calibration (NNLS beta, online refit; from a backend's streams)
     (("olproute.estimate.calibration", "olproute.estimate.streamcal"),),
     # TTFT estimators, predictors, the config schema and what needs only it (reading
@@ -272,18 +277,101 @@ def layer_problems(edges: Sequence[Import], modules: Iterable[str],
     return problems
 
 
+# a Cython function's first line: ``def name(``, or ``cdef``/``cpdef`` with a return type
+# and qualifiers before ``name(`` (no ``=`` before it: a variable declaration's initialiser
+# may call a function); ``cdef class``/``struct``/``enum``/``extern`` blocks are not functions
+_CYTHON_DEF = re.compile(r"^(?P<indent>[ \t]*)(?:async[ \t]+)?(?P<kind>def|cdef|cpdef)[ \t]"
+                         r"(?P<head>[^=(#]*?)\b(?P<name>[A-Za-z_]\w*)[ \t]*\(")
+_NOT_FUNCTION = re.compile(r"^[ \t]*c(?:p)?def[ \t]+(?:public[ \t]+|api[ \t]+)*"
+                           r"(?:class|struct|union|enum|extern|packed|fused|ctypedef)\b")
+
+
+def _code_lines(lines: Sequence[str]) -> list[bool]:
+    """Per line: whether it holds code that ends or extends a block (not blank, not only
+    a comment, not inside a triple-quoted string begun on an earlier line)."""
+    out = []
+    quote: str | None = None
+    for line in lines:
+        stripped = line.strip()
+        starts_inside = quote is not None
+        i = 0
+        while i < len(line):
+            if quote is None and line[i] == "#":
+                break
+            for q in ('"""', "'''"):
+                if line.startswith(q, i) and quote in (None, q):
+                    quote = None if quote == q else q
+                    i += 2
+                    break
+            i += 1
+        out.append(not starts_inside and stripped != "" and not stripped.startswith("#"))
+    return out
+
+
+def _indent(line: str) -> int:
+    return len(line.expandtabs()) - len(line.expandtabs().lstrip())
+
+
+def cython_functions(text: str) -> list[tuple[str, int, int]]:
+    """(name, first line, last line) of each ``def``/``cdef``/``cpdef`` function of a
+    Cython source, 1-based: from its ``def`` line to the last code line of its body, the
+    body being the lines after the signature indented deeper than the ``def`` line (a
+    one-line ``def f(): ...`` is one line)."""
+    lines = text.splitlines()
+    code = _code_lines(lines)
+    out = []
+    for n, line in enumerate(lines):
+        m = _CYTHON_DEF.match(line)
+        if not code[n] or m is None or _NOT_FUNCTION.match(line):
+            continue
+        # the signature: to the line where its parentheses close, which ends with ":"
+        depth, end_sig = 0, n
+        for k in range(n, len(lines)):
+            body = lines[k].split("#", 1)[0]
+            depth += body.count("(") + body.count("[") - body.count(")") - body.count("]")
+            end_sig = k
+            if depth <= 0:
+                break
+        tail = lines[end_sig].split("#", 1)[0].rstrip()
+        if not tail.endswith(":") and ":" not in tail.rsplit(")", 1)[-1]:
+            continue   # a declaration (``cdef int f(int)``), no body
+        last = end_sig
+        if tail.endswith(":"):   # the body on the lines below
+            indent = _indent(line)
+            for k in range(end_sig + 1, len(lines)):
+                if not code[k]:
+                    continue
+                if _indent(lines[k]) <= indent:
+                    break
+                last = k
+        out.append((m.group("name"), n + 1, last + 1))
+    return out
+
+
+def cython_files(root: Path, packages: Iterable[str] = PACKAGES) -> list[Path]:
+    """The Cython sources under the packages (``.pyx`` and included ``.pxi``)."""
+    return [f for pkg in packages for ext in ("*.pyx", "*.pxi")
+            for f in sorted((root / pkg).rglob(ext))]
+
+
 def long_functions(root: Path, packages: Iterable[str] = PACKAGES,
                    max_lines: int = MAX_FUNCTION_LINES) -> list[str]:
-    out = []
+    found: list[tuple[Path, str, int, int]] = []
     for path in module_files(root, packages).values():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 assert node.end_lineno is not None
-                length = node.end_lineno - node.lineno + 1
-                if length > max_lines:
-                    out.append(f"{path.relative_to(root)}:{node.lineno}: function "
-                               f"{node.name} is {length} lines (at most {max_lines})")
+                found.append((path, node.name, node.lineno, node.end_lineno))
+    for path in cython_files(root, packages):
+        found += [(path, name, first, last) for name, first, last
+                  in cython_functions(path.read_text(encoding="utf-8"))]
+    out = []
+    for path, name, first, last in found:
+        length = last - first + 1
+        if length > max_lines:
+            out.append(f"{path.relative_to(root)}:{first}: function {name} is {length} lines "
+                       f"(at most {max_lines})")
     return out
 
 

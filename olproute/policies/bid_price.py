@@ -46,7 +46,29 @@ from olproute.policies.admission import (
 )
 from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, PolicyParams
 from olproute.policies.bid_price_pools import PoolBidPrice
+from olproute.policies.release import Chosen, ReleaseName, ReleaseRule, release_rule
 from olproute.pricing._score import (
+    Scorer,
+    fits_column,
+    subtract_column,
+)
+from olproute.pricing.book import PriceBook
+from olproute.pricing.reward import (
+    HARD,
+    TERMS,
+    Columns,
+    capacities,
+    column_at,
+    column_mass,
+    compute_budget,
+    free_capacity,
+    reward_terms,
+    reward_weights,
+    sample_extent,
+    shifted_usage,
+    slots_since,
+)
+from olproute.pricing.score_fields import (
     F_COMPUTE_A,
     F_EEL_SAVED,
     F_EEL_SLO,
@@ -67,25 +89,6 @@ from olproute.pricing._score import (
     I_PRE_END,
     I_PRE_START,
     I_START,
-    Scorer,
-    fits_column,
-    subtract_column,
-)
-from olproute.pricing.book import PriceBook
-from olproute.pricing.reward import (
-    HARD,
-    TERMS,
-    Columns,
-    capacities,
-    column_at,
-    column_mass,
-    compute_budget,
-    free_capacity,
-    reward_terms,
-    reward_weights,
-    sample_extent,
-    shifted_usage,
-    slots_since,
 )
 from olproute.routing.disagg import Pools
 from olproute.routing.outlook import Outlook
@@ -122,7 +125,7 @@ class BidPriceParams(PolicyParams):
         "reward.delta x predicted TTFT - price; constrained (BEAR eq. 5): the highest "
         "reward - price among the instances predicted to meet the TTFT target, else hold "
         "until patience")
-    release: Literal["in_order", "density", "score", "assignment"] = Field(
+    release: ReleaseName = Field(
         default="in_order", description="how each slot's pass decides the held requests: "
         "one by one in arrival order (in_order); or together, greedily by score per use "
         "of the instance (density) or by score, or as the exact assignment with the "
@@ -153,7 +156,7 @@ class _Scores:
     ttft: FloatArray
     tpot: FloatArray
     cols: Columns
-    figures: FloatArray               # the kernel's (F, N, G) floats, by _score.F_*
+    figures: FloatArray               # the kernel's (F, N, G) floats, by score_fields.F_*
     reward: FloatArray
     price: FloatArray
     lagrangian: FloatArray
@@ -189,6 +192,26 @@ class _Figures:
     j: int
     ctx: RoutingContext
     full: _Scores | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Pass:
+    """One slot's joint pass over the held requests (``release.JointPass``): the policy's
+    two forms of it, bound to the pass's requests and context."""
+
+    policy: BidPrice
+    ctx: RoutingContext
+    requests: Sequence[Request]
+    src: list[tuple[_Scores, int]]
+    cands: list[npt.NDArray[np.int64]]
+    prefixes: Sequence[PrefixMatch | None]
+
+    def greedy(self, rule: ReleaseRule) -> Chosen:
+        return self.policy._assign(self.ctx, self.requests, self.src, self.cands,
+                                   self.prefixes, rule)
+
+    def exact(self) -> Chosen:
+        return self.policy._assign_exact(self.ctx, self.requests, self.src, self.cands)
 
 
 POOL_ONLY = ("decode_slack", "kv_headroom")
@@ -236,8 +259,8 @@ class BidPrice(Policy):
         self.tick_s = env.prices.period_slots * env.slot_s
         self._learn = env.prices.enabled
         self._form = params.form
-        self._release = params.release
-        self.joint_release = params.release != "in_order"
+        self._release = release_rule(params.release)
+        self.joint_release = self._release.joint
         self._seen: set[int] = set()
         # first sights whose demand samples the next tick adds (appended on the request
         # path, taken in the server's tick thread: a deque's append and popleft are atomic),
@@ -286,7 +309,7 @@ class BidPrice(Policy):
                        pre_end=i[I_PRE_END], compute_a=f[F_COMPUTE_A])
         return _Scores(outs, f[F_TTFT], f[F_TPOT], cols, f, f[F_REWARD], f[F_PRICE],
                        f[F_LAGRANGIAN], on_time, f[F_FINITE_TTFT], waited,
-                       column_mass(cols) if self._release == "density" else None,
+                       column_mass(cols) if self._release.uses_mass else None,
                        complete)
 
     def decide(self, ctx: RoutingContext) -> Decision:
@@ -316,7 +339,7 @@ class BidPrice(Policy):
         the order given (the base's). Otherwise together, from one context
         (``_assign``); the dispatches are yielded first, in the order they were chosen,
         then the others, held, shed or deferred as ``decide`` would."""
-        if self._release == "in_order" or not requests:
+        if not self._release.joint or not requests:
             yield from super().decide_held(requests, context)
             return
         ctx = context(requests[0])
@@ -329,9 +352,7 @@ class BidPrice(Policy):
                 self._sample(req, sc, j, replace(ctx, request=req, prefixes=prefixes[j]))
         cands = [self._candidates() for _ in requests]
         src: list[tuple[_Scores, int]] = [(sc, j) for j in range(len(requests))]
-        chosen, had = (self._assign_exact(ctx, requests, src, cands)
-                       if self._release == "assignment"
-                       else self._assign(ctx, requests, src, cands, prefixes))
+        chosen, had = self._release.release(_Pass(self, ctx, requests, src, cands, prefixes))
         done = {j for j, _ in chosen}
         for rank, (j, c) in enumerate(chosen, 1):
             req = requests[j]
@@ -339,7 +360,7 @@ class BidPrice(Policy):
             yield self._dispatch(req, c, int(order[0]), score, row.on_time, cands[j],
                                  self._explanation(req, *src[j], score, cands[j], ctx),
                                  f" (released {rank} of {len(requests)} held, by "
-                                 f"{self._release})")
+                                 f"{self._release.name})")
         for j, req in enumerate(requests):
             if j in done:
                 continue
@@ -351,18 +372,17 @@ class BidPrice(Policy):
 
     def _assign(self, ctx: RoutingContext, requests: Sequence[Request],
                 src: list[tuple[_Scores, int]], cands: list[npt.NDArray[np.int64]],
-                prefixes: Sequence[PrefixMatch | None]
-                ) -> tuple[list[tuple[int, int]], set[int]]:
-        """The joint pass, greedy: (request index, instance) dispatches in the order
-        chosen, and the requests that had an instance to go to in some round. In rounds:
-        each request's choice is its own first startable instance (as
-        ``decide`` picks it, with this pass's dispatches accounted) among those with
-        prefill budget left this slot (``_slot_budget``); each instance takes the
-        requests that chose it in order of key — score per use (``density``:
-        ``reward.column_mass``) or score (``score``) — while its budget lasts and each
-        still fits; then the requests left are scored again at once behind the round's
-        dispatches (their ``src`` entries replaced), until a round takes none. A request
-        whose patience has run out goes before the others of its round."""
+                prefixes: Sequence[PrefixMatch | None], rule: ReleaseRule) -> Chosen:
+        """The joint pass, greedy (``release.Density``, ``release.ScoreOrder``):
+        (request index, instance) dispatches in the order chosen, and the requests that had
+        an instance to go to in some round. In rounds: each request's choice is its own
+        first startable instance (as ``decide`` picks it, with this pass's dispatches
+        accounted) among those with prefill budget left this slot (``_slot_budget``); each
+        instance takes the requests that chose it in order of ``rule.key`` — score per use
+        (``density``: ``reward.column_mass``) or score (``score``) — while its budget lasts
+        and each still fits; then the requests left are scored again at once behind the
+        round's dispatches (their ``src`` entries replaced), until a round takes none. A
+        request whose patience has run out goes before the others of its round."""
         snaps = ctx.snapshots
         assert snaps is not None
         budget, take = self._slot_budget(requests)
@@ -377,7 +397,7 @@ class BidPrice(Policy):
             wants: list[tuple[float, int, int]] = []
             for j in left:
                 ch = self._choice(ctx, src[j], cands[j], starts.row(j),
-                                  budget >= take[j] - 1e-9)
+                                  budget >= take[j] - 1e-9, rule)
                 if ch is not None:
                     wants.append((ch[0], j, ch[1]))
                     had.add(j)
@@ -421,7 +441,7 @@ class BidPrice(Policy):
 
     def _choice(self, ctx: RoutingContext, src: tuple[_Scores, int],
                 cands: npt.NDArray[np.int64], startable: npt.NDArray[np.bool_],
-                open_: npt.NDArray[np.bool_]) -> tuple[float, int] | None:
+                open_: npt.NDArray[np.bool_], rule: ReleaseRule) -> tuple[float, int] | None:
         """(key, instance): the request's first instance in its own ranking with a
         positive score (on time under ``constrained``) that can start it, has budget
         left (``open_``) and holds its predicted usage; None when there is none."""
@@ -432,14 +452,12 @@ class BidPrice(Policy):
                                     ctx.now_s), None)
         if c is None:
             return None
-        key = float(score[c])
-        if sc.mass is not None:   # release: density
-            key /= max(float(sc.mass[i, c]), 1e-12)
-        return key, c
+        return rule.key(float(score[c]), None if sc.mass is None
+                        else float(sc.mass[i, c])), c
 
     def _assign_exact(self, ctx: RoutingContext, requests: Sequence[Request],
                       src: list[tuple[_Scores, int]], cands: list[npt.NDArray[np.int64]]
-                      ) -> tuple[list[tuple[int, int]], set[int]]:
+                      ) -> Chosen:
         """The joint pass as an exact assignment (``release: assignment``): the set of
         (request, instance) dispatches with the largest sum of scores such that each
         request goes at most once, only where ``decide`` could send it alone (a positive

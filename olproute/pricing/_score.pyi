@@ -3,39 +3,7 @@
 import numpy as np
 import numpy.typing as npt
 
-F_TTFT: int
-F_TPOT: int
-F_KV_A: int
-F_KV_B: int
-F_COMPUTE_A: int
-F_QPS: int
-F_THROUGHPUT: int
-F_EEL_SAVED: int
-F_TTFT_SAVED: int
-F_EEL_SLO: int
-F_TTFT_SLO: int
-F_UTILITY: int
-F_REWARD: int
-F_PRICE: int
-F_LAGRANGIAN: int
-F_FINITE_TTFT: int
-NUM_F: int
-I_START: int
-I_END: int
-I_PRE_START: int
-I_PRE_END: int
-W_SIGMA: int
-W_ALPHA: int
-W_TOKEN_NORM: int
-W_BETA: int
-W_GAMMA: int
-W_ZETA1: int
-W_EEL_THRESHOLD: int
-W_ZETA2: int
-W_TTFT_THRESHOLD: int
-W_OMEGA: int
-W_DELTA: int
-NUM_W: int
+# the output's rows and the weights vector: olproute.pricing.score_fields
 
 _F = npt.NDArray[np.float64]
 _I = npt.NDArray[np.int64]

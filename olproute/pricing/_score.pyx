@@ -20,16 +20,12 @@ from libc.stdint cimport int64_t, uint8_t
 
 cnp.import_array()
 
-# rows of the float output (F, N, G)
-(F_TTFT, F_TPOT, F_KV_A, F_KV_B, F_COMPUTE_A, F_QPS, F_THROUGHPUT, F_EEL_SAVED, F_TTFT_SAVED,
- F_EEL_SLO, F_TTFT_SLO, F_UTILITY, F_REWARD, F_PRICE, F_LAGRANGIAN, F_FINITE_TTFT) = range(16)
-NUM_F = 16
-# rows of the integer output (4, N, G)
-I_START, I_END, I_PRE_START, I_PRE_END = range(4)
-# the weights vector
-(W_SIGMA, W_ALPHA, W_TOKEN_NORM, W_BETA, W_GAMMA, W_ZETA1, W_EEL_THRESHOLD, W_ZETA2,
- W_TTFT_THRESHOLD, W_OMEGA, W_DELTA) = range(11)
-NUM_W = 11
+# the output's rows and the weights vector, as olproute.pricing.score_fields declares them
+from olproute.pricing.score_fields import (
+    F_COMPUTE_A, F_EEL_SAVED, F_EEL_SLO, F_FINITE_TTFT, F_KV_A, F_KV_B, F_LAGRANGIAN, F_PRICE,
+    F_QPS, F_REWARD, F_THROUGHPUT, F_TPOT, F_TTFT, F_TTFT_SAVED, F_TTFT_SLO, F_UTILITY, I_END,
+    I_PRE_END, I_PRE_START, I_START, NUM_F, NUM_I, NUM_W, W_ALPHA, W_BETA, W_DELTA,
+    W_EEL_THRESHOLD, W_GAMMA, W_OMEGA, W_SIGMA, W_TOKEN_NORM, W_TTFT_THRESHOLD, W_ZETA1, W_ZETA2)
 
 
 cdef inline int64_t _first_slot(double ttft, double slot_s, int64_t horizon) noexcept nogil:
@@ -98,7 +94,8 @@ cdef class Scorer:
         prompt tokens cached on each instance (its prefix-cache hit), which its prefill
         work (compute column) and its KV column leave out: the cache holds those blocks
         whether or not the request goes there. Returns (F (16, N, G) float64 by ``F_*``,
-        I (4, N, G) int64 by ``I_*``, on_time (N, G) bool)."""
+        I (4, N, G) int64 by ``I_*``, on_time (N, G) bool), the rows as
+        ``score_fields`` declares them."""
         cdef Py_ssize_t G = self.beta.shape[0]
         _check_idx(idx, G)
         if loads.shape[0] != idx.shape[0] or loads.shape[1] != 2:
@@ -128,6 +125,155 @@ cdef void _check_idx(const int64_t[::1] idx, Py_ssize_t G) except *:
             raise ValueError("idx out of range")
 
 
+cdef struct _Column:
+    # reward.usage_columns of one request on one instance, with its decode step time
+    double tp, kv_a, kv_b, ca
+    int64_t k0, end, ps, pe
+
+
+cdef struct _Weights:
+    double sigma, alpha, token_norm, wbeta, gamma, zeta1, eel_thr, zeta2, ttft_thr, omega
+    double delta
+
+
+cdef struct _Terms:
+    # reward.reward_terms of one request on one instance, and their sum
+    double qps, thr, eel_saved, ttft_saved, eel_slo, ttft_slo, util, reward
+
+
+cdef inline _Column _column(double s, double o, double t, double fresh, double b0, double b1,
+                            double b2, double num_resident, double resident_context,
+                            double budget, double kv_cap, double slot_s,
+                            int64_t horizon) noexcept nogil:
+    """The request's usage column (TTFT from now) and decode step time on one instance;
+    ``fresh``: the prompt tokens it computes (and whose KV it adds), its cached prefix
+    left out."""
+    cdef _Column c
+    cdef double work
+    cdef int64_t n_slots, kept
+    # bea.decode_step_times_s
+    c.tp = (b0 + b1 * (num_resident + 1)) + b2 * (resident_context + s)
+    # reward.usage_columns (TTFT from now)
+    c.k0 = _first_slot(t, slot_s, horizon)
+    c.end = c.k0 + _decode_slots(o, c.tp, slot_s, horizon)
+    if c.end > horizon:
+        c.end = horizon
+    # reward.prefill_span
+    work = fresh / budget
+    n_slots = _slots(work, horizon)
+    if c.k0 >= horizon:
+        c.pe = horizon
+        c.ps = horizon
+    else:
+        c.pe = c.k0
+        c.ps = c.k0 - n_slots
+        if c.ps < 0:
+            c.ps = 0
+        elif c.ps > horizon:
+            c.ps = horizon
+    kept = c.pe - c.ps
+    if kept < 1:
+        kept = 1
+    c.ca = work / kept
+    if c.ca > 1.0:
+        c.ca = 1.0
+    c.kv_a = (fresh + 1.0) / kv_cap
+    c.kv_b = (slot_s / c.tp) / kv_cap
+    return c
+
+
+cdef inline _Terms _terms(double s, double o, double tw, double tp, double target,
+                          double utility, const _Weights* w, double slot_s,
+                          int64_t horizon) noexcept nogil:
+    """reward.reward_terms (TTFT ``tw`` from the arrival) and their sum."""
+    cdef _Terms r
+    cdef int64_t kw = _first_slot(tw, slot_s, horizon)
+    cdef int64_t dw = _decode_slots(o, tp, slot_s, horizon)
+    cdef double decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
+    if o < decode_in_h:
+        decode_in_h = o
+    cdef double tokens = s + decode_in_h if kw < horizon else 0.0
+    cdef double eel = tw + o * tp
+    cdef double t2 = target if w.ttft_thr != w.ttft_thr else w.ttft_thr   # NaN: the target
+    r.qps = w.sigma
+    r.thr = w.alpha * tokens / w.token_norm
+    r.eel_saved = w.wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)
+    r.ttft_saved = w.gamma * <double>(horizon - kw if horizon - kw > 0 else 0)
+    r.eel_slo = w.zeta1 * (1.0 if eel <= w.eel_thr else 0.0)
+    r.ttft_slo = w.zeta2 * (1.0 if tw <= t2 else 0.0)
+    r.util = w.omega * utility
+    r.reward = r.qps + r.thr + r.eel_saved + r.ttft_saved + r.eel_slo + r.ttft_slo + r.util
+    return r
+
+
+cdef inline double _price(const _Column* c, double batch_a, const double* pp, int64_t shift,
+                          int64_t horizon) noexcept nogil:
+    """reward.column_price of the column moved by the book's shift; ``pp``: the
+    instance's packed prefix sums, (H + 1, 4) C-ordered."""
+    cdef int64_t s0 = c.k0 + shift
+    cdef int64_t e0 = c.end + shift
+    cdef int64_t ps0 = c.ps + shift
+    cdef int64_t pe0 = c.pe + shift
+    if s0 > horizon:
+        s0 = horizon
+    if e0 > horizon:
+        e0 = horizon
+    if ps0 > horizon:
+        ps0 = horizon
+    if pe0 > horizon:
+        pe0 = horizon
+    return (batch_a * (pp[e0 * 4 + 0] - pp[s0 * 4 + 0])
+            + ((c.kv_a - c.kv_b * s0) * (pp[e0 * 4 + 1] - pp[s0 * 4 + 1])
+               + c.kv_b * (pp[e0 * 4 + 3] - pp[s0 * 4 + 3]))
+            + c.ca * (pp[pe0 * 4 + 2] - pp[ps0 * 4 + 2]))
+
+
+cdef void _check_shapes(Py_ssize_t N, Py_ssize_t d, Py_ssize_t G, const double[:, :] decode,
+                        const double[:, :] utility, const double[:, :] ttft,
+                        const double[:] num_resident, const double[:] resident_context,
+                        const double[::1] waited, const double[::1] target,
+                        const double[:, :, ::1] pp, int64_t horizon, int64_t shift) except *:
+    if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \
+            or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
+        raise ValueError("decode, utility and ttft need shape (N, len(idx))")
+    if waited.shape[0] != N or target.shape[0] != N:
+        raise ValueError("waited and target need one entry per request")
+    if num_resident.shape[0] != d or resident_context.shape[0] != d:
+        raise ValueError("num_resident and resident_context need one entry per instance")
+    if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:
+        raise ValueError("pp needs shape (G, H + 1, 4)")
+    if shift < 0:
+        raise ValueError("shift must be >= 0")
+
+
+cdef void _never_started(double[:, :, ::1] f, int64_t[:, :, ::1] iv, Py_ssize_t N,
+                         Py_ssize_t G, int64_t horizon) except *:
+    """Every entry as an instance not looked at reads: never started there."""
+    cdef Py_ssize_t j, r
+    cdef int64_t g
+    for j in range(N):
+        for g in range(G):
+            for r in range(NUM_F):
+                f[r, j, g] = NAN
+            f[F_TTFT, j, g] = INFINITY
+            f[F_REWARD, j, g] = -INFINITY
+            f[F_PRICE, j, g] = 0.0   # reward - price: -inf, not NaN
+            f[F_LAGRANGIAN, j, g] = -INFINITY
+            f[F_FINITE_TTFT, j, g] = 1e9
+            for r in range(NUM_I):
+                iv[r, j, g] = horizon
+
+
+cdef _Weights _weights(const double[::1] w) except *:
+    """The weights vector's entries (``score_fields.W_*``) by name."""
+    cdef _Weights out
+    out.sigma, out.alpha, out.token_norm = w[W_SIGMA], w[W_ALPHA], w[W_TOKEN_NORM]
+    out.wbeta, out.gamma, out.zeta1 = w[W_BETA], w[W_GAMMA], w[W_ZETA1]
+    out.eel_thr, out.zeta2 = w[W_EEL_THRESHOLD], w[W_ZETA2]
+    out.ttft_thr, out.omega, out.delta = w[W_TTFT_THRESHOLD], w[W_OMEGA], w[W_DELTA]
+    return out
+
+
 cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
                   const double[:, :] utility, const double[:, :] ttft,
                   const double[:] num_resident, const double[:] resident_context,
@@ -140,142 +286,60 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
     cdef Py_ssize_t N = prompt.shape[0]
     cdef Py_ssize_t d = idx.shape[0]
     cdef Py_ssize_t G = num_instances
-    if decode.shape[0] != N or decode.shape[1] != d or utility.shape[0] != N \
-            or utility.shape[1] != d or ttft.shape[0] != N or ttft.shape[1] != d:
-        raise ValueError("decode, utility and ttft need shape (N, len(idx))")
-    if waited.shape[0] != N or target.shape[0] != N:
-        raise ValueError("waited and target need one entry per request")
-    if num_resident.shape[0] != d or resident_context.shape[0] != d:
-        raise ValueError("num_resident and resident_context need one entry per instance")
-    if pp.shape[0] != G or pp.shape[1] != horizon + 1 or pp.shape[2] != 4:
-        raise ValueError("pp needs shape (G, H + 1, 4)")
-    if shift < 0:
-        raise ValueError("shift must be >= 0")
+    _check_shapes(N, d, G, decode, utility, ttft, num_resident, resident_context, waited,
+                  target, pp, horizon, shift)
     cdef Py_ssize_t k, j
     cdef int64_t g
-
     f_np = np.empty((NUM_F, N, G), dtype=np.float64)
-    i_np = np.empty((4, N, G), dtype=np.int64)
+    i_np = np.empty((NUM_I, N, G), dtype=np.int64)
     on_np = np.zeros((N, G), dtype=np.bool_)
     cdef double[:, :, ::1] f = f_np
     cdef int64_t[:, :, ::1] iv = i_np
     cdef uint8_t[:, ::1] on = on_np.view(np.uint8)
-    cdef Py_ssize_t r
     if d < G:   # instances not looked at: never started there
-        for j in range(N):
-            for g in range(G):
-                for r in range(NUM_F):
-                    f[r, j, g] = NAN
-                f[F_TTFT, j, g] = INFINITY
-                f[F_REWARD, j, g] = -INFINITY
-                f[F_PRICE, j, g] = 0.0   # reward - price: -inf, not NaN
-                f[F_LAGRANGIAN, j, g] = -INFINITY
-                f[F_FINITE_TTFT, j, g] = 1e9
-                for r in range(4):
-                    iv[r, j, g] = horizon
-    cdef double sigma = w[W_SIGMA], alpha = w[W_ALPHA], token_norm = w[W_TOKEN_NORM]
-    cdef double wbeta = w[W_BETA], gamma = w[W_GAMMA], zeta1 = w[W_ZETA1]
-    cdef double eel_thr = w[W_EEL_THRESHOLD], zeta2 = w[W_ZETA2]
-    cdef double ttft_thr = w[W_TTFT_THRESHOLD], omega = w[W_OMEGA], delta = w[W_DELTA]
-    cdef double s, o, t, tp, tw, kv_a, kv_b, ca, work, qps, thr, eel_saved, ttft_saved
-    cdef double eel_slo, ttft_slo, util, reward, decode_in_h, tokens, eel, t2, price
-    cdef double fin, batch_a, fresh
+        _never_started(f, iv, N, G, horizon)
+    cdef _Weights wt = _weights(w)
+    cdef double s, t, tw, price, fin, batch_a, fresh
     cdef bint has_cached = cached is not None
-    cdef int64_t k0, end, n_slots, ps, pe, kw, dw, kept, s0, e0, ps0, pe0
+    cdef _Column c
+    cdef _Terms r
     for k in range(d):
         g = idx[k]
         batch_a = 1.0 / batch_cap[g]
         for j in range(N):
             s = prompt[j]
-            o = decode[j, k]
             t = ttft[j, k]
-            # bea.decode_step_times_s
-            tp = (beta[g, 0] + beta[g, 1] * (num_resident[k] + 1)) \
-                + beta[g, 2] * (resident_context[k] + s)
-            # reward.usage_columns (TTFT from now)
-            k0 = _first_slot(t, slot_s, horizon)
-            end = k0 + _decode_slots(o, tp, slot_s, horizon)
-            if end > horizon:
-                end = horizon
             # the prompt tokens it computes (and whose KV it adds): its cached prefix left out
             fresh = s - cached[j, k] if has_cached else s
-            # reward.prefill_span
-            work = fresh / budget[g]
-            n_slots = _slots(work, horizon)
-            if k0 >= horizon:
-                pe = horizon
-                ps = horizon
-            else:
-                pe = k0
-                ps = k0 - n_slots
-                if ps < 0:
-                    ps = 0
-                elif ps > horizon:
-                    ps = horizon
-            kept = pe - ps
-            if kept < 1:
-                kept = 1
-            ca = work / kept
-            if ca > 1.0:
-                ca = 1.0
-            kv_a = (fresh + 1.0) / kv_cap[g]
-            kv_b = (slot_s / tp) / kv_cap[g]
+            c = _column(s, decode[j, k], t, fresh, beta[g, 0], beta[g, 1], beta[g, 2],
+                        num_resident[k], resident_context[k], budget[g], kv_cap[g], slot_s,
+                        horizon)
             # reward.reward_terms (TTFT from the arrival)
             tw = t + waited[j]
-            kw = _first_slot(tw, slot_s, horizon)
-            dw = _decode_slots(o, tp, slot_s, horizon)
-            decode_in_h = (horizon - kw if horizon - kw > 0 else 0) * slot_s / tp
-            if o < decode_in_h:
-                decode_in_h = o
-            tokens = s + decode_in_h if kw < horizon else 0.0
-            eel = tw + o * tp
-            t2 = target[j] if ttft_thr != ttft_thr else ttft_thr   # NaN: the target
-            qps = sigma
-            thr = alpha * tokens / token_norm
-            eel_saved = wbeta * <double>(horizon - (kw + dw) if horizon - (kw + dw) > 0 else 0)
-            ttft_saved = gamma * <double>(horizon - kw if horizon - kw > 0 else 0)
-            eel_slo = zeta1 * (1.0 if eel <= eel_thr else 0.0)
-            ttft_slo = zeta2 * (1.0 if tw <= t2 else 0.0)
-            util = omega * utility[j, k]
-            reward = qps + thr + eel_saved + ttft_saved + eel_slo + ttft_slo + util
-            # reward.column_price on the columns moved by the book's shift
-            s0 = k0 + shift
-            e0 = end + shift
-            ps0 = ps + shift
-            pe0 = pe + shift
-            if s0 > horizon:
-                s0 = horizon
-            if e0 > horizon:
-                e0 = horizon
-            if ps0 > horizon:
-                ps0 = horizon
-            if pe0 > horizon:
-                pe0 = horizon
-            price = (batch_a * (pp[g, e0, 0] - pp[g, s0, 0])
-                     + ((kv_a - kv_b * s0) * (pp[g, e0, 1] - pp[g, s0, 1])
-                        + kv_b * (pp[g, e0, 3] - pp[g, s0, 3]))
-                     + ca * (pp[g, pe0, 2] - pp[g, ps0, 2]))
+            r = _terms(s, decode[j, k], tw, c.tp, target[j], utility[j, k], &wt, slot_s,
+                       horizon)
+            price = _price(&c, batch_a, &pp[g, 0, 0], shift, horizon)
             fin = t if isfinite(t) else 1e9
             f[F_TTFT, j, g] = t
-            f[F_TPOT, j, g] = tp
-            f[F_KV_A, j, g] = kv_a
-            f[F_KV_B, j, g] = kv_b
-            f[F_COMPUTE_A, j, g] = ca
-            f[F_QPS, j, g] = qps
-            f[F_THROUGHPUT, j, g] = thr
-            f[F_EEL_SAVED, j, g] = eel_saved
-            f[F_TTFT_SAVED, j, g] = ttft_saved
-            f[F_EEL_SLO, j, g] = eel_slo
-            f[F_TTFT_SLO, j, g] = ttft_slo
-            f[F_UTILITY, j, g] = util
-            f[F_REWARD, j, g] = reward
+            f[F_TPOT, j, g] = c.tp
+            f[F_KV_A, j, g] = c.kv_a
+            f[F_KV_B, j, g] = c.kv_b
+            f[F_COMPUTE_A, j, g] = c.ca
+            f[F_QPS, j, g] = r.qps
+            f[F_THROUGHPUT, j, g] = r.thr
+            f[F_EEL_SAVED, j, g] = r.eel_saved
+            f[F_TTFT_SAVED, j, g] = r.ttft_saved
+            f[F_EEL_SLO, j, g] = r.eel_slo
+            f[F_TTFT_SLO, j, g] = r.ttft_slo
+            f[F_UTILITY, j, g] = r.util
+            f[F_REWARD, j, g] = r.reward
             f[F_PRICE, j, g] = price
-            f[F_LAGRANGIAN, j, g] = reward - delta * fin - price
+            f[F_LAGRANGIAN, j, g] = r.reward - wt.delta * fin - price
             f[F_FINITE_TTFT, j, g] = fin
-            iv[I_START, j, g] = k0
-            iv[I_END, j, g] = end
-            iv[I_PRE_START, j, g] = ps
-            iv[I_PRE_END, j, g] = pe
+            iv[I_START, j, g] = c.k0
+            iv[I_END, j, g] = c.end
+            iv[I_PRE_START, j, g] = c.ps
+            iv[I_PRE_END, j, g] = c.pe
             on[j, g] = tw <= target[j]
     return f_np, i_np, on_np
 

@@ -53,6 +53,7 @@ from olproute.estimate.bea import (
     remaining_prefill_tokens,
 )
 from olproute.estimate.calibration import InstanceCalibration
+from olproute.pricing import score_fields as sf
 from olproute.routing.outlook import Outlook
 from olproute.types import SNAP_OUTPUT, SNAP_PROMPT, EngineSnapshot, InstanceSpec
 
@@ -462,12 +463,16 @@ def free_capacity(snapshots: Sequence[EngineSnapshot], specs: Sequence[InstanceS
 
 
 def reward_weights(w: RewardConfig) -> FloatArray:
-    """The weights as the compiled decision kernel reads them (``_score.W_*``; no TTFT
-    threshold: NaN, each request's own target)."""
-    return np.array([w.sigma, w.alpha, w.token_norm, w.beta, w.gamma, w.zeta1,
-                     w.eel_threshold_s, w.zeta2,
-                     math.nan if w.ttft_threshold_s is None else w.ttft_threshold_s,
-                     w.omega, w.delta], dtype=np.float64)
+    """The weights as the compiled decision kernel reads them (``score_fields.W_*``, in
+    the order of ``score_fields.WEIGHTS``; no TTFT threshold: NaN, each request's own
+    target)."""
+    by_name = {"sigma": w.sigma, "alpha": w.alpha, "token_norm": w.token_norm,
+               "beta": w.beta, "gamma": w.gamma, "zeta1": w.zeta1,
+               "eel_threshold": w.eel_threshold_s, "zeta2": w.zeta2,
+               "ttft_threshold": math.nan if w.ttft_threshold_s is None
+               else w.ttft_threshold_s,
+               "omega": w.omega, "delta": w.delta}
+    return np.array([by_name[n] for n in sf.WEIGHTS], dtype=np.float64)
 
 
 def score_reference(prompt: FloatArray, decode: FloatArray, utility: FloatArray,
@@ -482,9 +487,7 @@ def score_reference(prompt: FloatArray, decode: FloatArray, utility: FloatArray,
     arguments, the weights as a ``RewardConfig``; the same results for finite inputs),
     built from the functions the price step and the LP read: ``bea.decode_step_time``,
     ``usage_columns``, ``reward_terms`` and ``column_price``. For tests; bid_price runs the
-    kernel."""
-    from olproute.pricing import _score as k
-
+    kernel. Its outputs' rows are as ``score_fields`` declares them."""
     n = prompt.shape[0]
     s = prompt[:, None]
     tpot = decode_step_time(beta[idx], num_resident, resident_context, prompt)
@@ -496,22 +499,22 @@ def score_reference(prompt: FloatArray, decode: FloatArray, utility: FloatArray,
         update={"cost_lambda": 0.0}), slot_s, horizon, waited_s=waited[:, None])
     price = column_price(shift_columns(cols, shift, horizon), p0[idx], p1[idx])
     finite = np.where(np.isfinite(ttft), ttft, 1e9)
-    f = np.full((k.NUM_F, n, num_instances), np.nan)
-    f[k.F_TTFT], f[k.F_REWARD], f[k.F_LAGRANGIAN] = np.inf, -np.inf, -np.inf
-    f[k.F_PRICE] = 0.0
-    f[k.F_FINITE_TTFT] = 1e9
-    rows = {k.F_TTFT: ttft, k.F_TPOT: tpot, k.F_KV_A: cols.kv_a, k.F_KV_B: cols.kv_b,
-            k.F_COMPUTE_A: cols.compute_a, k.F_QPS: terms.qps,
-            k.F_THROUGHPUT: terms.throughput, k.F_EEL_SAVED: terms.eel_saved,
-            k.F_TTFT_SAVED: terms.ttft_saved, k.F_EEL_SLO: terms.eel_slo,
-            k.F_TTFT_SLO: terms.ttft_slo, k.F_UTILITY: terms.utility,
-            k.F_REWARD: terms.total, k.F_PRICE: price,
-            k.F_LAGRANGIAN: terms.total - w.delta * finite - price, k.F_FINITE_TTFT: finite}
+    f = np.full((sf.NUM_F, n, num_instances), np.nan)
+    f[sf.F_TTFT], f[sf.F_REWARD], f[sf.F_LAGRANGIAN] = np.inf, -np.inf, -np.inf
+    f[sf.F_PRICE] = 0.0
+    f[sf.F_FINITE_TTFT] = 1e9
+    rows = {sf.F_TTFT: ttft, sf.F_TPOT: tpot, sf.F_KV_A: cols.kv_a, sf.F_KV_B: cols.kv_b,
+            sf.F_COMPUTE_A: cols.compute_a, sf.F_QPS: terms.qps,
+            sf.F_THROUGHPUT: terms.throughput, sf.F_EEL_SAVED: terms.eel_saved,
+            sf.F_TTFT_SAVED: terms.ttft_saved, sf.F_EEL_SLO: terms.eel_slo,
+            sf.F_TTFT_SLO: terms.ttft_slo, sf.F_UTILITY: terms.utility,
+            sf.F_REWARD: terms.total, sf.F_PRICE: price,
+            sf.F_LAGRANGIAN: terms.total - w.delta * finite - price, sf.F_FINITE_TTFT: finite}
     for r, v in rows.items():
         f[r][:, idx] = v
-    i = np.full((4, n, num_instances), horizon, dtype=np.int64)
-    for r, v in ((k.I_START, cols.start), (k.I_END, cols.end),
-                 (k.I_PRE_START, cols.pre_start), (k.I_PRE_END, cols.pre_end)):
+    i = np.full((sf.NUM_I, n, num_instances), horizon, dtype=np.int64)
+    for r, v in ((sf.I_START, cols.start), (sf.I_END, cols.end),
+                 (sf.I_PRE_START, cols.pre_start), (sf.I_PRE_END, cols.pre_end)):
         i[r][:, idx] = v
     on_time = np.zeros((n, num_instances), dtype=bool)
     on_time[:, idx] = ttft + waited[:, None] <= target[:, None]

@@ -72,3 +72,23 @@ def test_a_long_function_fails(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "olproute/types.py:1: function f is 81 lines (at most 80)" in out.stdout
     assert _run("--root", str(tmp_path), "--max-lines", "81").returncode == 0
+
+
+def test_a_long_cdef_function_in_a_pyx_fails(tmp_path: Path) -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(79))
+    pyx = ("# cython: language_level=3\n"
+           "cdef double short(double a) noexcept nogil:\n    return a\n\n\n"
+           "cdef class K:\n    cdef double v\n\n"
+           "    def m(self):\n        cdef double y = float(1)\n        return y\n\n\n"
+           "cdef inline int64_t f(double a,\n"
+           f"                     double b) noexcept nogil:\n{body}"
+           "    # a comment after the body's last line\n\n"
+           "cdef int g = max(1, 2)\n")
+    _write(tmp_path, {"olproute/__init__.py": "", "olproute/types.py": "",
+                      "olproute/_k.pyx": pyx})
+    out = _run("--root", str(tmp_path))
+    assert out.returncode == 1
+    # def line to the body's last line: the two signature lines and 79 of the body
+    assert out.stdout.splitlines() == [
+        "olproute/_k.pyx:14: function f is 81 lines (at most 80)"], out.stdout
+    assert _run("--root", str(tmp_path), "--max-lines", "81").returncode == 0

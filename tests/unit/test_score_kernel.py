@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from olproute._core import replay_ttft_many
 from olproute.config.schema import RewardConfig
 from olproute.estimate.bea import decode_step_times_s
-from olproute.pricing import _score
+from olproute.pricing import _score, score_fields
 from olproute.pricing.reward import pack_cumsums, price_cumsums, reward_weights, score_reference
 from olproute.types import EngineSnapshot, InstanceSpec
 
@@ -32,6 +32,22 @@ def _snapshot(rng: np.random.Generator, rows: int) -> EngineSnapshot:
     return EngineSnapshot(time_s=0.0, table=table, num_running=rows,
                           num_free_blocks=100, inflight=np.zeros((0, 2), dtype=np.int64),
                           inflight_start_s=0.0, request_ids=np.arange(rows))
+
+
+def test_the_kernel_reads_the_layout_as_declared() -> None:
+    """``score_fields`` declares the rows once: the kernel's numbers are its, and each
+    tuple of names lists its rows in order."""
+    names = [n for n in vars(score_fields) if n.startswith(("F_", "I_", "W_", "NUM_"))]
+    assert len(names) == 16 + 4 + 11 + 3
+    for n in names:
+        assert getattr(_score, n) == getattr(score_fields, n), n
+    for prefix, rows, num in (("F_", score_fields.FLOAT_ROWS, score_fields.NUM_F),
+                              ("I_", score_fields.INT_ROWS, score_fields.NUM_I),
+                              ("W_", score_fields.WEIGHTS, score_fields.NUM_W)):
+        assert num == len(rows)
+        assert [getattr(score_fields, prefix + r.upper()) for r in rows] == list(range(num))
+        assert sorted(n for n in names if n.startswith(prefix)) == sorted(
+            prefix + r.upper() for r in rows)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -84,7 +100,7 @@ def test_the_kernel_gives_the_twins_numbers(seed: int, n: int, g: int, sampled: 
     # the loads the replay counted give the step times decode_step_times_s gives
     tpot = decode_step_times_s([snaps[i] for i in idx], [specs[i] for i in idx], beta[idx],
                                prompt.astype(np.int64))
-    np.testing.assert_array_equal(got_f[_score.F_TPOT][:, idx], tpot)
+    np.testing.assert_array_equal(got_f[score_fields.F_TPOT][:, idx], tpot)
 
 
 def _loads(snaps: list[EngineSnapshot], specs: list[InstanceSpec],
@@ -112,10 +128,10 @@ def test_instances_not_sampled_read_as_never_started() -> None:
                             np.array([100.0]), np.array([[50.0]]), np.zeros((1, 1)),
                             np.array([[0.2]]), np.zeros(1), np.ones(1), pack_cumsums(p0, p1),
                             0)
-    assert np.isfinite(f[_score.F_LAGRANGIAN, 0, 1])
+    assert np.isfinite(f[score_fields.F_LAGRANGIAN, 0, 1])
     for other in (0, 2):
-        assert f[_score.F_TTFT, 0, other] == np.inf
-        assert f[_score.F_LAGRANGIAN, 0, other] == -np.inf
+        assert f[score_fields.F_TTFT, 0, other] == np.inf
+        assert f[score_fields.F_LAGRANGIAN, 0, other] == -np.inf
         assert (i[:, 0, other] == H).all() and not on[0, other]
     assert on[0, 1]
 
@@ -160,8 +176,8 @@ def test_a_decode_past_any_horizon_or_nan_ends_at_the_horizon() -> None:
                                np.zeros((1, 2)), np.array([[0.2, 0.2]]), np.zeros(1),
                                np.ones(1), pack_cumsums(p0, p1), 3)
         assert (i >= 0).all() and (i <= H).all(), decode
-        assert (i[_score.I_END] == H).all()
-        assert np.isfinite(f[_score.F_PRICE]).all()
+        assert (i[score_fields.I_END] == H).all()
+        assert np.isfinite(f[score_fields.F_PRICE]).all()
 
 
 def test_a_nan_in_the_free_curve_never_fits() -> None:
@@ -198,9 +214,10 @@ def test_a_cached_prefix_leaves_the_compute_and_kv_columns_not_the_decode() -> N
         return f[:, 0, 0], i[:, 0, 0]
 
     whole, hit, short = scored(4000, None), scored(4000, 3000), scored(1000, None)
-    for r in (_score.F_KV_A, _score.F_COMPUTE_A):
+    for r in (score_fields.F_KV_A, score_fields.F_COMPUTE_A):
         assert hit[0][r] == short[0][r] < whole[0][r]
-    assert (hit[1][_score.I_PRE_START], hit[1][_score.I_PRE_END]) == (
-        short[1][_score.I_PRE_START], short[1][_score.I_PRE_END])
-    assert hit[0][_score.F_TPOT] == whole[0][_score.F_TPOT] > short[0][_score.F_TPOT]
-    assert hit[0][_score.F_REWARD] == whole[0][_score.F_REWARD]
+    assert (hit[1][score_fields.I_PRE_START], hit[1][score_fields.I_PRE_END]) == (
+        short[1][score_fields.I_PRE_START], short[1][score_fields.I_PRE_END])
+    tpot = score_fields.F_TPOT
+    assert hit[0][tpot] == whole[0][tpot] > short[0][tpot]
+    assert hit[0][score_fields.F_REWARD] == whole[0][score_fields.F_REWARD]
