@@ -1,4 +1,4 @@
-"""Check the import structure of olproute/ and solvers/ (DESIGN.md section 3: layers only
+"""Check the import structure of olproute/ and solvers/ (docs/design.md section 4: layers only
 import downward, no cycles), and the length of their functions.
 
     python tools/check_layers.py [--root DIR] [--max-lines N]
@@ -19,7 +19,7 @@ there is any:
    include: ``def``, ``cdef`` and ``cpdef`` functions, found by a line-based scanner,
    ``cython_functions``, since ``ast`` cannot read Cython).
 
-The layer order is ``LAYERS`` below, bottom to top, as docs/design.md (section 3)
+The layer order is ``LAYERS`` below, bottom to top, as docs/design.md (section 4)
 states it (types -> kernels, calibration -> bea, predict, config schema -> the policy
 interface and the policies that price nothing -> reward -> the price step (NumPy, then
 JAX) -> the price book -> the policies that price -> assembly -> sim / router -> server,

@@ -322,7 +322,7 @@ class RouterConfig(_Frozen):
 
 
 class RewardConfig(_Frozen):
-    """Weights of the multi-objective reward r_jg (DESIGN.md section 1) and of the TTFT
+    """Weights of the multi-objective reward r_jg (docs/design.md section 1) and of the TTFT
     penalty delta in the bid-price score. Latency terms count slots saved within the
     horizon, so not serving a request is never rewarded."""
 

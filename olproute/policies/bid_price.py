@@ -1,4 +1,4 @@
-"""Bid-price routing (DESIGN.md section 1): for each request and instance
+"""Bid-price routing (docs/design.md section 1): for each request and instance
 
     score_jg = r_jg - delta * TTFT_jg - a_jg . p_g
 

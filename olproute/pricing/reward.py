@@ -1,4 +1,4 @@
-"""The multi-objective reward r_jg and the usage columns a_jg (DESIGN.md section 1).
+"""The multi-objective reward r_jg and the usage columns a_jg (docs/design.md section 1).
 
 Time is cut into slots of ``slot_s`` (Delta); the horizon is ``H`` slots, slot 0 is now.
 A request started on instance g produces its first token in slot ``k0 = ceil(TTFT/Delta)``
@@ -304,7 +304,7 @@ def usage_columns(prompt_tokens: int | FloatArray, decode_tokens: FloatArray,
                   ttft_s: FloatArray, tpot_s: FloatArray, batch_cap: FloatArray,
                   kv_cap: FloatArray, budget: FloatArray, slot_s: float,
                   horizon: int) -> Columns:
-    """The request's column on every instance (DESIGN.md: s + theta + 1 KV tokens after
+    """The request's column on every instance (docs/design.md, 1: s + theta + 1 KV tokens after
     theta generated tokens, Delta / tpot tokens per slot; its prefill in the slots up to
     its first token's). Several requests at once with ``prompt_tokens`` of shape (N, 1)
     and the rest (N, G)."""
