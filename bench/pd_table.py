@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import textwrap
 import time
@@ -69,15 +68,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import (
     REPORT_SEEDS,
     TUNING_SEEDS,
     add_executor_args,
+    add_harness_args,
+    begin,
     executor_from,
     fmt_spread,
     seed_figure,
+    write_results,
 )
-
 from olproute.config.loader import LoadedConfig, load_config
 from olproute.operator.executors import Executor
 from olproute.sim import metrics
@@ -259,7 +262,7 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", type=Path)
+    add_harness_args(ap, digest=True)
     ap.add_argument("--png", type=Path, help="goodput, served fraction and P99 TTFT")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
     ap.add_argument("--seeds", type=_seeds, default=REPORT_SEEDS,
@@ -277,6 +280,7 @@ def main() -> None:
                          "process; decision times are read from such a run)")
     add_executor_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
     executor = executor_from(ap, args, args.workers)
 
     t_start = time.perf_counter()
@@ -309,8 +313,7 @@ def main() -> None:
     print(render(results, s))
     print(f"wall time {time.perf_counter() - t_start:.0f} s")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(s, indent=2) + "\n")
+        write_results(args.json, s, args.seeds)
         print(f"wrote {args.json}")
     if args.png:
         plot(s, args.png)

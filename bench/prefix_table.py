@@ -55,15 +55,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import (
     REPORT_SEEDS,
     add_executor_args,
+    add_harness_args,
+    begin,
     executor_from,
     fmt_spread,
     seed_figure,
-    write_json,
+    write_results,
 )
-
 from olproute.config.loader import LoadedConfig, load_config
 from olproute.operator.executors import Executor
 from olproute.policies import REGISTRY
@@ -283,7 +286,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help=f"one seed, the trace's first {QUICK_WINDOW_S:g} s")
-    ap.add_argument("--json", type=Path, metavar="PATH", help="write the figures as JSON")
+    add_harness_args(ap, digest=True)
     ap.add_argument("--seeds", type=_seeds, default=REPORT_SEEDS,
                     help="comma-separated seeds reported (default: the report seeds "
                          f"{','.join(map(str, REPORT_SEEDS))})")
@@ -313,6 +316,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
+    begin(args, ap, None if argv is None else [sys.argv[0], *argv])
     # the policies this mode runs (--find-scale: round robin alone)
     used = ([] if args.find_scale else [args.ee_policy] if args.estimate_eval
             else list(args.policies))
@@ -347,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(render(results, out))
     print(f"wall time {time.perf_counter() - t0:.0f} s")
     if args.json:
-        write_json(args.json, out)
+        write_results(args.json, out, seeds)
         print(f"wrote {args.json}")
 
 
