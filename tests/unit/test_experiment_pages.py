@@ -4,8 +4,10 @@ Every table comes from a results marker (docs/hooks/results.py), which must name
 existing file in bench/results/ and existing keys. Every number written on a page outside
 the markers must be *found* in some results file: its figures (``results``) or its
 ``seeds``. Found means: for a number written with d decimals (thousands separators
-dropped, a leading + or − kept as its sign), some numeric value v in a file, or v times a
-conversion factor, printed with ``f"{x:.{d}f}"`` gives the same text. The factors: 1 for
+dropped), some numeric value v in a file, or v times a conversion factor, printed with
+``f"{x:.{d}f}"`` gives the same text; a number written with a sign (+, - or −) must match
+v with that sign, one written without matches v or −v (prose says "cuts it by 31.6%" of a
+change of −0.316). The factors: 1 for
 any number; 100 when the number is followed by ``%`` (a fraction shown as a percentage);
 1000 when it is followed by ``ms`` (seconds shown as milliseconds), 1000 and 10⁶ by ``µs``
 or ``us`` (milliseconds or seconds shown as microseconds), and 1/1000 by ``s`` (milliseconds
@@ -104,7 +106,8 @@ def unfound(markdown: str, values: frozenset[float]) -> list[str]:
     """The numbers of a page that no results file holds (see the module's docstring)."""
     bad = []
     for shown, num, decimals, unit in written_numbers(markdown):
-        if not any(num in printed(values, decimals, f) for f in FACTORS[unit]):
+        signs = (num,) if shown[0] in "+-−" else (num, "-" + num)
+        if not any(n in printed(values, decimals, f) for n in signs for f in FACTORS[unit]):
             bad.append(shown)
     return bad
 
