@@ -23,6 +23,8 @@ A page marks a table with an HTML comment (invisible where the hook does not run
   (JSON has no inf or NaN) prints ``–``. A PATH of ``.`` is the row itself.
 * ``label: FIELD``: see ``rows``.
 
+A marker inside a fenced code block is left alone (a page can show one as an example).
+
 Under the table: the command that wrote the file, its commit, the machine (cores, CPU,
 load average at the start, Python) and its wall time. The rendering is pure functions
 (``render``, ``render_marker``, ``markers``) so tests call them without MkDocs; this file
@@ -39,6 +41,7 @@ from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 MARKER = re.compile(r"<!--\s*results:\s*(?P<body>.*?)-->", re.S)
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
 MISSING = "–"
 
 
@@ -58,9 +61,13 @@ class Marker:
 
 
 def markers(markdown: str) -> list[Marker]:
-    """Every results marker of a page, parsed (ResultsError when one is malformed)."""
+    """Every results marker of a page, parsed (ResultsError when one is malformed); a
+    marker inside a fenced code block is an example, not a marker."""
     out = []
+    fences = [f.span() for f in FENCE.finditer(markdown)]
     for m in MARKER.finditer(markdown):
+        if any(a <= m.start() < b for a, b in fences):
+            continue
         lines = [ln.strip() for ln in m.group("body").strip().splitlines() if ln.strip()]
         if not lines:
             raise ResultsError("a results marker without a file")
@@ -202,7 +209,11 @@ def render(markdown: str, results_dir: Path = RESULTS_DIR) -> str:
 
 def strip_markers(markdown: str) -> str:
     """The page without its markers (what a reader wrote rather than what was rendered)."""
-    return MARKER.sub("", markdown)
+    out, last = [], 0
+    for mk in markers(markdown):
+        out.append(markdown[last:mk.span[0]])
+        last = mk.span[1]
+    return "".join(out) + markdown[last:]
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
