@@ -15,7 +15,8 @@ A page marks a table with an HTML comment (invisible where the hook does not run
   keys; a key of a list is an index (``cases.1``) or a selector ``[field=value]`` that
   takes the list's first item whose ``field`` is ``value`` (``cases[label=overloaded]``).
   A mapping gives one row per key (the row's label); a list gives one row per item, its
-  label the item's field named by ``label:`` (default: its index).
+  label the item's fields named by ``label:`` (comma-separated, joined by spaces;
+  default: its index).
 * ``row: TEXT``: the first column's heading (default: empty).
 * ``only: a, b``: these rows, in this order (default: every row, in the file's order).
 * ``column: HEADING = PATH | FORMAT``: one column per line: PATH within each row, FORMAT a
@@ -171,7 +172,9 @@ def render_marker(mk: Marker, results_dir: Path = RESULTS_DIR) -> str:
     if isinstance(rows_at, dict):
         rows = [(str(k), v) for k, v in rows_at.items()]
     elif isinstance(rows_at, list):
-        rows = [(str(v.get(mk.label)) if mk.label and isinstance(v, dict) else str(i), v)
+        fields = [f.strip() for f in (mk.label or "").split(",") if f.strip()]
+        rows = [(" ".join(str(v.get(f)) for f in fields)
+                 if fields and isinstance(v, dict) else str(i), v)
                 for i, v in enumerate(rows_at)]
     else:
         raise ResultsError(f"{mk.file}: rows {mk.rows!r} is neither a mapping nor a list")
