@@ -20,7 +20,8 @@ A page marks a table with an HTML comment (invisible where the hook does not run
 * ``row: TEXT``: the first column's heading (default: empty).
 * ``only: a, b``: these rows, in this order (default: every row, in the file's order).
 * ``column: HEADING = PATH | FORMAT``: one column per line: PATH within each row, FORMAT a
-  Python format spec (``.3f``, ``+.1%``, ``,.0f``; default ``g``). A missing or null value
+  Python format spec (``.3f``, ``+.1%``, ``,.0f``; default ``g``), or ``auto``: an
+  integer as ``,d``, another number as ``,.1f``. A missing or null value
   (JSON has no inf or NaN) prints ``–``. A PATH of ``.`` is the row itself.
 * ``label: FIELD``: see ``rows``.
 
@@ -145,6 +146,8 @@ def cell(value: Any, fmt: str) -> str:
         return MISSING
     if isinstance(value, bool | str):
         return str(value)
+    if fmt == "auto":   # integers with thousands separators, other numbers to 0.1
+        fmt = ",d" if isinstance(value, int) else ",.1f"
     try:
         return format(value, fmt)
     except (TypeError, ValueError) as exc:
