@@ -3,7 +3,9 @@
 * which seeds are reported and which are for tuning (REPORT_SEEDS, TUNING_SEEDS), and how
   a figure over seeds is summarised (``spread``, ``fmt_spread``, ``seed_figure``);
 * the common flags (``add_harness_args``: ``--json PATH`` and, for simulator benches,
-  ``--digest PATH``; ``add_executor_args``: ``--executor``/``--ray-address``);
+  ``--digest PATH``; ``add_executor_args``: ``--executor``/``--ray-address``;
+  ``add_quick_arg``: ``--quick``; ``parse_seeds``: ``--seeds S,S,..``; each bench keeps
+  its own defaults for them);
 * the results file (``begin`` at the start of a bench's ``main``, ``write_results`` at
   its end): a JSON document ``{"command", "commit", "seeds", "machine", "started",
   "wall_s", "results"}`` where ``results`` holds the bench's figures under its own keys.
@@ -148,6 +150,16 @@ def executor_from(ap: argparse.ArgumentParser, args: argparse.Namespace,
 # --- the results file -------------------------------------------------------------------
 
 _RUN: dict[str, Any] = {}
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``--seeds 10,11,12`` (an argparse ``type``): the seeds, blanks skipped."""
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def add_quick_arg(ap: argparse.ArgumentParser, what: str) -> None:
+    """``--quick``: the bench's smoke run, ``what`` saying what it runs."""
+    ap.add_argument("--quick", action="store_true", help=what)
 
 
 def add_harness_args(ap: argparse.ArgumentParser, *, json_flag: bool = True,

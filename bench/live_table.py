@@ -90,6 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from bench.common import (
     REPORT_SEEDS,
     add_harness_args,
+    add_quick_arg,
     begin,
     fmt_spread,
     free_port,
@@ -527,7 +528,7 @@ def gain(policy: dict[str, float], rr: dict[str, float], key: str = "eel_mean_s"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="few requests, one seed")
+    add_quick_arg(ap, "few requests, one seed")
     add_harness_args(ap, digest=True)
     ap.add_argument("--seeds", help="comma-separated seeds (default: the report seeds)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))

@@ -60,6 +60,7 @@ from bench.common import (
     REPORT_SEEDS,
     add_executor_args,
     add_harness_args,
+    add_quick_arg,
     begin,
     executor_from,
     spread,
@@ -298,7 +299,7 @@ def main() -> None:
                     help="comma-separated seeds (default: the report seeds)")
     ap.add_argument("--ablations", action="store_true",
                     help="also bid_price variants at the overloaded rate")
-    ap.add_argument("--quick", action="store_true", help="600 requests, four policies, 1 seed")
+    add_quick_arg(ap, "600 requests, four policies, 1 seed")
     add_harness_args(ap, digest=True)
     ap.add_argument("--png", metavar="PATH", default="runs/olp_table.png",
                     help="bar chart (default runs/olp_table.png)")

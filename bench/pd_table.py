@@ -78,6 +78,7 @@ from bench.common import (
     begin,
     executor_from,
     fmt_spread,
+    parse_seeds,
     seed_figure,
     write_results,
 )
@@ -256,23 +257,19 @@ def check_step_size(base: LoadedConfig, cal: CalibrationSource, seeds: Sequence[
     return "\n".join(lines)
 
 
-def _seeds(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_harness_args(ap, digest=True)
     ap.add_argument("--png", type=Path, help="goodput, served fraction and P99 TTFT")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
-    ap.add_argument("--seeds", type=_seeds, default=REPORT_SEEDS,
+    ap.add_argument("--seeds", type=parse_seeds, default=REPORT_SEEDS,
                     help="comma-separated seeds reported (default: the report seeds "
                          f"{','.join(map(str, REPORT_SEEDS))})")
     ap.add_argument("--find-rates", action="store_true",
                     help="bisect each mix's rate on --tune-seeds (mean goodput over them)")
     ap.add_argument("--check-step-size", action="store_true",
                     help=f"bid_price's goodput at step sizes {STEP_SIZES} on --tune-seeds")
-    ap.add_argument("--tune-seeds", type=_seeds, default=None,
+    ap.add_argument("--tune-seeds", type=parse_seeds, default=None,
                     help="tuning seeds for --find-rates (default 0) and --check-step-size "
                          "(default 0,1,2)")
     ap.add_argument("--workers", type=int, default=1,

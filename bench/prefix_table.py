@@ -61,9 +61,11 @@ from bench.common import (
     REPORT_SEEDS,
     add_executor_args,
     add_harness_args,
+    add_quick_arg,
     begin,
     executor_from,
     fmt_spread,
+    parse_seeds,
     seed_figure,
     write_results,
 )
@@ -274,20 +276,15 @@ def render_estimates(evals: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _seeds(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help=f"one seed, the trace's first {QUICK_WINDOW_S:g} s")
+    add_quick_arg(ap, f"one seed, the trace's first {QUICK_WINDOW_S:g} s")
     add_harness_args(ap, digest=True)
-    ap.add_argument("--seeds", type=_seeds, default=REPORT_SEEDS,
+    ap.add_argument("--seeds", type=parse_seeds, default=REPORT_SEEDS,
                     help="comma-separated seeds reported (default: the report seeds "
                          f"{','.join(map(str, REPORT_SEEDS))})")
     ap.add_argument("--policies", type=_names, default=POLICIES,
@@ -299,7 +296,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--find-scale", action="store_true",
                     help="bisect the time scale where round robin's attainment falls below "
                          f"{ATTAINMENT_BELOW:g} on --tune-seeds")
-    ap.add_argument("--tune-seeds", type=_seeds, default=TUNE_SEEDS,
+    ap.add_argument("--tune-seeds", type=parse_seeds, default=TUNE_SEEDS,
                     help="seeds of --find-scale (default: %(default)s)")
     ap.add_argument("--estimate-eval", action="store_true",
                     help="TTFT estimate error of --estimators on this scenario, per seed")

@@ -40,6 +40,7 @@ if str(REPO) not in sys.path:
 from bench.common import (  # noqa: E402
     REPORT_SEEDS,
     add_harness_args,
+    add_quick_arg,
     begin,
     fmt_spread,
     seed_figure,
@@ -147,7 +148,7 @@ def table(doc: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one seed, 300 requests")
+    add_quick_arg(ap, "one seed, 300 requests")
     ap.add_argument("--seeds", default=",".join(str(s) for s in REPORT_SEEDS))
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--requests", type=int, default=600)

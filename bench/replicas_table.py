@@ -55,6 +55,7 @@ from bench import pd_table
 from bench.common import (
     REPORT_SEEDS,
     add_harness_args,
+    add_quick_arg,
     begin,
     fmt_spread,
     seed_figure,
@@ -266,8 +267,7 @@ def _cells(r: dict[str, Any]) -> tuple[str, ...]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="one seed, 800 OLP requests, 60 s of P/D arrivals")
+    add_quick_arg(ap, "one seed, 800 OLP requests, 60 s of P/D arrivals")
     add_harness_args(ap, digest=True)
     ap.add_argument("--ablations", action="store_true",
                     help="also N=4 at 5, 10 and 25 ms, and at 0 and 50 ms with every replica "

@@ -64,6 +64,7 @@ from bench.common import (
     REPORT_SEEDS,
     add_executor_args,
     add_harness_args,
+    add_quick_arg,
     begin,
     executor_from,
     fmt_spread,
@@ -238,7 +239,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 400 requests")
+    add_quick_arg(ap, "smoke run: 1 seed, 400 requests")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds (default: the "
                     f"report seeds {','.join(map(str, REPORT_SEEDS))}; --quick: "
                     f"{REPORT_SEEDS[0]})")
