@@ -81,9 +81,11 @@ from bench.common import (  # noqa: E402
     REPORT_SEEDS,
     TUNING_SEEDS,
     add_executor_args,
+    add_harness_args,
+    begin,
     executor_from,
     fmt_spread,
-    write_json,
+    write_results,
 )
 
 if TYPE_CHECKING:
@@ -531,7 +533,7 @@ def report(args: argparse.Namespace, executor: Executor) -> None:
             "on_time_utility_by_seed": s.otu[n], "vs_best_other": s.rel[n],
             "vs_best_other_by_seed": s.rel_by_seed[n]} for n in s.otu}}
             for label, s in summaries.items()}
-        write_json(args.json, {
+        write_results(args.json, {
             "processes": processes, "bid_price_vs_best_other": overall,
             "bid_price_vs_best_other_by_seed": overall_by_seed, "issue16": goals,
             "seeds": list(seeds),
@@ -542,7 +544,7 @@ def report(args: argparse.Namespace, executor: Executor) -> None:
                           "held_out": predictor_eval, "on_report_requests": pred},
             "points": sorted(results, key=lambda r: (labels.index(r["label"]), r["rate"],
                                                      r["seed"])),
-        })
+        }, seeds)
 
 
 def issue16_goals(summaries: Mapping[str, ProcessSummary]) -> dict[str, Any]:
@@ -671,8 +673,8 @@ def tune(args: argparse.Namespace, executor: Executor) -> None:
             return {k: {"mean": f.mean, "per_seed": f.per_seed, "per_process": f.per_process}
                     for k, f in fs.items()}
 
-        write_json(args.json, {"stage1": as_dict(figures), "stage2": as_dict(figures2),
-                               "seeds": list(seeds), "best": best})
+        write_results(args.json, {"stage1": as_dict(figures), "stage2": as_dict(figures2),
+                                  "seeds": list(seeds), "best": best}, seeds)
 
 
 def tune_form(args: argparse.Namespace, executor: Executor) -> None:
@@ -686,10 +688,10 @@ def tune_form(args: argparse.Namespace, executor: Executor) -> None:
     best = print_sweep("bid_price by form (tuning seeds)", figures)
     print(f"\nchosen: {best}")
     if args.json:
-        write_json(args.json, {"figures": {k: {"mean": f.mean, "per_seed": f.per_seed,
-                                                "per_process": f.per_process}
-                                           for k, f in figures.items()},
-                               "best": best})
+        write_results(args.json, {"figures": {k: {"mean": f.mean, "per_seed": f.per_seed,
+                                                   "per_process": f.per_process}
+                                              for k, f in figures.items()},
+                                  "best": best}, TUNE_SEEDS)
 
 
 def main() -> None:
@@ -701,7 +703,7 @@ def main() -> None:
                          f"{QUICK_REQUESTS} with --quick)")
     ap.add_argument("--workers", type=int, default=2, help="parallel worker processes")
     add_executor_args(ap)
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_harness_args(ap, digest=True)
     ap.add_argument("--png", metavar="PATH", default=None,
                     help="figure path (default docs/bear_table.png; quick: none)")
     ap.add_argument("--predictions", choices=list(PREDICTIONS), default="predictor",
@@ -716,6 +718,7 @@ def main() -> None:
                     help="sweep bid_price's constrained form against its Lagrangian choice "
                          "(tuning seeds)")
     args = ap.parse_args()
+    begin(args, ap)
     executor = executor_from(ap, args, args.workers)
     with executor.session():   # one local Ray for every sweep of the run
         if args.tune_form:

@@ -18,12 +18,14 @@
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import add_harness_args, begin, write_results
 from olproute.config.loader import Config, LoadedConfig, load_profiles
 from olproute.estimate.bea import BeaEstimator
 from olproute.estimate.calibration import InstanceCalibration
@@ -133,9 +135,10 @@ def accuracy(quick: bool) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_harness_args(ap, digest=True)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, 2 min of arrivals")
     args = ap.parse_args()
+    begin(args, ap)
     repeats = 200 if args.quick else 2000
 
     speed = {}
@@ -168,11 +171,11 @@ def main() -> None:
         print(f"{age:<20} {acc[f'bea_mape_age{age}_pct']:>11.2f} "
               f"{acc[f'prefill_tps_mape_age{age}_pct']:>19.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        write_results(args.json, {
             "time_per_estimate_us": {str(n): {"one_instance": a, "eight_instances": b,
                                               "batches_replayed": c}
                                      for n, (a, b, c) in speed.items()},
-            "accuracy": acc}, indent=2) + "\n")
+            "accuracy": acc})
 
 
 if __name__ == "__main__":

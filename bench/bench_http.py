@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -51,7 +50,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
-from common import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import add_harness_args, begin, free_port, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -230,10 +231,11 @@ def main() -> None:
                          "(default: %(default)s)")
     ap.add_argument("--serve-predictions", choices=("predictor", "max_tokens"),
                     help="the router's prediction.serve (default: the config's default)")
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_harness_args(ap)
     ap.add_argument("--router-log", metavar="PATH",
                     help="write the router's stderr here (e.g. with JAX_LOG_COMPILES=1)")
     args = ap.parse_args()
+    begin(args, ap)
     if args.quick:
         args.seconds, args.ttft_requests = 3.0, 60
 
@@ -318,7 +320,7 @@ def main() -> None:
     for k, val in rows:
         print(f"{k:<{width}}  {val}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.json, results)
 
 
 def _met(ok: bool) -> str:

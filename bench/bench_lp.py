@@ -33,11 +33,13 @@ shared with other work: treat them as +/-30%.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import add_harness_args, begin, write_results
 from solvers.lp import LpSolution, solve
 from solvers.problem import random_instance
 
@@ -68,8 +70,9 @@ def main() -> None:
     ap.add_argument("--compute-load", type=float, default=None,
                     help="overload of the prefill budget alone (default: the 1.3 of the "
                          "others; 0: unlimited)")
-    ap.add_argument("--json", metavar="PATH")
+    add_harness_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
     rows: list[dict[str, Any]] = []
     for size in args.sizes.split(","):
         n, g, k = (int(v) for v in size.split("x"))
@@ -112,7 +115,7 @@ def main() -> None:
               f"{'' if bgap is None else f'{bgap:.1e}':>9}"
               + ("" if r["status"] == "Optimal" else f"  ({r['status']})"))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(args.json, rows)
 
 
 if __name__ == "__main__":

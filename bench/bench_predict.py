@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import add_harness_args, begin, write_results
 from olproute.config.loader import load_profiles
 from olproute.predict import (
     Featurizer,
@@ -277,12 +278,13 @@ def _table(train: dict[str, Any], lat: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    add_harness_args(parser)
     parser.add_argument("--calls", type=int, default=3000, help="timed calls per measure")
     parser.add_argument("--no-contention", action="store_true",
                         help="skip the busy-neighbour measures")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    begin(args, parser, None if argv is None else [sys.argv[0], *argv])
     predictor, train = _train(args.seed)
     lat = _latency(predictor, args.calls, not args.no_contention)
     feat = _featurize(predictor, args.calls)
@@ -290,9 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(_featurize_table(feat))
     if args.json:
-        Path(args.json).write_text(json.dumps({"training": train, "latency_us": lat,
-                                               "goal_p50_us": GOAL_P50_US,
-                                               "featurize": feat}, indent=2) + "\n")
+        write_results(args.json, {"training": train, "latency_us": lat,
+                                  "goal_p50_us": GOAL_P50_US, "featurize": feat}, [args.seed])
     return 0
 
 

@@ -15,10 +15,14 @@ ratio to ``str.split`` is what to compare.
 from __future__ import annotations
 
 import argparse
+import sys
 import timeit
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import add_harness_args, begin, write_results
 from olproute.routing.prefix_index import PrefixIndex, text_block_hashes
 from olproute.types import InstanceSpec
 
@@ -42,7 +46,10 @@ def main() -> None:
     ap.add_argument("--words", type=int, nargs="+", default=[500, 2000, 7000])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=15)
+    add_harness_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
+    rows = []
     bs = args.block_size
     print(f"{'words':>6} {'blocks':>6} {'hash us':>9} {'split us':>9} {'hash/split':>10} "
           f"{'match us':>9}")
@@ -57,6 +64,9 @@ def main() -> None:
         match_us = best_us(partial(index.match, hashes, n), args.repeat)
         print(f"{n:>6} {len(hashes):>6} {hash_us:>9.1f} {split_us:>9.1f} "
               f"{hash_us / split_us:>10.2f} {match_us:>9.1f}")
+        rows.append({"words": n, "blocks": len(hashes), "hash_us": hash_us,
+                     "split_us": split_us, "match_us": match_us})
+    write_results(args.json, {"block_size": bs, "repeat": args.repeat, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import add_harness_args, begin, write_results
 from olproute.config.loader import Config, LoadedConfig, load_profiles
 from olproute.config.schema import PriceConfig
 from olproute.pricing.reward import NUM_RESOURCES
@@ -423,9 +425,10 @@ def buffer_pass_times(quick: bool) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_harness_args(ap)
     ap.add_argument("--quick", action="store_true", help="fewer repeats and decisions")
     args = ap.parse_args()
+    begin(args, ap)
     step = dual_step_times(10 if args.quick else 40)
     upd = update_times(20 if args.quick else 100)
     dec = decision_times(args.quick, use_predictor=True)
@@ -491,14 +494,13 @@ def main() -> None:
         print(f"{q['candidates']:>5.0f}  {q['mean_eel_s']:>10.3f}  "
               f"{q['ttft_attainment']:>15.3f}  {q['served_fraction']:>7.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(
+        write_results(args.json,
             {"dual_step": step, "price_update": upd, "decision_with_predictor": dec,
              "decision_lengths_given": bare, "lor_with_predictor": lor_pred,
              "lor_lengths_given": lor_bare, "decision_ratio_to_lor": ratio,
              "period_ms": upd["update_ms"], "price_core_fraction": upd["core_share"],
              "scaling": scale, "sampling_quality": quality,
-             "buffer_slot_ms": passes[DEFAULT_JOINT]["p50_ms"], "buffer_pass": passes},
-            indent=2) + "\n")
+             "buffer_slot_ms": passes[DEFAULT_JOINT]["p50_ms"], "buffer_pass": passes})
 
 
 if __name__ == "__main__":

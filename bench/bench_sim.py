@@ -15,12 +15,14 @@ of a whole-hour trace replay.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import add_harness_args, begin, write_results
 from olproute._core import BatchCore
 from olproute.config.loader import load_config
 from olproute.core_ref import FINISHED, ReferenceCore
@@ -74,8 +76,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20_000, help="core steps per variant")
     ap.add_argument("--residents", type=int, default=64, help="requests kept in the engine")
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_harness_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
 
     fast, batch = steps_per_second(BatchCore, args.steps, args.residents)
     ref_steps = max(args.steps // 10, 1000)
@@ -97,11 +100,11 @@ def main() -> None:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        write_results(args.json, {
             "core_steps_per_s": fast, "reference_steps_per_s": slow, "core_speedup": fast / slow,
             "mean_batch_size": batch, "residents": args.residents,
             "hour_wall_s": hour_s, "hour_requests": n_req, "hour_batches": n_batches,
-        }, indent=2) + "\n")
+        })
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
-from common import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import add_harness_args, begin, free_port, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the", "router", "prices", "batch", "slots", "cache", "blocks", "and", "prefill",
@@ -163,8 +165,9 @@ def main() -> None:
     ap.add_argument("--weights", default="tail_latency")
     ap.add_argument("--size", default="1250,650", help="browser window, W,H pixels")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="PATH", help="write /dashboard/data etc. as JSON")
+    add_harness_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
 
     tmp = Path(tempfile.mkdtemp(prefix="dashboard_shot_"))
     config = write_config(tmp, args.max_num_seqs, args.certify_period_s)
@@ -192,7 +195,7 @@ def main() -> None:
         print(f"  {inst['name']}: bottleneck {inst['bottleneck']}, price sums "
               f"{ {k: round(v, 3) for k, v in inst['price_sum'].items()} }")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_results(args.json, result, [args.seed])
 
 
 if __name__ == "__main__":

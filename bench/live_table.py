@@ -86,17 +86,19 @@ import aiohttp
 import numpy as np
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import (
     REPORT_SEEDS,
+    add_harness_args,
+    add_quick_arg,
+    begin,
     fmt_spread,
     free_port,
     spread,
     stop_process,
     wait_healthy,
-    write_json,
+    write_results,
 )
-
 from olproute.config.loader import Config, LoadedConfig, load_profiles
 from olproute.server.schema import count_words
 from olproute.sim.metrics import eel_s, ttft_s
@@ -526,8 +528,8 @@ def gain(policy: dict[str, float], rr: dict[str, float], key: str = "eel_mean_s"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="few requests, one seed")
-    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    add_quick_arg(ap, "few requests, one seed")
+    add_harness_args(ap, digest=True)
     ap.add_argument("--seeds", help="comma-separated seeds (default: the report seeds)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -538,6 +540,7 @@ def main() -> None:
     ap.add_argument("--live-only", action="store_true",
                     help="skip the simulator's attribution runs (sim and live only)")
     args = ap.parse_args()
+    begin(args, ap)
     seeds = ([int(s) for s in args.seeds.split(",")] if args.seeds
              else list(REPORT_SEEDS[:1] if args.quick else REPORT_SEEDS))
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -574,7 +577,7 @@ def main() -> None:
         out["scenarios"].append(_summarise(scenario, seeds, per_seed, sides))
     print(table(out))
     if args.json:
-        write_json(args.json, out)
+        write_results(args.json, out, seeds)
         print(f"wrote {args.json}")
 
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import TUNING_SEEDS, write_json
-from olp_table import scenario
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import TUNING_SEEDS, add_harness_args, begin, write_results
+from bench.olp_table import scenario
 from olproute.sim.scenario import CalibrationSource, build_requests, make_cluster, make_policy
 from olproute.types import Decision, Request
 
@@ -67,8 +69,9 @@ def main() -> None:
     ap.add_argument("--seeds", default=",".join(map(str, TUNING_SEEDS[:2])))
     ap.add_argument("--rate", type=float, default=24.0, help="req/s (the table's overload)")
     ap.add_argument("--requests", type=int, default=4000)
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_harness_args(ap, digest=True)
     args = ap.parse_args()
+    begin(args, ap)
     seeds = [int(s) for s in args.seeds.split(",")]
     rows: dict[str, dict[str, float]] = {}
     print(f"{'seed':>4} {'release':<9} {'held':>6} {'wait ms':>8} {'passes':>7} "
@@ -83,7 +86,7 @@ def main() -> None:
                   f"{f['ttft_mean_s']:7.3f} {f['eel_mean_s']:7.2f} {f['decode_mean_s']:9.2f}",
                   flush=True)
     if args.json:
-        write_json(args.json, {"rate": args.rate, "seeds": seeds, "runs": rows})
+        write_results(args.json, {"rate": args.rate, "seeds": seeds, "runs": rows}, seeds)
 
 
 if __name__ == "__main__":

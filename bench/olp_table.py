@@ -55,9 +55,17 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_SEEDS, add_executor_args, executor_from, spread, write_json
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import (
+    REPORT_SEEDS,
+    add_executor_args,
+    add_harness_args,
+    add_quick_arg,
+    begin,
+    executor_from,
+    spread,
+    write_results,
+)
 from olproute.config.loader import Config, LoadedConfig, load_profiles
 from olproute.operator.executors import Executor
 from olproute.policies import REGISTRY
@@ -291,14 +299,15 @@ def main() -> None:
                     help="comma-separated seeds (default: the report seeds)")
     ap.add_argument("--ablations", action="store_true",
                     help="also bid_price variants at the overloaded rate")
-    ap.add_argument("--quick", action="store_true", help="600 requests, four policies, 1 seed")
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_quick_arg(ap, "600 requests, four policies, 1 seed")
+    add_harness_args(ap, digest=True)
     ap.add_argument("--png", metavar="PATH", default="runs/olp_table.png",
                     help="bar chart (default runs/olp_table.png)")
     ap.add_argument("--workers", type=int, default=1,
                     help="points at a time in worker processes (default: 1, in this process)")
     add_executor_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
     executor = executor_from(ap, args, args.workers)
     policies = REGISTRY.names()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -323,7 +332,7 @@ def main() -> None:
     plot(results, Path(args.png))
     print(f"\nwrote {args.png}; {time.perf_counter() - t0:.0f} s")
     if args.json:
-        write_json(args.json, as_json(results, seeds))
+        write_results(args.json, as_json(results, seeds), seeds)
         print(f"wrote {args.json}")
 
 

@@ -45,8 +45,17 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
-from common import free_port, stop_process, wait_healthy, write_json
 from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import (
+    add_harness_args,
+    begin,
+    free_port,
+    stop_process,
+    wait_healthy,
+    write_results,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"
@@ -395,8 +404,9 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0, help="overload duration")
     ap.add_argument("--step-s", type=float, default=20.0, help="seconds per ramp step")
     ap.add_argument("--seed", type=int, default=0, help="arrivals and lengths")
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_harness_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w+b", prefix="olproute-serve-", suffix=".log",
@@ -416,7 +426,7 @@ def main() -> None:
     result["shutdown_s"] = shutdown_s
     print(table(result))
     if args.json:
-        write_json(args.json, result)
+        write_results(args.json, result, [args.seed])
         print(f"wrote {args.json}")
 
 

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import textwrap
 import time
@@ -69,15 +68,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import (
     REPORT_SEEDS,
     TUNING_SEEDS,
     add_executor_args,
+    add_harness_args,
+    begin,
     executor_from,
     fmt_spread,
+    parse_seeds,
     seed_figure,
+    write_results,
 )
-
 from olproute.config.loader import LoadedConfig, load_config
 from olproute.operator.executors import Executor
 from olproute.sim import metrics
@@ -253,23 +257,19 @@ def check_step_size(base: LoadedConfig, cal: CalibrationSource, seeds: Sequence[
     return "\n".join(lines)
 
 
-def _seeds(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", type=Path)
+    add_harness_args(ap, digest=True)
     ap.add_argument("--png", type=Path, help="goodput, served fraction and P99 TTFT")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
-    ap.add_argument("--seeds", type=_seeds, default=REPORT_SEEDS,
+    ap.add_argument("--seeds", type=parse_seeds, default=REPORT_SEEDS,
                     help="comma-separated seeds reported (default: the report seeds "
                          f"{','.join(map(str, REPORT_SEEDS))})")
     ap.add_argument("--find-rates", action="store_true",
                     help="bisect each mix's rate on --tune-seeds (mean goodput over them)")
     ap.add_argument("--check-step-size", action="store_true",
                     help=f"bid_price's goodput at step sizes {STEP_SIZES} on --tune-seeds")
-    ap.add_argument("--tune-seeds", type=_seeds, default=None,
+    ap.add_argument("--tune-seeds", type=parse_seeds, default=None,
                     help="tuning seeds for --find-rates (default 0) and --check-step-size "
                          "(default 0,1,2)")
     ap.add_argument("--workers", type=int, default=1,
@@ -277,6 +277,7 @@ def main() -> None:
                          "process; decision times are read from such a run)")
     add_executor_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
     executor = executor_from(ap, args, args.workers)
 
     t_start = time.perf_counter()
@@ -309,8 +310,7 @@ def main() -> None:
     print(render(results, s))
     print(f"wall time {time.perf_counter() - t_start:.0f} s")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(s, indent=2) + "\n")
+        write_results(args.json, s, args.seeds)
         print(f"wrote {args.json}")
     if args.png:
         plot(s, args.png)

@@ -17,9 +17,13 @@ share of requests bid_price sends to each instance.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import add_harness_args, begin, write_results
 from olproute.config.loader import load_config
 from olproute.operator.plots import PriceRecorder, PriceTrace
 from olproute.policies.bid_price import BidPrice
@@ -61,7 +65,9 @@ def main() -> None:
     ap.add_argument("--policy", default="bid_price")
     ap.add_argument("--settle-s", type=float, default=2.0,
                     help="also report each price's peak after this time")
+    add_harness_args(ap, digest=True)
     args = ap.parse_args()
+    begin(args, ap)
 
     loaded = load_config(args.config, args.weights)
     reqs = build_requests(loaded)
@@ -105,6 +111,10 @@ def main() -> None:
         n = int(((res.instance == g) & served).sum())
         print(f"  {spec.name:12s} {n:5d} requests, {n / len(reqs):.1%} of all, "
               f"{n / max(int(served.sum()), 1):.1%} of the served")
+    write_results(args.json, {
+        "requests": len(reqs), "refused": int(res.shed.sum()), "ticks": len(t),
+        "served_by_instance": {spec.name: int(((res.instance == g) & served).sum())
+                               for g, spec in enumerate(res.specs)}})
 
 
 if __name__ == "__main__":

@@ -55,15 +55,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import (
     REPORT_SEEDS,
     add_executor_args,
+    add_harness_args,
+    add_quick_arg,
+    begin,
     executor_from,
     fmt_spread,
+    parse_seeds,
     seed_figure,
-    write_json,
+    write_results,
 )
-
 from olproute.config.loader import LoadedConfig, load_config
 from olproute.operator.executors import Executor
 from olproute.policies import REGISTRY
@@ -271,20 +276,15 @@ def render_estimates(evals: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _seeds(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help=f"one seed, the trace's first {QUICK_WINDOW_S:g} s")
-    ap.add_argument("--json", type=Path, metavar="PATH", help="write the figures as JSON")
-    ap.add_argument("--seeds", type=_seeds, default=REPORT_SEEDS,
+    add_quick_arg(ap, f"one seed, the trace's first {QUICK_WINDOW_S:g} s")
+    add_harness_args(ap, digest=True)
+    ap.add_argument("--seeds", type=parse_seeds, default=REPORT_SEEDS,
                     help="comma-separated seeds reported (default: the report seeds "
                          f"{','.join(map(str, REPORT_SEEDS))})")
     ap.add_argument("--policies", type=_names, default=POLICIES,
@@ -296,7 +296,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--find-scale", action="store_true",
                     help="bisect the time scale where round robin's attainment falls below "
                          f"{ATTAINMENT_BELOW:g} on --tune-seeds")
-    ap.add_argument("--tune-seeds", type=_seeds, default=TUNE_SEEDS,
+    ap.add_argument("--tune-seeds", type=parse_seeds, default=TUNE_SEEDS,
                     help="seeds of --find-scale (default: %(default)s)")
     ap.add_argument("--estimate-eval", action="store_true",
                     help="TTFT estimate error of --estimators on this scenario, per seed")
@@ -313,6 +313,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
+    begin(args, ap, None if argv is None else [sys.argv[0], *argv])
     # the policies this mode runs (--find-scale: round robin alone)
     used = ([] if args.find_scale else [args.ee_policy] if args.estimate_eval
             else list(args.policies))
@@ -347,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(render(results, out))
     print(f"wall time {time.perf_counter() - t0:.0f} s")
     if args.json:
-        write_json(args.json, out)
+        write_results(args.json, out, seeds)
         print(f"wrote {args.json}")
 
 

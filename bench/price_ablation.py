@@ -37,7 +37,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import REPORT_SEEDS, fmt_spread, seed_figure, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    REPORT_SEEDS,
+    add_harness_args,
+    add_quick_arg,
+    begin,
+    fmt_spread,
+    seed_figure,
+    write_results,
+)
 from olproute.sim import metrics  # noqa: E402
 from olproute.sim.cluster import SimResult  # noqa: E402
 from solvers.certificate import online_reward  # noqa: E402
@@ -140,12 +148,13 @@ def table(doc: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one seed, 300 requests")
+    add_quick_arg(ap, "one seed, 300 requests")
     ap.add_argument("--seeds", default=",".join(str(s) for s in REPORT_SEEDS))
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--requests", type=int, default=600)
-    ap.add_argument("--json", metavar="PATH")
+    add_harness_args(ap, digest=True)
     args = ap.parse_args()
+    begin(args, ap)
     seeds = [int(s) for s in args.seeds.split(",")]
     n = args.requests
     if args.quick:
@@ -154,7 +163,7 @@ def main() -> None:
     print()
     print(table(doc))
     if args.json:
-        write_json(args.json, as_json(doc))
+        write_results(args.json, as_json(doc), seeds)
 
 
 if __name__ == "__main__":

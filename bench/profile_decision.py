@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_prices
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench import bench_prices
+from bench.common import add_harness_args, begin, write_results
 from olproute.estimate import bea
 from olproute.policies import bid_price as bp
 from olproute.predict import PoolPredictor
@@ -71,7 +71,9 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=8)
     ap.add_argument("--predictor", action="store_true")
     ap.add_argument("--out", metavar="PATH")
+    add_harness_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
     times: dict[str, list[float]] = {label: [] for label, _, _ in PARTS}
     undo = [_wrap(owner, name, times[label]) for label, owner, name in PARTS]
     try:
@@ -91,15 +93,18 @@ def main() -> None:
              f"{' --predictor' if args.predictor else ''}",
              f"# {setup}; {decisions} decisions",
              f"{'part':<30} {'calls/decision':>14} {'p50 us':>8} {'x calls / p50':>14}"]
+    parts: dict[str, dict[str, float]] = {}
     for label, _, _ in PARTS:
         ts = np.array(times[label]) * 1e6
         per = len(ts) / max(decisions, 1)
         p50 = float(np.median(ts)) if ts.size else 0.0
         lines.append(f"{label:<30} {per:>14.2f} {p50:>8.1f} {per * p50 / whole:>13.0%}")
+        parts[label] = {"calls_per_decision": per, "p50_us": p50}
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:
         Path(args.out).write_text(text)
+    write_results(args.json, {"setup": setup, "decisions": decisions, "parts": parts})
 
 
 if __name__ == "__main__":

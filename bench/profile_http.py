@@ -31,7 +31,10 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-from bench_http import REPO, emulated_fleet, free_port, load, wait_up
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.bench_http import REPO, emulated_fleet, load, wait_up
+from bench.common import add_harness_args, begin, free_port, write_results
 
 TOP = 30
 
@@ -91,7 +94,10 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--tag", default="after", help="file name suffix (before, after)")
     ap.add_argument("--out", default=str(REPO / "docs"), help="folder of the summaries")
+    add_harness_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
+    written: list[str] = []
 
     tmp = Path(tempfile.mkdtemp())
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -122,10 +128,13 @@ def main() -> None:
             path = Path(args.out) / f"profile-{name}-{args.tag}.txt"
             path.write_text(summarise(raw.read_text(), header) + "\n")
             print(f"wrote {path}")
+            written.append(str(path))
     finally:
         for p in (router, emulators):
             p.terminate()
             p.wait(timeout=30)
+    write_results(args.json, {"summaries": written, "seconds": args.seconds,
+                              "rate": args.rate})
 
 
 if __name__ == "__main__":

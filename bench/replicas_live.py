@@ -39,7 +39,15 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import RedisServer, free_port, stop_process, wait_healthy, write_json
+from bench.common import (
+    RedisServer,
+    add_harness_args,
+    begin,
+    free_port,
+    stop_process,
+    wait_healthy,
+    write_results,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = json.dumps({"prompt": "tell me a story " * 40, "max_tokens": 64}).encode()
@@ -161,8 +169,9 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=20.0, help="phase 2's length")
-    ap.add_argument("--json", type=Path)
+    add_harness_args(ap)
     args = ap.parse_args()
+    begin(args, ap)
     tmp = Path(tempfile.mkdtemp(prefix="olproute-replicas-"))
     procs: list[subprocess.Popen[Any]] = []
     try:
@@ -228,7 +237,7 @@ def main() -> None:
         redis.close()
     report(out)
     if args.json:
-        write_json(args.json, out)
+        write_results(args.json, out)
 
 
 def report(out: dict[str, Any]) -> None:

@@ -48,12 +48,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
-import pd_table
-from common import REPORT_SEEDS, fmt_spread, seed_figure, write_json
-from olp_table import scenario as olp_scenario
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench import pd_table
+from bench.common import (
+    REPORT_SEEDS,
+    add_harness_args,
+    add_quick_arg,
+    begin,
+    fmt_spread,
+    seed_figure,
+    write_results,
+)
+from bench.olp_table import scenario as olp_scenario
 from olproute.config.loader import LoadedConfig, load_config
 from olproute.sim.cluster import SimResult
 from olproute.sim.metrics import summarize
@@ -259,9 +267,8 @@ def _cells(r: dict[str, Any]) -> tuple[str, ...]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="one seed, 800 OLP requests, 60 s of P/D arrivals")
-    ap.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON")
+    add_quick_arg(ap, "one seed, 800 OLP requests, 60 s of P/D arrivals")
+    add_harness_args(ap, digest=True)
     ap.add_argument("--ablations", action="store_true",
                     help="also N=4 at 5, 10 and 25 ms, and at 0 and 50 ms with every replica "
                          "learning its own prices")
@@ -271,6 +278,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=300.0,
                     help="seconds of P/D arrivals per seed")
     args = ap.parse_args()
+    begin(args, ap)
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     if args.quick:
         seeds, args.requests, args.duration = seeds[:1], 800, 60.0
@@ -281,7 +289,7 @@ def main() -> None:
     print(render(s))
     print(f"wall time {time.perf_counter() - t0:.0f} s")
     if args.json:
-        write_json(args.json, s)
+        write_results(args.json, s, seeds)
         print(f"wrote {args.json}")
 
 

@@ -23,15 +23,23 @@ the P90 / P99 TTFT over all requests with a refused one counted as infinitely la
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import REPORT_SEEDS, TUNING_SEEDS, fmt_spread, seed_figure
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import (
+    REPORT_SEEDS,
+    TUNING_SEEDS,
+    add_harness_args,
+    begin,
+    fmt_spread,
+    seed_figure,
+    write_results,
+)
 from olproute.config.loader import LoadedConfig, load_config
 from olproute.sim import metrics
 from olproute.sim.scenario import CalibrationSource, build_requests, simulate
@@ -108,8 +116,9 @@ def main() -> None:
                     help="the weight profile olproute tune wrote (default: %(default)s)")
     ap.add_argument("--seeds", default=",".join(map(str, REPORT_SEEDS)),
                     help="comma-separated seeds (default: the report seeds %(default)s)")
-    ap.add_argument("--json", type=Path, help="write the figures as JSON")
+    add_harness_args(ap, digest=True)
     args = ap.parse_args()
+    begin(args, ap)
 
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     base = load_config(CONFIG)
@@ -129,9 +138,7 @@ def main() -> None:
     print(table(per_seed))
     print(f"wall time {time.perf_counter() - t0:.0f} s")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary(per_seed, seeds, shown), indent=2)
-                             + "\n")
+        write_results(args.json, summary(per_seed, seeds, shown), seeds)
         print(f"wrote {args.json}")
 
 

@@ -41,10 +41,15 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt_spread, free_port, seed_figure, write_json
-from vllm_cpu import VllmServer, build_tiny_model
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import (
+    add_harness_args,
+    begin,
+    fmt_spread,
+    free_port,
+    seed_figure,
+    write_results,
+)
 from olproute.config.loader import REPO_ROOT, load_config
 from olproute.estimate.bea import BeaEstimator
 from olproute.estimate.calibration import Beta, InstanceCalibration
@@ -62,6 +67,7 @@ from olproute.estimate.sweep import (
 from olproute.server.tracker import Tracker
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import InstanceSpec, Request, RoutingContext
+from tests.support.vllm_cpu import VllmServer, build_tiny_model
 
 CONFIG = REPO_ROOT / "configs" / "vllm_cpu.yaml"
 LAG_S = 0.02   # a client timer this late is a stall of the client
@@ -239,7 +245,7 @@ def table(doc: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    add_harness_args(ap)
     ap.add_argument("--quick", action="store_true",
                     help="the quick sweep and 100 held-out requests (default: 300)")
     ap.add_argument("--seeds", default="1", help="held-out runs' seeds, comma-separated "
@@ -251,6 +257,7 @@ def main() -> int:
                     help="held-out arrival rate over the sweep's saturated service rate "
                          "(default: %(default)s)")
     args = ap.parse_args()
+    begin(args, ap)
     try:
         seeds = [int(x) for x in args.seeds.split(",")]
     except ValueError:
@@ -277,7 +284,7 @@ def main() -> int:
             print(f"  {name:<18} {fmt_spread([d['ttft_mape'][name] for d in docs], '{:.1f}', 100)}"
                   f"  {fmt_spread([d['ttft_bias'][name] for d in docs], '{:+.1f}', 100)}")
     if args.json:
-        write_json(args.json, out)
+        write_results(args.json, out, seeds)
     return 0
 
 

@@ -52,14 +52,25 @@ tuned per metric beyond that check.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import REPORT_SEEDS, add_executor_args, executor_from, fmt_spread, spread
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
+from bench.common import (
+    REPORT_SEEDS,
+    add_executor_args,
+    add_harness_args,
+    add_quick_arg,
+    begin,
+    executor_from,
+    fmt_spread,
+    spread,
+    write_results,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"
@@ -228,7 +239,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 400 requests")
+    add_quick_arg(ap, "smoke run: 1 seed, 400 requests")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds (default: the "
                     f"report seeds {','.join(map(str, REPORT_SEEDS))}; --quick: "
                     f"{REPORT_SEEDS[0]})")
@@ -236,10 +247,11 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=RATE, help="Poisson rate, qps")
     ap.add_argument("--workers", type=int, default=2, help="parallel worker processes")
     add_executor_args(ap)
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_harness_args(ap, digest=True)
     ap.add_argument("--png", metavar="PATH", default=None,
                     help="figure path (default docs/weights_table.png; quick: none)")
     args = ap.parse_args()
+    begin(args, ap)
     executor = executor_from(ap, args, args.workers)
 
     default = REPORT_SEEDS[:1] if args.quick else REPORT_SEEDS
@@ -267,13 +279,12 @@ def main() -> None:
         plot(results, Path(png), f"bid_price weight profiles, 4 x Llama-2-7B / A100, "
              f"Poisson {args.rate:g} qps (bars: mean; dots: seeds)")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
+        write_results(args.json, {
             "rate_qps": args.rate, "num_requests": n, "seeds": seeds, "profiles": PROFILES,
             "summary": summary,
             "per_seed": [{**r, "profiles": {k: _finite(v) for k, v in r["profiles"].items()}}
                          for r in results],
-        }, indent=2, default=float) + "\n")
+        }, seeds)
 
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:

@@ -1,69 +1,63 @@
-"""bench/live_table.py's live path, quick: the same requests through ``olproute serve`` (its
-own process) in front of ``olproute emulate`` (its own process), every request finished
-or refused with a reason, and the simulator's replay of the same requests beside it."""
+"""bench/live_table.py's live path, quick, run as its own process: the same requests
+through ``olproute serve`` (its own process) in front of ``olproute emulate`` (its own
+process), every request finished or refused with a reason, and the simulator's replay of
+the same requests beside it (from the bench's results file)."""
 
 from __future__ import annotations
 
-import sys
+import math
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-
-import live_table  # noqa: E402
-
-from olproute.sim.scenario import CalibrationSource  # noqa: E402
+from tests.support.bench_run import results_of, run_bench
 
 
-def _check_replies(case: live_table.Case, per: live_table.PerRequest,
-                   side: dict[str, object]) -> None:
-    n = len(case.requests)
-    assert per.served.shape == (n,)
+def _policy(tmp_path: Path, scenario: str, policy: str, n: int) -> dict[str, Any]:
+    out = tmp_path / "live.json"
+    run_bench("live_table", "--seeds", "10", "--scenarios", scenario, "--policies", policy,
+              "--requests", str(n), "--live-only", "--keep", str(tmp_path / "keep"),
+              "--json", str(out))
+    (sc,) = results_of(out)["scenarios"]
+    assert sc["name"] == scenario and sc["seeds"] == [10]
+    entry: dict[str, Any] = sc["policies"][policy]
+    return entry
+
+
+def _check_replies(entry: dict[str, Any], n: int) -> int:
+    (live,) = entry["live"]["per_seed"]
+    (side,) = entry["live_side"]
+    served = round(live["served_fraction"] * n)
     not_served = side["not_served"]
-    assert isinstance(not_served, dict)
     # every request either finished (complete stream, a finish reason) or was refused
     # with a reason the router gave
-    assert int(per.served.sum()) + sum(not_served.values()) == n
+    assert served + sum(not_served.values()) == n
     for key in not_served:
         status, _, reason = key.partition(" ")
         assert status in {"429", "503"}, key
         assert reason and reason != "None", key
-    served = per.served
-    assert np.all(np.isfinite(per.ttft[served])) and np.all(per.ttft[served] > 0)
-    assert np.all(per.eel[served] >= per.ttft[served])
+    assert math.isfinite(live["ttft_mean_s"]) and live["ttft_mean_s"] > 0
+    assert live["eel_mean_s"] >= live["ttft_mean_s"]
     finish = side["finish_reasons"]
-    assert isinstance(finish, dict)
-    assert finish["stop"] + finish["length"] == int(served.sum())
+    assert finish["stop"] + finish["length"] == served
+    return served
 
 
 def test_olp_bid_price_live_quick(tmp_path: Path) -> None:
-    case = live_table.olp_case(10, 30, tmp_path)
-    truth = live_table.write_truth(case, tmp_path)
-    per, side = live_table.run_live(case, "bid_price", tmp_path, truth)
-    _check_replies(case, per, side)
+    n = 30
+    entry = _policy(tmp_path, "olp", "bid_price", n)
+    served = _check_replies(entry, n)
     # the emulated model stopped where the truth says: no request hit max_tokens (2,048,
-    # above every splitwise_conv output), so every served one ended with "stop", and the
-    # live tokens are the simulator's (prompt + true output) for each served request
-    assert side["finish_reasons"] == {"stop": int(per.served.sum()), "length": 0}
-    sim = live_table.run_sim(case, "bid_price", CalibrationSource(case.loaded))
-    both = per.served & sim.served
-    assert both.sum() >= 0.9 * len(case.requests)
-    assert np.array_equal(per.tokens[both], sim.tokens[both])
+    # above every splitwise_conv output), so every served one ended with "stop"
+    (side,) = entry["live_side"]
+    assert side["finish_reasons"] == {"stop": served, "length": 0}
+    (sim,) = entry["sim"]["per_seed"]
+    assert sim["served_fraction"] >= 0.9 and served >= 0.9 * n
 
 
 def test_bear_round_robin_live_quick(tmp_path: Path) -> None:
-    case = live_table.bear_case(10, 20, live_table.predictor_dir())
-    truth = live_table.write_truth(case, tmp_path)
-    per, side = live_table.run_live(case, "round_robin", tmp_path, truth)
-    _check_replies(case, per, side)
-    # round robin refuses nothing and goes round the three models (the client asks for
-    # no particular one); every request got the tokens its prompt's truth gives on the
-    # model of the instance that served it
-    assert per.served.all() and per.instance is not None
-    model = {s.name: s.model for s in case.loaded.specs}
-    assert {model[str(i)] for i in per.instance} == set(model.values())
-    for r, mt, name, tokens in zip(case.requests, case.max_tokens, per.instance, per.tokens,
-                                   strict=True):
-        assert tokens == r.prompt_tokens + min(r.true_decode_tokens(model[str(name)]), mt)
+    n = 20
+    entry = _policy(tmp_path, "bear", "round_robin", n)
+    # round robin refuses nothing
+    assert _check_replies(entry, n) == n
+    (side,) = entry["live_side"]
+    assert not side["not_served"]

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import redis
 
-from bench.common import RedisServer, free_port
 from olproute.cli.main import main
 from olproute.config.loader import load_config
 from olproute.server.shared import SharedState, decode_prices
@@ -25,6 +24,7 @@ from olproute.sim.scenario import CalibrationSource
 from tests.conftest import HANG_S
 from tests.integration.server_harness import Stack, wait_until
 from tests.integration.test_server import CAL, _config, open_stream, read_lines, request
+from tests.support.processes import RedisServer, free_port
 
 SYNC_MS, LEASE_MS = 50.0, 500.0
 

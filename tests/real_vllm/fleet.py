@@ -1,5 +1,5 @@
 """Real vLLM behind olproute (what ``conftest.py``'s ``fleet`` fixture starts): two vLLM
-CPU servers (``bench/vllm_cpu.py``'s tiny model, built at test time) and ``olproute
+CPU servers (``tests/support/vllm_cpu.py``'s tiny model, built at test time) and ``olproute
 serve`` in front of them, each in a process of its own on a free 127.0.0.1 port, started
 once per session and always stopped.
 
@@ -18,11 +18,10 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+from tests.support import vllm_cpu
+from tests.support.processes import free_port, stop_process, wait_healthy
 
-import vllm_cpu  # noqa: E402
-from common import free_port, stop_process, wait_healthy  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 __all__ = ["free_port", "stop_process", "vllm_cpu", "wait_healthy"]
 

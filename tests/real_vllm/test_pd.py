@@ -45,12 +45,10 @@ import yaml
 
 from olproute.server.proxy import decode_body, decode_kv_params, prefill_body
 from tests.conftest import HANG_S
+from tests.support import vllm_cpu
+from tests.support.processes import free_port, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-
-import vllm_cpu  # noqa: E402
-from common import free_port, stop_process, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.real_vllm
 

@@ -1,33 +1,33 @@
-"""bench/prefix_table.py, quick: two seeds of the trace's first 30 s, the JSON's keys and
-sane values, and an unknown policy named rather than skipped."""
+"""bench/prefix_table.py, quick, run as its own process: two seeds of the trace's first
+30 s, the results file's keys and sane values, and an unknown policy named rather than
+skipped."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-
-import prefix_table  # noqa: E402
+from tests.support.bench_run import results_of, run_bench
 
 REQUIRED = ("ttft_mean_s", "ttft_p99_s", "goodput", "hit_rate", "served_fraction",
             "tokens_per_s")
-POLICIES = prefix_table.POLICIES   # the issue's five
+# the bench's POLICIES (the issue's five) and TIME_SCALE
+POLICIES = ("round_robin", "least_outstanding", "cache_aware", "prefix_load", "bid_price")
+TIME_SCALE = 0.57
 
 
-def test_a_short_window_gives_every_figure(tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_short_window_gives_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "prefix.json"
-    prefix_table.main(["--seeds", "10,11", "--window", "30", "--json", str(out),
-                       "--policies", ",".join(POLICIES)])
-    printed = capsys.readouterr().out
-    s = json.loads(out.read_text())
+    printed = run_bench("prefix_table", "--seeds", "10,11", "--window", "30",
+                        "--json", str(out)).stdout
+    doc = json.loads(out.read_text())
+    assert doc["seeds"] == [10, 11] and "prefix_table.py" in doc["command"]
+    assert {"commit", "machine", "started", "wall_s"} <= set(doc)
+    s = doc["results"]
     assert s["seeds"] == [10, 11] and s["window_s"] == 30.0
-    assert s["time_scale"] == prefix_table.TIME_SCALE and s["num_requests"] > 50
+    assert s["time_scale"] == TIME_SCALE and s["num_requests"] > 50
     assert list(s["policies"]) == list(POLICIES)
     for name, p in s["policies"].items():
         assert name in printed
@@ -50,19 +50,19 @@ def test_a_short_window_gives_every_figure(tmp_path: Path,
         assert s["policies"][name]["hit_rate"] > 0.0
 
 
-def test_an_unknown_policy_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        prefix_table.main(["--policies", "round_robin,no_such_policy", "--window", "30"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+def test_an_unknown_policy_is_an_error_naming_it() -> None:
+    proc = run_bench("prefix_table", "--policies", "round_robin,no_such_policy",
+                     "--window", "30", check=False)
+    assert proc.returncode == 2
+    err = proc.stderr
     assert "unknown policy 'no_such_policy'" in err and "round_robin" in err
 
 
 def test_estimate_eval_splits_by_the_cached_share(tmp_path: Path) -> None:
     out = tmp_path / "ee.json"
-    prefix_table.main(["--estimate-eval", "--seeds", "10", "--window", "30",
-                       "--estimators", "bea", "--json", str(out)])
-    ev = json.loads(out.read_text())["estimates"][0]
+    run_bench("prefix_table", "--estimate-eval", "--seeds", "10", "--window", "30",
+              "--estimators", "bea", "--json", str(out))
+    ev = results_of(out)["estimates"][0]
     parts = ev["parts"]
     assert list(parts) == ["all", "cached 0%-10%", "cached 10%-50%", "cached 50%-100%"]
     (everyone,) = parts["all"]

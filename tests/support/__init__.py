@@ -1,0 +1,1 @@
+"""Helpers the tests share (and the benches import): nothing here imports a test or a bench."""
