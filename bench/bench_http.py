@@ -26,7 +26,7 @@
    (``proxy_ttft_p99_ratio``, goal <= 1.10).
 
 ``--quick``: 3 s of load per server and 60 TTFT requests (a before/after check, not the
-README's figures).
+figures of docs/experiments/performance.md).
 
 Each server runs in a process of its own: the null handler, the router, and the 8
 emulated instances (``olproute emulate``, named to the router as ``server.backends``),

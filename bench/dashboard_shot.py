@@ -1,5 +1,5 @@
-"""The README's /dashboard screenshot (docs/dashboard.png): a router under a streaming
-load, the page rendered by headless Chromium.
+"""The /dashboard screenshot of docs/guides/operating.md (docs/dashboard.png): a
+router under a streaming load, the page rendered by headless Chromium.
 
     python bench/dashboard_shot.py --out docs/dashboard.png     # ~2 min
 
@@ -56,7 +56,7 @@ def write_config(tmp: Path, max_num_seqs: int, certify_period_s: float) -> Path:
     for inst in cfg["instances"]:
         inst["max_num_seqs"] = max_num_seqs
     cfg.setdefault("prices", {})["certify_period_s"] = certify_period_s
-    # every request generates its max_tokens, as when the README's picture was taken
+    # every request generates its max_tokens, as when the docs' picture was taken
     cfg.setdefault("server", {})["emulator_exact_lengths"] = True
     path = tmp / "dashboard.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

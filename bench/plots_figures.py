@@ -1,5 +1,5 @@
-"""The figures the README's operator-plots paragraph states, measured on the run
-``olproute plots`` draws (same config, weights, requests, calibration and seed).
+"""The figures of ``olproute plots`` (docs/guides/operating.md, "Operator plots"),
+measured on the run ``olproute plots`` draws (same config, weights, requests, calibration and seed).
 
     python bench/plots_figures.py --config configs/tune/bear_pool.yaml \\
         --weights runs/tune/selected.yaml

@@ -26,7 +26,7 @@ throughput profile's: every latency row stands beside the served fraction, token
 the arrival window (first to last arrival), and the P99 TTFT over all requests with a
 refused one counted as infinitely late (inf when more than 1% are refused).
 
-The profiles (sections of the run config; weights in DESIGN.md section 1 units: sigma per
+The profiles (sections of the run config; weights in docs/design.md section 1 units: sigma per
 request, alpha per 1000 tokens, beta / gamma per 50 ms slot saved within the 30 s
 horizon, zeta1 / zeta2 per indicator, delta per second of estimated TTFT):
 
@@ -42,9 +42,9 @@ horizon, zeta1 / zeta2 per indicator, delta per second of estimated TTFT):
   and a strong TTFT penalty; shed. Expected: lower P99 TTFT.
 
 Where the values come from: the profiles were written from what each term does, then
-checked on seeds 0-2 at 24-26 qps while writing this script (the README's weights
-section); the rate of 25 qps (just past round robin's saturation) was set while writing
-it too, before the report seeds existed. Seeds 0-2 are tuning seeds now
+checked on seeds 0-2 at 24-26 qps while writing this script
+(docs/experiments/weights.md); the rate of 25 qps (just past round robin's saturation)
+was set while writing it too, before the report seeds existed. Seeds 0-2 are tuning seeds now
 (``TUNING_SEEDS``); no value was chosen on the report seeds, and the profiles are not
 tuned per metric beyond that check.
 """
