@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import math
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
@@ -49,6 +50,8 @@ from olproute.server.shared import SharedState
 from olproute.server.state import STATE, ServerState, log_unpredicted, prediction_status
 from olproute.server.tracker import BackendState, Tracker
 from olproute.types import EngineSnapshot, PriceView
+
+LOG = logging.getLogger("olproute.server")
 
 if TYPE_CHECKING:
     from olproute.predict import Predictor
@@ -177,11 +180,34 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
             try:
                 yield
             finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await stop_tasks(tasks)
                 await st.holding.close()
     return ctx
+
+
+STOP_WAIT_S = 1.0     # a background task is cancelled again after this
+STOP_ROUNDS = 10      # and given up (left to the loop's end) after this many rounds
+
+
+async def stop_tasks(tasks: Sequence[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
+    """Cancel the background tasks and wait for them, boundedly: a task that swallowed
+    its cancellation (an ``await`` inside it that completed as it was cancelled, e.g.
+    Python 3.11's ``asyncio.wait_for``) is cancelled again every ``STOP_WAIT_S``, and
+    after ``STOP_ROUNDS`` rounds it is left behind (logged) rather than awaited for ever.
+    Returns the tasks left running."""
+    pending = {t for t in tasks if not t.done()}
+    for _ in range(STOP_ROUNDS):
+        if not pending:
+            break
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=STOP_WAIT_S)
+    for t in pending:
+        LOG.error("shutdown: background task %s did not stop when cancelled", t.get_name())
+    for t in tasks:   # retrieve the exceptions, so that none is logged as never retrieved
+        if t.done() and not t.cancelled():
+            t.exception()
+    return sorted(pending, key=lambda t: t.get_name())
 
 
 async def _start_shared(st: ServerState, stack: contextlib.AsyncExitStack) -> None:

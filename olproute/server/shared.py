@@ -235,19 +235,30 @@ class SharedState:
 
     async def close(self) -> None:
         """Give up the lease (another replica takes over at its next sync) and close."""
+        timeout = self.cfg.timeout_ms / 1e3
         try:
             if self.status.leader:
-                await asyncio.wait_for(self._redis.delete(self._k_leader),
-                                       self.cfg.timeout_ms / 1e3)
+                async with asyncio.timeout(timeout):
+                    await self._redis.delete(self._k_leader)
         except Exception:   # closing: Redis may be gone
             pass
-        await self._redis.aclose()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._redis.aclose()
+        except Exception:   # a connection that does not close in time is dropped
+            pass
 
     # -- one sync ----------------------------------------------------------------------
     async def sync(self) -> None:
-        """One exchange; Redis failing leaves this replica on its local state."""
+        """One exchange; Redis failing leaves this replica on its local state.
+
+        Bounded with ``asyncio.timeout``, not ``asyncio.wait_for``: Python 3.11's
+        ``wait_for`` returns the result of an exchange that finished in the same loop
+        iteration as the task was cancelled, and so swallows the cancellation (the sync
+        task then ran on for ever and the server's shutdown waited on it)."""
         try:
-            await asyncio.wait_for(self._exchange(), 2 * self.cfg.timeout_ms / 1e3)
+            async with asyncio.timeout(2 * self.cfg.timeout_ms / 1e3):
+                await self._exchange()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure of Redis: go on alone
