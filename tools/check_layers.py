@@ -57,10 +57,11 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
       "olproute.predict._rowheads"),),
     # batch-time calibration (NNLS beta, online refit; from a backend's streams)
     (("olproute.estimate.calibration", "olproute.estimate.streamcal"),),
-    # TTFT estimators, predictors, the config schema and what needs only it (reading
-    # files, weight profiles, per-request outlook, prefill/decode pools, the live window the
-    # exact LP checks, tracked snapshots)
-    (("olproute.estimate.bea", "olproute.predict", "olproute.config.schema",
+    # TTFT estimators, load-aware decode durations, predictors, the config schema and
+    # what needs only it (reading files, weight profiles, per-request outlook,
+    # prefill/decode pools, the live window the exact LP checks, tracked snapshots)
+    (("olproute.estimate.bea", "olproute.estimate.decode_load", "olproute.predict",
+      "olproute.config.schema",
       "olproute.config.read", "olproute.config.profiles", "olproute.routing.outlook",
       "olproute.routing.disagg", "olproute.routing.live_window", "olproute.routing.tracked"),),
     # the policy interface (it imports nothing of pricing, not even for its types: it

@@ -385,6 +385,11 @@ class PriceConfig(_Frozen):
     minibatch: int = Field(default=256, ge=1, description="samples per dual step")
     arrival_rate_halflife_s: float = Field(default=10.0, gt=0, description="half-life of "
                                            "the arrival-rate estimate behind N_H, s")
+    decode_load_halflife_s: float | None = Field(
+        default=5.0, gt=0, allow_inf_nan=False, description="half-life of each instance's "
+        "dispatch rate and lengths behind its steady decode step, s: a request is held for "
+        "its predicted output times the steady step (the decode step of now until the "
+        "instance has a rate; olproute.estimate.decode_load); null: the step of now")
     certify_period_s: float | None = Field(
         default=60.0, gt=0, allow_inf_nan=False, description="olproute serve, bid_price: "
         "every this many seconds, check the prices of the last window against the exact LP "

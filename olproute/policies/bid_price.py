@@ -38,6 +38,7 @@ import numpy.typing as npt
 from pydantic import Field
 
 from olproute.estimate.bea import BeaEstimator, decode_step_times_s
+from olproute.estimate.decode_load import DecodeLoad, load_aware_tpot
 from olproute.policies.admission import (
     can_start_now,
     hold_shed_or_defer,
@@ -139,6 +140,7 @@ class _Row:
     ttft: FloatArray
     tpot: FloatArray
     cols: Columns
+    decode: FloatArray     # predicted output tokens
     reward: FloatArray
     lagrangian: FloatArray
     net: FloatArray
@@ -177,8 +179,8 @@ class _Scores:
                 self.ttft[j], self.tpot[j],
                 Columns(c.start[j], c.end[j], c.batch_a, c.kv_a[j], c.kv_b[j],
                         c.pre_start[j], c.pre_end[j], c.compute_a[j]),
-                self.reward[j], self.lagrangian[j], self.reward[j] - self.price[j],
-                self.on_time[j], self.finite_ttft[j])
+                self.outlooks[j].decode_tokens, self.reward[j], self.lagrangian[j],
+                self.reward[j] - self.price[j], self.on_time[j], self.finite_ttft[j])
         return row
 
 
@@ -247,9 +249,17 @@ class BidPrice(Policy):
         self._batch_a = 1.0 / self._batch_cap
         self._all = np.arange(len(env.specs), dtype=np.int64)
         self._budget = compute_budget(self._cal, env.slot_s)
+        # each instance's steady decode step under its load (decode_load), which the
+        # kernel reads where it lies: the tick writes it in place
+        halflife = env.prices.decode_load_halflife_s
+        self._load = None if halflife is None else DecodeLoad(len(env.specs), halflife)
+        self._steady = np.zeros(len(env.specs))
+        self._steady_running = np.zeros(len(env.specs))
+        self._token_budget = np.array([s.max_num_batched_tokens for s in env.specs],
+                                      dtype=np.float64)
         self._scorer = Scorer(self._bea.beta_view, self._batch_cap, self._kv_cap,
                               self._budget, reward_weights(env.reward), self._slot_s,
-                              self._horizon)
+                              self._horizon, self._steady)
         self._theta = np.array([c.prefill_tokens_per_s for c in self._cal])
         self._rng = env.rng
         self.book = PriceBook(env.specs, env.slot_s, env.horizon_slots, env.prices, env.rng,
@@ -329,7 +339,7 @@ class BidPrice(Policy):
             snaps[c], req.prompt_tokens, self._specs[c].block_size,
             self._specs[c].max_num_seqs, self._adm.max_waiting), row.cols, ctx.now_s), None)
         if c is not None:
-            self._account(c, row.cols, ctx.now_s)
+            self._account(c, row, ctx.now_s)
             return self._dispatch(req, c, g, score, row.on_time, candidates, explanation)
         return self._not_now(ctx, row, g, score, candidates, explanation)
 
@@ -409,7 +419,7 @@ class BidPrice(Policy):
                 if (budget[c] < take[j, c] - 1e-9 or not starts.ok(j, c)
                         or not self._fits(c, cols, ctx.now_s)):
                     continue   # an earlier take this round filled it: choose again
-                self._account(c, cols, ctx.now_s)
+                self._account(c, sc.row(i), ctx.now_s)
                 starts.take(j, c)
                 budget[c] -= take[j, c]
                 taken.append((key, j, c))
@@ -488,7 +498,7 @@ class BidPrice(Policy):
             ([float(starts.need[j, g]) for j, g, _ in pairs], starts.free.astype(float))))
         chosen = sorted((p for p, on in zip(pairs, x, strict=True) if on), key=lambda p: -p[2])
         for j, g, _ in chosen:
-            self._account(g, src[j][0].row(src[j][1]).cols, ctx.now_s)
+            self._account(g, src[j][0].row(src[j][1]), ctx.now_s)
         return [(j, g) for j, g, _ in chosen], {j for j, _, _ in pairs}
 
     @staticmethod
@@ -530,7 +540,7 @@ class BidPrice(Policy):
         spec = self._specs[g]
 
         def defer(waited_s: float) -> Decision:
-            self._account(g, row.cols, ctx.now_s)
+            self._account(g, row, ctx.now_s)
             return Decision(req.request_id, "dispatch", g, f"deferred to {spec.name} after "
                             f"{waited_s * 1e3:.0f} ms: {why}", explanation)
 
@@ -717,9 +727,14 @@ class BidPrice(Policy):
         return fits_column(self._free[g], st, e, ba, ka, kb, ps, pe,
                            slots_since(now_s, self._free_time_s, self._slot_s), self._horizon)
 
-    def _account(self, g: int, cols: Columns, now_s: float) -> None:
+    def _account(self, g: int, row: _Row, now_s: float) -> None:
         """Immediate accounting: the dispatch holds capacity before the next snapshot
-        (``reward.take_column``, compiled)."""
+        (``reward.take_column``, compiled), and counts in g's load (the prompt tokens it
+        computes are its KV column's, ``kv_a`` = (fresh + 1) / M)."""
+        cols = row.cols
+        if self._load is not None:
+            fresh = float(cols.kv_a[g]) * float(self._kv_cap[g]) - 1.0
+            self._load.add(g, now_s, fresh, float(row.decode[g]))
         if self._free is not None:
             subtract_column(self._free[g], *column_at(cols, g),
                         slots_since(now_s, self._free_time_s, self._slot_s), self._horizon)
@@ -739,10 +754,17 @@ class BidPrice(Policy):
         self._seen.discard(request_id)
 
     def tick(self, now_s: float, snapshots: tuple[EngineSnapshot, ...]) -> None:
-        """Off the request path: free capacity from the snapshots (residents at their
-        instance's current decode speed), then K dual steps (when prices are learned)."""
+        """Off the request path: each instance's steady decode step from its load, free
+        capacity from the snapshots (residents at the load-aware decode speed), then K
+        dual steps (when prices are learned)."""
         self._add_samples()
-        tpot = decode_step_times_s(snapshots, self._specs, self._bea.beta, 0)
+        if self._load is not None:
+            steady, running = self._load.steady_step_time(
+                now_s, self._bea.beta, self._batch_cap, self._token_budget)
+            self._steady[:] = steady
+            self._steady_running[:] = running
+        tpot = load_aware_tpot(decode_step_times_s(snapshots, self._specs, self._bea.beta, 0),
+                               self._steady)
         free = free_capacity(snapshots, self._specs, tpot, self._budget, self._slot_s,
                              self._horizon)
         self.book.set_free_capacity(free)

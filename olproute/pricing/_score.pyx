@@ -58,24 +58,31 @@ cdef inline int64_t _decode_slots(double decode, double tpot, double slot_s,
 cdef class Scorer:
     """The kernel with one policy's per-instance constants bound once (``beta`` (G, 4);
     ``batch_cap``, ``kv_cap``, ``budget`` (G,); the weights ``w`` by ``W_*``, a TTFT
-    threshold NaN: each request's target): a decision passes only what changes. ``beta``
-    is read where it lies, so a recalibration written into that array in place is seen at
-    the next call."""
+    threshold NaN: each request's target; ``steady`` (G,), optional: each instance's
+    steady decode step, ``decode_load.DecodeLoad``, the least time per output token a
+    request is held for there): a decision passes only what changes. ``beta`` and
+    ``steady`` are read where they lie, so a recalibration or a tick's new steady step
+    written into those arrays in place is seen at the next call."""
 
     cdef const double[:, ::1] beta
     cdef const double[::1] batch_cap
     cdef const double[::1] kv_cap
     cdef const double[::1] budget
     cdef const double[::1] w
+    cdef const double[::1] steady
     cdef double slot_s
     cdef int64_t horizon
 
     def __init__(self, const double[:, ::1] beta, const double[::1] batch_cap,
                  const double[::1] kv_cap, const double[::1] budget, const double[::1] w,
-                 double slot_s, int64_t horizon):
+                 double slot_s, int64_t horizon, const double[::1] steady=None):
         cdef Py_ssize_t G = beta.shape[0]
         _check_instances(beta, batch_cap, kv_cap, budget, w, G)
-        self.beta, self.w = beta, w
+        if steady is None:
+            steady = np.zeros(G)
+        elif steady.shape[0] != G:
+            raise ValueError("steady needs one entry per instance")
+        self.beta, self.w, self.steady = beta, w, steady
         self.batch_cap, self.kv_cap, self.budget = batch_cap, kv_cap, budget
         self.slot_s, self.horizon = slot_s, horizon
 
@@ -105,7 +112,8 @@ cdef class Scorer:
             raise ValueError("cached needs shape (N, len(idx))")
         return _score(prompt, decode, utility, ttft, loads[:, 0], loads[:, 1], self.beta,
                       waited, target, self.batch_cap, self.kv_cap, self.budget,
-                      self.slot_s, self.horizon, self.w, pp, shift, idx, G, cached)
+                      self.slot_s, self.horizon, self.w, pp, shift, idx, G, cached,
+                      self.steady)
 
 
 cdef void _check_instances(const double[:, ::1] beta, const double[::1] batch_cap,
@@ -144,15 +152,17 @@ cdef struct _Terms:
 cdef inline _Column _column(double s, double o, double t, double fresh, double b0, double b1,
                             double b2, double num_resident, double resident_context,
                             double budget, double kv_cap, double slot_s,
-                            int64_t horizon) noexcept nogil:
+                            int64_t horizon, double steady) noexcept nogil:
     """The request's usage column (TTFT from now) and decode step time on one instance;
     ``fresh``: the prompt tokens it computes (and whose KV it adds), its cached prefix
-    left out."""
+    left out; ``steady``: the instance's steady decode step."""
     cdef _Column c
     cdef double work
     cdef int64_t n_slots, kept
-    # bea.decode_step_times_s
+    # bea.decode_step_times_s, then decode_load.load_aware_tpot
     c.tp = (b0 + b1 * (num_resident + 1)) + b2 * (resident_context + s)
+    if steady > 0.0:
+        c.tp = steady
     # reward.usage_columns (TTFT from now)
     c.k0 = _first_slot(t, slot_s, horizon)
     c.end = c.k0 + _decode_slots(o, c.tp, slot_s, horizon)
@@ -282,7 +292,7 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
                   const double[::1] kv_cap, const double[::1] budget, double slot_s,
                   int64_t horizon, const double[::1] w, const double[:, :, ::1] pp,
                   int64_t shift, const int64_t[::1] idx, Py_ssize_t num_instances,
-                  const double[:, :] cached):
+                  const double[:, :] cached, const double[::1] steady):
     cdef Py_ssize_t N = prompt.shape[0]
     cdef Py_ssize_t d = idx.shape[0]
     cdef Py_ssize_t G = num_instances
@@ -313,7 +323,7 @@ cdef tuple _score(const double[::1] prompt, const double[:, :] decode,
             fresh = s - cached[j, k] if has_cached else s
             c = _column(s, decode[j, k], t, fresh, beta[g, 0], beta[g, 1], beta[g, 2],
                         num_resident[k], resident_context[k], budget[g], kv_cap[g], slot_s,
-                        horizon)
+                        horizon, steady[g])
             # reward.reward_terms (TTFT from the arrival)
             tw = t + waited[j]
             r = _terms(s, decode[j, k], tw, c.tp, target[j], utility[j, k], &wt, slot_s,

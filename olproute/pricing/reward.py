@@ -3,10 +3,12 @@
 Time is cut into slots of ``slot_s`` (Delta); the horizon is ``H`` slots, slot 0 is now.
 A request started on instance g produces its first token in slot ``k0 = ceil(TTFT/Delta)``
 and then holds one batch slot and a growing KV footprint for ``D = ceil(o_hat * tpot /
-Delta)`` slots. Its **usage column** is therefore an interval of ones (batch row) and a
-linear ramp (KV row) on [k0, k0 + D), stored as a few numbers, never as a dense vector:
-on slot k of the interval the batch row uses ``batch_a`` and the KV row
-``kv_a + kv_b * (k - k0)``.
+Delta)`` slots, tpot the time per output token it is expected to see there over its
+decode (``estimate.decode_load.load_aware_tpot``: the step of now or the instance's
+steady step under its load once it has one). Its **usage column** is therefore
+an interval of ones (batch row) and a linear ramp (KV row) on [k0, k0 + D), stored as a
+few numbers, never as a dense vector: on slot k of the interval the batch row uses
+``batch_a`` and the KV row ``kv_a + kv_b * (k - k0)``.
 
 The third resource is **compute**: the prefill token budget of an instance, ``b_g`` =
 kappa tokens per engine step (``max_num_batched_tokens``) times the engine steps in a
@@ -53,6 +55,7 @@ from olproute.estimate.bea import (
     remaining_prefill_tokens,
 )
 from olproute.estimate.calibration import InstanceCalibration
+from olproute.estimate.decode_load import load_aware_tpot
 from olproute.pricing import score_fields as sf
 from olproute.routing.outlook import Outlook
 from olproute.types import SNAP_OUTPUT, SNAP_PROMPT, EngineSnapshot, InstanceSpec
@@ -481,16 +484,19 @@ def score_reference(prompt: FloatArray, decode: FloatArray, utility: FloatArray,
                     batch_cap: FloatArray, kv_cap: FloatArray, budget: FloatArray,
                     slot_s: float, horizon: int, w: RewardConfig, p0: FloatArray,
                     p1: FloatArray, shift: int, idx: IntArray, num_instances: int,
-                    cached: FloatArray | None = None
+                    cached: FloatArray | None = None, steady: FloatArray | None = None
                     ) -> tuple[FloatArray, IntArray, npt.NDArray[np.bool_]]:
     """The NumPy twin of ``_score.Scorer.score`` (its bound constants and its loads as
     arguments, the weights as a ``RewardConfig``; the same results for finite inputs),
-    built from the functions the price step and the LP read: ``bea.decode_step_time``,
-    ``usage_columns``, ``reward_terms`` and ``column_price``. For tests; bid_price runs the
-    kernel. Its outputs' rows are as ``score_fields`` declares them."""
+    built from the functions the price step and the LP read: ``bea.decode_step_time``
+    and ``decode_load.load_aware_tpot`` (``steady`` (G,): each instance's steady decode
+    step, default 0), ``usage_columns``, ``reward_terms`` and ``column_price``. For
+    tests; bid_price runs the kernel. Its outputs' rows are as ``score_fields`` declares them."""
     n = prompt.shape[0]
     s = prompt[:, None]
     tpot = decode_step_time(beta[idx], num_resident, resident_context, prompt)
+    if steady is not None:
+        tpot = load_aware_tpot(tpot, steady[idx])
     fresh = s if cached is None else s - cached   # the prompt tokens it computes
     cols = usage_columns(fresh, decode, ttft, tpot, batch_cap[idx], kv_cap[idx],
                          budget[idx], slot_s, horizon)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from olproute._core import replay_ttft_many
 from olproute.config.schema import RewardConfig
 from olproute.estimate.bea import decode_step_times_s
+from olproute.estimate.decode_load import load_aware_tpot
 from olproute.pricing import _score, score_fields
 from olproute.pricing.reward import pack_cumsums, price_cumsums, reward_weights, score_reference
 from olproute.types import EngineSnapshot, InstanceSpec
@@ -88,19 +89,28 @@ def test_the_kernel_gives_the_twins_numbers(seed: int, n: int, g: int, sampled: 
     loads = _loads(snaps, specs, idx, beta)
     args = (prompt, decode, utility, ttft, loads[:, 0].copy(), loads[:, 1].copy(), beta,
             waited, target, batch_cap, kv_cap, budget, SLOT, H)
-    scorer = _score.Scorer(beta, batch_cap, kv_cap, budget, reward_weights(w), SLOT, H)
+    # each instance's steady decode step: known on some (> 0), not yet on the others
+    steady = rng.uniform(0.005, 0.2, g) * (rng.uniform(0, 1, g) > 0.4)
+    scorer = _score.Scorer(beta, batch_cap, kv_cap, budget, reward_weights(w), SLOT, H,
+                           steady)
     cached = (np.floor(rng.uniform(0, 1, (n, d)) * (prompt[:, None] - 1)) if hits
               else None)
     got_f, got_i, got_on = scorer.score(loads, idx, prompt, decode, utility, ttft, waited,
                                         target, pack_cumsums(p0, p1), shift, cached)
-    want_f, want_i, want_on = score_reference(*args, w, p0, p1, shift, idx, g, cached)
+    want_f, want_i, want_on = score_reference(*args, w, p0, p1, shift, idx, g, cached,
+                                              steady)
     np.testing.assert_array_equal(got_f, want_f)
     np.testing.assert_array_equal(got_i, want_i)
     np.testing.assert_array_equal(got_on, want_on)
-    # the loads the replay counted give the step times decode_step_times_s gives
+    # the loads the replay counted give the step times decode_step_times_s gives, held
+    # at the steady step where an instance has one (decode_load.load_aware_tpot)
     tpot = decode_step_times_s([snaps[i] for i in idx], [specs[i] for i in idx], beta[idx],
                                prompt.astype(np.int64))
-    np.testing.assert_array_equal(got_f[score_fields.F_TPOT][:, idx], tpot)
+    np.testing.assert_array_equal(got_f[score_fields.F_TPOT][:, idx],
+                                  load_aware_tpot(tpot, steady[idx]))
+    known = steady[idx] > 0
+    np.testing.assert_array_equal(got_f[score_fields.F_TPOT][:, idx][:, known],
+                                  np.broadcast_to(steady[idx][known], (n, int(known.sum()))))
 
 
 def _loads(snaps: list[EngineSnapshot], specs: list[InstanceSpec],
