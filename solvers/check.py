@@ -16,8 +16,9 @@ Rows are (instance, slot, resource) over the three resources batch, KV and compu
 from __future__ import annotations
 
 import argparse
+import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ from solvers.problem import LpProblem, prefill_interval
 from solvers.record import WindowLog, build_window, record_bid_price
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 PRICED = 1e-6     # an online price above this counts as pricing its row
 BINDING = 1e-6    # LP slack below this (capacity fractions) counts as binding
@@ -137,6 +139,71 @@ def check(log: WindowLog, ids: npt.NDArray[np.int64], prob: LpProblem, gap_tol: 
         binding_by_resource={name: int(np.sum(binding[:, :, r]))
                              for r, name in enumerate(RESOURCES)})
     return out, sol, p_online
+
+
+@dataclass(frozen=True, slots=True)
+class DurationFit:
+    """How right the model was about time over a window's served requests: each held
+    on its instance for its predicted output tokens times the TPOT its first decision
+    expected (``tpot_s``: ``decode_load.load_aware_tpot``), against its realised decode
+    (first token to finish).
+
+    - ``duration_ratio``: the mean over requests of realised / predicted decode time;
+    - ``occupancy_ratio``: realised / predicted mean decoders per instance over the
+      window (the sums of the two durations, by Little's law), with
+      ``running_realised`` and ``running_predicted`` themselves."""
+
+    served: int
+    duration_ratio: float
+    occupancy_ratio: float
+    running_realised: float
+    running_predicted: float
+
+
+def _decode_times(prob: LpProblem, instance: IntArray, first_token_s: FloatArray,
+                  finish_s: FloatArray) -> tuple[IntArray, IntArray, FloatArray, FloatArray]:
+    """(request, instance, realised, predicted decode time) of the served requests."""
+    ok = (instance >= 0) & np.isfinite(first_token_s) & np.isfinite(finish_s)
+    j = np.nonzero(ok)[0]
+    g = instance[j]
+    realised = np.maximum(finish_s[j] - first_token_s[j], 0.0)
+    predicted = prob.decode_tokens[j, g] * prob.tpot_s[j, g]
+    return j, g, realised, predicted
+
+
+def duration_fit(prob: LpProblem, instance: IntArray, first_token_s: FloatArray,
+                 finish_s: FloatArray) -> DurationFit:
+    """``DurationFit`` of the window's requests (per-request arrays in the window's
+    order)."""
+    _, _, realised, predicted = _decode_times(prob, instance, first_token_s, finish_s)
+    keep = predicted > 0
+    realised, predicted = realised[keep], predicted[keep]
+    span = prob.num_slots * prob.slot_s * prob.num_instances
+    if realised.size == 0:
+        return DurationFit(0, math.nan, math.nan, 0.0, 0.0)
+    return DurationFit(
+        served=int(realised.size), duration_ratio=float(np.mean(realised / predicted)),
+        occupancy_ratio=float(realised.sum() / predicted.sum()),
+        running_realised=float(realised.sum() / span),
+        running_predicted=float(predicted.sum() / span))
+
+
+def realised_problem(prob: LpProblem, instance: IntArray, first_token_s: FloatArray,
+                     finish_s: FloatArray) -> LpProblem:
+    """The window's LP on the durations that held: a served request's TPOT on its own
+    instance is its realised decode time over its predicted output tokens (as
+    ``certificate.online_reward`` reads it); every other (request, instance) keeps its
+    predicted TPOT times that instance's realised / predicted decode time over the
+    requests it served (1 where it served none)."""
+    j, g, realised, predicted = _decode_times(prob, instance, first_token_s, finish_s)
+    num = np.bincount(g, realised, minlength=prob.num_instances)
+    den = np.bincount(g, predicted, minlength=prob.num_instances)
+    scale = np.where(den > 0, num / np.where(den > 0, den, 1.0), 1.0)
+    tpot = prob.tpot_s * scale[None, :]
+    o = prob.decode_tokens[j, g]
+    tpot[j, g] = np.where(o > 0, np.maximum(realised, 1e-12) / np.where(o > 0, o, 1.0),
+                          tpot[j, g])
+    return replace(prob, tpot_s=tpot, _derived={})
 
 
 def run_check(loaded: LoadedConfig, seed: int | None = None, t0_s: float | None = None,

@@ -18,8 +18,14 @@ overloaded so that its resource binds in the LP:
 For each (scenario, seed): LP* (column generation, exact), the online reward, D(p_online),
 the certificate D(p_online)/LP* - 1, the best rescaling lambda of the online prices and
 its certificate (shape vs level of the prices), the online reward as a share of LP*, and
-the capacity rows binding in the LP per resource. The seeds are the report seeds of
-``bench/common.py``; nothing was tuned on them.
+the capacity rows binding in the LP per resource. Then how right the model was about
+time (``solvers.check.DurationFit``: realised over predicted decode time per request,
+``duration_ratio``, and mean decoders per instance, ``occupancy_ratio``, with both
+means), and LP* again on the durations that held (``solvers.check.realised_problem``)
+with the online reward's share of it (``online_over_realised_lp``). Both LPs may start a
+request up to the largest realised wait to its first token later than its earliest
+slot (``lp_max_delay_s``); the online policy's patience is its TTFT target. The seeds
+are the report seeds of ``bench/common.py``; nothing was tuned on them.
 """
 
 from __future__ import annotations
@@ -27,13 +33,23 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from olproute.config.loader import Config, LoadedConfig, load_profiles
-from solvers.check import CheckResult, plot_prices, run_check
+from solvers.check import (
+    CheckResult,
+    DurationFit,
+    check,
+    duration_fit,
+    plot_prices,
+    realised_problem,
+)
+from solvers.lp import solve
+from solvers.record import build_window, record_bid_price
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "data" / "traces"
@@ -71,7 +87,18 @@ def scenario(name: str, num_requests: int, seed: int, rate: float | None = None,
                         load_profiles(REPO / "configs" / "profiles.yaml"))
 
 
-Row = tuple[str, float, int, CheckResult]
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One (scenario, seed): the check, how right the model was about time, and LP* on
+    the durations that held."""
+
+    scenario: str
+    rate: float
+    seed: int
+    check: CheckResult
+    fit: DurationFit
+    lp_realised: float
+    max_delay_s: float     # the latest start the LP may choose, after the earliest
 
 
 def run(names: list[str], seeds: list[int], num_requests: int, gap_tol: float = 0.0,
@@ -83,9 +110,16 @@ def run(names: list[str], seeds: list[int], num_requests: int, gap_tol: float = 
         for seed in seeds:
             t0 = time.perf_counter()
             loaded = scenario(name, num_requests, seed, patience_s=patience_s, prices=prices)
-            res, prob, sol, p_online = run_check(loaded, gap_tol=gap_tol)
+            rec = record_bid_price(loaded)
+            prob, ids = build_window(rec.log)
+            res, sol, p_online = check(rec.log, ids, prob, gap_tol,
+                                       time.perf_counter() - t0)
+            done = (rec.log.instance[ids], rec.log.first_token_s[ids], rec.log.finish_s[ids])
+            lp_real = solve(realised_problem(prob, *done), gap_tol=gap_tol).objective
             print(f"  {name} seed {seed}: {time.perf_counter() - t0:.1f} s", flush=True)
-            rows.append((name, float(SCENARIOS[name]["rate"]), seed, res))
+            rows.append(Row(name, float(SCENARIOS[name]["rate"]), seed, res,
+                            duration_fit(prob, *done), lp_real,
+                            prob.max_delay * prob.slot_s))
     if png is not None and rows:
         plot_prices(prob, sol.p, p_online, png, [s.name for s in loaded.specs])
     return rows
@@ -98,26 +132,41 @@ def binding_text(r: CheckResult) -> str:
 def table(rows: list[Row]) -> str:
     head = (f"{'scenario':<8} {'req/s':>5} {'seed':>4} {'N':>5} {'LP*':>9} {'online':>9} "
             f"{'D(p_on)':>9} {'D/LP*-1':>8} {'x best':>6} {'scaled':>7} {'on/LP*':>7} "
-            f"{'binding b/kv/c':>15} {'LP s':>6}")
+            f"{'binding b/kv/c':>15} {'LP s':>6} {'LP* real':>9} {'on/real':>7} "
+            f"{'dur x':>6} {'occ x':>6} {'run p/r':>11} {'delay s':>7}")
     lines = [head, "-" * len(head)]
-    for name, rate, seed, r in rows:
+    for row in rows:
+        r, f = row.check, row.fit
         lines.append(
-            f"{name:<8} {rate:>5g} {seed:>4} {r.num_requests:>5} {r.lp_value:>9.1f} "
+            f"{row.scenario:<8} {row.rate:>5g} {row.seed:>4} {r.num_requests:>5} "
+            f"{r.lp_value:>9.1f} "
             f"{r.online_reward:>9.1f} {r.d_online:>9.1f} {r.certificate * 100:>7.2f}% "
             f"{r.best_scale:>6.3f} {r.certificate_scaled * 100:>6.2f}% "
             f"{r.online_reward / r.lp_value * 100:>6.1f}% {binding_text(r):>15} "
-            f"{r.lp_seconds:>6.1f}")
+            f"{r.lp_seconds:>6.1f} {row.lp_realised:>9.1f} "
+            f"{r.online_reward / row.lp_realised * 100:>6.1f}% {f.duration_ratio:>6.3f} "
+            f"{f.occupancy_ratio:>6.3f} "
+            f"{f.running_predicted:>5.1f}/{f.running_realised:<5.1f} "
+            f"{row.max_delay_s:>7.2f}")
     return "\n".join(lines)
 
 
 def as_json(rows: list[Row]) -> dict[str, Any]:
     """The issue's keys per row, then every figure of the check."""
-    return {"rows": [{"scenario": name, "rate": rate, "seed": seed,
-                      "certificate": r.certificate,
-                      "online_over_lp": r.online_reward / r.lp_value,
-                      "binding_rows": r.lp_binding,
-                      "binding_by_resource": r.binding_by_resource, **r.as_dict()}
-                     for name, rate, seed, r in rows]}
+    return {"rows": [{"scenario": row.scenario, "rate": row.rate, "seed": row.seed,
+                      "certificate": row.check.certificate,
+                      "online_over_lp": row.check.online_reward / row.check.lp_value,
+                      "online_over_realised_lp": row.check.online_reward / row.lp_realised,
+                      "lp_realised": row.lp_realised,
+                      "lp_max_delay_s": row.max_delay_s,
+                      "duration_ratio": row.fit.duration_ratio,
+                      "occupancy_ratio": row.fit.occupancy_ratio,
+                      "running_predicted": row.fit.running_predicted,
+                      "running_realised": row.fit.running_realised,
+                      "binding_rows": row.check.lp_binding,
+                      "binding_by_resource": row.check.binding_by_resource,
+                      **row.check.as_dict()}
+                     for row in rows]}
 
 
 def main() -> None:
