@@ -13,7 +13,9 @@ tracking form). On the compute-bound scenario of ``solvers.compare`` (tuning see
 certificate D(p)/LP* - 1 of the prices decisions read goes from 12.0% (no averaging) to
 7.4% (2 updates) and 6.2% (6, the default; 12: 6.2%).
 
-Prices start from the last prices, shifted by the slots elapsed since (warm start).
+Prices start from the last prices, shifted by the slots elapsed since; ``warm_start``
+replaces them with an exact LP's duals on its absolute-slot grid (the first-order steps
+then refine them between solves).
 """
 
 from __future__ import annotations
@@ -308,6 +310,39 @@ class PriceBook:
             roll_tail(arr, shift)
         self.set_cumsums()
         return shift
+
+    def warm_start(self, t0_s: float, p_abs: FloatArray, now_s: float | None = None) -> None:
+        """Take an LP's duals ``p_abs`` (G, K, 3), slot k starting at ``t0_s + k * slot_s``,
+        as both the handed-out and the steps' prices, from the book's slot 0 on: the LP
+        slots before it are dropped, and book slots outside the LP's grid price 0. Not
+        the duals' last slot: the LP sees no demand arriving after its window, so its
+        last slots carry the end of its grid rather than a price for later, and one
+        value repeated over the rest of the horizon would inflate every long column's
+        price; 0 prices nothing the LP did not, and the steps raise it from the window's
+        samples. A book with no origin yet takes the whole slot at or before ``now_s``
+        (``t0_s`` without it) as its slot 0. The step rule's accumulator and scale stay
+        as they are: they are about the samples, not the prices."""
+        p_abs = np.asarray(p_abs, dtype=np.float64)
+        shape = (self.num_instances, NUM_RESOURCES)
+        if p_abs.ndim != 3 or (p_abs.shape[0], p_abs.shape[2]) != shape:
+            raise ValueError(f"p_abs must be (G={self.num_instances}, K, {NUM_RESOURCES}), "
+                             f"got {p_abs.shape}")
+        if not math.isfinite(t0_s):
+            raise ValueError(f"t0_s must be finite, got {t0_s}")
+        if not np.all(np.isfinite(p_abs)):
+            raise ValueError("p_abs has NaN or infinite prices")
+        if np.any(p_abs < 0):
+            raise ValueError(f"p_abs has negative prices (min {float(p_abs.min()):g})")
+        if self._origin_s is None:
+            start = t0_s if now_s is None else now_s
+            self._origin_s = t0_s + slots_since(start, t0_s, self.slot_s) * self.slot_s
+        first = round((self._origin_s - t0_s) / self.slot_s)
+        ks = first + np.arange(self.horizon)
+        inside = (ks >= 0) & (ks < p_abs.shape[1])
+        self.p = np.zeros_like(self.p)
+        self.p[:, inside] = p_abs[:, ks[inside]]
+        self._iterate = self.p.copy()
+        self.set_cumsums()
 
     def _minibatches(self) -> tuple[IntArray, BoolArray, IntArray]:
         k, s = self.cfg.steps_per_period, self.cfg.minibatch
