@@ -48,8 +48,8 @@ def _files(tmp_path: Path) -> tuple[Path, Path]:
         "prices": {"window": 200, "minibatch": 32},
         "sim": {"seed": 0},
     }
-    grid = {"reward": {"zeta2": [0.0, 30.0], "ttft_threshold_s": 0.05},
-            "admission": {"mode": ["defer", "shed"]},
+    grid = {"reward": {"delta": [0.0, 20.0], "ttft_threshold_s": 0.05},
+            "admission": {"max_waiting": [0, 8]},
             "select": {"metric": "slo_attainment"}}
     cfg, grd = tmp_path / "router.yaml", tmp_path / "grid.yaml"
     cfg.write_text(yaml.safe_dump(config))
