@@ -254,7 +254,6 @@ class BidPrice(Policy):
         halflife = env.prices.decode_load_halflife_s
         self._load = None if halflife is None else DecodeLoad(len(env.specs), halflife)
         self._steady = np.zeros(len(env.specs))
-        self._steady_running = np.zeros(len(env.specs))
         self._token_budget = np.array([s.max_num_batched_tokens for s in env.specs],
                                       dtype=np.float64)
         self._scorer = Scorer(self._bea.beta_view, self._batch_cap, self._kv_cap,
@@ -759,10 +758,8 @@ class BidPrice(Policy):
         dual steps (when prices are learned)."""
         self._add_samples()
         if self._load is not None:
-            steady, running = self._load.steady_step_time(
-                now_s, self._bea.beta, self._batch_cap, self._token_budget)
-            self._steady[:] = steady
-            self._steady_running[:] = running
+            self._steady[:] = self._load.steady_step_time(
+                now_s, self._bea.beta, self._batch_cap, self._token_budget)[0]
         tpot = load_aware_tpot(decode_step_times_s(snapshots, self._specs, self._bea.beta, 0),
                                self._steady)
         free = free_capacity(snapshots, self._specs, tpot, self._budget, self._slot_s,
