@@ -209,14 +209,15 @@ def realised_problem(prob: LpProblem, instance: IntArray, first_token_s: FloatAr
 def run_check(loaded: LoadedConfig, seed: int | None = None, t0_s: float | None = None,
               t1_s: float | None = None, max_delay: int | None = None, gap_tol: float = 0.0,
               progress: ProgressFn | None = None
-              ) -> tuple[CheckResult, LpProblem, LpSolution, FloatArray]:
-    """Record a bid_price run, build the window's LP and check it."""
+              ) -> tuple[CheckResult, LpProblem, LpSolution, FloatArray, WindowLog, IntArray]:
+    """Record a bid_price run, build the window's LP and check it; also the run's log
+    and the window's request ids in it."""
     t0 = time.perf_counter()
     rec = record_bid_price(loaded, seed=seed, progress=progress)
     rec_s = time.perf_counter() - t0
     prob, ids = build_window(rec.log, t0_s, t1_s, max_delay=max_delay)
     out, sol, p_online = check(rec.log, ids, prob, gap_tol, rec_s)
-    return out, prob, sol, p_online
+    return out, prob, sol, p_online, rec.log, ids
 
 
 def format_check(r: CheckResult) -> str:

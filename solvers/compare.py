@@ -43,13 +43,12 @@ from olproute.config.loader import Config, LoadedConfig, load_profiles
 from solvers.check import (
     CheckResult,
     DurationFit,
-    check,
     duration_fit,
     plot_prices,
     realised_problem,
+    run_check,
 )
 from solvers.lp import solve
-from solvers.record import build_window, record_bid_price
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "data" / "traces"
@@ -110,11 +109,8 @@ def run(names: list[str], seeds: list[int], num_requests: int, gap_tol: float = 
         for seed in seeds:
             t0 = time.perf_counter()
             loaded = scenario(name, num_requests, seed, patience_s=patience_s, prices=prices)
-            rec = record_bid_price(loaded)
-            prob, ids = build_window(rec.log)
-            res, sol, p_online = check(rec.log, ids, prob, gap_tol,
-                                       time.perf_counter() - t0)
-            done = (rec.log.instance[ids], rec.log.first_token_s[ids], rec.log.finish_s[ids])
+            res, prob, sol, p_online, log, ids = run_check(loaded, gap_tol=gap_tol)
+            done = (log.instance[ids], log.first_token_s[ids], log.finish_s[ids])
             lp_real = solve(realised_problem(prob, *done), gap_tol=gap_tol).objective
             print(f"  {name} seed {seed}: {time.perf_counter() - t0:.1f} s", flush=True)
             rows.append(Row(name, float(SCENARIOS[name]["rate"]), seed, res,
