@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -132,10 +132,14 @@ class Recording:
 def record_bid_price(loaded: LoadedConfig, seed: int | None = None,
                      calibration: CalibrationSource | None = None,
                      progress: ProgressFn | None = None,
-                     schedule: tuple[float, FloatArray] | None = None) -> Recording:
+                     schedule: tuple[float, FloatArray] | None = None,
+                     recorder: Callable[[BidPrice, WindowLog], Recorder] | None = None
+                     ) -> Recording:
     """Run bid_price on the configured workload (as ``simulate`` would) and record; with
     ``schedule`` (t0_s, absolute prices (G, K, 3)), bid_price replays those prices
-    instead of learning its own (``PriceBook.set_schedule``: oracle prices)."""
+    instead of learning its own (``PriceBook.set_schedule``: oracle prices).
+    ``recorder`` builds the recording wrapper from the policy and the run's constants
+    (a log with no requests; default ``Recorder``)."""
     cfg = loaded.config
     run_seed = cfg.sim.seed if seed is None else seed
     reqs = build_requests(loaded, run_seed)
@@ -146,17 +150,15 @@ def record_bid_price(loaded: LoadedConfig, seed: int | None = None,
         raise TypeError("the registered bid_price policy is not olproute's BidPrice")
     if schedule is not None:
         inner.book.set_schedule(*schedule)
-    rec = Recorder(inner)
+    base = empty_log(loaded)
+    rec = Recorder(inner) if recorder is None else recorder(inner, base)
     res = make_cluster(loaded, rec, run_seed, record_batches=False).run(reqs, progress)
     n, g = len(reqs), len(loaded.specs)
     seen = np.full(n, np.nan)
     for rid, t in rec.first_seen_s.items():
         seen[rid] = t
-    specs = loaded.specs
-    log = WindowLog(
-        slot_s=cfg.router.slot_ms / 1e3, horizon=cfg.router.horizon_slots, reward=cfg.reward,
-        batch_cap=np.array([s.max_num_seqs for s in specs], dtype=np.float64),
-        kv_cap=np.array([s.kv_capacity_tokens for s in specs], dtype=np.float64),
+    log = replace(
+        base,
         # the budget bid_price priced compute with (at the end of the run)
         compute_cap=np.asarray(inner.price_view().compute_budget, dtype=np.float64),
         arrival_s=np.array([r.arrival_s for r in reqs], dtype=np.float64),
@@ -172,6 +174,22 @@ def record_bid_price(loaded: LoadedConfig, seed: int | None = None,
         finish_s=np.asarray(res.finish_s, dtype=np.float64),
         updates=tuple(rec.updates), free=tuple(rec.free))
     return Recording(loaded=loaded, result=res, log=log)
+
+
+def empty_log(loaded: LoadedConfig) -> WindowLog:
+    """A log of the configured cluster with no request: the run's constants."""
+    cfg, specs = loaded.config, loaded.specs
+    g = len(specs)
+    none = np.empty((0, g))
+    return WindowLog(
+        slot_s=cfg.router.slot_ms / 1e3, horizon=cfg.router.horizon_slots, reward=cfg.reward,
+        batch_cap=np.array([s.max_num_seqs for s in specs], dtype=np.float64),
+        kv_cap=np.array([s.kv_capacity_tokens for s in specs], dtype=np.float64),
+        compute_cap=np.zeros(g), arrival_s=np.empty(0), prompt_tokens=np.empty(0),
+        ttft_target_s=np.empty(0), first_seen_s=np.empty(0), ttft_hat_s=none,
+        tpot_s=none, decode_tokens=none, utility=none, exec_ttft_s=none,
+        instance=np.empty(0, dtype=np.int64), first_token_s=np.empty(0),
+        finish_s=np.empty(0), updates=(), free=())
 
 
 def build_window(log: WindowLog, t0_s: float | None = None, t1_s: float | None = None,
