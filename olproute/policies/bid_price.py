@@ -22,7 +22,13 @@ Parameter ``form`` (BEAR's two forms, with the prices):
   on time (TTFT, counted from the arrival, within the request's target) the highest
   r_jg - a_jg . p_g, ties to the smaller TTFT; with none on time the request is held
   (a later slot may find one) until its patience, then deferred to the best Lagrangian
-  score or shed as ``admission`` says. On disaggregated pools the same over pairs.
+  score or shed as ``admission`` says. On disaggregated pools the same over pairs;
+- ``primal``: the online LP's primal rule (Agrawal, Wang and Ye; Li and Ye), an
+  ablation of the others: the request goes, at its first decision, to the instance
+  with the highest r_jg - a_jg . p_g if that is positive and its usage column fits the
+  instance's free capacity, whether or not the instance can start it now (its engine
+  queues it); otherwise it is refused there and then (no TTFT term, no start-now check,
+  no hold). Mixed instances only.
 """
 
 from __future__ import annotations
@@ -121,11 +127,13 @@ class BidPriceParams(PolicyParams):
         default=0.03, ge=0, strict=True, allow_inf_nan=False,
         description="disaggregated pools only: fraction of each decode engine's KV kept "
         "free by admission (as vLLM keeps a watermark of free blocks)")
-    form: Literal["lagrangian", "constrained"] = Field(
+    form: Literal["lagrangian", "constrained", "primal"] = Field(
         default="lagrangian", description="lagrangian: the highest reward - "
         "reward.delta x predicted TTFT - price; constrained (BEAR eq. 5): the highest "
         "reward - price among the instances predicted to meet the TTFT target, else hold "
-        "until patience")
+        "until patience; primal (an ablation, mixed instances only): the online LP's "
+        "rule, the highest reward - price if positive and the usage fits, else refused "
+        "at once (no TTFT term, start-now check or hold)")
     release: ReleaseName = Field(
         default="in_order", description="how each slot's pass decides the held requests: "
         "one by one in arrival order (in_order); or together, greedily by score per use "
@@ -334,9 +342,11 @@ class BidPrice(Policy):
         explanation = self._explanation(req, sc, 0, score, candidates, ctx)
         snaps = ctx.snapshots
         assert snaps is not None
-        c = next(self._startable_in(self._eligible(order, row), score, lambda c: can_start_now(
-            snaps[c], req.prompt_tokens, self._specs[c].block_size,
-            self._specs[c].max_num_seqs, self._adm.max_waiting), row.cols, ctx.now_s), None)
+        primal = self._form == "primal"
+        c = next(self._startable_in(self._eligible(order, row), score, lambda c: primal or (
+            can_start_now(snaps[c], req.prompt_tokens, self._specs[c].block_size,
+                          self._specs[c].max_num_seqs, self._adm.max_waiting)),
+            row.cols, ctx.now_s), None)
         if c is not None:
             self._account(c, row, ctx.now_s)
             return self._dispatch(req, c, g, score, row.on_time, candidates, explanation)
@@ -537,6 +547,9 @@ class BidPrice(Policy):
                                      int(candidates[np.argmax(row.lagrangian[candidates])]))
         why = held_why if why is None else why
         spec = self._specs[g]
+        if self._form == "primal":   # decided once, at arrival: refused now
+            self._seen.discard(req.request_id)
+            return Decision(req.request_id, "shed", None, f"refused: {why}", explanation)
 
         def defer(waited_s: float) -> Decision:
             self._account(g, row, ctx.now_s)
@@ -672,8 +685,11 @@ class BidPrice(Policy):
                  net: FloatArray, on_time: npt.NDArray[np.bool_], ttft: FloatArray
                  ) -> tuple[FloatArray, npt.NDArray[np.int64]]:
         """(score per instance, candidates best first) of the policy's form: the
-        Lagrangian score, or for ``constrained`` the reward net of the price, the
-        instances on time first, ties to the smaller TTFT."""
+        Lagrangian score; for ``constrained`` the reward net of the price, the
+        instances on time first, ties to the smaller TTFT; for ``primal`` the reward net
+        of the price."""
+        if self._form == "primal":
+            return net, candidates[np.argsort(-net[candidates], kind="stable")]
         if self._form == "constrained":
             order = np.lexsort((ttft[candidates], -net[candidates], ~on_time[candidates]))
             return net, candidates[order]
@@ -916,6 +932,9 @@ def bid_price(env: PolicyEnv, params: BidPriceParams) -> Policy:
             raise PolicyError("policy 'bid_price' takes release on mixed instances only: on "
                               "disaggregated prefill/decode pools it decides held requests "
                               "one by one (release: in_order)")
+        if params.form == "primal":
+            raise PolicyError("policy 'bid_price' takes form: primal on mixed instances "
+                              "only (on prefill/decode pools: lagrangian or constrained)")
         return PoolBidPrice(env, backend=params.backend, decode_slack=params.decode_slack,
                             kv_headroom=params.kv_headroom, form=params.form)
     given = sorted(set(params.model_fields_set) & set(POOL_ONLY))

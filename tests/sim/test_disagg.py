@@ -256,6 +256,10 @@ def test_policies_that_cannot_route_pools_say_so() -> None:
         "policy_params": {"bid_price": {"release": "density"}}}))
     with pytest.raises(PolicyError, match="release on mixed instances only"):
         simulate(joint, "bid_price")
+    primal = loaded.with_updates(router=loaded.config.router.model_copy(update={
+        "policy_params": {"bid_price": {"form": "primal"}}}))
+    with pytest.raises(PolicyError, match="form: primal on mixed instances only"):
+        simulate(primal, "bid_price")
 
 
 def test_a_policy_naming_a_wrong_decode_instance_is_an_error() -> None:

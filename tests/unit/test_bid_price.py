@@ -641,6 +641,39 @@ def test_the_constrained_form_refuses_what_the_lagrangian_form_sends_late() -> N
             assert d.instance == lag.instance
 
 
+def test_the_primal_form_dispatches_on_reward_net_of_price_or_refuses_at_once() -> None:
+    """The online LP's rule: both instances full (neither can start now), so the
+    Lagrangian form holds; the primal form sends the request at its first decision to
+    the higher reward net of the price, queued at the engine. With that net <= 0 on
+    every instance it refuses at once, patient or not: it never holds."""
+    full = (_snap(n_running=4), _snap(n_running=4))
+    adm = AdmissionConfig(mode="shed", patience_s=5.0)
+    lag = _policy(admission=adm).decide(_ctx(full))
+    assert lag.action == "hold"
+    policy = _priced(_policy(admission=adm, form="primal"), 0, 0.05)
+    d = policy.decide(_ctx(full))
+    net = np.array(d.explanation["reward"]) - np.array(d.explanation["price_cost"])
+    assert d.explanation["score"] == pytest.approx(tuple(net))
+    assert net[1] > net[0] and net[1] > 0
+    assert d.action == "dispatch" and d.instance == 1
+    dear = _priced(_priced(_policy(admission=adm, form="primal"), 0, 1e3), 1, 1e3)
+    d = dear.decide(_ctx(full, rid=2))
+    assert d.action == "shed" and d.reason.startswith("refused: best score")
+    assert max(d.explanation["score"]) <= 0
+
+
+def test_the_primal_form_ignores_the_ttft_term() -> None:
+    """A 5 ms target no instance meets and delta large: the Lagrangian score is negative
+    and the request is held; the primal score, reward net of price, still dispatches."""
+    snaps = (_snap(), _snap(n_running=2))
+    heavy = RewardConfig(delta=5000.0)
+    lag = _policy(reward=heavy).decide(_ctx(snaps, target=0.005))
+    assert max(lag.explanation["score"]) <= 0 and lag.action == "hold"
+    d = _policy(reward=heavy, form="primal").decide(_ctx(snaps, target=0.005))
+    assert d.action == "dispatch"
+    assert d.explanation["score"][d.instance] > 0
+
+
 def _held_pass(release: str) -> dict[int, tuple[str, float]]:
     """Two held requests, one instance with batch room for one of them over the horizon:
     a long one that arrived first and a short one. Per request id: (action, its score on
