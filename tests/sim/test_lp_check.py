@@ -134,3 +134,19 @@ def test_a_replayed_schedule_steers_the_run(recorded) -> None:  # type: ignore[n
     assert all(float(u.p[0, :, 2].min()) == 1e6 for u in steered.log.updates[1:])
     free = record_bid_price(loaded, calibration=source, schedule=(t0, np.zeros((2, k, 3))))
     assert set(free.result.instance[np.isfinite(free.result.finish_s)].tolist()) == {0, 1}
+
+
+def test_compare_reports_the_patience_matched_arm() -> None:
+    """solvers.compare's rows carry the online run with the LP's maximum delay as
+    patience, as shares of both LPs, beside the default run."""
+    from solvers.compare import as_json, run, table
+
+    rows = run(["batch"], [4], 80)
+    doc = as_json(rows)["rows"][0]
+    assert doc["matched_patience_s"] == doc["lp_max_delay_s"] > 0
+    assert doc["online_matched"] > 0
+    assert doc["online_matched_over_realised_lp"] == pytest.approx(
+        doc["online_matched"] / doc["lp_realised"])
+    assert doc["online_matched_over_lp"] == pytest.approx(
+        doc["online_matched"] / doc["lp_value"])
+    assert "match/real" in table(rows)
