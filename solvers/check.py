@@ -18,15 +18,17 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config.loader import LoadedConfig
+from olproute.config.loader import ConfigError, LoadedConfig
 from olproute.pricing.reward import BATCH, COMPUTE, KV, RESOURCES
 from olproute.sim.cluster import ProgressFn
+from olproute.sim.scenario import CalibrationSource
 from solvers.certificate import (
     absolute_prices,
     best_scale,
@@ -37,7 +39,11 @@ from solvers.certificate import (
 )
 from solvers.lp import LpSolution, solve
 from solvers.problem import LpProblem, prefill_interval
-from solvers.record import WindowLog, build_window, record_bid_price
+from solvers.record import Recording, WindowLog, build_window, record_bid_price
+
+# how run_check records its run: (config, seed, calibration, progress)
+RecordFn = Callable[[LoadedConfig, int | None, CalibrationSource | None, ProgressFn | None],
+                    Recording]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -208,12 +214,13 @@ def realised_problem(prob: LpProblem, instance: IntArray, first_token_s: FloatAr
 
 def run_check(loaded: LoadedConfig, seed: int | None = None, t0_s: float | None = None,
               t1_s: float | None = None, max_delay: int | None = None, gap_tol: float = 0.0,
-              progress: ProgressFn | None = None
+              progress: ProgressFn | None = None, record: RecordFn = record_bid_price
               ) -> tuple[CheckResult, LpProblem, LpSolution, FloatArray, WindowLog, IntArray]:
-    """Record a bid_price run, build the window's LP and check it; also the run's log
+    """Record a bid_price run (with ``record``: ``solvers.resolve.record_as_configured``
+    for a config with re-solves), build the window's LP and check it; also the run's log
     and the window's request ids in it."""
     t0 = time.perf_counter()
-    rec = record_bid_price(loaded, seed=seed, progress=progress)
+    rec = record(loaded, seed, None, progress)
     rec_s = time.perf_counter() - t0
     prob, ids = build_window(rec.log, t0_s, t1_s, max_delay=max_delay)
     out, sol, p_online = check(rec.log, ids, prob, gap_tol, rec_s)
@@ -286,6 +293,11 @@ def lp_check_command(loaded: LoadedConfig, args: argparse.Namespace) -> int:
         bar = tqdm(desc="bid_price", unit="req", leave=False)
         progress = bar.update
     rec_t0 = time.perf_counter()
+    if loaded.config.prices.resolve_period_s is not None:
+        raise ConfigError(loaded.path, [(
+            "prices.resolve_period_s", "lp-check records bid_price without re-solves: set "
+            "it to null (python -m solvers.compare --price resolve_period_s=S measures "
+            "runs with them)")])
     rec = record_bid_price(loaded, progress=(lambda _: progress(1)) if progress else None)
     rec_s = time.perf_counter() - rec_t0
     if bar is not None:

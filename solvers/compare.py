@@ -54,7 +54,7 @@ from solvers.check import (
     run_check,
 )
 from solvers.lp import solve
-from solvers.record import record_bid_price
+from solvers.resolve import record_as_configured
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "data" / "traces"
@@ -116,12 +116,13 @@ def run(names: list[str], seeds: list[int], num_requests: int, gap_tol: float = 
         for seed in seeds:
             t0 = time.perf_counter()
             loaded = scenario(name, num_requests, seed, patience_s=patience_s, prices=prices)
-            res, prob, sol, p_online, log, ids = run_check(loaded, gap_tol=gap_tol)
+            res, prob, sol, p_online, log, ids = run_check(loaded, gap_tol=gap_tol,
+                                                           record=record_as_configured)
             done = (log.instance[ids], log.first_token_s[ids], log.finish_s[ids])
             lp_real = solve(realised_problem(prob, *done), gap_tol=gap_tol).objective
             delay_s = prob.max_delay * prob.slot_s
-            matched = record_bid_price(scenario(name, num_requests, seed,
-                                                patience_s=delay_s, prices=prices)).result
+            matched = record_as_configured(scenario(name, num_requests, seed,
+                                                    patience_s=delay_s, prices=prices)).result
             won = online_reward(prob, matched.instance[ids], matched.first_token_s[ids],
                                 matched.finish_s[ids])
             print(f"  {name} seed {seed}: {time.perf_counter() - t0:.1f} s", flush=True)

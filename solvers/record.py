@@ -141,6 +141,9 @@ def record_bid_price(loaded: LoadedConfig, seed: int | None = None,
     ``recorder`` builds the recording wrapper from the policy and the run's constants
     (a log with no requests; default ``Recorder``)."""
     cfg = loaded.config
+    if recorder is None and schedule is None and cfg.prices.resolve_period_s is not None:
+        raise ValueError("prices.resolve_period_s is set: record with "
+                         "solvers.resolve.record_resolving, which re-solves")
     run_seed = cfg.sim.seed if seed is None else seed
     reqs = build_requests(loaded, run_seed)
     st = streams(run_seed, len(loaded.specs))

@@ -31,9 +31,11 @@ import numpy.typing as npt
 
 from olproute.config.loader import LoadedConfig
 from olproute.config.schema import PriceConfig
+from olproute.policies.base import Policy
 from olproute.policies.bid_price import BidPrice
 from olproute.pricing.reward import NUM_RESOURCES
 from olproute.routing.live_window import LiveWindow
+from olproute.sim.cluster import ProgressFn
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import Decision, EngineSnapshot, Request, RoutingContext
 from solvers.lp import solve
@@ -44,6 +46,7 @@ from solvers.record import (
     Recording,
     WindowLog,
     build_window,
+    empty_log,
     record_bid_price,
 )
 
@@ -177,8 +180,18 @@ class Resolving(Recorder):
             updates=(), free=())
 
 
+def resolving(policy: Policy, loaded: LoadedConfig) -> Policy:
+    """``olproute.sim.scenario.simulate``'s ``wrap``: bid_price on mixed instances with
+    the config's re-solves (``Resolving``); any other policy as it is (only bid_price's
+    book on mixed instances takes LP duals)."""
+    if not isinstance(policy, BidPrice) or loaded.config.prices.resolve_period_s is None:
+        return policy
+    return Resolving(policy, cfg=loaded.config.prices, base=empty_log(loaded))
+
+
 def record_resolving(loaded: LoadedConfig, seed: int | None = None,
-                     calibration: CalibrationSource | None = None
+                     calibration: CalibrationSource | None = None,
+                     progress: ProgressFn | None = None
                      ) -> tuple[Recording, list[tuple[float, Resolution]]]:
     """``record_bid_price`` with the config's re-solves (``prices.resolve_period_s``, which
     must be set): the recording and the run's re-solves (tick time, outcome)."""
@@ -191,5 +204,17 @@ def record_resolving(loaded: LoadedConfig, seed: int | None = None,
         made.append(Resolving(inner, cfg=cfg, base=base))
         return made[-1]
 
-    rec = record_bid_price(loaded, seed, calibration=calibration, recorder=wrap)
+    rec = record_bid_price(loaded, seed, calibration=calibration, progress=progress,
+                           recorder=wrap)
     return rec, made[0].resolutions
+
+
+def record_as_configured(loaded: LoadedConfig, seed: int | None = None,
+                         calibration: CalibrationSource | None = None,
+                         progress: ProgressFn | None = None) -> Recording:
+    """A recorded bid_price run as its config says: with re-solves when
+    ``prices.resolve_period_s`` is set (``record_resolving``), else
+    ``record_bid_price``."""
+    if loaded.config.prices.resolve_period_s is None:
+        return record_bid_price(loaded, seed, calibration=calibration, progress=progress)
+    return record_resolving(loaded, seed, calibration, progress)[0]

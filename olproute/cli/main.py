@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from olproute.cli.args import int_at_least, positive_float
 from olproute.config.loader import (
@@ -22,6 +22,9 @@ from olproute.operator.executors import ExecutorError
 from olproute.policies import REGISTRY, PolicyError
 from olproute.predict import PredictorError
 from olproute.sim.workloads import WorkloadError
+
+if TYPE_CHECKING:
+    from olproute.sim.scenario import PolicyWrap
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -83,11 +86,20 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     loaded = _loaded(args)
     name = args.policy or loaded.config.router.policy
     run = run_policy(loaded, name, progress=not args.no_progress,
-                     out_dir=Path(args.out) if args.out else None)
+                     out_dir=Path(args.out) if args.out else None, wrap=_resolving(loaded))
     print(summary_table([(name, run.summary)]))
     if args.out:
         print(f"wrote {args.out}/: records_{name}.csv, batches_{name}.csv, summary_{name}.json")
     return 0
+
+
+def _resolving(loaded: LoadedConfig) -> PolicyWrap | None:
+    """bid_price's re-solves for the simulator when the config asks for them."""
+    if loaded.config.prices.resolve_period_s is None:
+        return None
+    from solvers.resolve import resolving
+
+    return resolving
 
 
 # what `olproute compare` runs without --policies
@@ -106,7 +118,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if not names:
         raise PolicyError(f"--policies names no policy: {args.policies!r}")
     out = Path(args.out) if args.out else None
-    runs = compare_policies(loaded, names, progress=not args.no_progress, out_dir=out)
+    runs = compare_policies(loaded, names, progress=not args.no_progress, out_dir=out,
+                            wrap=_resolving(loaded))
     print(summary_table([(r.policy, r.summary) for r in runs]))
     if out is not None:
         print(f"wrote {out}/compare.csv, {out}/cdf.png and per-policy records")

@@ -12,7 +12,7 @@ from pathlib import Path
 from olproute.config.loader import LoadedConfig
 from olproute.sim import metrics
 from olproute.sim.cluster import SimResult
-from olproute.sim.scenario import build_requests, simulate
+from olproute.sim.scenario import PolicyWrap, build_requests, simulate
 from olproute.types import Request
 
 
@@ -29,8 +29,10 @@ def run_policy(
     requests: Sequence[Request] | None = None,
     progress: bool = True,
     out_dir: Path | None = None,
+    wrap: PolicyWrap | None = None,
 ) -> PolicyRun:
-    """Simulate one policy, with a progress bar on stderr, and write its outputs."""
+    """Simulate one policy, with a progress bar on stderr, and write its outputs
+    (``wrap``: as ``simulate`` takes it)."""
     reqs = list(requests) if requests is not None else build_requests(loaded)
     if progress:
         from tqdm import tqdm
@@ -44,9 +46,9 @@ def run_policy(
                     bar.update(done - last[0])
                     last[0] = done
 
-            result = simulate(loaded, name, reqs, progress=tick)
+            result = simulate(loaded, name, reqs, progress=tick, wrap=wrap)
     else:
-        result = simulate(loaded, name, reqs)
+        result = simulate(loaded, name, reqs, wrap=wrap)
     run = PolicyRun(name, result, metrics.summarize(
         result, loaded.profiles, loaded.config.reward.cost_lambda))
     if out_dir is not None:
@@ -63,12 +65,13 @@ def compare_policies(
     names: Sequence[str],
     progress: bool = True,
     out_dir: Path | None = None,
+    wrap: PolicyWrap | None = None,
 ) -> list[PolicyRun]:
     """Every policy on the same requests and seed; writes compare.csv and cdf.png."""
     if not names:
         raise ValueError("no policies to compare")
     reqs = build_requests(loaded)
-    runs = [run_policy(loaded, n, reqs, progress, out_dir) for n in names]
+    runs = [run_policy(loaded, n, reqs, progress, out_dir, wrap) for n in names]
     if out_dir is not None:
         write_compare_csv(runs, out_dir / "compare.csv")
         from olproute.sim.plots import latency_cdfs

@@ -9,12 +9,12 @@ policy's coin flips never shift the workload or the engines' noise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from olproute.config.loader import LoadedConfig
+from olproute.config.loader import ConfigError, LoadedConfig
 from olproute.estimate.calibration import InstanceCalibration, calibrate_log
 from olproute.policies import Policy
 from olproute.routing import assembly
@@ -63,6 +63,11 @@ def _round_robin_profile(loaded: LoadedConfig) -> list[InstanceCalibration]:
     return profile_calibration(loaded, "round_robin")
 
 
+# wraps the policy a run built (given the run's config): how the layers above the
+# simulator add what it cannot import, e.g. bid_price's re-solves (solvers.resolve)
+PolicyWrap = Callable[[Policy, LoadedConfig], Policy]
+
+
 def simulate(
     loaded: LoadedConfig,
     policy_name: str | None = None,
@@ -71,15 +76,27 @@ def simulate(
     progress: ProgressFn | None = None,
     reference_core: bool = False,
     calibration: assembly.CalibrationSource | None = None,
+    wrap: PolicyWrap | None = None,
 ) -> SimResult:
     """Run one policy (the config's, unless named) on the configured workload. Pass one
-    ``calibration`` to several runs to profile only once."""
+    ``calibration`` to several runs to profile only once. ``wrap`` wraps the policy
+    built; bid_price with ``prices.resolve_period_s`` set needs one that re-solves
+    (``solvers.resolve.resolving``, which ``olproute simulate`` passes): the LP is
+    not the simulator's to import, and a config's re-solves are never silently
+    dropped."""
     cfg = loaded.config
     run_seed = cfg.sim.seed if seed is None else seed
     name = policy_name or cfg.router.policy
     reqs = list(requests) if requests is not None else build_requests(loaded, run_seed)
     _check_fits(loaded, reqs)
     policy = make_policy(loaded, name, run_seed, calibration)
+    if wrap is not None:
+        policy = wrap(policy, loaded)
+    elif name == "bid_price" and cfg.prices.resolve_period_s is not None:
+        raise ConfigError(loaded.path, [(
+            "prices.resolve_period_s", "re-solves need the exact LP: run bid_price with "
+            "them through olproute simulate / compare, or pass "
+            "wrap=solvers.resolve.resolving to simulate")])
     return make_cluster(loaded, policy, run_seed, reference_core).run(reqs, progress)
 
 

@@ -4,6 +4,7 @@ its duals taken by the book, and a solve that fails or is slow leaving the price
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,18 +14,19 @@ from olproute.estimate.calibration import InstanceCalibration
 from olproute.pricing.book import PriceBook
 from olproute.sim.scenario import CalibrationSource
 from solvers.lp import solve
-from solvers.record import build_window, record_bid_price
+from solvers.record import Recording, build_window, record_bid_price
 from solvers.resolve import (
     EMPTY,
     FAILED,
     OK,
     SLOW,
+    Resolving,
     forward_problem,
     max_delay_slots,
     record_resolving,
     resolve_log,
 )
-from tests.conftest import CONV_TRACE, make_config
+from tests.conftest import CONV_TRACE, REPO, make_config
 
 CAL = InstanceCalibration(beta=(0.008, 6e-5, 1e-7, 1e-10), prefill_tokens_per_s=15_000,
                           tpot_s=0.02, mean_batch_seqs=8)
@@ -41,6 +43,12 @@ def sections(**prices: object) -> dict[str, object]:
         "prices": prices,
         "sim": {"seed": 3},
     }
+
+
+def _plain() -> Recording:
+    """The run without re-solves (the same requests and calibration)."""
+    loaded, source = loaded_with()
+    return record_bid_price(loaded, calibration=source)
 
 
 def loaded_with(**prices: object):  # type: ignore[no-untyped-def]
@@ -123,7 +131,7 @@ def test_a_resolve_hands_the_lp_duals_to_the_book(
 
 def test_resolving_changes_the_run_only_through_the_prices() -> None:
     loaded, source = loaded_with(resolve_period_s=PERIOD_S, resolve_window_s=WINDOW_S)
-    plain = record_bid_price(loaded, calibration=source)
+    plain = _plain()
     again, resolutions = record_resolving(loaded, calibration=source)
     assert any(r.outcome == OK for _, r in resolutions)
     # same requests and first decisions up to the first re-solve
@@ -142,7 +150,7 @@ def test_resolving_changes_the_run_only_through_the_prices() -> None:
 def test_a_failed_or_slow_solve_keeps_the_last_prices(
         how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     loaded, source = loaded_with(resolve_period_s=PERIOD_S, resolve_window_s=WINDOW_S)
-    plain = record_bid_price(loaded, calibration=source)
+    plain = _plain()
 
     class Slow:
         status, objective = "Time limit reached", math.nan
@@ -177,3 +185,56 @@ def test_an_empty_window_is_empty() -> None:
     t_end = float(np.nanmax(log.arrival_s)) + 100.0
     res = resolve_log(log, t_end, t_end + 1.0, t_end, log.free[-1][1], 2, 5.0)
     assert res.outcome == EMPTY and res.p is None and res.requests == 0
+
+
+def _config_file(tmp_path: Path, **prices: object) -> Path:
+    import yaml
+
+    cal = tmp_path / "cal.yaml"
+    cal.write_text(yaml.safe_dump({"calibration": {"llama-0": CAL.as_dict(),
+                                                   "llama-1": CAL.as_dict()}}))
+    data = sections(**prices)
+    data["workload"] = {**data["workload"], "num_requests": 60}  # type: ignore[dict-item]
+    data["profiles"] = str(REPO / "configs" / "profiles.yaml")
+    data["calibration"] = str(cal)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_olproute_simulate_runs_a_configs_resolves(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from olproute.cli.main import main
+
+    made: list[Resolving] = []
+    original = Resolving.__post_init__
+
+    def seen(self: Resolving) -> None:
+        original(self)
+        made.append(self)
+
+    monkeypatch.setattr(Resolving, "__post_init__", seen)
+    cfg = _config_file(tmp_path, resolve_period_s=PERIOD_S, resolve_window_s=WINDOW_S)
+    assert main(["simulate", "--config", str(cfg), "--no-progress"]) == 0
+    assert "bid_price" in capsys.readouterr().out
+    assert len(made) == 1 and any(r.outcome == OK for _, r in made[0].resolutions)
+
+
+def test_resolves_are_never_dropped_silently(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from olproute.cli.main import main
+    from olproute.config.loader import ConfigError
+    from olproute.sim.scenario import simulate
+
+    loaded, source = loaded_with(resolve_period_s=PERIOD_S)
+    with pytest.raises(ConfigError, match=r"prices\.resolve_period_s: re-solves need"):
+        simulate(loaded, calibration=source)
+    with pytest.raises(ValueError, match=r"record with solvers\.resolve\.record_resolving"):
+        record_bid_price(loaded, calibration=source)
+    # another policy has no prices to re-solve: it runs as it is
+    assert (simulate(loaded, "round_robin", calibration=source).instance >= 0).all()
+    cfg = _config_file(tmp_path, resolve_period_s=PERIOD_S)
+    assert main(["lp-check", "--config", str(cfg), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "prices.resolve_period_s: lp-check records bid_price without re-solves" in err
