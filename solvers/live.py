@@ -41,7 +41,8 @@ def to_log(w: LiveWindow) -> WindowLog:
 def certify(window: LiveWindow) -> dict[str, Any]:
     """Solve the window's exact LP and certify bid_price's prices over it."""
     log = to_log(window)
-    prob, ids = build_window(log, window.t0_s, window.t1_s)
+    prob, ids = build_window(log, window.t0_s, window.t1_s,
+                             max_delay=window.max_delay_slots)
     res, _, _ = check(log, ids, prob, window.gap_tol, time_limit_s=window.time_limit_s,
                       threads=LP_THREADS)
     return {

@@ -107,13 +107,15 @@ def resolve_log(log: WindowLog, t0_s: float, t1_s: float, free_s: float, free: F
 
 
 def resolve_live(window: LiveWindow) -> Resolution:
-    """The server's re-solve of a window ``pack_recent`` copied out (its ``free`` is the
-    latest tick's, at ``free_s``; ``gap_tol`` carries the maximum delay in slots)."""
+    """The server's re-solve of a window ``pack_recent`` copied out: the requests of
+    [t0, t1) moved forward to the latest tick (``free_s``, its ``free``), each start at
+    most ``max_delay_slots`` (``max_delay_slots(prices)``) late, within its time limit."""
     from solvers.live import to_log
 
-    log = to_log(window)
-    return resolve_log(log, window.t0_s, window.t1_s, window.free_s, window.free,
-                       int(window.gap_tol), window.time_limit_s)
+    if window.max_delay_slots is None:
+        raise ValueError("a re-solve's window sets max_delay_slots (pack_recent does)")
+    return resolve_log(to_log(window), window.t0_s, window.t1_s, window.free_s, window.free,
+                       window.max_delay_slots, window.time_limit_s)
 
 
 def max_delay_slots(cfg: PriceConfig) -> int:

@@ -287,6 +287,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from olproute.server import run_server
     from olproute.sim.scenario import CalibrationSource
     from solvers.live import certify
+    from solvers.resolve import resolve_live
 
     loaded = load_config(args.config, _weights(args))
     if args.policy:
@@ -306,12 +307,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     predictor = served_predictor(loaded)
     # calibration: auto profiles the scenario (or, with no workload, a sweep of each
     # instance) in the simulator, at start-up; a file is read and checked now; the live
-    # certificate checks bid_price's prices with the exact LP in a worker process
+    # certificate checks bid_price's prices with the exact LP in a worker process, and
+    # the re-solves (prices.resolve_period_s) solve it for new prices in another
     calibration = CalibrationSource(loaded)
     if loaded.config.calibration != "auto":
         calibration()   # a file that does not read, or lacks an instance, stops serve here
     run_server(loaded, host=args.host, port=args.port, calibration=calibration,
-               certifier=certify, predictor=predictor)
+               certifier=certify, predictor=predictor, resolver=resolve_live)
     return 0
 
 
@@ -357,7 +359,9 @@ def _add_serve(sub: Any) -> None:
                                    "no server.backends in the config, the instances are "
                                    "emulated in-process. With bid_price, the exact LP "
                                    "checks its prices every prices.certify_period_s in a "
-                                   "background process (/prices, /metrics, /dashboard).")
+                                   "background process (/prices, /metrics, /dashboard), "
+                                   "and with prices.resolve_period_s set, re-solves the "
+                                   "recent window's LP for new prices in another.")
     p.add_argument("--config", default=str(DEFAULT_CONFIG),
                    help="configuration YAML (default: %(default)s)")
     p.add_argument("--host", help="address to bind (default: server.host)")

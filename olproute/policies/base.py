@@ -97,7 +97,9 @@ class Policy(ABC):
       and hands them to a worker thread of its default executor, which runs ``tick``
       (``Router.tick``) and then ``price_view`` (``app._ticked``), both holding
       ``ServerState.book_lock``; the view goes back to the loop (price metrics, and
-      ``certify_live.ticked``, which records it for the live certificate). For
+      ``ServerState.ticked``, which records it for the live certificate and the
+      re-solves); a re-solve's duals waiting for it (``resolving.take_handover``) go
+      into the book after the tick (``resolving.warm_start``), still holding it. For
       ``bid_price`` the tick builds the demand samples its decisions queued
       (``BidPrice._add_samples``), the free capacity from the snapshots, and the price
       update (``PriceBook.update``: ``advance``, K steps in ``step_jax.run_steps``, the
@@ -122,9 +124,12 @@ class Policy(ABC):
     - The LP check runs in neither: every ``prices.certify_period_s`` a task on the loop
       packs the captured window (``certify_live.check_now``: ``capture.pack``) and a
       worker process solves it (``LiveCert.submit``); its result comes back to the loop
-      (``call_soon_threadsafe``). A reload (``admin.reload``) builds the new router in a
-      worker thread (without start-up's warm-up tick, ``app._warm``) and swaps it in on
-      the loop; a tick of the old router still running finishes on it.
+      (``call_soon_threadsafe``). The re-solves likewise, every
+      ``prices.resolve_period_s``, in a worker process of their own
+      (``resolving.resolve_now``: ``capture.pack_recent``). A reload (``admin.reload``)
+      builds the new router in a worker thread (without start-up's warm-up tick,
+      ``app._warm``) and swaps it in on the loop; a tick of the old router still running
+      finishes on it.
     """
 
     name: str = ""

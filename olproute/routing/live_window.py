@@ -1,7 +1,7 @@
 """The window of a live ``bid_price`` run that the exact LP checks: what the server
 captured (``olproute.server.capture``), packed as one picklable message for the
-certifying process (``solvers.live``, injected by the CLI: the server never imports
-the solvers).
+certifying or re-solving process (``solvers.live``, ``solvers.resolve``, injected by
+the CLI: the server never imports the solvers).
 
 Times are seconds on the server's clock (``ServerState.now``). Per-request arrays are
 (N,) or (N, G), in arrival order; the price updates are in tick order, one (G, H, R)
@@ -25,8 +25,8 @@ IntArray = npt.NDArray[np.int64]
 @dataclass(frozen=True, slots=True)
 class LiveWindow:
     """Requests that arrived in [t0_s, t1_s); the price updates of the ticks from the
-    last one at or before t0_s on, and that tick's free capacity (the LP's initial
-    occupancy); the bounds of the LP solve."""
+    last one at or before t0_s on (none in a re-solve's window), and the free capacity
+    of a tick (the LP's initial occupancy); the bounds of the LP solve."""
 
     t0_s: float
     t1_s: float
@@ -54,12 +54,15 @@ class LiveWindow:
     update_s: FloatArray                 # (U,) tick times
     origin_s: FloatArray                 # (U,) time of price slot 0
     prices: tuple[FloatArray, ...]       # U arrays (G, H, R)
-    # the free capacity (G, H, R) bid_price computed at the tick at free_s <= t0_s
+    # the free capacity (G, H, R) bid_price computed at the tick at free_s (the
+    # certificate's: the last at or before t0_s; a re-solve's: the latest)
     free_s: float
     free: FloatArray
-    # the LP solve
+    # the LP solve: its relative gap tolerance, time limit, and how many slots late it
+    # may start a request (None: as late as the online policy did, the certificate's)
     gap_tol: float
     time_limit_s: float
+    max_delay_slots: int | None = None
 
     @property
     def num_requests(self) -> int:

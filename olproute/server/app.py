@@ -4,8 +4,8 @@ and its tracker) and background tasks run there too: price updates (in a worker 
 off the event loop), health checks with backoff, scraping the backends' Prometheus
 gauges, beta recalibration from the backends' batch records (or, for a backend without
 them, from the streams relayed from it: ``olproute.estimate.streamcal``), and the live
-certificate of bid_price's prices (``olproute.server.certify_live``; the LP runs in a
-process of its own).
+certificate of bid_price's prices (``olproute.server.certify_live``) and its re-solves
+(``olproute.server.resolving``), each LP in a process of its own.
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from olproute.estimate.calibration import OnlineCalibrator
 from olproute.estimate.streamcal import StreamCalibrator, StreamRecorder
 from olproute.routing.assembly import CalibrationSource, served_predictor
 from olproute.routing.router import Router, prediction_source
-from olproute.server import admin, certify_live, dashboard, proxy
+from olproute.server import admin, certify_live, dashboard, proxy, resolving
 from olproute.server.capture import LiveCapture
 from olproute.server.certify import Certifier, LiveCert
 from olproute.server.errors import json_errors
 from olproute.server.holding import HoldQueue
 from olproute.server.metrics import ServerMetrics
+from olproute.server.resolved import Handover, Resolver
 from olproute.server.schema import (
     BadRequest,
     RouteBody,
@@ -76,7 +77,8 @@ KEEPALIVE_S = 4.0
 def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
              calibration: CalibrationSource | None = None,
              certifier: Certifier | None = None,
-             predictor: Predictor | None = None) -> web.Application:
+             predictor: Predictor | None = None,
+             resolver: Resolver | None = None) -> web.Application:
     """The router application. ``backend_urls`` (one per instance, in order) overrides the
     config's backends; with neither, the instances are emulated in-process.
     ``calibration``: what estimating policies read (``olproute.routing.assembly``); without one,
@@ -84,14 +86,17 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
     ``olproute serve`` passes ``olproute.sim.scenario.CalibrationSource``).
     ``certifier``: checks a window of bid_price's prices against the exact LP, in a
     worker process (a picklable function; ``olproute serve`` passes
-    ``solvers.live.certify``); without one, no live certificate. ``predictor``: the one
+    ``solvers.live.certify``); without one, no live certificate. ``resolver``: re-solves
+    the recent window's LP for bid_price's prices, in a worker process
+    (``olproute.server.resolving``; ``olproute serve`` passes
+    ``solvers.resolve.resolve_live``); without one, no re-solves. ``predictor``: the one
     ``prediction.serve`` names, already loaded (``olproute serve`` loads it first, so a
     bad folder stops it before anything starts); without one, it is loaded at start-up
     (``olproute.routing.assembly.served_predictor``)."""
     app = web.Application(client_max_size=loaded.config.server.max_body_bytes,
                           middlewares=[json_errors])  # every error in one JSON shape
     app[BACKEND_URLS] = list(backend_urls or [])
-    app.cleanup_ctx.append(_lifecycle(loaded, calibration, certifier, predictor))
+    app.cleanup_ctx.append(_lifecycle(loaded, calibration, certifier, predictor, resolver))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.completions)
     app.router.add_post("/route", route)
@@ -108,6 +113,7 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
 
 def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                certifier: Certifier | None, predictor: Predictor | None,
+               resolver: Resolver | None = None,
                ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         server = loaded.config.server
@@ -159,13 +165,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
             st.holding = HoldQueue(loaded.config.admission.max_held,
                                    loaded.config.router.slot_ms / 1e3,
                                    server.hold_budget_ms / 1e3, st.now)
-            if certifier is not None:
-                st.live_cert = LiveCert(certifier, LiveCapture(
-                    len(loaded.specs), loaded.config.prices.certify_max_requests),
-                    on_result=st.metrics.set_certificate)
-                stack.callback(st.live_cert.close)
-                if st.certifying():
-                    st.live_cert.start()
+            _live_jobs(st, stack, certifier, resolver)
             app[STATE] = st
             await _start_shared(st, stack)
             tasks = [asyncio.create_task(_every(period, job, st)) for period, job in (
@@ -177,12 +177,34 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
             tasks.append(asyncio.create_task(st.lag.run(st.metrics.loop_lag_seconds.observe)))
             if st.live_cert is not None:
                 tasks.append(asyncio.create_task(certify_live.run(st)))
+            if st.live_resolve is not None:
+                tasks.append(asyncio.create_task(resolving.run(st)))
             try:
                 yield
             finally:
                 await stop_tasks(tasks)
                 await st.holding.close()
     return ctx
+
+
+def _live_jobs(st: ServerState, stack: contextlib.AsyncExitStack,
+               certifier: Certifier | None, resolver: Resolver | None) -> None:
+    """The capture and the worker pools of the live certificate and the re-solves (each
+    spawns its worker now if it is on), stopped with the server."""
+    if certifier is None and resolver is None:
+        return
+    st.capture = LiveCapture(len(st.loaded.specs), st.loaded.config.prices.certify_max_requests)
+    if certifier is not None:
+        st.live_cert = LiveCert(certifier,
+                                on_result=lambda doc, _: st.metrics.set_certificate(doc))
+        stack.callback(st.live_cert.close)
+        if st.certifying():
+            st.live_cert.start()
+    if resolver is not None:
+        st.live_resolve = resolving.worker(st, resolver)
+        stack.callback(st.live_resolve.close)
+        if st.resolving():
+            st.live_resolve.start()
 
 
 STOP_WAIT_S = 1.0     # a background task is cancelled again after this
@@ -289,23 +311,30 @@ async def _tick(st: ServerState) -> None:
     now = st.now()
     snaps = st.tracker.snapshots(now)
     router = st.router
-    view = await asyncio.get_running_loop().run_in_executor(None, _ticked, router, now, snaps,
-                                                            st.book_lock)
+    handover = resolving.take_handover(st, router)
+    view, refused = await asyncio.get_running_loop().run_in_executor(
+        None, _ticked, router, now, snaps, st.book_lock, handover)
+    if handover is not None:
+        resolving.applied(handover, now, refused)
     if view is not None:
         st.metrics.set_price_sums([s.name for s in st.loaded.specs], view.prices)
     st.metrics.price_updates.inc()
     if st.router is router and view is not None:   # not replaced by a reload meanwhile
-        certify_live.ticked(st, now, view)
+        st.ticked(now, view)
 
 
 def _ticked(router: Router, now_s: float, snapshots: tuple[EngineSnapshot, ...],
-            lock: threading.Lock) -> PriceView | None:
-    """The policy's tick and the prices it left (in the tick's worker thread: copying
-    them out took 0.7 ms, and the JSON document of them 1.6 ms, of the event loop),
-    holding the price books' lock (``ServerState.book_lock``)."""
+            lock: threading.Lock, handover: Handover | None = None
+            ) -> tuple[PriceView | None, str | None]:
+    """The policy's tick, a re-solve's duals after its update (``handover``: they are
+    the prices until the next; why not, if they do not fit), and the prices it left (in
+    the tick's worker thread: copying them out took 0.7 ms, and the JSON document of
+    them 1.6 ms, of the event loop), holding the price books' lock
+    (``ServerState.book_lock``)."""
     with lock:
         router.tick(now_s, snapshots)
-        return router.policy.price_view()
+        refused = None if handover is None else resolving.warm_start(router, handover, now_s)
+        return router.policy.price_view(), refused
 
 
 async def _sync(st: ServerState) -> None:
@@ -532,7 +561,8 @@ async def prices(request: web.Request) -> web.Response:
     if doc is None:
         doc = {"policy": st.router.policy_name, "instances": [],
                "message": "this policy has no shadow prices"}
-    return web.json_response({**doc, **certify_live.certificate_doc(st)})
+    return web.json_response({**doc, **certify_live.certificate_doc(st),
+                              **resolving.resolve_doc(st)})
 
 
 async def instances(request: web.Request) -> web.Response:
@@ -637,9 +667,10 @@ async def _freeze_heap(app: web.Application) -> None:
 def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None = None,
                calibration: CalibrationSource | None = None,
                certifier: Certifier | None = None,
-               predictor: Predictor | None = None) -> None:
-    """Serve on uvloop until interrupted; ``calibration``, ``certifier`` and ``predictor``
-    as for ``init_app``."""
+               predictor: Predictor | None = None,
+               resolver: Resolver | None = None) -> None:
+    """Serve on uvloop until interrupted; ``calibration``, ``certifier``, ``predictor``
+    and ``resolver`` as for ``init_app``."""
     import uvloop
 
     server = loaded.config.server
@@ -647,7 +678,8 @@ def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None =
     # the price tick runs in a thread: while it holds the GIL the loop waits for it up
     # to the switch interval (5 ms by default) at every turn
     sys.setswitchinterval(GIL_SWITCH_S)
-    app = init_app(loaded, calibration=calibration, certifier=certifier, predictor=predictor)
+    app = init_app(loaded, calibration=calibration, certifier=certifier, predictor=predictor,
+                   resolver=resolver)
     app.on_startup.append(_freeze_heap)   # after the lifecycle's start-up
     # a client that leaves cancels its handler: a held request leaves the buffer, a
     # backend request in flight is closed (the backend stops generating for it)

@@ -1,13 +1,16 @@
-"""What the live certificate needs of a running ``bid_price``, captured on the event loop
-(``olproute.server.certify`` checks it): per request, at its **first** decision, its
+"""What the live certificate and the re-solves need of a running ``bid_price``, captured
+on the event loop (``olproute.server.certify_live`` checks it,
+``olproute.server.resolving`` re-solves it): per request, at its **first** decision, its
 arrival, prompt, TTFT target and the per-instance figures bid_price decided with (the
 decision's explanation, :data:`EXPLAINED`), then its outcome; per policy tick, the free
 capacity and the prices after the tick's update.
 
 Bounded: a ring of the most recent requests (preallocated arrays; a decision writes one
-row) and the ticks of the last two windows. ``pack`` selects a window and copies its
-requests into a :class:`~olproute.routing.live_window.LiveWindow`, with the ticks' price updates
-and the free capacity at its start (arrays no one writes again: shared, not copied).
+row) and the ticks of the last two windows (the longer of the two jobs'). ``pack``
+selects the certificate's window and copies its requests into a
+:class:`~olproute.routing.live_window.LiveWindow`, with the ticks' price updates and the
+free capacity at its start (arrays no one writes again: shared, not copied);
+``pack_recent`` the re-solve's, on the latest tick's free capacity.
 
 **The window** (``window_bounds``) ends at the arrival of the first request still
 running (its outcome unknown), or now; a request still running after a whole window is
@@ -64,6 +67,7 @@ class LiveCapture:
         # the latest arrival the ring evicted (overwrote): a window starts after it
         self.evicted_s = -math.inf
         self.last_problem: str | None = None
+        self.first_decided_s = math.inf   # the first request's first decision
         self.ticks: deque[Tick] = deque()
         self._alloc(capacity)
 
@@ -104,6 +108,7 @@ class LiveCapture:
             del self._slot[old]
             self.evicted_s = max(self.evicted_s, float(self.scalars[i, 0]))
         self._slot[rid] = i
+        self.first_decided_s = min(self.first_decided_s, now_s)
         self.request_id[i] = rid
         self.seq[i] = self._next
         self._next += 1
@@ -209,11 +214,48 @@ def pack(cap: LiveCapture, now_s: float, cfg: PriceConfig, reward: RewardConfig,
     ticks = ticks[int(first[-1]) if first.size else 0:]
     # a tick's arrays are its own (the price view's copies), never written after: shared
     updates = [t for t in ticks if t.num_updates > 0 and np.isfinite(t.origin_s)]
+    return _window(cap, rows, t0, t1, reward, slot_s, horizon, batch_cap, kv_cap,
+                   compute_cap=ticks[-1].compute_budget, updates=updates, free=ticks[0],
+                   gap_tol=cfg.certify_gap_tol, time_limit_s=cfg.certify_time_limit_s,
+                   max_delay_slots=None)
+
+
+def pack_recent(cap: LiveCapture, now_s: float, cfg: PriceConfig, reward: RewardConfig,
+                slot_s: float, horizon: int, batch_cap: FloatArray, kv_cap: FloatArray
+                ) -> LiveWindow | None:
+    """The window to re-solve now (``solvers.resolve.resolve_live``), copied out of the
+    rings: the requests that arrived in [now - ``resolve_window_s``, now) (all decided:
+    the ring holds a request from its first decision; none before one it evicted), as
+    the simulator's re-solves take them, on the free capacity of the latest tick (its
+    ``free_s``), each start at most the steps' largest sample delay late (as
+    ``solvers.resolve.max_delay_slots``). None when no request or no tick falls in it."""
+    if not cap.ticks:
+        return None
+    t0 = max(now_s - cfg.resolve_window_s, float(np.nextafter(cap.evicted_s, np.inf)))
+    order = cap.order()
+    arrival = cap.scalars[order, 0]
+    rows = order[(arrival >= t0) & (arrival < now_s)]
+    if rows.size == 0:
+        return None
+    rows = rows[np.argsort(cap.scalars[rows, 0], kind="stable")]
+    latest = cap.ticks[-1]
+    return _window(cap, rows, t0, now_s, reward, slot_s, horizon, batch_cap, kv_cap,
+                   compute_cap=latest.compute_budget, updates=[], free=latest,
+                   gap_tol=0.0, time_limit_s=cfg.resolve_time_limit_s,
+                   max_delay_slots=int(max(cfg.sample_delays_slots)))
+
+
+def _window(cap: LiveCapture, rows: IntArray, t0: float, t1: float, reward: RewardConfig,
+            slot_s: float, horizon: int, batch_cap: FloatArray, kv_cap: FloatArray, *,
+            compute_cap: FloatArray, updates: list[Tick], free: Tick, gap_tol: float,
+            time_limit_s: float, max_delay_slots: int | None) -> LiveWindow:
+    """The rows' requests (copied: fancy indexing), with ``updates``' prices and
+    ``free``'s free capacity."""
     return LiveWindow(
         t0_s=t0, t1_s=t1, slot_s=slot_s, horizon=horizon, reward=reward,
         batch_cap=np.asarray(batch_cap, dtype=np.float64).copy(),
         kv_cap=np.asarray(kv_cap, dtype=np.float64).copy(),
-        compute_cap=ticks[-1].compute_budget.copy(),
+        compute_cap=compute_cap.copy(),
         arrival_s=cap.scalars[rows, 0], prompt_tokens=cap.scalars[rows, 1],
         ttft_target_s=cap.scalars[rows, 2], first_seen_s=cap.scalars[rows, 3],
         ttft_hat_s=cap.per_instance[0, rows], tpot_s=cap.per_instance[1, rows],
@@ -222,5 +264,5 @@ def pack(cap: LiveCapture, now_s: float, cfg: PriceConfig, reward: RewardConfig,
         first_token_s=cap.times[rows, 0], finish_s=cap.times[rows, 1],
         update_s=np.array([t.time_s for t in updates]),
         origin_s=np.array([t.origin_s for t in updates]),
-        prices=tuple(t.prices for t in updates), free_s=ticks[0].time_s, free=ticks[0].free,
-        gap_tol=cfg.certify_gap_tol, time_limit_s=cfg.certify_time_limit_s)
+        prices=tuple(t.prices for t in updates), free_s=free.time_s, free=free.free,
+        gap_tol=gap_tol, time_limit_s=time_limit_s, max_delay_slots=max_delay_slots)

@@ -1,6 +1,6 @@
 """The live certificate wired into the server: the background task that checks the last
-window every ``prices.certify_period_s`` (``olproute.server.certify``), the tick hook
-that records the prices, and the ``certificate`` of ``GET /prices`` and the dashboard.
+window every ``prices.certify_period_s`` (``olproute.server.certify``), and the
+``certificate`` of ``GET /prices`` and the dashboard.
 
 The period and the window's bounds are read from the running config at each check, so
 ``POST /admin/reload`` changes them; the ring's size follows
@@ -9,49 +9,31 @@ The period and the window's bounds are read from the running config at each chec
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from olproute.pricing.reward import capacities
 from olproute.server.capture import pack
+from olproute.server.certify import deadline_s, run_every
 from olproute.server.state import ServerState
-from olproute.types import PriceView
-
-IDLE_S = 1.0   # how often a disabled certificate looks at the config again
-# a check still running after this many LP time limits plus STARTUP_S is stopped: the
-# LP's own limit is checked between rounds, and D(p) and its rescaling come after it
-DEADLINE_LIMITS = 3.0
-STARTUP_S = 30.0   # a fresh worker imports the solvers first
 
 
 async def run(st: ServerState) -> None:
     """Check every period until cancelled (``init_app``'s lifecycle runs this)."""
-    while True:
-        period = st.loaded.config.prices.certify_period_s
-        await asyncio.sleep(IDLE_S if period is None else period)
-        if not st.certifying():
-            continue
-        try:
-            check_now(st)
-        except Exception as exc:  # the certificate must never stop: show it and go on
-            assert st.live_cert is not None
-            st.live_cert.failed(st.now(), exc)
+    cert = st.live_cert
+    assert cert is not None
+    await run_every(lambda: st.loaded.config.prices.certify_period_s, st.certifying,
+                    lambda: check_now(st), lambda exc: cert.failed(st.now(), exc))
 
 
 def check_now(st: ServerState) -> None:
     """Pack the last window and submit it (or show why there is nothing to check)."""
-    cert = st.live_cert
-    assert cert is not None
+    cert, cap = st.live_cert, st.capture
+    assert cert is not None and cap is not None
     cfg = st.loaded.config
-    cap = cert.capture
     cap.resize(cfg.prices.certify_max_requests)
-    if cert.busy:
-        deadline = DEADLINE_LIMITS * cfg.prices.certify_time_limit_s + STARTUP_S
-        if not cert.overdue(deadline):
-            cert.num_skipped += 1
-            st.metrics.certificate_checks.labels("skipped").inc()
-            return
-        cert.abandon(st.now, deadline)
+    if not cert.make_room(deadline_s(cfg.prices.certify_time_limit_s), st.now):
+        st.metrics.certificate_checks.labels("skipped").inc()
+        return
     now = st.now()
     batch_cap, kv_cap = capacities(st.loaded.specs)
     window = pack(cap, now, cfg.prices, cfg.reward, cfg.router.slot_ms / 1e3,
@@ -62,14 +44,6 @@ def check_now(st: ServerState) -> None:
         cert.empty(now, why)
         return
     cert.submit(window, now, st.now)
-
-
-def ticked(st: ServerState, now_s: float, view: PriceView) -> None:
-    """After a policy tick: record its prices and free capacity (``view``, taken after
-    the tick in its thread)."""
-    if st.live_cert is None or not st.certifying():
-        return
-    st.live_cert.capture.ticked(now_s, view, 2.0 * st.loaded.config.prices.certify_window_s)
 
 
 def certificate_doc(st: ServerState) -> dict[str, Any]:

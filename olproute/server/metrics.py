@@ -81,13 +81,7 @@ class ServerMetrics:
         self.loop_lag_seconds = Histogram(
             "olproute_loop_lag_seconds", "How late the event loop ran a timer (sampled every "
             "10 ms)", buckets=LOOP_LAG_BUCKETS_S, registry=r)
-        self.certificate_checks = Counter(
-            "olproute_price_certificate_checks", "Live certificate checks by result (ok, "
-            "error, empty: nothing to check, skipped: the last was still running)",
-            ["result"], registry=r)
-        # created by the first check (absent while the certificate is off)
-        self.certificate: Gauge | None = None
-        self.certificate_solve_seconds: Gauge | None = None
+        self._add_live_jobs(r)
         self.calibration_rows = Gauge(
             "olproute_calibration_rows", "Rows in a backend's window for recalibration from "
             "its streams, by kind (prefill, decode; olproute.estimate.streamcal)",
@@ -103,6 +97,21 @@ class ServerMetrics:
         # labelled children of the request path's metrics, by (metric, labels): a
         # child's lookup through .labels() takes a lock and builds its key every time
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def _add_live_jobs(self, r: CollectorRegistry) -> None:
+        """The live certificate's and the re-solves' metrics."""
+        self.certificate_checks = Counter(
+            "olproute_price_certificate_checks", "Live certificate checks by result (ok, "
+            "error, empty: nothing to check, skipped: the last was still running)",
+            ["result"], registry=r)
+        self.price_resolves = Counter(
+            "olproute_price_resolves", "Re-solves of the prices (prices.resolve_period_s) by "
+            "outcome (ok: the LP's duals were handed to the price book, slow: the solve hit "
+            "its time limit, failed: the solver failed, empty: nothing to solve, error: the "
+            "re-solve raised, skipped: the last was still running)", ["outcome"], registry=r)
+        # created by the first check (absent while the certificate is off)
+        self.certificate: Gauge | None = None
+        self.certificate_solve_seconds: Gauge | None = None
 
     def decided(self, action: str, instance: str, seconds: float) -> None:
         """A decision: counted by action and instance, and its time."""
@@ -157,6 +166,10 @@ class ServerMetrics:
                 "exact LP took to solve", registry=self.registry)
         self.certificate.set(float(cert))
         self.certificate_solve_seconds.set(float(solve_s))
+
+    def resolved(self, outcome: str) -> None:
+        """A re-solve's outcome (``olproute.server.resolving``), or a period skipped."""
+        self._child(self.price_resolves, outcome).inc()
 
     def set_backends(self, names: Sequence[str], healthy: Sequence[bool],
                      in_flight: Sequence[int]) -> None:

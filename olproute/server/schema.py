@@ -422,8 +422,9 @@ def openapi() -> dict[str, Any]:
                                         "chosen instance", "CompletionBody"),
             "/v1/chat/completions": _proxied("OpenAI-compatible chat completion, proxied to "
                                              "the chosen instance", "ChatBody"),
-            "/prices": _get("shadow prices per instance and slot, and the last live "
-                            "certificate of them (D(p_online)/LP* - 1 over a window)"),
+            "/prices": _get("shadow prices per instance and slot, the last live "
+                            "certificate of them (D(p_online)/LP* - 1 over a window), and "
+                            "the last re-solve of the LP for them (resolve)"),
             "/instances": _get("tracked state and health of each backend (URLs without "
                                "credentials)"),
             "/metrics": _get("Prometheus metrics", "text format"),

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -18,13 +18,17 @@ from olproute.config.loader import LoadedConfig
 from olproute.estimate.calibration import Beta, OnlineCalibrator
 from olproute.estimate.streamcal import StreamCalibrator
 from olproute.routing.router import Router
+from olproute.server.capture import LiveCapture
 from olproute.server.certify import LiveCert
 from olproute.server.holding import HoldQueue
 from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics
 from olproute.server.shared import SharedState
 from olproute.server.tracker import Tracker
-from olproute.types import Decision, EngineSnapshot, Outcome, Request
+from olproute.types import Decision, EngineSnapshot, Outcome, PriceView, Request
+
+if TYPE_CHECKING:
+    from olproute.server.resolved import Handover, Resolved
 
 LOG = logging.getLogger("olproute.server")
 
@@ -54,8 +58,15 @@ class ServerState:
     emulators: list[Any] = field(default_factory=list)
     holding: HoldQueue | None = None
     lag: LoopLag = field(default_factory=lambda: LoopLag())
+    # what the live certificate and the re-solves run on (olproute.server.capture),
+    # when the CLI gave a certifier or a resolver
+    capture: LiveCapture | None = None
     # the live certificate (olproute.server.certify), when the CLI gave a certifier
-    live_cert: LiveCert | None = None
+    live_cert: LiveCert[Any] | None = None
+    # the re-solves (olproute.server.resolving), when the CLI gave a resolver, and the
+    # last one's duals waiting for the next tick
+    live_resolve: LiveCert[Resolved] | None = None
+    handover: Handover | None = None
     # other router replicas' view on Redis (olproute.server.shared), when state.url is set
     shared: SharedState | None = None
     # held by the price tick's thread; the shared state's exchanges with the price books
@@ -129,33 +140,58 @@ class ServerState:
         self.router.cache_lost(g)
 
     def certifying(self) -> bool:
-        """Is the live certificate on: a certifier, this replica learns the prices (the
-        only one, or the leader of several), a period, and bid_price on mixed instances
-        (the exact LP's model)?"""
+        """Is the live certificate on: a certifier, a period, and this replica learns
+        bid_price's prices on mixed instances (``learns_lp_prices``)?"""
         return (self.live_cert is not None
-                and (self.shared is None or self.shared.leading)
                 and self.loaded.config.prices.certify_period_s is not None
+                and self.learns_lp_prices())
+
+    def resolving(self) -> bool:
+        """Are the re-solves on: a resolver, a period, and this replica learns
+        bid_price's prices on mixed instances (``learns_lp_prices``)?"""
+        return (self.live_resolve is not None
+                and self.loaded.config.prices.resolve_period_s is not None
+                and self.learns_lp_prices())
+
+    def learns_lp_prices(self) -> bool:
+        """Does this replica learn the prices (the only one, or the leader of several)
+        of bid_price on mixed instances (the exact LP's model)?"""
+        return ((self.shared is None or self.shared.leading)
                 and self.router.policy_name == "bid_price"
                 and not self.router.pools.disaggregated)
 
+    def capturing(self) -> bool:
+        """Does the capture record: the certificate or the re-solves are on?"""
+        return self.capture is not None and (self.certifying() or self.resolving())
+
     def first_decision(self, request: Request, decision: Decision) -> None:
-        """A request's first decision on its way to a backend: the live certificate
-        records it (a few row writes)."""
-        if self.live_cert is not None and self.certifying():
-            self.live_cert.capture.decided(request, decision, self.now())
+        """A request's first decision on its way to a backend: the capture records it
+        (a few row writes)."""
+        if self.capture is not None and self.capturing():
+            self.capture.decided(request, decision, self.now())
 
     def observe(self, outcome: Outcome) -> None:
-        """A request's outcome, to the policy and the live certificate."""
+        """A request's outcome, to the policy and the capture."""
         self.router.observe(outcome)
-        if self.live_cert is not None:
-            self.live_cert.capture.finished(outcome)
+        if self.capture is not None:
+            self.capture.finished(outcome)
 
     def forget(self, request_id: int) -> None:
         """A request whose decision will not be carried out (its client left while it
-        was held): the policy drops it; the live certificate counts it not served."""
+        was held): the policy drops it; the capture counts it not served."""
         self.router.forget(request_id)
-        if self.live_cert is not None:
-            self.live_cert.capture.dropped(request_id)
+        if self.capture is not None:
+            self.capture.dropped(request_id)
+
+    def ticked(self, now_s: float, view: PriceView) -> None:
+        """After a policy tick: the capture records its prices and free capacity
+        (``view``, taken after the tick in its thread), for two of the longer window."""
+        if self.capture is None or not self.capturing():
+            return
+        cfg = self.loaded.config.prices
+        window = max(cfg.certify_window_s if self.certifying() else 0.0,
+                     cfg.resolve_window_s if self.resolving() else 0.0)
+        self.capture.ticked(now_s, view, 2.0 * window)
 
 
 def log_unpredicted(router: Router) -> None:

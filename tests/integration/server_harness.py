@@ -30,6 +30,7 @@ from aiohttp import web
 from olproute.config.loader import LoadedConfig
 from olproute.server import init_app
 from olproute.server.certify import Certifier
+from olproute.server.resolved import Resolver
 from olproute.server.state import STATE as ROUTER_STATE
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import Outcome
@@ -176,7 +177,8 @@ class Stack:
     def __init__(self, loaded: LoadedConfig, num_fakes: int,
                  calibration: CalibrationSource | None = None,
                  backend_urls: list[str] | None = None,
-                 certifier: Certifier | None = None) -> None:
+                 certifier: Certifier | None = None,
+                 resolver: Resolver | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -189,7 +191,7 @@ class Stack:
             self.fake_urls.append(url)
         urls = backend_urls if backend_urls is not None else self.fake_urls
         self.app = init_app(loaded, backend_urls=urls or None, calibration=calibration,
-                            certifier=certifier)
+                            certifier=certifier, resolver=resolver)
         self._runner, self.url = self.run(_serve(self.app), timeout=120)
         self._router_stopped = False
 

@@ -17,7 +17,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from olproute.config.loader import load_config
-from olproute.server.capture import LiveCapture
 from olproute.server.certify import Certifier, LiveCert
 from olproute.server.metrics import ServerMetrics
 from olproute.server.state import STATE
@@ -34,9 +33,9 @@ PRICES = {"period_slots": 5, "window": 200, "minibatch": 32}
 
 
 # -- the worker pool, without a server ---------------------------------------------------------
-async def _check(live: LiveCert, certifier: Certifier) -> dict[str, Any]:
+async def _check(live: LiveCert[Any], certifier: Certifier) -> dict[str, Any]:
     """Submit the hand-built window to ``certifier`` and wait for the check."""
-    live.certifier = certifier
+    live.job = certifier
     before = live.num_checks
     assert live.submit(hand_window(), 0.0, lambda: 1.0)
     async with asyncio.timeout(HANG_S):
@@ -48,7 +47,7 @@ async def _check(live: LiveCert, certifier: Certifier) -> dict[str, Any]:
 
 def test_a_failing_or_dying_certifier_is_the_checks_error_and_the_pool_recovers() -> None:
     metrics = ServerMetrics()
-    live = LiveCert(certify, LiveCapture(2, 8), on_result=metrics.set_certificate)
+    live = LiveCert(certify, on_result=lambda doc, _: metrics.set_certificate(doc))
 
     async def run() -> list[dict[str, Any]]:
         try:
@@ -70,7 +69,7 @@ def test_a_failing_or_dying_certifier_is_the_checks_error_and_the_pool_recovers(
 
 
 def test_a_running_check_skips_the_next_and_a_hung_one_is_stopped() -> None:
-    live = LiveCert(certifiers.hang, LiveCapture(2, 8))
+    live = LiveCert(certifiers.hang)
 
     async def run() -> dict[str, Any]:
         assert live.submit(hand_window(), 0.0, lambda: 1.0)
@@ -90,7 +89,7 @@ def test_a_running_check_skips_the_next_and_a_hung_one_is_stopped() -> None:
 
 
 def test_close_does_not_wait_for_a_running_check() -> None:
-    live = LiveCert(certifiers.hang, LiveCapture(2, 8))
+    live = LiveCert(certifiers.hang)
 
     async def run() -> None:
         assert live.submit(hand_window(), 0.0, lambda: 1.0)
@@ -173,8 +172,8 @@ def test_the_embedded_default_certifies_bid_prices_prices_live(tmp_path: Path) -
         line = page.ids["certificate"]
         assert re.match(r"[+-]\d+\.\d\d % · online/LP\* \d+\.\d{3} · LP\* ", line), line
         # bounded: the ring holds the requests once each, at their first decision
-        live = s.app[STATE].live_cert
-        assert live is not None and s.call(lambda: live.capture.num_requests) == 12
+        cap = s.app[STATE].capture
+        assert cap is not None and s.call(lambda: cap.num_requests) == 12
     finally:
         s.close()
 
@@ -187,7 +186,7 @@ def test_a_raising_certifier_shows_as_the_error_and_serving_goes_on(tmp_path: Pa
         assert cert["error"].startswith("ValueError: no LP today")
         live = s.app[STATE].live_cert
         assert live is not None
-        s.call(lambda: setattr(live, "certifier", certifiers.crash))
+        s.call(lambda: setattr(live, "job", certifiers.crash))
         _serve(s, 2)
         _checked(s, lambda c: (c["error"] or "").startswith("BrokenProcessPool"))
         _serve(s, 2)   # still serving
@@ -206,10 +205,9 @@ def test_a_null_period_captures_nothing_and_shows_no_certificate(tmp_path: Path)
         doc = _get(s, "/prices")
         assert doc["certificate"] is None and "certify_period_s" in doc["certificate_message"]
         assert _metric(_get(s, "/metrics"), "olproute_price_certificate") is None
-        live = s.app[STATE].live_cert
-        assert live is not None
-        assert s.call(lambda: (live.capture.num_requests, len(live.capture.ticks),
-                               live.busy)) == (0, 0, False)
+        live, cap = s.app[STATE].live_cert, s.app[STATE].capture
+        assert live is not None and cap is not None
+        assert s.call(lambda: (cap.num_requests, len(cap.ticks), live.busy)) == (0, 0, False)
     finally:
         s.close()
 
@@ -222,7 +220,7 @@ def test_another_policy_has_no_certificate(tmp_path: Path) -> None:
         doc = _get(s, "/prices")
         assert doc["instances"] == [] and doc["certificate"] is None
         assert "bid_price" in doc["certificate_message"]
-        live = s.app[STATE].live_cert
-        assert live is not None and s.call(lambda: live.capture.num_requests) == 0
+        cap = s.app[STATE].capture
+        assert cap is not None and s.call(lambda: cap.num_requests) == 0
     finally:
         s.close()
