@@ -1,7 +1,7 @@
 """Re-solved duals as prices (``prices.resolve_period_s``): the exact LP of the recent
 demand, replayed from now on, hands its duals to bid_price's price book.
 
-Every period the requests first decided in the last ``prices.resolve_window_s`` (with
+Every period the requests that arrived in the last ``prices.resolve_window_s`` (with
 the per-instance figures bid_price decided them with) are moved forward in time so that
 the window starts at the latest tick, and the LP of [tick, tick + window) is solved on
 the free capacity of that tick (the residents of now, at their load-aware decode

@@ -392,13 +392,13 @@ class PriceConfig(_Frozen):
         "instance has a rate; olproute.estimate.decode_load); null: the step of now")
     resolve_period_s: float | None = Field(
         default=None, gt=0, allow_inf_nan=False, description="bid_price: every this many "
-        "seconds, solve the exact LP of the last resolve_window_s of demand replayed from "
+        "seconds, solve the exact LP of the last resolve_window_s of demand moved to "
         "now on the free capacity of now, off the request path, and take its duals as the "
         "prices (the steps refine them in between); the first as soon as one window "
         "exists; a failed or slow solve keeps the last prices. null: never")
     resolve_window_s: float = Field(
         default=5.0, gt=0, allow_inf_nan=False, description="the re-solved window: the "
-        "requests first decided in the last this many seconds")
+        "requests that arrived in the last this many seconds and were decided")
     resolve_time_limit_s: float = Field(
         default=5.0, gt=0, allow_inf_nan=False, description="time limit of one re-solve "
         "(HiGHS), seconds; a solve that hits it keeps the last prices")

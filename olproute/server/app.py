@@ -315,7 +315,7 @@ async def _tick(st: ServerState) -> None:
     view, refused = await asyncio.get_running_loop().run_in_executor(
         None, _ticked, router, now, snaps, st.book_lock, handover)
     if handover is not None:
-        resolving.applied(handover, now, refused)
+        resolving.applied(st, handover, now, refused)
     if view is not None:
         st.metrics.set_price_sums([s.name for s in st.loaded.specs], view.prices)
     st.metrics.price_updates.inc()

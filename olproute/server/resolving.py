@@ -75,12 +75,15 @@ def summary(res: Resolved) -> dict[str, Any]:
 
 
 def collected(st: ServerState, doc: dict[str, Any], res: Resolved | None) -> None:
-    """A finished re-solve, on the loop: counted, and its duals handed over if ok (a
-    newer re-solve's replace those the tick has not taken yet)."""
-    st.metrics.resolved(str(doc[OUTCOME]))
+    """A finished re-solve, on the loop: its duals handed over if ok (a newer
+    re-solve's replace those the tick has not taken yet), else counted by outcome; an
+    ok one is counted when the tick has taken it (``applied``: ok, or error if its duals
+    did not fit the book)."""
     if res is not None and res.outcome == OK and res.p is not None:
         st.handover = Handover(st.router, float(res.t0_s), np.asarray(res.p, dtype=np.float64),
                                doc)
+    else:
+        st.metrics.resolved(str(doc[OUTCOME]))
 
 
 def take_handover(st: ServerState, router: Router) -> Handover | None:
@@ -103,13 +106,14 @@ def warm_start(router: Router, handover: Handover, now_s: float) -> str | None:
     return None
 
 
-def applied(handover: Handover, now_s: float, error: str | None) -> None:
+def applied(st: ServerState, handover: Handover, now_s: float, error: str | None) -> None:
     """After the tick, on the loop: the re-solve's document says when its duals became
-    the prices, or why they did not."""
+    the prices, or why they did not, and it is counted so."""
     if error is None:
         handover.doc["applied_s"] = now_s
     else:
         handover.doc.update({OUTCOME: "error", "error": error})
+    st.metrics.resolved(str(handover.doc[OUTCOME]))
 
 
 def resolve_doc(st: ServerState) -> dict[str, Any]:
