@@ -34,7 +34,15 @@ from olproute.config.schema import PriceConfig
 from olproute.policies.base import Policy
 from olproute.policies.bid_price import BidPrice
 from olproute.pricing.reward import NUM_RESOURCES
-from olproute.routing.live_window import LiveWindow
+from olproute.routing.live_window import (
+    EMPTY,
+    FAILED,
+    OK,
+    SLOW,
+    LiveWindow,
+    Resolution,
+    max_delay_slots,
+)
 from olproute.sim.cluster import ProgressFn
 from olproute.sim.scenario import CalibrationSource
 from olproute.types import Decision, EngineSnapshot, Request, RoutingContext
@@ -52,23 +60,7 @@ from solvers.record import (
 
 FloatArray = npt.NDArray[np.float64]
 
-# what a re-solve reports (``Resolution.outcome``, the metric's label)
-OK, SLOW, FAILED, EMPTY = "ok", "slow", "failed", "empty"
 LP_THREADS = 1   # the solve shares the machine with the router
-
-
-@dataclass(frozen=True, slots=True)
-class Resolution:
-    """One re-solve: its outcome, and with ``ok`` the duals ``p`` (G, K, 3), slot k
-    starting at ``t0_s + k * slot_s``; the LP's value, requests and wall seconds."""
-
-    outcome: str
-    t0_s: float
-    p: FloatArray | None
-    lp_value: float
-    requests: int
-    solve_s: float
-    error: str | None = None
 
 
 def forward_problem(log: WindowLog, t0_s: float, t1_s: float, free_s: float,
@@ -116,11 +108,6 @@ def resolve_live(window: LiveWindow) -> Resolution:
         raise ValueError("a re-solve's window sets max_delay_slots (pack_recent does)")
     return resolve_log(to_log(window), window.t0_s, window.t1_s, window.free_s, window.free,
                        window.max_delay_slots, window.time_limit_s)
-
-
-def max_delay_slots(cfg: PriceConfig) -> int:
-    """How late the re-solved LP may start a request: the steps' largest sample delay."""
-    return int(max(cfg.sample_delays_slots))
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The window of a live ``bid_price`` run that the exact LP checks: what the server
 captured (``olproute.server.capture``), packed as one picklable message for the
 certifying or re-solving process (``solvers.live``, ``solvers.resolve``, injected by
-the CLI: the server never imports the solvers).
+the CLI: the server never imports the solvers); and what a re-solve hands back
+(``Resolution``), in the simulator as in the server.
 
 Times are seconds on the server's clock (``ServerState.now``). Per-request arrays are
 (N,) or (N, G), in arrival order; the price updates are in tick order, one (G, H, R)
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from olproute.config.schema import RewardConfig
+from olproute.config.schema import PriceConfig, RewardConfig
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -71,3 +72,28 @@ class LiveWindow:
     @property
     def num_instances(self) -> int:
         return int(self.batch_cap.shape[0])
+
+
+# what a re-solve reports (``Resolution.outcome``, the metric's label)
+OK, SLOW, FAILED, EMPTY = "ok", "slow", "failed", "empty"
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    """One re-solve (``solvers.resolve``): its outcome, and with ``ok`` the duals ``p``
+    (G, K, 3), slot k starting at ``t0_s + k * slot_s``; the LP's value, requests and
+    wall seconds; why there are no duals."""
+
+    outcome: str
+    t0_s: float
+    p: FloatArray | None
+    lp_value: float
+    requests: int
+    solve_s: float
+    error: str | None = None
+
+
+def max_delay_slots(cfg: PriceConfig) -> int:
+    """How late a re-solved LP may start a request, in slots: the price steps' largest
+    sample delay, so that the LP and the steps price the same model."""
+    return int(max(cfg.sample_delays_slots))

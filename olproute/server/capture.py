@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from olproute.config.schema import PriceConfig, RewardConfig
-from olproute.routing.live_window import LiveWindow
+from olproute.routing.live_window import LiveWindow, max_delay_slots
 from olproute.types import Decision, Outcome, PriceView, Request
 
 FloatArray = npt.NDArray[np.float64]
@@ -148,6 +148,13 @@ class LiveCapture:
         while len(self.ticks) > 1 and self.ticks[1].time_s <= now_s - keep_s:
             self.ticks.popleft()
 
+    def why_empty(self) -> str:
+        """Why a window packed nothing: the last recording problem when nothing was
+        recorded, else no tick yet, else no request in the window."""
+        if self.num_requests == 0 and self.last_problem:
+            return self.last_problem
+        return "no price tick yet" if not self.ticks else "no request arrived in the window"
+
     def resize(self, capacity: int) -> None:
         """Keep the most recent ``capacity`` requests in a ring of that size."""
         if capacity == self.capacity:
@@ -227,8 +234,8 @@ def pack_recent(cap: LiveCapture, now_s: float, cfg: PriceConfig, reward: Reward
     rings: the requests that arrived in [now - ``resolve_window_s``, now) (all decided:
     the ring holds a request from its first decision; none before one it evicted), as
     the simulator's re-solves take them, on the free capacity of the latest tick (its
-    ``free_s``), each start at most the steps' largest sample delay late (as
-    ``solvers.resolve.max_delay_slots``). None when no request or no tick falls in it."""
+    ``free_s``), each start at most the steps' largest sample delay late
+    (``live_window.max_delay_slots``). None when no request or no tick falls in it."""
     if not cap.ticks:
         return None
     t0 = max(now_s - cfg.resolve_window_s, float(np.nextafter(cap.evicted_s, np.inf)))
@@ -242,7 +249,7 @@ def pack_recent(cap: LiveCapture, now_s: float, cfg: PriceConfig, reward: Reward
     return _window(cap, rows, t0, now_s, reward, slot_s, horizon, batch_cap, kv_cap,
                    compute_cap=latest.compute_budget, updates=[], free=latest,
                    gap_tol=0.0, time_limit_s=cfg.resolve_time_limit_s,
-                   max_delay_slots=int(max(cfg.sample_delays_slots)))
+                   max_delay_slots=max_delay_slots(cfg))
 
 
 def _window(cap: LiveCapture, rows: IntArray, t0: float, t1: float, reward: RewardConfig,

@@ -39,9 +39,7 @@ def check_now(st: ServerState) -> None:
     window = pack(cap, now, cfg.prices, cfg.reward, cfg.router.slot_ms / 1e3,
                   cfg.router.horizon_slots, batch_cap, kv_cap)
     if window is None:
-        why = cap.last_problem if cap.num_requests == 0 and cap.last_problem else (
-            "no price tick yet" if not cap.ticks else "no request arrived in the window")
-        cert.empty(now, why)
+        cert.empty(now, cap.why_empty())
         return
     cert.submit(window, now, st.now)
 

@@ -22,14 +22,15 @@ import numpy as np
 
 from olproute.pricing.book import PriceBook
 from olproute.pricing.reward import capacities
+from olproute.routing.live_window import OK, Resolution
 from olproute.routing.router import Router
 from olproute.server.capture import pack_recent
 from olproute.server.certify import LiveCert, deadline_s, run_every
-from olproute.server.resolved import OK, OUTCOME, Handover, Resolved, Resolver
+from olproute.server.resolved import OUTCOME, Handover, Resolver
 from olproute.server.state import ServerState
 
 
-def worker(st: ServerState, resolver: Resolver) -> LiveCert[Resolved]:
+def worker(st: ServerState, resolver: Resolver) -> LiveCert[Resolution]:
     """The re-solves' worker pool, reporting to ``st``."""
     return LiveCert(resolver, summary=summary,
                     on_result=lambda doc, res: collected(st, doc, res),
@@ -58,23 +59,21 @@ def resolve_now(st: ServerState) -> None:
                          cfg.router.horizon_slots, batch_cap, kv_cap)
     full_s = cap.first_decided_s + cfg.prices.resolve_window_s
     if window is None:
-        why = cap.last_problem if cap.num_requests == 0 and cap.last_problem else (
-            "no price tick yet" if not cap.ticks else "no request arrived in the window")
-        live.empty(now, why)
+        live.empty(now, cap.why_empty())
     elif now < full_s:   # as the simulator's: the first once a whole window has passed
         live.empty(now, f"the first window is not over yet (at {full_s:.3f} s)")
     else:
         live.submit(window, now, st.now)
 
 
-def summary(res: Resolved) -> dict[str, Any]:
+def summary(res: Resolution) -> dict[str, Any]:
     """A re-solve as shown: without its duals (an array), and not applied yet."""
     return {OUTCOME: res.outcome, "t0_s": res.t0_s, "requests": res.requests,
             "solve_s": res.solve_s, "lp_value": res.lp_value, "error": res.error,
             "applied_s": None}
 
 
-def collected(st: ServerState, doc: dict[str, Any], res: Resolved | None) -> None:
+def collected(st: ServerState, doc: dict[str, Any], res: Resolution | None) -> None:
     """A finished re-solve, on the loop: its duals handed over if ok (a newer
     re-solve's replace those the tick has not taken yet), else counted by outcome; an
     ok one is counted when the tick has taken it (``applied``: ok, or error if its duals

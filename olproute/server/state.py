@@ -28,7 +28,8 @@ from olproute.server.tracker import Tracker
 from olproute.types import Decision, EngineSnapshot, Outcome, PriceView, Request
 
 if TYPE_CHECKING:
-    from olproute.server.resolved import Handover, Resolved
+    from olproute.routing.live_window import Resolution
+    from olproute.server.resolved import Handover
 
 LOG = logging.getLogger("olproute.server")
 
@@ -65,7 +66,7 @@ class ServerState:
     live_cert: LiveCert[Any] | None = None
     # the re-solves (olproute.server.resolving), when the CLI gave a resolver, and the
     # last one's duals waiting for the next tick
-    live_resolve: LiveCert[Resolved] | None = None
+    live_resolve: LiveCert[Resolution] | None = None
     handover: Handover | None = None
     # other router replicas' view on Redis (olproute.server.shared), when state.url is set
     shared: SharedState | None = None
