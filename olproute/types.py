@@ -65,6 +65,12 @@ class Request:
     predicted_decode_by_model: Mapping[str, int] | None = None
     predicted_quality_by_model: Mapping[str, float] | None = None
     block_hashes: npt.NDArray[np.int64] | None = field(default=None, compare=False)
+    # per instance, the prompt's blocks as that backend's engine names them (its
+    # tokenizer and vLLM's block hash: olproute.routing.block_hash), for the instances
+    # whose prefix index is exact (fed by the engine's KV events); None elsewhere, and
+    # None altogether where no instance needs names of its own
+    engine_block_hashes: tuple[npt.NDArray[np.int64] | None, ...] | None = field(
+        default=None, compare=False)
 
     def true_decode_tokens(self, model: str) -> int:
         """Output length if served by ``model`` (simulator ground truth)."""

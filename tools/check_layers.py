@@ -46,8 +46,11 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("=olproute", "=olproute.estimate", "=olproute.pricing", "=olproute.routing",
       "=olproute.config", "=olproute.operator", "olproute.types"),),
     # running independent calls in worker processes or as Ray tasks (imports nothing of
-    # the package) | the router's index of where prompt prefixes were sent
-    (("olproute.operator.executors",), ("olproute.routing.prefix_index",)),
+    # the package) | the router's index of where prompt prefixes were sent or are held,
+    # vLLM's KV events on the wire and its block hashes
+    (("olproute.operator.executors",), ("olproute.routing.prefix_index",
+                                        "olproute.routing.kv_events",
+                                        "olproute.routing.block_hash")),
     # the compiled kernels and their twins (batch formation and its Python twin, with
     # vLLM's block pool as the twin of its prefix cache; a decision's arithmetic, whose
     # twin is pricing.reward.score_reference, with the layout of its output; the prompt

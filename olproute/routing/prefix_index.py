@@ -29,9 +29,10 @@ a root of its own); those are the tokenizer's, so only the hash function differs
 vLLM's there.
 
 Where a backend publishes its cache's events (vLLM's KV-events stream: BlockStored /
-BlockRemoved / AllBlocksCleared per engine, over ZMQ), an exact view would replace
-``routed`` and the LRU ageing with ``stored`` / ``removed`` calls from a subscriber per
-backend; ``match`` and what the policies read would stay as they are.
+BlockRemoved / AllBlocksCleared per engine, over ZMQ), its index is exact instead: fed
+by ``stored`` / ``removed`` / ``clear`` from a subscriber of that backend
+(``olproute.server.kv_subscriber``), keyed by the engine's own block hashes
+(``olproute.routing.block_hash``); ``match`` and what the policies read are the same.
 """
 
 from __future__ import annotations
@@ -124,11 +125,25 @@ def _chained(root: bytes, blocks: Iterable[bytes]) -> IntArray:
 
 
 class PrefixIndex:
-    """Per instance, an LRU set of the block hashes routed there, bounded by the
-    instance's KV blocks (``capacity``; default each spec's ``num_kv_blocks``). Instances
-    without prefix caching index nothing and match nothing."""
+    """Per instance, the block hashes believed cached there, bounded by the instance's KV
+    blocks (``capacity``; default each spec's ``num_kv_blocks``). Instances without prefix
+    caching index nothing and match nothing.
 
-    __slots__ = ("_blocks", "block_size", "capacity", "enabled")
+    Each instance's index is in one of two modes. **Approximate** (the default): an LRU
+    set of the hashes routed there (``routed``), aged by routing order. **Exact**
+    (``set_exact``): what the engine itself says it holds, from its KV events
+    (``stored``, ``removed``, ``clear``; ``olproute.server.kv_subscriber`` live,
+    ``olproute.sim.cluster`` from a simulated engine's cache); routing records nothing
+    there. An exact instance may name blocks its own way (a real engine's hashes of its
+    tokenizer's tokens: ``Request.engine_block_hashes``) and have a block size of its
+    own; what it holds need not be a prefix-closed set (an engine evicts any free
+    block), so its match walks the prompt's blocks from the front and stops at the first
+    one missing, as the engine's own lookup does. More entries than ``capacity`` (an
+    engine with more blocks than its profile says) drop the oldest stored first, counted
+    in ``overflowed``."""
+
+    __slots__ = ("_blocks", "block_size", "block_sizes", "capacity", "enabled", "exact",
+                 "overflowed")
 
     def __init__(self, specs: Sequence[InstanceSpec],
                  capacity: Sequence[int] | None = None) -> None:
@@ -137,11 +152,14 @@ class PrefixIndex:
             raise ValueError(f"the prefix index needs one block size, the instances have "
                              f"{sorted(sizes)}")
         self.block_size = sizes.pop() if sizes else 16
+        self.block_sizes = [self.block_size] * len(specs)
         cap = [s.num_kv_blocks for s in specs] if capacity is None else list(capacity)
         if len(cap) != len(specs) or any(c < 0 for c in cap):
             raise ValueError("capacity needs one non-negative count per instance")
-        self.capacity = tuple(int(c) for c in cap)
+        self.capacity = [int(c) for c in cap]
         self.enabled = tuple(s.enable_prefix_caching for s in specs)
+        self.exact = [False] * len(specs)
+        self.overflowed = [0] * len(specs)
         self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in specs]
 
     def __len__(self) -> int:
@@ -152,46 +170,73 @@ class PrefixIndex:
         return np.fromiter((len(b) for b in self._blocks), dtype=np.int64,
                            count=len(self._blocks))
 
-    def match(self, hashes: IntArray | None, prompt_tokens: int) -> PrefixMatch:
-        """The longest indexed prefix of ``hashes`` on every instance, in blocks and in
-        tokens (at most ``prompt_tokens - 1``, in whole blocks). Reading does not
-        refresh anything: only routing does."""
-        keys = self._keys(hashes, prompt_tokens)
-        matched = np.fromiter((self._depth(g, keys) for g in range(len(self._blocks))),
-                              dtype=np.int64, count=len(self._blocks))
-        return PrefixMatch(cached_tokens=matched * self.block_size, matched_blocks=matched,
+    def set_exact(self, g: int, exact: bool = True, block_size: int | None = None,
+                  capacity: int | None = None) -> None:
+        """Put instance g's index in exact mode (fed by its engine's events) or back in
+        approximate mode; either way it starts empty. ``block_size``/``capacity``: the
+        engine's own, where it says them (exact mode only)."""
+        self.exact[g] = exact
+        self.block_sizes[g] = block_size if exact and block_size else self.block_size
+        if capacity is not None:
+            self.capacity[g] = int(capacity)
+        self._blocks[g].clear()
+
+    def match(self, hashes: IntArray | None, prompt_tokens: int,
+              engine_hashes: Sequence[IntArray | None] | None = None) -> PrefixMatch:
+        """The longest indexed prefix of the prompt on every instance, in blocks and in
+        tokens (at most ``prompt_tokens - 1``, in whole blocks): of ``hashes``, or on an
+        exact instance of ``engine_hashes[g]`` where given. Reading refreshes nothing."""
+        n = len(self._blocks)
+        matched = np.zeros(n, dtype=np.int64)
+        approx = self._keys(hashes, prompt_tokens, self.block_size)
+        for g in range(n):
+            if self.exact[g]:
+                own = hashes if engine_hashes is None or engine_hashes[g] is None \
+                    else engine_hashes[g]
+                keys = self._keys(own, prompt_tokens, self.block_sizes[g])
+                matched[g] = _walk(self._blocks[g], keys)
+            else:
+                matched[g] = self._depth(g, approx)
+        return PrefixMatch(cached_tokens=matched * np.asarray(self.block_sizes,
+                                                               dtype=np.int64),
+                           matched_blocks=matched,
                            request_blocks=0 if hashes is None else len(hashes),
                            index_blocks=self.sizes())
 
     def cached_on(self, g: int, hashes: IntArray | None, prompt_tokens: int) -> int:
-        """``match``'s cached tokens on instance g alone."""
-        return self._depth(g, self._keys(hashes, prompt_tokens)) * self.block_size
+        """``match``'s cached tokens on instance g alone, of ``hashes`` (the names g's
+        index uses)."""
+        bs = self.block_sizes[g]
+        keys = self._keys(hashes, prompt_tokens, bs)
+        return (_walk(self._blocks[g], keys) if self.exact[g] else self._depth(g, keys)) * bs
 
     def sent(self, g: int, hashes: IntArray | None, prompt_tokens: int) -> int:
         """A request of ``prompt_tokens`` with these hashes was sent to instance g: its
-        prompt tokens the index expected cached there (``cached_on``), then recorded
-        there (``routed``)."""
+        prompt tokens the index expected cached there (``cached_on``), then, in
+        approximate mode, recorded there (``routed``)."""
         cached = self.cached_on(g, hashes, prompt_tokens)
         self.routed(g, hashes)
         return cached
 
-    def _keys(self, hashes: IntArray | None, prompt_tokens: int) -> list[int]:
+    @staticmethod
+    def _keys(hashes: IntArray | None, prompt_tokens: int, block_size: int) -> list[int]:
         """The hashes a match may count: at most ``prompt_tokens - 1`` tokens of blocks."""
         if hashes is None:
             return []
-        keys: list[int] = hashes[:max(prompt_tokens - 1, 0) // self.block_size].tolist()
+        keys: list[int] = hashes[:max(prompt_tokens - 1, 0) // block_size].tolist()
         return keys
 
     def _depth(self, g: int, keys: list[int]) -> int:
-        """How many of ``keys`` from the front instance g's index holds."""
+        """How many of ``keys`` from the front instance g's approximate index holds."""
         blocks = self._blocks[g]
         return _longest(blocks, keys) if keys and keys[0] in blocks else 0
 
     def routed(self, g: int, hashes: IntArray | None) -> None:
-        """A request with these block hashes went to instance g: its blocks become g's
-        most recent (the first block most of all), and g forgets its least recent blocks
-        beyond its capacity."""
-        if hashes is None or len(hashes) == 0 or not self.enabled[g]:
+        """A request with these block hashes went to instance g: in approximate mode its
+        blocks become g's most recent (the first block most of all), and g forgets its
+        least recent blocks beyond its capacity. Exact mode records nothing: only the
+        engine's events do."""
+        if hashes is None or len(hashes) == 0 or not self.enabled[g] or self.exact[g]:
             return
         blocks = self._blocks[g]
         cap = self.capacity[g]
@@ -203,9 +248,42 @@ class PrefixIndex:
         while len(blocks) > cap:
             blocks.popitem(last=False)
 
+    def stored(self, g: int, keys: Iterable[int]) -> None:
+        """Instance g's engine registered blocks with these keys (exact mode)."""
+        blocks = self._blocks[g]
+        for k in keys:
+            blocks[k] = None
+            blocks.move_to_end(k)
+        cap = self.capacity[g]
+        while len(blocks) > cap:
+            blocks.popitem(last=False)
+            self.overflowed[g] += 1
+
+    def removed(self, g: int, keys: Iterable[int]) -> None:
+        """Instance g's engine dropped blocks with these keys (exact mode)."""
+        blocks = self._blocks[g]
+        for k in keys:
+            blocks.pop(k, None)
+
+    def holds(self, g: int) -> set[int]:
+        """The keys instance g's index holds (for tests and audits)."""
+        return set(self._blocks[g])
+
     def clear(self, g: int) -> None:
-        """Instance g lost its cache (it restarted, or was marked down)."""
+        """Instance g lost its cache (it restarted, was marked down, or its engine said
+        so)."""
         self._blocks[g].clear()
+
+
+def _walk(blocks: OrderedDict[int, None], keys: list[int]) -> int:
+    """How many of ``keys`` from the front are in ``blocks``, stopping at the first
+    missing one."""
+    n = 0
+    for k in keys:
+        if k not in blocks:
+            break
+        n += 1
+    return n
 
 
 def _longest(blocks: OrderedDict[int, None], keys: list[int]) -> int:

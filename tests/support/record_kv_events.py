@@ -40,19 +40,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import msgspec  # noqa: E402
-import vllm  # noqa: E402
-import zmq  # noqa: E402
-from vllm.distributed.kv_events import (  # noqa: E402
+import msgspec
+import vllm
+import vllm_cpu
+import zmq
+from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
 )
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core import kv_cache_utils  # noqa: E402
-
-import vllm_cpu  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
 
 TOPIC = "kv-events"
 BLOCK = vllm_cpu.BLOCK_SIZE

@@ -276,7 +276,7 @@ def test_an_instance_without_prefix_caching_indexes_nothing() -> None:
 
 
 def test_capacity_defaults_to_each_instances_kv_blocks_and_is_checked() -> None:
-    assert PrefixIndex([_spec("a", 7), _spec("b", 9)]).capacity == (7, 9)
+    assert PrefixIndex([_spec("a", 7), _spec("b", 9)]).capacity == [7, 9]
     with pytest.raises(ValueError, match="one non-negative count"):
         PrefixIndex([_spec("a")], capacity=[1, 2])
     with pytest.raises(ValueError, match="one block size"):
