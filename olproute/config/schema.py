@@ -453,6 +453,32 @@ class AdmissionConfig(_Frozen):
                              "if at most this many already wait")
 
 
+class KvEventsConfig(_Frozen):
+    """A backend's KV-cache events (vLLM's ``--kv-events-config`` with the zmq publisher):
+    the router subscribes and its prefix index for that backend is exact
+    (``olproute.server.kv_subscriber``). It names prompts' blocks as the engine does, so it
+    needs the engine's tokenizer and hash setting."""
+
+    endpoint: str = Field(pattern=r"^(tcp|ipc)://", description="the engine's PUB socket "
+                          "to connect to, e.g. tcp://10.0.0.5:5557 (vLLM's endpoint "
+                          "tcp://*:5557 seen from the router)")
+    replay_endpoint: str | None = Field(
+        default=None, pattern=r"^(tcp|ipc)://", description="its replay (ROUTER) socket, "
+        "to fill gaps in the stream; none: a gap empties that backend's index")
+    topic: str = Field(default="", description="the topic it publishes on (vLLM's topic; "
+                       "default empty, as vLLM's)")
+    tokenizer: str = Field(min_length=1, description="the engine's tokenizer: a local "
+                           "folder with tokenizer.json (relative to this file; never "
+                           "downloaded), or 'words' for olproute's emulator")
+    hash_algo: Literal["sha256", "sha256_cbor"] = Field(
+        default="sha256", description="the engine's --prefix-caching-hash-algo (xxhash "
+        "seeds itself at random per engine and cannot be matched)")
+    hash_seed: str | None = Field(default=None, description="the engine's PYTHONHASHSEED "
+                                  "if it sets one (it seeds vLLM's block hashes)")
+    replay_timeout_s: float = Field(default=2.0, gt=0, description="how long a replay may "
+                                    "take before the gap counts as lost")
+
+
 class BackendConfig(_Frozen):
     """A real serving backend: ``name`` must be one of the instances (its spec gives the
     limits the router models), ``url`` its OpenAI-compatible base URL, ``served_model``
@@ -470,6 +496,9 @@ class BackendConfig(_Frozen):
     role: Literal["mixed", "prefill", "decode"] | None = Field(
         default=None, description="optional: when given, it must be the role of the "
         "instance of that name")
+    kv_events: KvEventsConfig | None = Field(
+        default=None, description="its engine's KV-cache events, for an exact prefix index "
+        "of what it caches; none: the router's approximate index of what it sent there")
 
 
 class ServerConfig(_Frozen):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,6 +23,7 @@ from olproute.config.loader import LoadedConfig
 from olproute.policies import Policy
 from olproute.pricing.reward import RESOURCES
 from olproute.routing.assembly import CalibrationSource, build_policy
+from olproute.routing.block_hash import PromptNamer
 from olproute.routing.disagg import Pools
 from olproute.routing.prefix_index import PrefixIndex, prompt_block_hashes
 from olproute.types import (
@@ -74,6 +75,9 @@ class Router:
         self.tick_s = self.policy.tick_s
         self._ids = itertools.count()
         self.prefixes = _prefix_index(self.specs)
+        # per backend, how its engine names a prompt's blocks where its index is exact
+        # (set_namers); None elsewhere
+        self.namers: list[PromptNamer | None] = [None] * len(self.specs)
         self.predictor = predictor
         self.predictions: PoolPredictor | None = None
         if predictor is not None:
@@ -84,7 +88,8 @@ class Router:
     def new_request(self, now_s: float, prompt_tokens: int, max_tokens: int,
                     ttft_target_s: float, slo_class: str = "default",
                     text: str | None = None, predicted_tokens: int | None = None,
-                    prompt_ids: Sequence[int] | None = None) -> Request:
+                    prompt_ids: Sequence[int] | None = None,
+                    chat: Sequence[Mapping[str, Any]] | None = None) -> Request:
         """A Request for the policy, with its predictions. With a predictor and prompt
         text: the predictor's output length (capped at ``max_tokens``) and quality on each
         model of the pool it knows, the fields ``apply_predictor`` gives a simulated
@@ -93,7 +98,9 @@ class Router:
         ``predicted_tokens`` (the caller's own figure) is the length on every model; the
         predictor still gives the quality. With a prefix index and prompt text (or
         ``prompt_ids``, a prompt given as token ids), the request carries its block hashes
-        (at most its full blocks of ``prompt_tokens``)."""
+        (at most its full blocks of ``prompt_tokens``), and for each backend whose index
+        is exact its engine's names of them (``set_namers``; of ``chat``, the messages of
+        a chat request, where given)."""
         found = (None if self.predictions is None or text is None
                  else self.predictions.predict(text, max_tokens))
         decode = max_tokens if found is None else found.decode_tokens
@@ -106,7 +113,41 @@ class Router:
                        slo_class=slo_class, text=text, predicted_decode_by_model=by_model,
                        predicted_quality_by_model=None if found is None
                        else found.quality_by_model,
-                       block_hashes=self._block_hashes(text, prompt_ids, prompt_tokens))
+                       block_hashes=self._block_hashes(text, prompt_ids, prompt_tokens),
+                       engine_block_hashes=self._engine_hashes(text, prompt_ids, chat))
+
+    def set_namers(self, namers: Sequence[PromptNamer | None]) -> None:
+        """Backends whose engines publish their KV events: how each names a prompt's
+        blocks (None: not exact). Their prefix index is put in exact mode, empty."""
+        if len(namers) != len(self.specs):
+            raise ValueError("set_namers needs one entry per backend")
+        self.namers = list(namers)
+        if self.prefixes is None:
+            return
+        for g, namer in enumerate(self.namers):
+            if namer is not None:
+                self.prefixes.set_exact(g, block_size=namer.block_size)
+
+    def _engine_hashes(self, text: str | None, ids: Sequence[int] | None,
+                       chat: Sequence[Mapping[str, Any]] | None
+                       ) -> tuple[IntArray | None, ...] | None:
+        """Per backend, the prompt's blocks as its engine names them; a namer shared by
+        several backends hashes once. None when no backend's index is exact."""
+        if self.prefixes is None or not any(self.namers):
+            return None
+        done: dict[int, IntArray | None] = {}
+        out: list[IntArray | None] = []
+        for g, namer in enumerate(self.namers):
+            if namer is None or not self.prefixes.exact[g]:
+                out.append(None)
+                continue
+            if id(namer) not in done:
+                try:
+                    done[id(namer)] = namer.keys(text, ids, chat)
+                except ValueError:   # e.g. a chat for a tokenizer without a template
+                    done[id(namer)] = None
+            out.append(done[id(namer)])
+        return tuple(out)
 
     def _block_hashes(self, text: str | None, ids: Sequence[int] | None,
                       prompt_tokens: int) -> IntArray | None:
@@ -164,8 +205,10 @@ class Router:
                               specs=self.specs,
                               snapshots=snapshots if self.needs_snapshots else None,
                               inbound=inbound if pools else None,
-                              prefixes=None if self.prefixes is None or hashes is None
-                              else self.prefixes.match(hashes, request.prompt_tokens))
+                              prefixes=None if self.prefixes is None or (
+                                  hashes is None and request.engine_block_hashes is None)
+                              else self.prefixes.match(hashes, request.prompt_tokens,
+                                                       request.engine_block_hashes))
 
     def routed(self, g: int, request: Request) -> int:
         """``request`` was sent to backend g (a dispatch carried out, where it went after
@@ -174,7 +217,10 @@ class Router:
         prompt tokens the index expected cached there (0 without an index or hashes)."""
         if self.prefixes is None:
             return 0
-        return self.prefixes.sent(g, request.block_hashes, request.prompt_tokens)
+        hashes = request.block_hashes
+        if self.prefixes.exact[g] and request.engine_block_hashes is not None:
+            hashes = request.engine_block_hashes[g]
+        return self.prefixes.sent(g, hashes, request.prompt_tokens)
 
     def cache_lost(self, g: int) -> None:
         """Backend g was marked down or restarted: whatever it cached is gone, or may be;
@@ -252,6 +298,7 @@ class Router:
         if self.prefixes is not None and previous.prefixes is not None \
                 and self.prefixes.block_size == previous.prefixes.block_size:
             self.prefixes = previous.prefixes
+            self.namers = previous.namers
 
     def observe(self, outcome: Outcome) -> None:
         self.policy.observe(outcome)

@@ -27,15 +27,18 @@ import orjson
 from aiohttp import web
 
 from olproute.config.loader import LoadedConfig
+from olproute.config.read import ConfigError
 from olproute.estimate.calibration import OnlineCalibrator
 from olproute.estimate.streamcal import StreamCalibrator, StreamRecorder
 from olproute.routing.assembly import CalibrationSource, served_predictor
+from olproute.routing.block_hash import BlockHasher, PromptNamer, PromptTokenizer, load_tokenizer
 from olproute.routing.router import Router, prediction_source
 from olproute.server import admin, certify_live, dashboard, proxy, resolving
 from olproute.server.capture import LiveCapture
 from olproute.server.certify import Certifier, LiveCert
 from olproute.server.errors import json_errors
 from olproute.server.holding import HoldQueue
+from olproute.server.kv_subscriber import KvSubscriber
 from olproute.server.metrics import ServerMetrics
 from olproute.server.resolved import Handover, Resolver
 from olproute.server.schema import (
@@ -162,6 +165,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                              session=session, t0=loop.time(), emulators=running,
                              control=control)
             _recalibrators(st)
+            subscribers = kv_events(st)
             st.holding = HoldQueue(loaded.config.admission.max_held,
                                    loaded.config.router.slot_ms / 1e3,
                                    server.hold_budget_ms / 1e3, st.now)
@@ -175,6 +179,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 (loaded.config.state.sync_ms / 1e3 if st.shared else 0.0, _sync))
                 if period > 0]
             tasks.append(asyncio.create_task(st.lag.run(st.metrics.loop_lag_seconds.observe)))
+            tasks.extend(asyncio.create_task(s.run()) for s in subscribers)
             if st.live_cert is not None:
                 tasks.append(asyncio.create_task(certify_live.run(st)))
             if st.live_resolve is not None:
@@ -185,6 +190,50 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 await stop_tasks(tasks)
                 await st.holding.close()
     return ctx
+
+
+def kv_events(st: ServerState) -> list[KvSubscriber]:
+    """The subscribers of the backends whose config names their KV events, the router's
+    index of each put in exact mode; a tokenizer that does not load is a ConfigError
+    naming the backend's key. None without a prefix index (no backend caches prefixes)."""
+    server = st.loaded.config.server
+    by_name = {b.name: (i, b) for i, b in enumerate(server.backends)}
+    namers: list[PromptNamer | None] = [None] * len(st.loaded.specs)
+    hashers: list[BlockHasher | None] = [None] * len(st.loaded.specs)
+    st.kv_subscribers = [None] * len(st.loaded.specs)
+    loaded_tokenizers: dict[str, PromptTokenizer] = {}
+    for g, spec in enumerate(st.loaded.specs):
+        i, b = by_name.get(spec.name, (-1, None))
+        ev = None if b is None else b.kv_events
+        if ev is None:
+            continue
+        key = f"server.backends[{i}].kv_events"
+        path = ev.tokenizer if ev.tokenizer == "words" else str(st.loaded.resolve(ev.tokenizer))
+        try:
+            tok = loaded_tokenizers.get(path) or load_tokenizer(path)
+        except Exception as e:   # a missing file, or tokenizers' own errors
+            raise ConfigError(st.loaded.path, [(f"{key}.tokenizer",
+                              f"backend {spec.name}: tokenizer {path} does not load: "
+                              f"{e}")]) from None
+        loaded_tokenizers[path] = tok
+        hasher = hashers[g] = BlockHasher(ev.hash_algo, ev.hash_seed)
+        namers[g] = PromptNamer(tok, hasher, spec.block_size)
+    if st.router.prefixes is None or not any(namers):
+        return []
+    st.router.set_namers(namers)
+    out = []
+    for g, spec in enumerate(st.loaded.specs):
+        i, b = by_name.get(spec.name, (-1, None))
+        if namers[g] is None or b is None or b.kv_events is None:
+            continue
+        ev = b.kv_events
+        sub = KvSubscriber(spec.name, g, st.router.prefixes, ev.endpoint, ev.replay_endpoint,
+                           ev.topic, hashers[g], ev.replay_timeout_s)
+        st.kv_subscribers[g] = sub
+        out.append(sub)
+        LOG.info("backend %s: prefix index exact, from KV events at %s", spec.name,
+                 ev.endpoint)
+    return out
 
 
 def _live_jobs(st: ServerState, stack: contextlib.AsyncExitStack,
@@ -595,9 +644,21 @@ async def instances(request: web.Request) -> web.Response:
             "stream_rows": {"prefill": st.stream_calibrators[b.index].num_prefill_rows,
                             "decode": st.stream_calibrators[b.index].num_decode_rows},
             "batch_records": b.batches_seen,
-            "prefix_index_blocks": None if blocks is None else blocks[b.index]})
+            "prefix_index_blocks": None if blocks is None else blocks[b.index],
+            # exact: from the engine's KV events; approximate: from what the router sent
+            "prefix_index": _index_mode(st, b.index),
+            "kv_events": None if not st.kv_subscribers or st.kv_subscribers[b.index] is None
+            else st.kv_subscribers[b.index].status()})
     return web.json_response({"policy": st.router.policy_name, "instances": out,
                               "prediction": prediction_status(st)})
+
+
+def _index_mode(st: ServerState, g: int) -> str | None:
+    """``exact`` or ``approximate`` for backend g (None: the router keeps no index)."""
+    index = st.router.prefixes
+    if index is None:
+        return None
+    return "exact" if index.exact[g] else "approximate"
 
 
 def public_url(url: str) -> str:
@@ -615,8 +676,12 @@ def public_url(url: str) -> str:
 
 async def metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    st.metrics.set_prefix_index([s.name for s in st.loaded.specs],
-                                st.router.prefix_index_blocks())
+    names = [s.name for s in st.loaded.specs]
+    st.metrics.set_prefix_index(names, st.router.prefix_index_blocks())
+    index = st.router.prefixes
+    st.metrics.set_kv_events(names, None if index is None else index.exact,
+                             [None if sub is None else sub.status()
+                              for sub in st.kv_subscribers])
     return web.Response(body=st.metrics.render(),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

@@ -55,6 +55,17 @@ class ServerMetrics:
         self.prefix_index_blocks = Gauge(
             "olproute_prefix_index_blocks", "Prompt blocks the router's prefix index holds "
             "for the backend (olproute.routing.prefix_index)", ["instance"], registry=r)
+        self.prefix_index_exact = Gauge(
+            "olproute_prefix_index_exact", "1 if the backend's prefix index is exact (fed by "
+            "its engine's KV events: olproute.server.kv_subscriber), 0 if approximate (what "
+            "the router sent there)", ["instance"], registry=r)
+        self.kv_events_age = Gauge(
+            "olproute_kv_events_age_seconds", "Seconds since the last KV-event batch from "
+            "the backend's engine was applied (absent before the first)", ["instance"],
+            registry=r)
+        self.kv_events = Gauge(
+            "olproute_kv_events", "KV-event stream of the backend so far (what: batches, "
+            "gaps_replayed, gaps_lost, restarts)", ["instance", "what"], registry=r)
         self.price_sum = Gauge("olproute_price_sum", "Sum over the horizon of the shadow "
                                "price (resource: batch, kv or compute)",
                                ["instance", "resource"], registry=r)
@@ -183,6 +194,22 @@ class ServerMetrics:
             return
         for name, n in zip(names, blocks, strict=True):
             self.prefix_index_blocks.labels(name).set(n)
+
+    def set_kv_events(self, names: Sequence[str], exact: Sequence[bool] | None,
+                      statuses: Sequence[dict[str, Any] | None]) -> None:
+        """Each backend's index mode and, where it has a KV-events subscriber, the
+        stream's age and counts (``KvSubscriber.status``)."""
+        if exact is None:
+            return
+        for name, on in zip(names, exact, strict=True):
+            self.prefix_index_exact.labels(name).set(1.0 if on else 0.0)
+        for name, doc in zip(names, statuses, strict=False):
+            if doc is None:
+                continue
+            if doc["age_s"] is not None:
+                self.kv_events_age.labels(name).set(doc["age_s"])
+            for what in ("batches", "gaps_replayed", "gaps_lost", "restarts"):
+                self.kv_events.labels(name, what).set(doc[what])
 
     def set_scraped(self, name: str, gauges: dict[str, float]) -> None:
         for gauge, value in gauges.items():

@@ -235,9 +235,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens = body.max_completion_tokens or body.max_tokens or server.default_max_tokens
     data["max_tokens"] = max_tokens  # the backend generates exactly what was accounted for
     prompt_tokens, text = prompt_tokens_of(body)
+    # a chat's messages, for the backends that name its blocks as their engine does
+    messages = ([m.model_dump(exclude_none=True) for m in body.messages]
+                if isinstance(body, ChatBody) and any(st.router.namers) else None)
     req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_s,
                                 request.headers.get("x-slo-class", "default"), text,
-                                prompt_ids=prompt_ids_of(body))
+                                prompt_ids=prompt_ids_of(body), chat=messages)
     # a model the pool serves (by its profile's name or the name a backend answers to)
     # constrains the choice; any other name is an alias
     names = [(b.spec.model, b.served_model) for b in st.tracker.backends]

@@ -68,6 +68,9 @@ class ServerState:
     # last one's duals waiting for the next tick
     live_resolve: LiveCert[Resolution] | None = None
     handover: Handover | None = None
+    # per backend, the subscriber of its engine's KV events (olproute.server.kv_subscriber)
+    # where its config names them; None elsewhere
+    kv_subscribers: list[Any] = field(default_factory=list)
     # other router replicas' view on Redis (olproute.server.shared), when state.url is set
     shared: SharedState | None = None
     # held by the price tick's thread; the shared state's exchanges with the price books
