@@ -52,20 +52,7 @@ class ServerMetrics:
             "/metrics (gauge: vllm:num_requests_running, vllm:num_requests_waiting, "
             "vllm:kv_cache_usage_perc; summed over its label sets)", ["instance", "gauge"],
             registry=r)
-        self.prefix_index_blocks = Gauge(
-            "olproute_prefix_index_blocks", "Prompt blocks the router's prefix index holds "
-            "for the backend (olproute.routing.prefix_index)", ["instance"], registry=r)
-        self.prefix_index_exact = Gauge(
-            "olproute_prefix_index_exact", "1 if the backend's prefix index is exact (fed by "
-            "its engine's KV events: olproute.server.kv_subscriber), 0 if approximate (what "
-            "the router sent there)", ["instance"], registry=r)
-        self.kv_events_age = Gauge(
-            "olproute_kv_events_age_seconds", "Seconds since the last KV-event batch from "
-            "the backend's engine was applied (absent before the first)", ["instance"],
-            registry=r)
-        self.kv_events = Gauge(
-            "olproute_kv_events", "KV-event stream of the backend so far (what: batches, "
-            "gaps_replayed, gaps_lost, restarts)", ["instance", "what"], registry=r)
+        self._add_prefix_index(r)
         self.price_sum = Gauge("olproute_price_sum", "Sum over the horizon of the shadow "
                                "price (resource: batch, kv or compute)",
                                ["instance", "resource"], registry=r)
@@ -108,6 +95,23 @@ class ServerMetrics:
         # labelled children of the request path's metrics, by (metric, labels): a
         # child's lookup through .labels() takes a lock and builds its key every time
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def _add_prefix_index(self, r: CollectorRegistry) -> None:
+        """The prefix index's and the KV-event streams' metrics."""
+        self.prefix_index_blocks = Gauge(
+            "olproute_prefix_index_blocks", "Prompt blocks the router's prefix index holds "
+            "for the backend (olproute.routing.prefix_index)", ["instance"], registry=r)
+        self.prefix_index_exact = Gauge(
+            "olproute_prefix_index_exact", "1 if the backend's prefix index is exact (fed by "
+            "its engine's KV events: olproute.server.kv_subscriber), 0 if approximate (what "
+            "the router sent there)", ["instance"], registry=r)
+        self.kv_events_age = Gauge(
+            "olproute_kv_events_age_seconds", "Seconds since the last KV-event batch from "
+            "the backend's engine was applied (absent before the first)", ["instance"],
+            registry=r)
+        self.kv_events = Gauge(
+            "olproute_kv_events", "KV-event stream of the backend so far (what: batches, "
+            "gaps_replayed, gaps_lost, restarts)", ["instance", "what"], registry=r)
 
     def _add_live_jobs(self, r: CollectorRegistry) -> None:
         """The live certificate's and the re-solves' metrics."""

@@ -66,14 +66,16 @@ def _unwrap(tp: Any) -> Any:
 
 def _leaves(model: type[BaseModel], path: str = "") -> dict[str, Any]:
     """Dotted path -> field, for every key a config file can hold, walked here on its
-    own (not with the generator's walk): a model field is a section, a list or map of
-    models a key and its entries."""
+    own (not with the generator's walk): a model field is a section (an optional one a
+    key as well), a list or map of models a key and its entries."""
     out: dict[str, Any] = {}
     for name, field in model.model_fields.items():
         key = f"{path}.{name}" if path else name
         tp = _unwrap(field.annotation)
         args = get_args(tp)
         if isinstance(tp, type) and issubclass(tp, BaseModel):
+            if tp is not field.annotation:
+                out[key] = field  # an optional section is a key too: it may be null
             out.update(_leaves(tp, key))
             continue
         out[key] = field
