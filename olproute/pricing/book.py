@@ -314,7 +314,8 @@ class PriceBook:
     def warm_start(self, t0_s: float, p_abs: FloatArray, now_s: float | None = None) -> None:
         """Take an LP's duals ``p_abs`` (G, K, 3), slot k starting at ``t0_s + k * slot_s``,
         as both the handed-out and the steps' prices, from the book's slot 0 on: the LP
-        slots before it are dropped, and book slots outside the LP's grid price 0. Not
+        slots before it are dropped, book slots before the LP's grid (started before its
+        window) take its first slot, and those past its grid price 0. Not
         the duals' last slot: the LP sees no demand arriving after its window, so its
         last slots carry the end of its grid rather than a price for later, and one
         value repeated over the rest of the horizon would inflate every long column's
@@ -337,8 +338,11 @@ class PriceBook:
             start = t0_s if now_s is None else now_s
             self._origin_s = t0_s + slots_since(start, t0_s, self.slot_s) * self.slot_s
         first = round((self._origin_s - t0_s) / self.slot_s)
-        ks = first + np.arange(self.horizon)
-        inside = (ks >= 0) & (ks < p_abs.shape[1])
+        # book slots that started before the LP's window (the current slot, when the
+        # solve began in its second half or the book had not rolled since) are now: the
+        # LP's first slot prices them
+        ks = np.maximum(first + np.arange(self.horizon), 0)
+        inside = ks < p_abs.shape[1]
         self.p = np.zeros_like(self.p)
         self.p[:, inside] = p_abs[:, ks[inside]]
         self._iterate = self.p.copy()

@@ -106,3 +106,17 @@ def test_a_later_update_moves_on_from_the_duals(duals: tuple[float, np.ndarray])
     assert not np.allclose(b.p, seeded)
     # the average starts at the duals: it moved by a fraction of the step
     assert np.abs(b.p - seeded).max() < np.abs(b._iterate - seeded).max() + 1e-12
+
+
+def test_book_slots_before_the_lps_window_take_its_first_slot(
+        duals: tuple[float, np.ndarray]) -> None:
+    # the solve's window began late in the book's slot 0, or the book last rolled two
+    # slots before it: those slots are now, priced as the LP's first, never 0
+    t0, p = duals
+    b = book(2)
+    b.advance(t0 - 2 * SLOT)
+    b.warm_start(t0, p)
+    np.testing.assert_array_equal(b.p[:, :3], np.repeat(p[:, :1], 3, axis=1))
+    k = p.shape[1]
+    np.testing.assert_array_equal(b.p[:, 3:k + 2], p[:, 1:])
+    np.testing.assert_array_equal(b.p[:, k + 2:], 0.0)   # past the LP's grid
