@@ -6,6 +6,8 @@ wrong on some requests of the same workload."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,35 @@ def test_the_exact_index_knows_what_the_engines_hold(policy: str) -> None:
     _, approx = _run("approximate", policy, reqs)
     assert _evicted_somewhere(approx, reqs)
     assert _mismatches(approx) > 0
+
+
+def _busy_at_dispatch(res: SimResult) -> np.ndarray:
+    """Per request: a batch was running on its instance when it was dispatched."""
+    log = res.batch_log
+    busy = np.zeros(len(res.requests), dtype=bool)
+    for rid, (g, t) in enumerate(zip(res.instance.tolist(), res.dispatch_s.tolist(),
+                                     strict=True)):
+        on = log[:, 0] == g
+        busy[rid] = bool(np.any((log[on, 1] <= t) & (t < log[on, 1] + log[on, 2])))
+    return busy
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+def test_under_load_the_exact_index_errs_only_behind_a_running_batch(policy: str) -> None:
+    """Arrivals 50 ms apart: a request dispatched while its engine runs a batch is
+    looked up after that batch's events, which the index has not heard yet, and may
+    find other blocks; every other request finds exactly what the index expected, and
+    the exact index errs on fewer requests than the approximate one."""
+    reqs = [replace(r, arrival_s=0.05 * r.arrival_s) for r in _documents(3, 160)]
+    cluster, res = _run("exact", policy, reqs)
+    _assert_indexes_hold_the_caches(cluster)
+    assert res.expected_cached_tokens is not None and res.cached_prompt_tokens is not None
+    wrong = res.expected_cached_tokens != res.cached_prompt_tokens
+    busy = _busy_at_dispatch(res)
+    assert busy.sum() > 0.3 * len(reqs)
+    assert not (wrong & ~busy).any()
+    _, approx = _run("approximate", policy, reqs)
+    assert _mismatches(approx) > int(wrong.sum())
 
 
 def test_every_router_replica_hears_every_engine() -> None:
