@@ -3,6 +3,7 @@ prefix-cache hit rate, served fraction and tokens/s of each policy on the Moonca
 conversation trace.
 
     python bench/prefix_table.py [--quick] [--json PATH] [--seeds 10,11,12]
+                                 [--index {approximate,exact}]
                                  [--policies round_robin,least_outstanding,...]
                                  [--window S] [--time-scale X] [--workers N]
                                  [--executor {process,ray}] [--ray-address ADDR]
@@ -34,10 +35,14 @@ every policy serves every request and its TTFT is over the same set; the served
 fraction in the table checks it.
 
 ``--policies`` names the policies (default: all five of the issue); an unknown one is an
-error naming it, never skipped. ``--estimate-eval`` reports, per estimator, the TTFT
-estimate error on this scenario as ``olproute estimate-eval`` does (at each dispatch of
-``--ee-policy``, the chosen instance's estimate against the realised TTFT), over all
-requests and split by the share of its prompt each found cached.
+error naming it, never skipped. ``--index`` is the routers' prefix index
+(``sim.prefix_index``): ``approximate`` (the default: what each router sent where) or
+``exact`` (what the engines say they hold, from their KV events after each batch).
+
+``--estimate-eval`` reports, per estimator, the TTFT estimate error on this scenario as
+``olproute estimate-eval`` does (at each dispatch of ``--ee-policy``, the chosen
+instance's estimate against the realised TTFT), over all requests and split by the share
+of its prompt each found cached.
 
 Each seed is a point of its own: one after another in this process by default,
 ``--workers N`` at a time in worker processes, or ``--executor ray`` as Ray tasks.
@@ -100,17 +105,18 @@ Run = dict[str, float]
 Results = dict[str, list[Run]]   # policy -> one run per seed
 
 
-def scenario(time_scale: float, window_s: float | None, seed: int) -> LoadedConfig:
-    """``configs/prefix.yaml`` at ``time_scale`` on ``seed``; ``window_s``: only the
-    trace's first ``window_s`` seconds (trace time, before scaling), None the whole
-    hour."""
+def scenario(time_scale: float, window_s: float | None, seed: int,
+             index: str = "approximate") -> LoadedConfig:
+    """``configs/prefix.yaml`` at ``time_scale`` on ``seed``, the routers' prefix index
+    ``index``; ``window_s``: only the trace's first ``window_s`` seconds (trace time,
+    before scaling), None the whole hour."""
     loaded = load_config(CONFIG)
     cfg = loaded.config
     duration = None if window_s is None else window_s * time_scale
     return loaded.with_updates(
         workload=cfg.workload.model_copy(update={"time_scale": time_scale, "start_s": 0.0,
                                                  "duration_s": duration}),
-        sim=cfg.sim.model_copy(update={"seed": seed}))
+        sim=cfg.sim.model_copy(update={"seed": seed, "prefix_index": index}))
 
 
 def unknown_policies(names: Sequence[str]) -> list[str]:
@@ -131,9 +137,10 @@ def run_one(loaded: LoadedConfig, policy: str, reqs: Sequence[Any],
 
 
 def run_point(time_scale: float, window_s: float | None, seed: int,
-              policies: Sequence[str], cal: CalibrationSource) -> dict[str, Run]:
+              policies: Sequence[str], cal: CalibrationSource,
+              index: str = "approximate") -> dict[str, Run]:
     """Every policy on one seed: the same requests, predictions and calibration."""
-    loaded = scenario(time_scale, window_s, seed)
+    loaded = scenario(time_scale, window_s, seed, index)
     reqs = build_requests(loaded)
     out: dict[str, Run] = {}
     for p in policies:
@@ -145,7 +152,8 @@ def run_point(time_scale: float, window_s: float | None, seed: int,
 
 
 def run(time_scale: float, window_s: float | None, seeds: Sequence[int],
-        policies: Sequence[str], cal: CalibrationSource, executor: Executor) -> Results:
+        policies: Sequence[str], cal: CalibrationSource, executor: Executor,
+        index: str = "approximate") -> Results:
     """Every policy on every seed, the seeds by ``executor``, with progress on stderr."""
     finished, t0 = itertools.count(1), time.perf_counter()
 
@@ -153,7 +161,7 @@ def run(time_scale: float, window_s: float | None, seeds: Sequence[int],
         print(f"[{next(finished)}/{len(seeds)}] seed {seeds[i]} done "
               f"({time.perf_counter() - t0:.0f} s in)", file=sys.stderr, flush=True)
 
-    per_seed = executor.run(run_point, [(time_scale, window_s, s, policies, cal)
+    per_seed = executor.run(run_point, [(time_scale, window_s, s, policies, cal, index)
                                         for s in seeds],
                             on_done=progress, describe=lambda i: f"seed {seeds[i]}")
     return {p: [runs[p] for runs in per_seed] for p in policies}
@@ -170,15 +178,17 @@ def calibration(time_scale: float, window_s: float | None) -> CalibrationSource:
 
 
 def summary(results: Results, seeds: Sequence[int], time_scale: float,
-            window_s: float | None, num_requests: int) -> dict[str, Any]:
-    """Everything the table says, as JSON: per policy each figure as its mean over seeds
-    (None when not finite) with ``*_spread`` (mean, min, max, per seed)."""
+            window_s: float | None, num_requests: int,
+            index: str = "approximate") -> dict[str, Any]:
+    """Everything the table says, as JSON: the prefix index, and per policy its runs'
+    index and each figure as its mean over seeds (None when not finite) with
+    ``*_spread`` (mean, min, max, per seed)."""
     pols: dict[str, Any] = {}
     for p, runs in results.items():
         figs = {k: seed_figure([r[k] for r in runs]) for k in KEYS}
-        pols[p] = {**{k: f["mean"] for k, f in figs.items()},
+        pols[p] = {"index": index, **{k: f["mean"] for k, f in figs.items()},
                    **{f"{k}_spread": f for k, f in figs.items()}}
-    return {"config": str(CONFIG.relative_to(REPO)), "seeds": list(seeds),
+    return {"config": str(CONFIG.relative_to(REPO)), "seeds": list(seeds), "index": index,
             "time_scale": time_scale, "window_s": window_s, "num_requests": num_requests,
             "calibration_seed": CALIBRATION_SEED + 1, "policies": pols}
 
@@ -189,7 +199,8 @@ def render(results: Results, s: dict[str, Any]) -> str:
               else f"the trace's first {s['window_s']:g} s")
     lines = textwrap.wrap(
         f"Mooncake conversation trace, {window}: {s['num_requests']} requests, arrivals x "
-        f"{s['time_scale']:g}; 8 x Qwen3-8B / H100, prefix caching on; seeds "
+        f"{s['time_scale']:g}; 8 x Qwen3-8B / H100, prefix caching on; prefix index "
+        f"{s['index']}; seeds "
         f"{','.join(map(str, s['seeds']))}; every figure mean [min-max] over seeds. TTFT "
         "over the served requests; attainment: first token within 2 s, of all requests; "
         "goodput: TTFT and TPOT (100 ms) targets met, of all requests; hit rate: cached "
@@ -239,12 +250,13 @@ CACHED_SHARES = ((0.0, 0.1), (0.1, 0.5), (0.5, 1.0))
 
 
 def estimate_eval(time_scale: float, window_s: float | None, seed: int, policy: str,
-                  estimators: Sequence[str], cal: CalibrationSource) -> dict[str, Any]:
+                  estimators: Sequence[str], cal: CalibrationSource,
+                  index: str = "approximate") -> dict[str, Any]:
     """``olproute estimate-eval`` on this scenario: per estimator the error rows over all
     requests, and over those with each share of their prompt cached (CACHED_SHARES)."""
     from olproute.sim.estimate_eval import EstimateEval, error_rows, run_estimate_eval
 
-    loaded = scenario(time_scale, window_s, seed)
+    loaded = scenario(time_scale, window_s, seed, index)
     ev = run_estimate_eval(loaded, policy, estimators, list(cal()))
     assert ev.result.cached_prompt_tokens is not None
     prompt = np.array([ev.result.requests[int(i)].prompt_tokens for i in ev.request_ids])
@@ -289,6 +301,9 @@ def parser() -> argparse.ArgumentParser:
                          f"{','.join(map(str, REPORT_SEEDS))})")
     ap.add_argument("--policies", type=_names, default=POLICIES,
                     help="comma-separated policies (default: %(default)s)")
+    ap.add_argument("--index", choices=("approximate", "exact"), default="approximate",
+                    help="the routers' prefix index (sim.prefix_index; default: "
+                         "%(default)s)")
     ap.add_argument("--window", type=float, default=None, metavar="S",
                     help="only the trace's first S seconds (trace time; default: all)")
     ap.add_argument("--time-scale", type=float, default=TIME_SCALE,
@@ -336,15 +351,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.estimate_eval:
         cal = calibration(args.time_scale, window)
         evals = [estimate_eval(args.time_scale, window, s, args.ee_policy, args.estimators,
-                               cal) for s in seeds]
+                               cal, args.index) for s in seeds]
         print(render_estimates(evals))
-        out = {"time_scale": args.time_scale, "window_s": window, "estimates": evals}
+        out = {"time_scale": args.time_scale, "window_s": window, "index": args.index,
+               "estimates": evals}
     else:
         executor = executor_from(ap, args, args.workers)
         cal = calibration(args.time_scale, window)
-        results = run(args.time_scale, window, seeds, args.policies, cal, executor)
+        results = run(args.time_scale, window, seeds, args.policies, cal, executor,
+                      args.index)
         n = len(build_requests(scenario(args.time_scale, window, seeds[0])))
-        out = summary(results, seeds, args.time_scale, window, n)
+        out = summary(results, seeds, args.time_scale, window, n, args.index)
         print(render(results, out))
     print(f"wall time {time.perf_counter() - t0:.0f} s")
     if args.json:

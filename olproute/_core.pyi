@@ -9,6 +9,8 @@ import numpy.typing as npt
 FIRST_TOKEN: int
 FINISHED: int
 NUM_SUMS: int
+KV_STORED: int
+KV_REMOVED: int
 
 _Sums = tuple[float, float, float, float, float, float, float, float]
 _IntArray = npt.NDArray[np.int64]
@@ -27,6 +29,8 @@ class BatchCore:
         max_num_batched_tokens: int,
         capacity: int = ...,
         prefix_caching: bool = ...,
+        kv_events: bool = ...,
+        kv_events_capacity: int = ...,
     ) -> None: ...
     def add_request(self, prompt_tokens: int, max_output_tokens: int,
                     computed_tokens: int = 0,
@@ -45,6 +49,9 @@ class BatchCore:
     def prefix_state(self, slot: int) -> tuple[int, int, int]: ...
     def free_queue(self) -> tuple[list[tuple[int, int]], int]: ...
     def cache_contents(self) -> list[tuple[int, int]]: ...
+    def take_kv_events(self) -> tuple[_IntArray, _IntArray, int]: ...
+    @property
+    def kv_events(self) -> bool: ...
     @property
     def prefix_caching(self) -> bool: ...
     @property

@@ -36,6 +36,10 @@ cdef enum:
 
 FIRST_TOKEN = EV_FIRST_TOKEN
 FINISHED = EV_FINISHED
+# Kinds of the prefix cache's events (BatchCore.take_kv_events): vLLM's BlockStored and
+# BlockRemoved, one per block.
+KV_STORED = EV_KV_STORED
+KV_REMOVED = EV_KV_REMOVED
 
 # Indices of the batch sums vector (see BatchCore.schedule).
 NUM_SUMS = 8
@@ -345,6 +349,11 @@ cdef class BatchCore:
     at most ``max_num_seqs`` running requests, ``max_num_batched_tokens`` tokens per batch;
     ``prefix_caching`` turns vLLM's automatic prefix caching on (as vLLM v1's default):
     only requests added with block hashes use it.
+
+    ``kv_events`` (with prefix caching) logs the cache's events as vLLM publishes them:
+    (KV_STORED, hash) when a block enters the cache, (KV_REMOVED, hash) when one is
+    evicted, in order; ``take_kv_events`` takes them. At most ``kv_events_capacity``
+    are kept between takes, the rest counted as dropped.
     """
 
     cdef Engine e
@@ -362,7 +371,10 @@ cdef class BatchCore:
 
     def __init__(self, int64_t num_kv_blocks, int64_t block_size, int64_t max_num_seqs,
                  int64_t max_num_batched_tokens, int64_t capacity=256,
-                 bint prefix_caching=True):
+                 bint prefix_caching=True, bint kv_events=False,
+                 int64_t kv_events_capacity=65536):
+        if kv_events_capacity < 0:
+            raise ValueError("kv_events_capacity must be >= 0")
         if num_kv_blocks < 1 or block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("BatchCore limits must all be >= 1")
         if self._pc_buf != NULL or self.capacity != 0:
@@ -379,8 +391,11 @@ cdef class BatchCore:
         self.e.n_events = 0
         self.capacity = 0
         self._free_slots = []
+        self.pc.kv_log = NULL
         if prefix_caching:
             self._init_prefix_cache(num_kv_blocks)
+            if kv_events:
+                self._init_kv_log(kv_events_capacity)
         self._grow(max(capacity, 1))
 
     cdef void _init_prefix_cache(self, int64_t num_blocks):
@@ -417,6 +432,15 @@ cdef class BatchCore:
         pc.hits = 0
         self.e.pc = pc
 
+    cdef void _init_kv_log(self, int64_t capacity) except *:
+        """The KV-event log: room for ``capacity`` kinds, then as many hashes."""
+        self.pc.kv_log = <int64_t*>malloc(<size_t>(2 * capacity + 1) * sizeof(int64_t))
+        if self.pc.kv_log == NULL:
+            raise MemoryError("KV-event log allocation failed")
+        self.pc.kv_capacity = capacity
+        self.pc.kv_len = 0
+        self.pc.kv_dropped = 0
+
     def __dealloc__(self):
         cdef int64_t i
         if self._hbuf != NULL:
@@ -424,6 +448,7 @@ cdef class BatchCore:
                 free(self._hbuf[i])
             free(self._hbuf)
         free(self._pc_buf)
+        free(self.pc.kv_log)
 
     cdef void _bind(self):
         self.e.num_prompt = &self._num_prompt[0]
@@ -694,6 +719,28 @@ cdef class BatchCore:
                 out.append((self.pc.tab_key[i], n))
         out.sort()
         return out
+
+    def take_kv_events(self):
+        """The cache's events since the last take, and empties the log: (kinds, hashes,
+        dropped), kinds KV_STORED or KV_REMOVED as new int64 arrays, ``dropped`` the
+        events past the log's capacity that were not kept (a consumer then resyncs from
+        ``cache_contents``). Empty, and 0, without KV events."""
+        cdef int64_t n = self.pc.kv_len
+        kinds = np.empty(n, dtype=np.int64)
+        hashes = np.empty(n, dtype=np.int64)
+        cdef int64_t[::1] k = kinds, h = hashes
+        if n > 0:
+            memcpy(&k[0], self.pc.kv_log, <size_t>n * sizeof(int64_t))
+            memcpy(&h[0], self.pc.kv_log + self.pc.kv_capacity, <size_t>n * sizeof(int64_t))
+        dropped = self.pc.kv_dropped
+        self.pc.kv_len = 0
+        self.pc.kv_dropped = 0
+        return kinds, hashes, dropped
+
+    @property
+    def kv_events(self):
+        """Does the core log its prefix cache's events?"""
+        return self.pc.kv_log != NULL
 
     @property
     def prefix_caching(self):

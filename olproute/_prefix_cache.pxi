@@ -18,8 +18,18 @@
 # lookup takes the first one still cached. The map itself is an open-addressing table
 # (linear probing, backward-shift deletion) of at least twice as many slots as the engine
 # has blocks, so it never fills: entries are physical blocks and never outnumber them.
+#
+# With KV events on (``BatchCore(kv_events=True)``), every entry made appends
+# (KV_STORED, hash) to a bounded log and every entry evicted appends (KV_REMOVED, hash),
+# in the order they happen, as vLLM's BlockStored / BlockRemoved; past the log's
+# capacity events are counted, not kept. Off, the log is NULL and costs one test.
 
 from libc.stdint cimport uint64_t
+
+# Kinds of the KV-event log (BatchCore.take_kv_events).
+cdef enum:
+    EV_KV_STORED = 1
+    EV_KV_REMOVED = 2
 
 cdef struct PrefixCache:
     # per request slot, grown with the request table
@@ -49,6 +59,11 @@ cdef struct PrefixCache:
     # looked the cache up
     int64_t queries
     int64_t hits
+    # KV-event log (NULL: off): kinds then hashes, kv_capacity of each
+    int64_t* kv_log
+    int64_t kv_capacity
+    int64_t kv_len
+    int64_t kv_dropped
 
 
 cdef inline uint64_t _mix(int64_t key) noexcept nogil:
@@ -123,6 +138,19 @@ cdef inline void _queue_remove(PrefixCache* pc, int64_t x) noexcept nogil:
     pc.num_evictable -= 1
 
 
+cdef inline void _kv_event(PrefixCache* pc, int64_t kind, int64_t key) noexcept nogil:
+    """Append (kind, key) to the KV-event log, or count it dropped when the log is
+    full; nothing when the log is off."""
+    if pc.kv_log == NULL:
+        return
+    if pc.kv_len < pc.kv_capacity:
+        pc.kv_log[pc.kv_len] = kind
+        pc.kv_log[pc.kv_capacity + pc.kv_len] = key
+        pc.kv_len += 1
+    else:
+        pc.kv_dropped += 1
+
+
 cdef int64_t _entry_new(PrefixCache* pc, int64_t key) noexcept nogil:
     """A new entry for ``key`` (referenced once), last in its hash's chain."""
     cdef int64_t x = pc.unused, i, p
@@ -143,12 +171,14 @@ cdef int64_t _entry_new(PrefixCache* pc, int64_t key) noexcept nogil:
         while pc.ent_dup[p] >= 0:
             p = pc.ent_dup[p]
         pc.ent_dup[p] = x
+    _kv_event(pc, EV_KV_STORED, key)
     return x
 
 
 cdef void _entry_forget(PrefixCache* pc, int64_t x) noexcept nogil:
     """Entry x's hash no longer finds it (evicted); x returns to the unused entries."""
     cdef int64_t i = _tab_find(pc, pc.ent_hash[x]), p
+    _kv_event(pc, EV_KV_REMOVED, pc.ent_hash[x])
     if pc.tab_val[i] == x:
         if pc.ent_dup[x] >= 0:
             pc.tab_val[i] = pc.ent_dup[x]

@@ -15,11 +15,13 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from olproute.prefix_ref import BlockPool
+from olproute.prefix_ref import KV_REMOVED, KV_STORED, BlockPool, KvEventLog
 
 FIRST_TOKEN = 1
 FINISHED = 2
 NUM_SUMS = 8
+__all__ = ["FINISHED", "FIRST_TOKEN", "KV_REMOVED", "KV_STORED", "NUM_SUMS", "IntArray",
+           "ReferenceCore", "Sums", "checked_block_hashes", "replay_ttft_reference"]
 
 Sums = tuple[float, float, float, float, float, float, float, float]
 IntArray = npt.NDArray[np.int64]
@@ -59,7 +61,11 @@ class ReferenceCore:
         max_num_batched_tokens: int,
         capacity: int = 256,
         prefix_caching: bool = True,
+        kv_events: bool = False,
+        kv_events_capacity: int = 65536,
     ) -> None:
+        if kv_events_capacity < 0:
+            raise ValueError("kv_events_capacity must be >= 0")
         if min(num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens) < 1:
             raise ValueError("BatchCore limits must all be >= 1")
         self.num_kv_blocks = num_kv_blocks
@@ -82,7 +88,9 @@ class ReferenceCore:
         self._events: list[tuple[int, int]] = []
         # prefix cache: the pool, and per slot its hashes, its block ids (the first
         # _num_cached of them registered or hit), its tokens found cached when admitted
-        self._pool = BlockPool(num_kv_blocks) if prefix_caching else None
+        self._kv_log = KvEventLog(kv_events_capacity) if kv_events and prefix_caching \
+            else None
+        self._pool = BlockPool(num_kv_blocks, self._kv_log) if prefix_caching else None
         self._hashes: list[list[int]] = []
         self._table: list[list[int]] = []
         self._num_cached: list[int] = []
@@ -387,6 +395,15 @@ class ReferenceCore:
 
     def cache_contents(self) -> list[tuple[int, int]]:
         return [] if self._pool is None else self._pool.contents()
+
+    def take_kv_events(self) -> tuple[IntArray, IntArray, int]:
+        if self._kv_log is None:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 0
+        return self._kv_log.take()
+
+    @property
+    def kv_events(self) -> bool:
+        return self._kv_log is not None
 
     @property
     def prefix_caching(self) -> bool:

@@ -8,7 +8,9 @@ block's hash and keeps it after the request frees it, so a later request with th
 prefix finds it (and takes it back out of the queue) until it is evicted. Several blocks
 may carry one hash (vLLM does not deduplicate); a lookup takes the first one registered
 that is still cached. ``core_ref.ReferenceCore`` drives it as the compiled core drives
-its compressed twin, and the tests compare the two step by step.
+its compressed twin, and the tests compare the two step by step. With a ``KvEventLog``
+the pool logs what vLLM publishes: a block registered (KV_STORED) or evicted
+(KV_REMOVED), with its hash, in order.
 """
 
 from __future__ import annotations
@@ -16,11 +18,44 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+import numpy as np
+import numpy.typing as npt
+
+KV_STORED = 1
+KV_REMOVED = 2
+
+
+class KvEventLog:
+    """The cache's events between two takes, at most ``capacity`` of them; later ones
+    are counted in ``dropped`` and not kept (as ``BatchCore.take_kv_events``)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("kv_events_capacity must be >= 0")
+        self.capacity = capacity
+        self.events: list[tuple[int, int]] = []
+        self.dropped = 0
+
+    def append(self, kind: int, block_hash: int) -> None:
+        if len(self.events) < self.capacity:
+            self.events.append((kind, block_hash))
+        else:
+            self.dropped += 1
+
+    def take(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+        """(kinds, hashes, dropped) since the last take; the log starts afresh."""
+        kinds = np.array([k for k, _ in self.events], dtype=np.int64)
+        hashes = np.array([h for _, h in self.events], dtype=np.int64)
+        dropped = self.dropped
+        self.events, self.dropped = [], 0
+        return kinds, hashes, dropped
+
 
 class BlockPool:
     """``num_blocks`` KV blocks: reference counts, the free queue and the hash map."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, log: KvEventLog | None = None) -> None:
+        self.log = log
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref = [0] * num_blocks
         self.hash: list[int | None] = [None] * num_blocks
@@ -50,6 +85,8 @@ class BlockPool:
         if not self.cached[block_hash]:
             del self.cached[block_hash]
         self.hash[block] = None
+        if self.log is not None:
+            self.log.append(KV_REMOVED, block_hash)
 
     def touch(self, blocks: Iterable[int]) -> None:
         """A request takes cached blocks: one more reference each, out of the free queue."""
@@ -71,6 +108,8 @@ class BlockPool:
         assert self.hash[block] is None
         self.hash[block] = block_hash
         self.cached.setdefault(block_hash, {})[block] = None
+        if self.log is not None:
+            self.log.append(KV_STORED, block_hash)
 
     def free_queue(self) -> tuple[list[tuple[int, int]], int]:
         """The free queue compressed as ``BatchCore.free_queue`` gives it: (unhashed

@@ -294,6 +294,11 @@ class SimConfig(_Frozen):
         "its exact scheduler state, or what a router rebuilds of it from its own traffic "
         "(olproute.routing.tracked: no batch in flight, no prefill progress, preempted requests "
         "still running), as olproute serve sees real backends")
+    prefix_index: Literal["approximate", "exact"] = Field(
+        default="approximate", description="what the simulated routers' prefix index "
+        "knows of the engines' prefix caches: the block hashes each router sent where, "
+        "aged by routing order (approximate), or what each engine says it holds, from "
+        "its KV events after every batch, as vLLM publishes them (exact)")
 
 
 class TransferConfig(_Frozen):

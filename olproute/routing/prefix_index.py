@@ -138,9 +138,12 @@ class PrefixIndex:
     tokenizer's tokens: ``Request.engine_block_hashes``) and have a block size of its
     own; what it holds need not be a prefix-closed set (an engine evicts any free
     block), so its match walks the prompt's blocks from the front and stops at the first
-    one missing, as the engine's own lookup does. More entries than ``capacity`` (an
-    engine with more blocks than its profile says) drop the oldest stored first, counted
-    in ``overflowed``."""
+    one missing, as the engine's own lookup does. An engine may hold several copies of
+    one block (vLLM does not deduplicate: two requests that prefill a block at once both
+    register it), so an exact index counts them per key: stored +1, removed -1, the key
+    gone at 0, and one copy's eviction keeps the block matched while another is held.
+    More keys than ``capacity`` (an engine with more blocks than its profile says) drop
+    the oldest stored first, all its copies, counted in ``overflowed``."""
 
     __slots__ = ("_blocks", "block_size", "block_sizes", "capacity", "enabled", "exact",
                  "overflowed")
@@ -160,7 +163,8 @@ class PrefixIndex:
         self.enabled = tuple(s.enable_prefix_caching for s in specs)
         self.exact = [False] * len(specs)
         self.overflowed = [0] * len(specs)
-        self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in specs]
+        # per instance: key -> copies held (exact mode; 1 in approximate mode), oldest first
+        self._blocks: list[OrderedDict[int, int]] = [OrderedDict() for _ in specs]
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -244,15 +248,16 @@ class PrefixIndex:
             if h in blocks:
                 blocks.move_to_end(h)
             else:
-                blocks[h] = None
+                blocks[h] = 1
         while len(blocks) > cap:
             blocks.popitem(last=False)
 
     def stored(self, g: int, keys: Iterable[int]) -> None:
-        """Instance g's engine registered blocks with these keys (exact mode)."""
+        """Instance g's engine registered blocks with these keys (exact mode): one copy
+        more of each, its key the most recent."""
         blocks = self._blocks[g]
         for k in keys:
-            blocks[k] = None
+            blocks[k] = blocks.get(k, 0) + 1
             blocks.move_to_end(k)
         cap = self.capacity[g]
         while len(blocks) > cap:
@@ -260,10 +265,22 @@ class PrefixIndex:
             self.overflowed[g] += 1
 
     def removed(self, g: int, keys: Iterable[int]) -> None:
-        """Instance g's engine dropped blocks with these keys (exact mode)."""
+        """Instance g's engine dropped blocks with these keys (exact mode): one copy
+        less of each, the key gone with its last copy; a key not held is ignored."""
         blocks = self._blocks[g]
         for k in keys:
-            blocks.pop(k, None)
+            n = blocks.get(k)
+            if n is None:
+                continue
+            if n > 1:
+                blocks[k] = n - 1
+            else:
+                del blocks[k]
+
+    def copies(self, g: int) -> dict[int, int]:
+        """Per key instance g's index holds, the copies of it held (1 in approximate
+        mode; for tests and audits)."""
+        return dict(self._blocks[g])
 
     def holds(self, g: int) -> set[int]:
         """The keys instance g's index holds (for tests and audits)."""
@@ -275,7 +292,7 @@ class PrefixIndex:
         self._blocks[g].clear()
 
 
-def _walk(blocks: OrderedDict[int, None], keys: list[int]) -> int:
+def _walk(blocks: OrderedDict[int, int], keys: list[int]) -> int:
     """How many of ``keys`` from the front are in ``blocks``, stopping at the first
     missing one."""
     n = 0
@@ -286,7 +303,7 @@ def _walk(blocks: OrderedDict[int, None], keys: list[int]) -> int:
     return n
 
 
-def _longest(blocks: OrderedDict[int, None], keys: list[int]) -> int:
+def _longest(blocks: OrderedDict[int, int], keys: list[int]) -> int:
     """How many of ``keys`` from the front are in ``blocks``, given that what is there
     is a prefix of them (``keys[0]`` is)."""
     lo, hi = 1, len(keys)      # keys[:lo] are in; keys[hi:] are not known to be

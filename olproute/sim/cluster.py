@@ -26,6 +26,13 @@ Given several policies instead of one, the cluster runs them as router replicas
 (``olproute.sim.replicas``): request i goes to replica i mod N, which decides it, holds it
 in its own buffer and hears its outcome; every replica ticks; what each sees is its own
 ledger merged with the others' as the ``Sync`` says.
+
+Each router keeps a prefix index (``olproute.routing.prefix_index``), built when the
+first request with block hashes comes. ``prefix_index="approximate"``: the hashes it
+sent where. ``"exact"``: what the engines say they hold, as a router fed by vLLM's KV
+events knows it: the engines log their prefix caches' events, and after each batch an
+engine finishes (vLLM publishes a step's events after the step) they go to every
+router's index; an engine whose log overflowed is restored from its cache's contents.
 """
 
 from __future__ import annotations
@@ -43,7 +50,14 @@ import numpy.typing as npt
 from olproute.policies.base import Policy
 from olproute.routing.disagg import Pools, decode_admission
 from olproute.routing.prefix_index import PrefixIndex
-from olproute.sim.engine import BATCH_LOG_COLUMNS, FINISHED, FIRST_TOKEN, BatchTimer, SimEngine
+from olproute.sim.engine import (
+    BATCH_LOG_COLUMNS,
+    FINISHED,
+    FIRST_TOKEN,
+    KV_STORED,
+    BatchTimer,
+    SimEngine,
+)
 from olproute.sim.replicas import Replicas, Sync, replica_of
 from olproute.sim.snapshots import SnapshotFeed
 from olproute.types import Decision, InstanceSpec, Outcome, Request, RoutingContext
@@ -81,6 +95,9 @@ class SimResult:
     # prompt tokens found in the prefix cache when first admitted (0 without block hashes;
     # on P/D pools, at the prefill instance); None in a result built without a run
     cached_prompt_tokens: IntArray | None = None
+    # prompt tokens the router's prefix index expected cached at the instance it sent the
+    # request to, when it sent it (0 without block hashes); None without a run
+    expected_cached_tokens: IntArray | None = None
 
 
 @dataclass(slots=True)
@@ -99,6 +116,7 @@ class _Records:
     num_preemptions: IntArray
     decode_tokens: IntArray
     cached_prompt_tokens: IntArray
+    expected_cached_tokens: IntArray
     shed: npt.NDArray[np.bool_]
     in_system_t: array[float]
     in_system_n: array[int]
@@ -112,7 +130,8 @@ class _Records:
             prefill_end_s=np.full(n, np.nan), kv_arrival_s=np.full(n, np.nan),
             finish_s=np.full(n, np.nan), num_preemptions=np.zeros(n, dtype=np.int64),
             decode_tokens=np.zeros(n, dtype=np.int64),
-            cached_prompt_tokens=np.zeros(n, dtype=np.int64), shed=np.zeros(n, dtype=bool),
+            cached_prompt_tokens=np.zeros(n, dtype=np.int64),
+            expected_cached_tokens=np.zeros(n, dtype=np.int64), shed=np.zeros(n, dtype=bool),
             in_system_t=array("d", [0.0]), in_system_n=array("q", [0]))
 
 
@@ -133,13 +152,19 @@ class Cluster:
         max_held: int | None = None,
         snapshot_view: Literal["engine", "router"] = "engine",
         sync: Sync | None = None,
+        prefix_index: Literal["approximate", "exact"] = "approximate",
     ) -> None:
         """``policy``: one router's policy, or a sequence of them, one per router replica,
         whose views are their ledgers merged as ``sync`` says (default: no staleness);
         replicas see what a router rebuilds from its traffic (``snapshot_view`` must be
-        ``router``, ``snapshot_age_s`` 0: the sync is their staleness)."""
+        ``router``, ``snapshot_age_s`` 0: the sync is their staleness). ``prefix_index``:
+        what the routers' prefix indexes know (the module's docstring)."""
         if len(specs) != len(timers):
             raise ValueError("one timer per instance")
+        if prefix_index not in ("approximate", "exact"):
+            raise ValueError(f"prefix_index must be 'approximate' or 'exact', not "
+                             f"{prefix_index!r}")
+        self.exact_index = prefix_index == "exact"
         single = isinstance(policy, Policy)
         self.policies = (policy,) if isinstance(policy, Policy) else tuple(policy)
         if not self.policies:
@@ -161,8 +186,10 @@ class Cluster:
         self.max_held = max_held
         self.roles = [s.role for s in specs]
         self._log: array[float] | None = array("d") if record_batches else None
-        self.engines = [SimEngine(i, s, t, self._log, reference_core)
+        self.engines = [SimEngine(i, s, t, self._log, reference_core, self.exact_index)
                         for i, (s, t) in enumerate(zip(specs, timers, strict=True))]
+        # each router's prefix index after the last run (None: it built none)
+        self.prefix_indexes: tuple[PrefixIndex | None, ...] = ()
         self.policy = self.policies[0]
         self.slot_s = slot_s
         self.outstanding = [0] * len(specs)
@@ -183,6 +210,7 @@ class Cluster:
             now, _prio, _seq, kind, arg = pop(heap)
             num_events += 1
             handlers[kind](now, arg)
+        self.prefix_indexes = tuple(r.prefixes for r in run.routers)
         return run.result(now, num_events)
 
     def batch_log(self) -> FloatArray:
@@ -221,7 +249,7 @@ class _Run:
     records, the routers (each with its buffer of held requests), and one method per
     event kind. A tick's and a joint release's arg is the router's index."""
 
-    __slots__ = ("arrived", "cluster", "done", "engines", "feed", "heap", "in_system",
+    __slots__ = ("arrived", "cluster", "done", "engines", "exact", "feed", "heap", "in_system",
                  "inbound", "outstanding", "progress", "rec", "replicas", "requests",
                  "role", "routers", "seq")
 
@@ -234,6 +262,7 @@ class _Run:
         self.progress = progress
         self.rec = _Records.empty(len(requests))
         self.engines = cluster.engines
+        self.exact = cluster.exact_index
         self.outstanding, self.role = cluster.outstanding, cluster.roles
         self.routers = [_Router(k, p) for k, p in enumerate(cluster.policies)]
         self.replicas = None if cluster.sync is None else Replicas(
@@ -269,6 +298,8 @@ class _Run:
         written out here."""
         eng = self.engines[g]
         events = eng.finish_batch()
+        if self.exact:
+            self._kv_events(g)
         if events:
             self._finished(now, g, events)
         duration = eng.start_batch(now)
@@ -276,6 +307,23 @@ class _Run:
         if duration is not None:
             _heappush(self.heap, (now + duration, _BATCH_DONE, self.seq, _BATCH_DONE, g))
             self.seq += 1
+
+    def _kv_events(self, g: int) -> None:
+        """Engine g's KV events since its last batch, into every router's index (built
+        if it was not yet); when its log overflowed, each index's view of g is its
+        cache's contents instead."""
+        eng = self.engines[g]
+        kinds, hashes, dropped = eng.take_kv_events()
+        if dropped == 0 and len(kinds) == 0:
+            return
+        contents = eng.cache_contents() if dropped > 0 else None
+        for k in range(len(self.routers)):
+            index = self._index(k)
+            if contents is None:
+                _apply_kv_events(index, g, kinds, hashes)
+            else:
+                index.clear(g)
+                index.stored(g, [h for h, n in contents for _ in range(n)])
 
     def _finished(self, now: float, g: int, events: list[tuple[int, int, int]]) -> None:
         """Record first tokens and finishes; a prefill engine's finished prompts move on
@@ -424,9 +472,16 @@ class _Run:
             prefixes=prefixes)
 
     def _index(self, k: int) -> PrefixIndex:
+        """Router k's prefix index, built the first time (exact: on every instance
+        with prefix caching)."""
         router = self.routers[k]
         if router.prefixes is None:
-            router.prefixes = PrefixIndex(self.cluster.specs)
+            specs = self.cluster.specs
+            router.prefixes = PrefixIndex(specs)
+            if self.exact:
+                for g, spec in enumerate(specs):
+                    if spec.enable_prefix_caching:
+                        router.prefixes.set_exact(g, block_size=spec.block_size)
         return router.prefixes
 
     def _dispatch(self, now: float, rid: int, decision: Decision) -> None:
@@ -441,6 +496,7 @@ class _Run:
         # and the router's view of a waiting request
         cached = 0 if req.block_hashes is None else self._index(
             replica_of(rid, len(self.routers))).sent(g, req.block_hashes, req.prompt_tokens)
+        rec.expected_cached_tokens[rid] = cached
         self.outstanding[g] += 1
         model = c.specs[g].model
         predicted = req.predicted_decode_tokens_for(model)
@@ -516,7 +572,8 @@ class _Run:
             kv_arrival_s=rec.kv_arrival_s, shed=rec.shed, batch_log=self.cluster.batch_log(),
             in_system_t=np.frombuffer(rec.in_system_t, dtype=np.float64).copy(),
             in_system_n=np.frombuffer(rec.in_system_n, dtype=np.int64).copy(),
-            end_s=end_s, num_events=num_events, cached_prompt_tokens=rec.cached_prompt_tokens)
+            end_s=end_s, num_events=num_events, cached_prompt_tokens=rec.cached_prompt_tokens,
+            expected_cached_tokens=rec.expected_cached_tokens)
 
 
 def _outcome(req: Request, g: int | None, dispatch: float, first: float, finish: float,
@@ -530,6 +587,19 @@ def _outcome(req: Request, g: int | None, dispatch: float, first: float, finish:
         prompt_tokens=req.prompt_tokens, decode_tokens=decode_tokens,
         predicted_decode_tokens=req.predicted_decode_tokens, num_preemptions=preemptions,
         decode_instance=decode_instance)
+
+
+def _apply_kv_events(index: PrefixIndex, g: int, kinds: IntArray, hashes: IntArray) -> None:
+    """An engine's events, in order, into instance g's exact index: each run of one kind
+    as one ``stored`` or ``removed`` call (the order matters: a block stored and evicted
+    within one batch is gone)."""
+    cuts = (np.flatnonzero(np.diff(kinds)) + 1).tolist()
+    for start, end in zip([0, *cuts], [*cuts, len(kinds)], strict=True):
+        keys = hashes[start:end].tolist()
+        if kinds[start] == KV_STORED:
+            index.stored(g, keys)
+        else:
+            index.removed(g, keys)
 
 
 def _rows(inbound: Sequence[dict[int, tuple[float, int, int]]]

@@ -9,7 +9,15 @@ from typing import Protocol
 import numpy as np
 
 from olproute._core import BatchCore
-from olproute.core_ref import FINISHED, FIRST_TOKEN, IntArray, ReferenceCore, Sums
+from olproute.core_ref import (
+    FINISHED,
+    FIRST_TOKEN,
+    KV_REMOVED,
+    KV_STORED,
+    IntArray,
+    ReferenceCore,
+    Sums,
+)
 from olproute.types import BATCH_LOG_COLUMNS, EngineSnapshot, InstanceLoad, InstanceSpec
 
 BatchTimer = Callable[[Sequence[float]], float]
@@ -39,6 +47,8 @@ class Core(Protocol):
     def batch(self) -> tuple[IntArray, IntArray, IntArray, IntArray]: ...
     def request(self, slot: int) -> tuple[int, int, int, int, int, int]: ...
     def prefix_state(self, slot: int) -> tuple[int, int, int]: ...
+    def cache_contents(self) -> list[tuple[int, int]]: ...
+    def take_kv_events(self) -> tuple[IntArray, IntArray, int]: ...
     def snapshot(
         self, predicted_by_slot: IntArray, id_by_slot: IntArray
     ) -> tuple[IntArray, IntArray, int, int, IntArray]: ...
@@ -46,10 +56,12 @@ class Core(Protocol):
     def capacity(self) -> int: ...
 
 
-def make_core(spec: InstanceSpec, reference: bool = False) -> Core:
+def make_core(spec: InstanceSpec, reference: bool = False, kv_events: bool = False) -> Core:
+    """The instance's core; ``kv_events``: it logs its prefix cache's events."""
     cls: type[BatchCore] | type[ReferenceCore] = ReferenceCore if reference else BatchCore
     return cls(spec.num_kv_blocks, spec.block_size, spec.max_num_seqs,
-               spec.max_num_batched_tokens, prefix_caching=spec.enable_prefix_caching)
+               spec.max_num_batched_tokens, prefix_caching=spec.enable_prefix_caching,
+               kv_events=kv_events)
 
 
 class SimEngine:
@@ -60,7 +72,9 @@ class SimEngine:
     produced their first token or finished, as (request_id, flags, num_preemptions). For
     a finished request admitted with block hashes, ``cached_prompt_tokens`` then holds its
     prompt tokens found in the prefix cache when it was first admitted (vLLM's
-    ``num_cached_tokens``), until the caller pops it.
+    ``num_cached_tokens``), until the caller pops it. With ``kv_events`` the core logs
+    its prefix cache's events, which ``take_kv_events`` hands out (vLLM publishes them
+    after each step: the caller takes them after ``finish_batch``).
     """
 
     def __init__(
@@ -70,10 +84,11 @@ class SimEngine:
         timer: BatchTimer,
         batch_log: array[float] | None = None,
         reference_core: bool = False,
+        kv_events: bool = False,
     ) -> None:
         self.index = index
         self.spec = spec
-        self.core = make_core(spec, reference_core)
+        self.core = make_core(spec, reference_core, kv_events)
         self._timer = timer
         self._slot_request: dict[int, int] = {}
         self._predicted = np.zeros(0, dtype=np.int64)   # by slot, for snapshots
@@ -166,6 +181,15 @@ class SimEngine:
             out.append((request_id, flags, preemptions))
         return out
 
+    def take_kv_events(self) -> tuple[IntArray, IntArray, int]:
+        """The prefix cache's events since the last take: (kinds KV_STORED or
+        KV_REMOVED, block hashes, events dropped past the log's capacity)."""
+        return self.core.take_kv_events()
+
+    def cache_contents(self) -> list[tuple[int, int]]:
+        """Sorted (block hash, copies cached) of the prefix cache."""
+        return self.core.cache_contents()
+
     @property
     def prefix_cache_queries(self) -> int:
         """Tokens of the requests admitted after a prefix-cache lookup (vLLM's counter)."""
@@ -186,5 +210,5 @@ class SimEngine:
         )
 
 
-__all__ = ["BATCH_LOG_COLUMNS", "FINISHED", "FIRST_TOKEN", "BatchTimer", "Core", "SimEngine",
-           "make_core"]
+__all__ = ["BATCH_LOG_COLUMNS", "FINISHED", "FIRST_TOKEN", "KV_REMOVED", "KV_STORED",
+           "BatchTimer", "Core", "SimEngine", "make_core"]

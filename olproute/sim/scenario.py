@@ -151,7 +151,8 @@ def make_cluster(loaded: LoadedConfig, policy: Policy | Sequence[Policy],
     router replicas, one per policy, their sync ``sync``): slot, KV transfer, the snapshot
     view, and the batch log and snapshot age (seconds) of the config unless given.
     Replicas see what a router rebuilds from its traffic (``snapshot_view`` router), with
-    no age of their own unless given: their sync is their staleness."""
+    no age of their own unless given: their sync is their staleness. The routers' prefix
+    index is the config's ``sim.prefix_index``."""
     cfg = loaded.config
     replicas = not isinstance(policy, Policy)
     return Cluster(loaded.specs, build_timers(loaded, seed), policy,
@@ -163,7 +164,8 @@ def make_cluster(loaded: LoadedConfig, policy: Policy | Sequence[Policy],
                                    0.0 if replicas else cfg.sim.snapshot_age_ms / 1e3),
                    transfer=kv_transfer(loaded).seconds,
                    max_held=cfg.admission.max_held,
-                   snapshot_view="router" if replicas else cfg.sim.snapshot_view, sync=sync)
+                   snapshot_view="router" if replicas else cfg.sim.snapshot_view, sync=sync,
+                   prefix_index=cfg.sim.prefix_index)
 
 
 def _check_fits(loaded: LoadedConfig, requests: Sequence[Request]) -> None:

@@ -29,6 +29,7 @@ def test_a_short_window_gives_every_figure(tmp_path: Path) -> None:
     assert s["seeds"] == [10, 11] and s["window_s"] == 30.0
     assert s["time_scale"] == TIME_SCALE and s["num_requests"] > 50
     assert list(s["policies"]) == list(POLICIES)
+    assert s["index"] == "approximate" and "prefix index approximate" in printed
     for name, p in s["policies"].items():
         assert name in printed
         for key in REQUIRED:
@@ -41,6 +42,7 @@ def test_a_short_window_gives_every_figure(tmp_path: Path) -> None:
         assert 0.0 <= p["goodput"] <= p["ttft_attainment"] <= 1.0
         assert 0.0 <= p["hit_rate"] < 1.0 and p["tokens_per_s"] > 0.0
         assert 0.0 < p["served_fraction"] <= 1.0
+        assert p["index"] == "approximate"
     # nobody refuses a request (the scenario defers at patience), so every TTFT is over
     # the same requests; the trace's shared first block gives some cache hits (30 s holds
     # no later turn of a conversation: tests/sim/test_prefix_routing.py compares the
@@ -70,3 +72,16 @@ def test_estimate_eval_splits_by_the_cached_share(tmp_path: Path) -> None:
     # the three shares split the requests
     assert sum(rows[0]["n"] for name, rows in parts.items() if name != "all" and rows) \
         == everyone["n"]
+
+
+def test_the_exact_index_is_named_in_the_table_and_every_run(tmp_path: Path) -> None:
+    out = tmp_path / "exact.json"
+    printed = run_bench("prefix_table", "--seeds", "10", "--window", "30", "--index", "exact",
+                        "--policies", "round_robin,cache_aware", "--json", str(out)).stdout
+    s = results_of(out)
+    assert s["index"] == "exact" and "prefix index exact" in printed
+    assert [p["index"] for p in s["policies"].values()] == ["exact", "exact"]
+    assert all(p["served_fraction"] == 1.0 and p["hit_rate"] > 0.0
+               for p in s["policies"].values())
+    bad = run_bench("prefix_table", "--index", "nearly", "--window", "30", check=False)
+    assert bad.returncode == 2 and "--index" in bad.stderr

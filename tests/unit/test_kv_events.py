@@ -296,3 +296,22 @@ def test_an_exact_index_is_bounded_and_counts_what_it_dropped() -> None:
     assert index.holds(0) == {3, 4, 5} and index.overflowed == [2]
     index.set_exact(0, exact=False)
     assert index.sizes().tolist() == [0] and not index.exact[0]
+
+
+def test_an_exact_index_counts_copies_of_a_block() -> None:
+    """vLLM does not deduplicate: two copies of a block stored, one evicted, the block is
+    still held and matched; the last copy's eviction drops it."""
+    index = PrefixIndex([_spec("a")])
+    index.set_exact(0)
+    h = np.array([1, 2], dtype=np.int64)
+    index.stored(0, [1, 2])
+    index.stored(0, [2])
+    assert index.copies(0) == {1: 1, 2: 2} and index.sizes().tolist() == [2]
+    index.removed(0, [2])
+    assert index.holds(0) == {1, 2} and index.cached_on(0, h, 10_000) == 2 * 32
+    index.removed(0, [2, 2, 7])     # the last copy, then keys not held: ignored
+    assert index.holds(0) == {1} and index.cached_on(0, h, 10_000) == 32
+    index.stored(0, [2])
+    assert index.copies(0) == {1: 1, 2: 1}
+    index.clear(0)
+    assert index.holds(0) == set()

@@ -64,6 +64,8 @@ def _step_both(fast: BatchCore, ref: ReferenceCore) -> list[tuple[int, int]]:
     assert fast.preempted().tolist() == ref.preempted().tolist()
     assert _state(fast) == _state(ref)  # registrations and hits happen while scheduling
     assert fast.commit() == ref.commit()
+    kv, kv_ref = fast.take_kv_events(), ref.take_kv_events()
+    assert [a.tolist() for a in kv[:2]] + [kv[2]] == [a.tolist() for a in kv_ref[:2]] + [kv_ref[2]]
     events = fast.event_list()
     assert events == ref.event_list()
     for slot, flags in events:
@@ -95,7 +97,9 @@ ops = st.lists(
 @given(lim=limits, program=ops)
 def test_compiled_core_matches_reference_with_shared_prefixes(
         lim: dict[str, int], program: list[tuple]) -> None:
-    fast, ref = BatchCore(**lim, capacity=4), ReferenceCore(**lim, capacity=4)
+    # with KV events on (what they log is compared at every step; nothing else changes)
+    fast = BatchCore(**lim, capacity=4, kv_events=True)
+    ref = ReferenceCore(**lim, capacity=4, kv_events=True)
     chains = Chains()
     bs = lim["block_size"]
     for op in program:
