@@ -16,7 +16,7 @@ from typing import Any
 
 import openai
 import pytest
-from fleet import HEALTH_PERIOD_S, SERVED, Fleet, vllm_cpu
+from fleet import HEALTH_PERIOD_S, SERVED, Fleet, held, settled, vllm_cpu
 
 from tests.conftest import HANG_S
 
@@ -263,3 +263,10 @@ def test_restarted_backend_rejoins(restarted: Fleet) -> None:
     assert all(status == 200 for status, _, _ in served)
     assert {h["x-olproute-instance"] for _, h, _ in served} == {"cpu0", "cpu1"}
     assert [i["in_flight"] for i in settle(fleet)] == [0, 0]
+    # its KV events started again at seq 0: the router dropped what the old process held
+    # and holds what the new one says it holds
+    history = settled(fleet, "cpu1")
+    inst = {i["name"]: i for i in get(fleet.router_url + "/instances")["instances"]}
+    assert inst["cpu1"]["kv_events"]["restarts"] >= 1
+    assert inst["cpu1"]["kv_events"]["mode"] == "exact"
+    assert inst["cpu1"]["prefix_index_blocks"] == len(held(history)) > 0
