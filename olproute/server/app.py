@@ -28,6 +28,7 @@ from aiohttp import web
 
 from olproute.config.loader import LoadedConfig
 from olproute.config.read import ConfigError
+from olproute.config.schema import BackendConfig
 from olproute.estimate.calibration import OnlineCalibrator
 from olproute.estimate.streamcal import StreamCalibrator, StreamRecorder
 from olproute.routing.assembly import CalibrationSource, served_predictor
@@ -36,6 +37,13 @@ from olproute.routing.router import Router, prediction_source
 from olproute.server import admin, certify_live, dashboard, proxy, resolving
 from olproute.server.capture import LiveCapture
 from olproute.server.certify import Certifier, LiveCert
+from olproute.server.engine_config import (
+    EngineConfig,
+    cache_config_line,
+    engine_spec,
+    mismatches,
+    parse_labels,
+)
 from olproute.server.errors import json_errors
 from olproute.server.holding import HoldQueue
 from olproute.server.kv_subscriber import KvSubscriber
@@ -463,6 +471,9 @@ async def _scrape(st: ServerState) -> None:
                   "exports none): its KV use is the router's own count", file=sys.stderr)
         st.tracker.set_scraped(g, gauges, st.now())
         st.metrics.set_scraped(b.spec.name, gauges)
+        line = cache_config_line(text)
+        if line != b.engine_line:   # at start, or after a restart with other flags
+            engine_seen(st, g, line)
         queries = vllm_gauges(text, PREFIX_COUNTERS).get(PREFIX_QUERIES)
         if queries is not None and st.tracker.prefix_queries_scraped(g, queries):
             # a restart between two health probes (one that saw it down clears it too)
@@ -472,6 +483,41 @@ async def _scrape(st: ServerState) -> None:
             st.router.cache_lost(g)
 
     await asyncio.gather(*(one(b.index) for b in st.tracker.backends if b.healthy))
+
+
+def engine_seen(st: ServerState, g: int, line: str | None) -> None:
+    """Backend g's engine says it runs as ``line`` (its ``vllm:cache_config_info``; None:
+    it says nothing): where that differs from the profile, each difference is logged and
+    shown, and the tracker and g's exact prefix index model the engine
+    (``olproute.server.engine_config``)."""
+    b = st.tracker.backends[g]
+    profile = st.loaded.specs[g]
+    b.engine_line = line
+    engine = None if line is None else EngineConfig.of_labels(parse_labels(line))
+    backend = _backend_config(st, g)
+    algo = None if backend is None or backend.kv_events is None else backend.kv_events.hash_algo
+    b.engine = engine
+    b.engine_mismatches = () if engine is None else tuple(mismatches(profile, engine, algo))
+    st.tracker.set_spec(g, profile if engine is None else engine_spec(profile, engine))
+    st.metrics.set_engine_mismatch(profile.name, bool(b.engine_mismatches))
+    for problem in b.engine_mismatches:
+        print(f"olproute: backend {profile.name}'s engine differs from its profile: "
+              f"{problem}; the router models what the engine says", file=sys.stderr)
+    index = st.router.prefixes
+    if engine is None or index is None or not index.exact[g]:
+        return
+    size = engine.block_size or index.block_sizes[g]
+    capacity = engine.num_gpu_blocks or index.capacity[g]
+    if (size, capacity) != (index.block_sizes[g], index.capacity[g]):
+        index.set_exact(g, block_size=size, capacity=capacity)   # its names change: empty
+        namer = st.router.namers[g]
+        if namer is not None:
+            namer.block_size = size
+
+
+def _backend_config(st: ServerState, g: int) -> BackendConfig | None:
+    name = st.loaded.specs[g].name
+    return next((b for b in st.loaded.config.server.backends if b.name == name), None)
 
 
 def vllm_gauges(text: str, names: tuple[str, ...] = VLLM_GAUGES) -> dict[str, float]:
@@ -647,6 +693,10 @@ async def instances(request: web.Request) -> web.Response:
             "prefix_index_blocks": None if blocks is None else blocks[b.index],
             # exact: from the engine's KV events; approximate: from what the router sent
             "prefix_index": _index_mode(st, b.index),
+            # what its engine says it runs with (vllm:cache_config_info), and where the
+            # profile differs: the router models the engine there
+            "engine_config": None if b.engine is None
+            else {**b.engine.as_doc(), "mismatches": list(b.engine_mismatches)},
             "kv_events": None if not st.kv_subscribers or st.kv_subscribers[b.index] is None
             else st.kv_subscribers[b.index].status()})
     return web.json_response({"policy": st.router.policy_name, "instances": out,

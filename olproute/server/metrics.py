@@ -53,6 +53,7 @@ class ServerMetrics:
             "vllm:kv_cache_usage_perc; summed over its label sets)", ["instance", "gauge"],
             registry=r)
         self._add_prefix_index(r)
+        self._add_engine_config(r)
         self.price_sum = Gauge("olproute_price_sum", "Sum over the horizon of the shadow "
                                "price (resource: batch, kv or compute)",
                                ["instance", "resource"], registry=r)
@@ -112,6 +113,13 @@ class ServerMetrics:
         self.kv_events = Gauge(
             "olproute_kv_events", "KV-event stream of the backend so far (what: batches, "
             "gaps_replayed, gaps_lost, restarts)", ["instance", "what"], registry=r)
+
+    def _add_engine_config(self, r: CollectorRegistry) -> None:
+        self.engine_mismatch = Gauge(
+            "olproute_engine_config_mismatch", "1 while the backend's engine says it runs "
+            "with another block size, KV-block count, prefix caching or hash setting than "
+            "its profile (vllm:cache_config_info; /instances engine_config names which)",
+            ["instance"], registry=r)
 
     def _add_live_jobs(self, r: CollectorRegistry) -> None:
         """The live certificate's and the re-solves' metrics."""
@@ -214,6 +222,9 @@ class ServerMetrics:
                 self.kv_events_age.labels(name).set(doc["age_s"])
             for what in ("batches", "gaps_replayed", "gaps_lost", "restarts"):
                 self.kv_events.labels(name, what).set(doc[what])
+
+    def set_engine_mismatch(self, name: str, mismatch: bool) -> None:
+        self.engine_mismatch.labels(name).set(1.0 if mismatch else 0.0)
 
     def set_scraped(self, name: str, gauges: dict[str, float]) -> None:
         for gauge, value in gauges.items():

@@ -39,6 +39,7 @@ import numpy.typing as npt
 from olproute.estimate.streamcal import StreamRecorder
 from olproute.routing.disagg import decode_admission
 from olproute.routing.tracked import tracked_blocks, tracked_snapshot
+from olproute.server.engine_config import EngineConfig
 from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec, Request
 
 
@@ -155,6 +156,11 @@ class BackendState:
     scraped: dict[str, float] = field(default_factory=dict)
     scraped_at_s: float | None = None
     prefix_queries: float | None = None   # its scraped vllm:prefix_cache_queries_total
+    # its scraped vllm:cache_config_info line, what it says, and where that differs from
+    # the profile (olproute.server.engine_config)
+    engine_line: str | None = None
+    engine: EngineConfig | None = None
+    engine_mismatches: tuple[str, ...] = ()
     batches_seen: int = 0
     num_handoffs: int = 0           # streamed decodes started here after a remote prefill
     handoff_seconds: float = 0.0    # their handoffs (prefill end -> first token), summed
@@ -316,6 +322,12 @@ class Tracker:
         if remote is NO_REMOTE and b.remote is NO_REMOTE:
             return
         b.remote = remote
+        b.version += 1
+
+    def set_spec(self, g: int, spec: InstanceSpec) -> None:
+        """Backend g is modelled as ``spec`` from now on (what its engine says it is)."""
+        b = self.backends[g]
+        b.spec = spec
         b.version += 1
 
     def set_scraped(self, g: int, gauges: dict[str, float], now_s: float) -> None:

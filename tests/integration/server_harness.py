@@ -53,6 +53,7 @@ class FakeState:
     hold_after: int = 1
     gauges: bool = True   # False: /metrics without vLLM's gauges (--disable-log-stats)
     prefix_queries: float | None = None   # vllm:prefix_cache_queries_total, when set
+    cache_config: dict[str, str] | None = None   # vllm:cache_config_info's labels, when set
 
 
 STATE = web.AppKey("fake_state", FakeState)
@@ -146,6 +147,10 @@ async def _metrics(request: web.Request) -> web.Response:
     if queries is not None:
         text += ("# TYPE vllm:prefix_cache_queries counter\n"
                  f'vllm:prefix_cache_queries_total{{model_name="fake"}} {queries}\n')
+    config = request.app[STATE].cache_config
+    if config is not None:
+        labels = ",".join(f'{k}="{v}"' for k, v in config.items())
+        text += f"# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{labels}}} 1.0\n"
     return web.Response(text=text, content_type="text/plain")
 
 

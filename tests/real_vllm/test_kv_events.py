@@ -28,6 +28,7 @@ from olproute.routing.kv_events import (
     seq_of,
 )
 from olproute.routing.prefix_index import PrefixIndex
+from olproute.server.engine_config import EngineConfig
 from olproute.server.kv_subscriber import KvSubscriber
 from tests.conftest import HANG_S
 
@@ -67,6 +68,25 @@ def test_both_backends_are_exact_from_their_events(fleet: Fleet) -> None:
         assert inst["prefix_index"] == "exact", name
         status = inst["kv_events"]
         assert status["mode"] == "exact" and status["fallback_reason"] is None, (name, status)
+
+
+def test_the_router_reads_what_each_engine_says_it_runs_with(fleet: Fleet) -> None:
+    for server in fleet.servers:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=HANG_S) as r:
+            said = EngineConfig.of_metrics(r.read().decode())
+        assert said is not None and said.block_size == BLOCK and said.hash_algo == "sha256"
+        assert said.num_gpu_blocks is not None and said.prefix_caching is True
+        t0 = time.monotonic()
+        while (inst := instances(fleet)[server.name])["engine_config"] is None:
+            assert time.monotonic() - t0 < HANG_S, inst   # read at the next scrape
+            time.sleep(0.2)
+        assert {k: inst["engine_config"][k] for k in said.as_doc()} == said.as_doc()
+        # the profile's KV size is vLLM's log line; whatever differs is named, and the
+        # router counts the engine's blocks
+        assert inst["kv_blocks"] == said.num_gpu_blocks
+        differs = [m.split(":")[0] for m in inst["engine_config"]["mismatches"]]
+        assert differs == ([] if said.num_gpu_blocks * BLOCK == 524288
+                           else ["num_gpu_blocks"])
 
 
 def test_a_prompt_sent_around_the_router_is_found_where_it_went(fleet: Fleet) -> None:
