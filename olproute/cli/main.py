@@ -509,7 +509,7 @@ def _add_emulate(sub: Any) -> None:
                    help="as vLLM's: a stream sends its first token at once, then every N "
                         "tokens (one SSE event each, in one write), the rest at its end "
                         "(default: 1)")
-    p.add_argument("--kv-events-base-port", type=int, metavar="P",
+    p.add_argument("--kv-events-base-port", type=int_at_least(0), metavar="P",
                    help="publish each instance's KV-cache events as vLLM's "
                         "--kv-events-config does (zmq, topic empty, sha256 block hashes of "
                         "one token per word): instance i's PUB on P+2i, its replay socket "

@@ -7,9 +7,10 @@ and a ROUTER replay socket that answers ``[identity, b"", start_seq]`` with
 b""]``.
 
 Nothing here blocks the event loop: ``publish`` sends without waiting (``zmq.NOBLOCK``;
-a message PUB cannot queue, past its high-water mark, is dropped and counted in
-``num_dropped``, and stays in the replay buffer), and the replay socket is served by a
-task on ZMQ's asyncio sockets.
+PUB never waits: past a subscriber's high-water mark ZMQ drops that subscriber's
+messages, which it sees as a gap and fills from the replay socket; a send ZMQ refuses
+outright is counted in ``num_dropped``; the batch stays in the replay buffer either
+way), and the replay socket is served by a task on ZMQ's asyncio sockets.
 """
 
 from __future__ import annotations
