@@ -18,6 +18,10 @@ the prefill instance saw. A stream sends one SSE event per token; with a stream 
 N > 1 (vLLM's ``--stream-interval``) it writes them in groups: the first token at once,
 then every N tokens, the rest when the request ends.
 
+With KV events (``start_emulators(kv_events_base_port=...)``, ``olproute emulate
+--kv-events-base-port``), each instance's publisher binds its PUB and replay sockets when
+its application starts and closes them when it stops (``olproute.emulator.kv_publisher``).
+
 Stopping an emulator is abrupt, like killing a vLLM process: requests in flight are
 dropped and their connections closed without a final chunk or ``[DONE]``.
 """

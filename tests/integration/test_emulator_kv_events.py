@@ -409,3 +409,32 @@ def test_the_embedded_default_without_events_stays_approximate(tmp_path: Path) -
                    for g in range(2))
     finally:
         s.close()
+
+
+def test_a_request_whose_client_leaves_keeps_the_stream_exact() -> None:
+    async def case(emu: RunningEmulator, http: aiohttp.ClientSession) -> None:
+        pub = emu.kv_events
+        assert pub is not None and pub.replay_endpoint is not None
+        inst = emu.instance
+        await _load(emu, http, seed=19)
+        prompt = " ".join(f"gone{j}" for j in range(10 * BLOCK))
+        async with http.post(emu.url + "/v1/completions",
+                             json={"prompt": prompt, "max_tokens": 500, "stream": True}) as r:
+            assert r.status == 200
+            await r.content.readline()   # its first token: its prompt is cached
+        while inst.num_running + inst.num_waiting > 0:   # the engine sees it leave
+            await asyncio.sleep(0.01)
+        async with http.get(emu.url + "/metrics") as m:
+            text = await m.text()
+        aborted = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "vllm:request_success_total"
+                   and s.labels["finished_reason"] == "abort"]
+        assert aborted == [1.0]
+        history = await _replay(pub.replay_endpoint, 0)
+        held, _ = _tally([decode_message(f)[2] for f in history])
+        assert held == dict(inst.cache_contents())
+        key = int(BlockHasher("sha256").keys(WordTokenizer().encode(prompt), BLOCK)[0])
+        assert key in held
+        assert inst.kv_book is not None and len(inst.kv_book) == len(held)
+
+    _run(case)
