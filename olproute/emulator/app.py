@@ -102,7 +102,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             await inst.receive_kv(gen.prompt_tokens, gen.remote_engine_id)
             req = inst.submit_decode(gen.prompt_tokens, gen.max_tokens, arrival, output)
         else:
-            chat = body["messages"] if kind == "chat" and inst.kv_namer is not None \
+            chat = body["messages"] if kind == "chat" and inst.kv_feed is not None \
                 else None
             req = inst.submit(gen.prompt_tokens, gen.max_tokens, output,
                               inst.block_hashes(gen.prompt_text, gen.prompt_tokens,

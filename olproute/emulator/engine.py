@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from olproute.core_ref import FINISHED
-from olproute.emulator.kv_blocks import BlockBook, BlockNamer, NamedBlocks
+from olproute.emulator.kv_blocks import BlockNamer, KvEventFeed, NamedBlocks
 from olproute.emulator.kv_publisher import KvPublisher
 from olproute.emulator.lengths import OutputLengths
 from olproute.emulator.metrics import EngineMetrics
@@ -214,13 +214,9 @@ class EmulatedInstance:
         self._sums: Sequence[float] = ()
         self.kv_hash_algo = kv_hash_algo
         self.kv_events = kv_events if spec.enable_prefix_caching else None
-        self.kv_namer: BlockNamer | None = None
-        self.kv_book: BlockBook | None = None
-        self._named: dict[int, NamedBlocks] = {}
-        if self.kv_events is not None:
-            self.kv_namer = BlockNamer(WordTokenizer(), BlockHasher(kv_hash_algo),
-                                       spec.block_size)
-            self.kv_book = BlockBook(spec.block_size)
+        self.kv_feed = None if self.kv_events is None else KvEventFeed(
+            BlockNamer(WordTokenizer(), BlockHasher(kv_hash_algo), spec.block_size),
+            self.kv_events.publish)
         self._engine = SimEngine(index, spec, self._timed,
                                  kv_events=self.kv_events is not None)
         self._requests: dict[int, EmulatedRequest] = {}
@@ -290,8 +286,9 @@ class EmulatedInstance:
         or else the token ids."""
         if not self.spec.enable_prefix_caching:
             return None
-        if self.kv_namer is not None:
-            return self.kv_namer.name(text, ids, chat, prompt_tokens // self.spec.block_size)
+        if self.kv_feed is not None:
+            return self.kv_feed.namer.name(text, ids, chat,
+                                           prompt_tokens // self.spec.block_size)
         return prompt_block_hashes(text, ids, self.spec.block_size, prompt_tokens)
 
     def submit(self, prompt_tokens: int, max_tokens: int,
@@ -315,9 +312,8 @@ class EmulatedInstance:
         # the engine's truth is the real length; like vLLM, it is told only max_tokens
         req.slot = self._engine.admit(req.request_id, prompt_tokens, req.output_tokens,
                                       max_tokens, computed_tokens, keys)
-        if named is not None and self.kv_book is not None:
-            self.kv_book.hold(named)
-            self._named[req.request_id] = named
+        if named is not None and self.kv_feed is not None:
+            self.kv_feed.admitted(req.request_id, named)
         self._requests[req.request_id] = req
         self._by_slot[req.slot] = req
         self._wake.set()
@@ -364,29 +360,14 @@ class EmulatedInstance:
             self._engine.abort(req.request_id)
             del self._by_slot[req.slot]
             self.metrics.aborted()
-            self._publish_kv()
-            self._release_named(req.request_id)
+            if self.kv_feed is not None:
+                self._publish_kv()
+                self.kv_feed.left(req.request_id)
 
-    # -- KV events -----------------------------------------------------------------------
     def _publish_kv(self) -> None:
-        """The core's KV events since the last take, as one batch of vLLM's events (a
-        log that overflowed: the cache's contents instead). No-op without KV events."""
-        if self.kv_events is None or self.kv_book is None:
-            return
-        kinds, hashes, dropped = self._engine.take_kv_events()
-        if dropped > 0:
-            events = self.kv_book.resync(self._engine.cache_contents())
-        elif len(kinds) > 0:
-            events = self.kv_book.events(kinds, hashes)
-        else:
-            return
-        if events:
-            self.kv_events.publish(events)
-
-    def _release_named(self, request_id: int) -> None:
-        named = self._named.pop(request_id, None)
-        if named is not None and self.kv_book is not None:
-            self.kv_book.release(named)
+        """The core's KV events since the last take, as one published batch."""
+        assert self.kv_feed is not None
+        self.kv_feed.commit(*self._engine.take_kv_events(), self._engine.cache_contents)
 
     def cache_contents(self) -> list[tuple[int, int]]:
         """Sorted (block key, copies) of the engine's prefix cache."""
@@ -407,8 +388,8 @@ class EmulatedInstance:
         for req in self._requests.values():
             req._end(failed=True)
         self._requests.clear()
-        for request_id in list(self._named):
-            self._release_named(request_id)
+        if self.kv_feed is not None:
+            self.kv_feed.close()
 
     async def _run(self) -> None:
         clock = self.clock()  # virtual end of the last batch
@@ -445,14 +426,15 @@ class EmulatedInstance:
         """Apply the batch and hand each produced token to its request."""
         produced = 0
         finished = self._engine.finish_batch()
-        if self.kv_events is not None:
+        feed = self.kv_feed
+        if feed is not None:
             self._publish_kv()   # before the finished requests release their names
         for request_id, flags, preemptions in finished:
             if flags & FINISHED:
                 req = self._requests.pop(request_id)
                 del self._by_slot[req.slot]
-                if self._named:
-                    self._release_named(request_id)
+                if feed is not None:
+                    feed.left(request_id)
                 req.cached_tokens = self._engine.cached_prompt_tokens.pop(request_id, 0)
                 produced += self._advance(req, req.output_tokens, now)
                 if req.aborted:  # its client left during this, its last batch

@@ -11,12 +11,13 @@ requests that named it (``hold`` / ``release``). So it holds at most one entry p
 block plus one per block of the resident requests' prompts, and the events of any commit
 find their names. A stored run whose blocks chain (each one's parent the one before) is
 one ``BlockStored``, as vLLM sends a request's new blocks of a step; every removed block
-is a ``BlockRemoved`` of its own, as vLLM sends them.
+is a ``BlockRemoved`` of its own, as vLLM sends them. ``KvEventFeed`` is what an engine
+holds of all this: its namer, its book, and where each commit's batch goes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,3 +175,45 @@ class BlockBook:
                            token_ids=[t for e in run for t in e.token_ids],
                            block_size=self.block_size, lora_id=None, medium=MEDIUM,
                            lora_name=None)
+
+
+class KvEventFeed:
+    """One engine's KV events: names its prompts (``namer``), keeps the names of its
+    resident requests in the ``book`` (``admitted`` / ``left``), and turns each take of
+    its core's log into one published batch (``commit``)."""
+
+    def __init__(self, namer: BlockNamer, publish: Callable[[Sequence[KvEvent]], object]
+                 ) -> None:
+        self.namer = namer
+        self.book = BlockBook(namer.block_size)
+        self._publish = publish
+        self._named: dict[int, NamedBlocks] = {}
+
+    def admitted(self, request_id: int, named: NamedBlocks) -> None:
+        self.book.hold(named)
+        self._named[request_id] = named
+
+    def left(self, request_id: int) -> None:
+        """The request finished, was aborted or dropped (after the take that covers its
+        last commit)."""
+        named = self._named.pop(request_id, None)
+        if named is not None:
+            self.book.release(named)
+
+    def commit(self, kinds: IntArray, hashes: IntArray, dropped: int,
+               contents: Callable[[], Sequence[tuple[int, int]]]) -> None:
+        """One take of the core's log published as a batch; an overflowed one (``dropped``
+        > 0) as the cache's ``contents`` instead. Nothing when there is nothing."""
+        if dropped > 0:
+            events = self.book.resync(contents())
+        elif len(kinds) > 0:
+            events = self.book.events(kinds, hashes)
+        else:
+            return
+        if events:
+            self._publish(events)
+
+    def close(self) -> None:
+        """Every request left (the engine stopped)."""
+        for request_id in list(self._named):
+            self.left(request_id)

@@ -201,9 +201,9 @@ def test_the_stream_adds_up_to_the_engines_cache() -> None:
         held, removed = _tally(batches)
         assert removed > 0, "the load was to evict blocks"
         assert held == dict(emu.instance.cache_contents()) and held
-        assert emu.instance.kv_book is not None
-        assert emu.instance.kv_book.copies() == held
-        assert emu.instance.kv_book.num_unnamed == 0
+        feed = emu.instance.kv_feed
+        assert feed is not None
+        assert feed.book.copies() == held and feed.book.num_unnamed == 0
         assert pub.num_dropped == 0
 
     _run(case)
@@ -259,7 +259,7 @@ def test_without_events_nothing_is_published_and_names_are_approximate() -> None
 
 async def _approximate(emu: RunningEmulator, http: aiohttp.ClientSession) -> None:
     inst = emu.instance
-    assert emu.kv_events is None and inst.kv_namer is None and inst.kv_book is None
+    assert emu.kv_events is None and inst.kv_feed is None
     text = _prompts(3, 1)[0]
     n = len(text.split())
     got = inst.block_hashes(text, n)
@@ -435,6 +435,6 @@ def test_a_request_whose_client_leaves_keeps_the_stream_exact() -> None:
         assert held == dict(inst.cache_contents())
         key = int(BlockHasher("sha256").keys(WordTokenizer().encode(prompt), BLOCK)[0])
         assert key in held
-        assert inst.kv_book is not None and len(inst.kv_book) == len(held)
+        assert inst.kv_feed is not None and len(inst.kv_feed.book) == len(held)
 
     _run(case)
