@@ -238,7 +238,8 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
                              exact=args.exact_lengths)
     uvloop.run(serve_emulators(loaded, host=args.host, base_port=args.base_port,
                                time_scale=args.time_scale, seed=args.seed, lengths=lengths,
-                               stream_interval=args.stream_interval))
+                               stream_interval=args.stream_interval,
+                               kv_events_base_port=args.kv_events_base_port))
     return 0
 
 
@@ -508,6 +509,11 @@ def _add_emulate(sub: Any) -> None:
                    help="as vLLM's: a stream sends its first token at once, then every N "
                         "tokens (one SSE event each, in one write), the rest at its end "
                         "(default: 1)")
+    p.add_argument("--kv-events-base-port", type=int_at_least(0), metavar="P",
+                   help="publish each instance's KV-cache events as vLLM's "
+                        "--kv-events-config does (zmq, topic empty, sha256 block hashes of "
+                        "one token per word): instance i's PUB on P+2i, its replay socket "
+                        "on P+2i+1 (0: free ports; default: no events)")
     p.set_defaults(handler=_cmd_emulate)
 
 

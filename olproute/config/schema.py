@@ -525,6 +525,10 @@ class ServerConfig(_Frozen):
     emulator_stream_interval: int = Field(
         default=1, ge=1, description="emulated streams send their first token at once, then "
         "every N tokens (vLLM's --stream-interval)")
+    emulator_kv_events: bool = Field(
+        default=False, description="emulated instances publish their KV-cache events as "
+        "vLLM does (olproute.emulator.kv_publisher, on free ports of 127.0.0.1) and the "
+        "router subscribes: its prefix index of each is exact (tokenizer words, sha256)")
     emulator_truth: str | None = Field(
         default=None, description="CSV or JSONL of prompt, model, output_tokens (relative "
         "to this file): where emulated requests with these prompts stop")

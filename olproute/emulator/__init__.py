@@ -8,6 +8,9 @@ and the tests).
   offline with the same result.
 - ``protocol``: the OpenAI-compatible request validation and response/chunk formats.
 - ``metrics``: Prometheus metrics under vLLM's names, one registry per instance.
+- ``kv_blocks``: vLLM's names of a prompt's blocks and the book that turns the core's
+  prefix-cache log into vLLM's KV events; ``kv_publisher``: those events on ZMQ (PUB and
+  the replay ROUTER), as vLLM's ``--kv-events-config`` publishes them.
 - ``app``: the aiohttp app factory ``init_app`` and ``start_emulators`` / ``emulators``.
 """
 

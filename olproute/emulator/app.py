@@ -18,6 +18,10 @@ the prefill instance saw. A stream sends one SSE event per token; with a stream 
 N > 1 (vLLM's ``--stream-interval``) it writes them in groups: the first token at once,
 then every N tokens, the rest when the request ends.
 
+With KV events (``start_emulators(kv_events_base_port=...)``, ``olproute emulate
+--kv-events-base-port``), each instance's publisher binds its PUB and replay sockets when
+its application starts and closes them when it stops (``olproute.emulator.kv_publisher``).
+
 Stopping an emulator is abrupt, like killing a vLLM process: requests in flight are
 dropped and their connections closed without a final chunk or ``[DONE]``.
 """
@@ -39,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from olproute.config.loader import LoadedConfig, Profiles, SimConfig, load_config
 from olproute.emulator.engine import BATCH_COLUMNS, EmulatedInstance, EmulatedRequest
+from olproute.emulator.kv_publisher import KvPublisher
 from olproute.emulator.lengths import OutputLengths, describe_lengths, output_lengths
 from olproute.emulator.protocol import (
     ApiError,
@@ -97,9 +102,11 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             await inst.receive_kv(gen.prompt_tokens, gen.remote_engine_id)
             req = inst.submit_decode(gen.prompt_tokens, gen.max_tokens, arrival, output)
         else:
+            chat = body["messages"] if kind == "chat" and inst.kv_feed is not None \
+                else None
             req = inst.submit(gen.prompt_tokens, gen.max_tokens, output,
                               inst.block_hashes(gen.prompt_text, gen.prompt_tokens,
-                                                gen.prompt_ids))
+                                                gen.prompt_ids, chat))
     except ApiError as err:
         return _error(err)
     except RuntimeError:  # the engine is stopping
@@ -217,9 +224,16 @@ def init_app(instance: EmulatedInstance, *, max_body_bytes: int = MAX_BODY_BYTES
     app[INSTANCE_KEY] = instance
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
-        await app[INSTANCE_KEY].start()
-        yield
-        await app[INSTANCE_KEY].close()
+        inst = app[INSTANCE_KEY]
+        if inst.kv_events is not None:
+            await inst.kv_events.start()
+        try:
+            await inst.start()
+            yield
+            await inst.close()
+        finally:
+            if inst.kv_events is not None:
+                await inst.kv_events.close()
 
     async def drop_inflight(app: web.Application) -> None:
         # before the server waits for open handlers: end them now (abrupt stop)
@@ -267,6 +281,12 @@ class RunningEmulator:
     def name(self) -> str:
         return self.instance.spec.name
 
+    @property
+    def kv_events(self) -> KvPublisher | None:
+        """Its KV-events publisher (``endpoint``, ``replay_endpoint``, ``topic``), or
+        None when it publishes none."""
+        return self.instance.kv_events
+
     async def stop(self) -> None:
         """Stop serving (abruptly: in-flight requests are cut). Idempotent."""
         await self.runner.cleanup()
@@ -289,6 +309,9 @@ async def start_emulators(
     clock: Callable[[], float] = time.monotonic,
     batch_records: bool = True,
     prompt_tokens_details: bool = False,
+    kv_events_base_port: int | None = None,
+    kv_events_hash_algo: str = "sha256",
+    kv_events_topic: str = "",
 ) -> list[RunningEmulator]:
     """Start one emulated instance per spec in the running event loop, instance i on port
     ``base_port + i`` (``base_port=0``: free ports chosen by the OS).
@@ -302,7 +325,12 @@ async def start_emulators(
     ``--stream-interval`` (``EmulatedInstance``). ``clock``: the engines' clock (a
     virtual-time loop's ``time`` in tests). ``batch_records=False``: no
     ``/olproute/batches``, as on a real vLLM. ``prompt_tokens_details``: vLLM's
-    ``--enable-prompt-tokens-details`` (cached prompt tokens in the usage). Stop them with
+    ``--enable-prompt-tokens-details`` (cached prompt tokens in the usage).
+    ``kv_events_base_port``: each instance with prefix caching publishes its KV events as
+    vLLM's ``--kv-events-config`` does, instance i's PUB on ``host`` port ``P + 2i`` and
+    its replay ROUTER on ``P + 2i + 1`` (0: free ports), on ``kv_events_topic``, its
+    blocks hashed with ``kv_events_hash_algo`` (``RunningEmulator.kv_events`` has the
+    endpoints); None (default): no events, no sockets. Stop them with
     ``stop_emulators`` (or use ``emulators(...)``)."""
     if loaded is None:
         loaded = load_config()
@@ -323,7 +351,9 @@ async def start_emulators(
                 kv_transfer=None if model is None else KvTransfer.of(
                     model, loaded.config.transfer),
                 lengths=lengths, exact_lengths=exact_lengths, stream_interval=stream_interval,
-                clock=clock, prompt_tokens_details=prompt_tokens_details)
+                clock=clock, prompt_tokens_details=prompt_tokens_details,
+                kv_events=_kv_publisher(i, host, kv_events_base_port, kv_events_topic),
+                kv_hash_algo=kv_events_hash_algo)
             runner = web.AppRunner(init_app(inst, max_body_bytes=max_body_bytes,
                                             batch_records=batch_records),
                                    handler_cancellation=True, access_log=None,
@@ -340,6 +370,17 @@ async def start_emulators(
         await stop_emulators(started)
         raise
     return started
+
+
+def _kv_publisher(i: int, host: str, base_port: int | None, topic: str
+                  ) -> KvPublisher | None:
+    """Instance i's KV-events publisher (not yet bound), or None with no base port."""
+    if base_port is None:
+        return None
+    if base_port < 0:
+        raise ValueError(f"kv_events_base_port must be >= 0, got {base_port}")
+    return KvPublisher(host, base_port + 2 * i if base_port else 0,
+                       base_port + 2 * i + 1 if base_port else 0, topic)
 
 
 def _url_host(host: str) -> str:
@@ -384,7 +425,8 @@ def emulation_config(loaded: LoadedConfig, num_instances: int | None = None,
 async def serve_emulators(loaded: LoadedConfig, *, host: str, base_port: int,
                           time_scale: float, seed: int | None = None,
                           lengths: OutputLengths | None = None, exact_lengths: bool = False,
-                          stream_interval: int = 1) -> None:
+                          stream_interval: int = 1,
+                          kv_events_base_port: int | None = None) -> None:
     """Run the config's instances as emulators, printing their URLs, until SIGINT or
     SIGTERM (or cancellation); then stop them. Keywords as ``start_emulators``."""
     stop = asyncio.Event()
@@ -395,12 +437,17 @@ async def serve_emulators(loaded: LoadedConfig, *, host: str, base_port: int,
     running = await start_emulators(loaded.specs, loaded=loaded, seed=seed, host=host,
                                     base_port=base_port, time_scale=time_scale,
                                     lengths=lengths, exact_lengths=exact_lengths,
-                                    stream_interval=stream_interval)
+                                    stream_interval=stream_interval,
+                                    kv_events_base_port=kv_events_base_port)
     try:
         for r in running:
             s = r.instance.spec
             print(f"{s.name:<24} {r.url}  ({s.model} on {s.gpu} x{s.tensor_parallel}, "
                   f"{s.max_num_seqs} seqs, {s.kv_capacity_tokens:,} KV tokens)", flush=True)
+            if r.kv_events is not None:
+                print(f"{'':<24} KV events {r.kv_events.endpoint}, replay "
+                      f"{r.kv_events.replay_endpoint} (topic {r.kv_events.topic!r}, "
+                      f"{r.instance.kv_hash_algo}, tokenizer words)", flush=True)
         interval = (f"stream interval {stream_interval}; " if stream_interval > 1 else "")
         print(f"{len(running)} emulated instance(s) serving; "
               f"{describe_lengths(running[0].instance.lengths)}; {interval}Ctrl-C stops",

@@ -34,6 +34,15 @@ found, and a finished request's ``cached_tokens`` holds the prompt tokens it fou
 when it was first scheduled (vLLM's ``num_cached_tokens``). A decode request whose KV came
 from a prefill instance is admitted without hashes.
 
+KV events (``kv_events``, a ``olproute.emulator.kv_publisher.KvPublisher``): the engine
+then names a prompt's blocks as vLLM does (``WordTokenizer`` ids, or the request's token
+ids; ``BlockHasher`` of ``kv_hash_algo`` with vLLM's seed), gives their ``block_key``s to
+its core as the block hashes, and after each commit (and each abort) publishes the core's
+prefix-cache events as one batch of vLLM's ``BlockStored`` / ``BlockRemoved``
+(``olproute.emulator.kv_blocks``); a core log that overflowed is published as
+``AllBlocksCleared`` then the cache's contents. The router's exact index of such an
+engine (``olproute.server.kv_subscriber``, tokenizer ``words``) holds what its cache holds.
+
 Metrics of a decode request are those of any request, as vLLM reports them on a decode
 instance: its first token is a normal first token, the time to it counted from the
 request's arrival at the instance (so it includes the KV transfer wait: vLLM stamps the
@@ -51,12 +60,16 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from olproute.core_ref import FINISHED
+from olproute.emulator.kv_blocks import BlockNamer, KvEventFeed, NamedBlocks
+from olproute.emulator.kv_publisher import KvPublisher
 from olproute.emulator.lengths import OutputLengths
 from olproute.emulator.metrics import EngineMetrics
+from olproute.routing.block_hash import BlockHasher, WordTokenizer
 from olproute.routing.disagg import KvTransfer, decode_admission
 from olproute.routing.prefix_index import IntArray, prompt_block_hashes
 from olproute.sim.engine import BATCH_LOG_COLUMNS, BatchTimer, SimEngine
@@ -164,6 +177,11 @@ class EmulatedInstance:
     exist, and the rest when the request ends. ``prompt_tokens_details`` is vLLM's
     ``--enable-prompt-tokens-details`` (off by default, as in vLLM): the HTTP face
     reports a request's cached prompt tokens in its usage.
+    ``kv_events`` (with prefix caching) publishes the prefix cache's events there as
+    vLLM does (``olproute.emulator.kv_blocks``): prompts are named with ``WordTokenizer``
+    (or their token ids) and vLLM's block hashes of ``kv_hash_algo``, and each commit's
+    events go out as one batch. Without it, prompts are named as the router's
+    approximate index names them, and nothing is published.
     """
 
     def __init__(self, spec: InstanceSpec, timer: BatchTimer, *, index: int = 0,
@@ -172,7 +190,9 @@ class EmulatedInstance:
                  kv_transfer: KvTransfer | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  lengths: OutputLengths | None = None, exact_lengths: bool = False,
-                 stream_interval: int = 1, prompt_tokens_details: bool = False) -> None:
+                 stream_interval: int = 1, prompt_tokens_details: bool = False,
+                 kv_events: KvPublisher | None = None,
+                 kv_hash_algo: str = "sha256") -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         if stream_interval < 1:
@@ -189,9 +209,16 @@ class EmulatedInstance:
         cap = spec.kv_capacity_tokens
         self.max_model_len = cap if max_model_len is None else min(max_model_len, cap)
         self.metrics = EngineMetrics(self.model_name)
+        self.metrics.cache_config(spec, kv_hash_algo)
         self._timer = timer
         self._sums: Sequence[float] = ()
-        self._engine = SimEngine(index, spec, self._timed)
+        self.kv_hash_algo = kv_hash_algo
+        self.kv_events = kv_events if spec.enable_prefix_caching else None
+        self.kv_feed = None if self.kv_events is None else KvEventFeed(
+            BlockNamer(WordTokenizer(), BlockHasher(kv_hash_algo), spec.block_size),
+            self.kv_events.publish)
+        self._engine = SimEngine(index, spec, self._timed,
+                                 kv_events=self.kv_events is not None)
         self._requests: dict[int, EmulatedRequest] = {}
         self._by_slot: dict[int, EmulatedRequest] = {}
         self._pending_aborts: list[EmulatedRequest] = []
@@ -249,33 +276,44 @@ class EmulatedInstance:
 
     # -- requests ------------------------------------------------------------------------
     def block_hashes(self, text: str | None, prompt_tokens: int,
-                     ids: Sequence[int] | None = None) -> IntArray | None:
-        """The block hashes of a prompt of ``prompt_tokens`` tokens, its text or else its
-        token ids, for this engine's prefix cache (at most its full blocks), as the
-        router hashes it; None: neither, or no prefix caching."""
+                     ids: Sequence[int] | None = None,
+                     chat: Sequence[Mapping[str, Any]] | None = None
+                     ) -> IntArray | NamedBlocks | None:
+        """The names of a prompt's blocks (at most the full blocks of ``prompt_tokens``)
+        for this engine's prefix cache; None: no prompt, or no prefix caching. With KV
+        events, vLLM's (``NamedBlocks``: of the chat's ``messages`` when given, else the
+        token ids, else the text); without, the router's approximate names of the text
+        or else the token ids."""
         if not self.spec.enable_prefix_caching:
             return None
+        if self.kv_feed is not None:
+            return self.kv_feed.namer.name(text, ids, chat,
+                                           prompt_tokens // self.spec.block_size)
         return prompt_block_hashes(text, ids, self.spec.block_size, prompt_tokens)
 
     def submit(self, prompt_tokens: int, max_tokens: int,
                output_tokens: int | None = None,
-               block_hashes: IntArray | None = None) -> EmulatedRequest:
+               block_hashes: IntArray | NamedBlocks | None = None) -> EmulatedRequest:
         """Queue a request that generates ``output_tokens`` (default: all ``max_tokens``),
-        its prompt's ``block_hashes`` looked up in the prefix cache; raises ValueError if
-        it could never fit in the KV cache."""
+        its prompt's ``block_hashes`` (``block_hashes()``) looked up in the prefix cache;
+        raises ValueError if it could never fit in the KV cache."""
         return self._admit(prompt_tokens, max_tokens, output_tokens, 0, self.clock(),
                            block_hashes)
 
     def _admit(self, prompt_tokens: int, max_tokens: int, output_tokens: int | None,
                computed_tokens: int, arrival_s: float,
-               block_hashes: IntArray | None = None) -> EmulatedRequest:
+               block_hashes: IntArray | NamedBlocks | None = None) -> EmulatedRequest:
         if self._task is None:
             raise RuntimeError("the engine is not running")
+        named, keys = ((block_hashes, block_hashes.keys)
+                       if isinstance(block_hashes, NamedBlocks) else (None, block_hashes))
         req = EmulatedRequest(next(self._ids), prompt_tokens, max_tokens, arrival_s,
                               output_tokens)
         # the engine's truth is the real length; like vLLM, it is told only max_tokens
         req.slot = self._engine.admit(req.request_id, prompt_tokens, req.output_tokens,
-                                      max_tokens, computed_tokens, block_hashes)
+                                      max_tokens, computed_tokens, keys)
+        if named is not None and self.kv_feed is not None:
+            self.kv_feed.admitted(req.request_id, named)
         self._requests[req.request_id] = req
         self._by_slot[req.slot] = req
         self._wake.set()
@@ -322,6 +360,18 @@ class EmulatedInstance:
             self._engine.abort(req.request_id)
             del self._by_slot[req.slot]
             self.metrics.aborted()
+            if self.kv_feed is not None:
+                self._publish_kv()
+                self.kv_feed.left(req.request_id)
+
+    def _publish_kv(self) -> None:
+        """The core's KV events since the last take, as one published batch."""
+        assert self.kv_feed is not None
+        self.kv_feed.commit(*self._engine.take_kv_events(), self._engine.cache_contents)
+
+    def cache_contents(self) -> list[tuple[int, int]]:
+        """Sorted (block key, copies) of the engine's prefix cache."""
+        return self._engine.cache_contents()
 
     # -- the loop ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -338,6 +388,8 @@ class EmulatedInstance:
         for req in self._requests.values():
             req._end(failed=True)
         self._requests.clear()
+        if self.kv_feed is not None:
+            self.kv_feed.close()
 
     async def _run(self) -> None:
         clock = self.clock()  # virtual end of the last batch
@@ -373,10 +425,16 @@ class EmulatedInstance:
     def _commit(self, slots: list[int], now: float) -> None:
         """Apply the batch and hand each produced token to its request."""
         produced = 0
-        for request_id, flags, preemptions in self._engine.finish_batch():
+        finished = self._engine.finish_batch()
+        feed = self.kv_feed
+        if feed is not None:
+            self._publish_kv()   # before the finished requests release their names
+        for request_id, flags, preemptions in finished:
             if flags & FINISHED:
                 req = self._requests.pop(request_id)
                 del self._by_slot[req.slot]
+                if feed is not None:
+                    feed.left(request_id)
                 req.cached_tokens = self._engine.cached_prompt_tokens.pop(request_id, 0)
                 produced += self._advance(req, req.output_tokens, now)
                 if req.aborted:  # its client left during this, its last batch

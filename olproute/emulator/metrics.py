@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from olproute.types import InstanceSpec
+
 # vLLM's buckets for time to first token and end-to-end latency, in seconds
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -57,6 +59,20 @@ class EngineMetrics:
         self._e2e = Histogram("vllm:e2e_request_latency_seconds",
                               "Histogram of end to end request latency in seconds.", labels,
                               buckets=E2E_BUCKETS_S, registry=r).labels(model_name)
+
+    def cache_config(self, spec: InstanceSpec, hash_algo: str = "sha256") -> None:
+        """``vllm:cache_config_info`` (a gauge of 1), with the labels vLLM 0.32 gives it
+        that mean something for an emulated engine (tests/data/kv_events has a real
+        one's): its blocks, their count, prefix caching and its hash algorithm."""
+        labels = {"block_size": str(spec.block_size), "cache_dtype": "auto",
+                  "enable_prefix_caching": str(spec.enable_prefix_caching),
+                  "engine": "0", "kv_cache_size_tokens": str(spec.kv_capacity_tokens),
+                  "num_cpu_blocks": "None", "num_gpu_blocks": str(spec.num_kv_blocks),
+                  "num_gpu_blocks_override": "None",
+                  "prefix_caching_hash_algo": hash_algo,
+                  "user_specified_block_size": "True"}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              list(labels), registry=self.registry).labels(**labels).set(1)
 
     def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
         self._ttft.observe(ttft_s)

@@ -35,9 +35,9 @@ LOG = logging.getLogger("olproute.server")
 # the HTTP sessions, the central buffer's budget, the periods of the background jobs,
 # the embedded emulators)
 RESTART_KEYS = ("host", "port", "backends", "emulator_time_scale", "emulator_exact_lengths",
-                "emulator_stream_interval", "emulator_truth", "request_timeout_s",
-                "connect_timeout_s", "hold_budget_ms", "health_period_s", "scrape_period_s",
-                "recalibrate_period_s")
+                "emulator_stream_interval", "emulator_truth", "emulator_kv_events",
+                "request_timeout_s", "connect_timeout_s", "hold_budget_ms", "health_period_s",
+                "scrape_period_s", "recalibrate_period_s")
 PROFILE_SUFFIXES = (".yaml", ".yml")
 
 

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from olproute.config.loader import LoadedConfig
 from olproute.config.read import ConfigError
-from olproute.config.schema import BackendConfig
+from olproute.config.schema import BackendConfig, KvEventsConfig
 from olproute.estimate.calibration import OnlineCalibrator
 from olproute.estimate.streamcal import StreamCalibrator, StreamRecorder
 from olproute.routing.assembly import CalibrationSource, served_predictor
@@ -145,7 +145,8 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                     loaded.specs, loaded=loaded, time_scale=server.emulator_time_scale,
                     exact_lengths=server.emulator_exact_lengths,
                     stream_interval=server.emulator_stream_interval,
-                    truth_path=None if truth is None else loaded.resolve(truth))
+                    truth_path=None if truth is None else loaded.resolve(truth),
+                    kv_events_base_port=0 if server.emulator_kv_events else None)
                 stack.push_async_callback(_stop_all, running)
                 urls = [r.url for r in running]
             # no cap on the proxy's connections: the policy bounds what is in flight, and
@@ -201,21 +202,21 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
 
 
 def kv_events(st: ServerState) -> list[KvSubscriber]:
-    """The subscribers of the backends whose config names their KV events, the router's
-    index of each put in exact mode; a tokenizer that does not load is a ConfigError
-    naming the backend's key. None without a prefix index (no backend caches prefixes)."""
-    server = st.loaded.config.server
-    by_name = {b.name: (i, b) for i, b in enumerate(server.backends)}
+    """The subscribers of the backends whose config names their KV events (or, for the
+    embedded default with ``server.emulator_kv_events``, of the emulators that publish
+    theirs), the router's index of each put in exact mode; a tokenizer that does not load
+    is a ConfigError naming the backend's key. None without a prefix index (no backend
+    caches prefixes)."""
+    sources = _event_sources(st)
     namers: list[PromptNamer | None] = [None] * len(st.loaded.specs)
     hashers: list[BlockHasher | None] = [None] * len(st.loaded.specs)
     st.kv_subscribers = [None] * len(st.loaded.specs)
     loaded_tokenizers: dict[str, PromptTokenizer] = {}
     for g, spec in enumerate(st.loaded.specs):
-        i, b = by_name.get(spec.name, (-1, None))
-        ev = None if b is None else b.kv_events
-        if ev is None:
+        source = sources[g]
+        if source is None:
             continue
-        key = f"server.backends[{i}].kv_events"
+        key, ev = source
         path = ev.tokenizer if ev.tokenizer == "words" else str(st.loaded.resolve(ev.tokenizer))
         try:
             tok = loaded_tokenizers.get(path) or load_tokenizer(path)
@@ -231,16 +232,38 @@ def kv_events(st: ServerState) -> list[KvSubscriber]:
     st.router.set_namers(namers)
     out = []
     for g, spec in enumerate(st.loaded.specs):
-        i, b = by_name.get(spec.name, (-1, None))
-        if namers[g] is None or b is None or b.kv_events is None:
+        source = sources[g]
+        if namers[g] is None or source is None:
             continue
-        ev = b.kv_events
+        ev = source[1]
         sub = KvSubscriber(spec.name, g, st.router.prefixes, ev.endpoint, ev.replay_endpoint,
                            ev.topic, hashers[g], ev.replay_timeout_s)
         st.kv_subscribers[g] = sub
         out.append(sub)
         LOG.info("backend %s: prefix index exact, from KV events at %s", spec.name,
                  ev.endpoint)
+    return out
+
+
+def _event_sources(st: ServerState) -> list[tuple[str, KvEventsConfig] | None]:
+    """Per backend, its KV events' config and where it comes from (a config key, for
+    errors), or None: the config's backends', else the embedded emulators' own."""
+    server = st.loaded.config.server
+    by_name = {b.name: (i, b) for i, b in enumerate(server.backends)}
+    emulated = [] if server.backends else st.emulators   # the embedded default's
+    out: list[tuple[str, KvEventsConfig] | None] = []
+    for g, spec in enumerate(st.loaded.specs):
+        i, b = by_name.get(spec.name, (-1, None))
+        if b is not None and b.kv_events is not None:
+            out.append((f"server.backends[{i}].kv_events", b.kv_events))
+            continue
+        pub = emulated[g].kv_events if g < len(emulated) else None
+        if pub is None or pub.endpoint is None:
+            out.append(None)
+            continue
+        out.append(("server.emulator_kv_events", KvEventsConfig(
+            endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint, topic=pub.topic,
+            tokenizer="words", hash_algo=emulated[g].instance.kv_hash_algo)))
     return out
 
 

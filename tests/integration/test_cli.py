@@ -351,3 +351,44 @@ def test_emulate_help_names_the_length_options(capsys: pytest.CaptureFixture[str
     for words in ("--exact-lengths", "--stream-interval N", "--truth PATH", "--lengths-trace",
                   "finish_reason stop, or length when capped"):
         assert words in out, words
+
+
+def test_emulate_kv_events_base_port_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    from olproute.cli.main import build_parser
+
+    assert build_parser().parse_args(["emulate"]).kv_events_base_port is None
+    args = build_parser().parse_args(["emulate", "--kv-events-base-port", "5557"])
+    assert args.kv_events_base_port == 5557
+    with pytest.raises(SystemExit) as info:
+        main(["emulate", "--kv-events-base-port", "-1"])
+    assert info.value.code == 2
+    assert "argument --kv-events-base-port" in capsys.readouterr().err
+
+
+def test_emulate_prints_each_instances_kv_event_sockets(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve_emulators`` with KV events: the PUB and replay endpoints of every instance
+    at start, P+2i and P+2i+1 (here free ports: 0)."""
+    import asyncio
+
+    from olproute.config.loader import load_config
+    from olproute.emulator import emulation_config, serve_emulators
+
+    loaded = emulation_config(load_config(), num_instances=2)
+
+    async def run() -> str:
+        task = asyncio.create_task(serve_emulators(
+            loaded, host="127.0.0.1", base_port=0, time_scale=1.0, exact_lengths=True,
+            kv_events_base_port=0))
+        out = ""
+        while "serving" not in out:
+            await asyncio.sleep(0.01)
+            out += capsys.readouterr().out
+        task.cancel()
+        await asyncio.wait({task})
+        return out
+
+    out = asyncio.run(asyncio.wait_for(run(), 60))
+    lines = [line for line in out.splitlines() if "KV events tcp://127.0.0.1:" in line]
+    assert len(lines) == 2 and all("replay tcp://127.0.0.1:" in line for line in lines)
+    assert "sha256" in lines[0]
