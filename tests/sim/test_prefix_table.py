@@ -72,6 +72,24 @@ def test_estimate_eval_splits_by_the_cached_share(tmp_path: Path) -> None:
     # the three shares split the requests
     assert sum(rows[0]["n"] for name, rows in parts.items() if name != "all" and rows) \
         == everyone["n"]
+    # the half-cached figure is that part's BEA row (None where no request is in it)
+    half = parts["cached 50%-100%"]
+    want = half[0]["mape_pct"] if half else None
+    assert results_of(out)["bea_mape_half_cached"] == want
+
+
+def test_a_kv_budget_gives_every_engine_that_cache(tmp_path: Path) -> None:
+    out = tmp_path / "kv.json"
+    printed = run_bench("prefix_table", "--seeds", "10", "--window", "30", "--kv-tokens",
+                        "131072", "--policies", "round_robin", "--json", str(out)).stdout
+    s = results_of(out)
+    assert s["kv_tokens"] == 131072 and "KV 131,072 tokens an engine" in printed
+    from bench.prefix_table import scenario
+
+    specs = scenario(TIME_SCALE, 30.0, 10, kv_tokens=131072).specs
+    assert {sp.num_kv_blocks for sp in specs} == {131072 // 16} and len(specs) == 8
+    assert {sp.num_kv_blocks for sp in scenario(TIME_SCALE, 30.0, 10).specs} \
+        == {405776 // 16}
 
 
 def test_the_exact_index_is_named_in_the_table_and_every_run(tmp_path: Path) -> None:
