@@ -459,27 +459,55 @@ async def _scrape(url: str) -> str:
         return await r.text()
 
 
+# what the live router knows of each engine beyond its own traffic (``--engine-state``):
+# nothing (its rebuilt view), the engines' KV events (exact prefix index, prefill progress),
+# and also their running counts scraped every 100 ms
+ENGINE_STATES = ("router", "kv_events", "kv_events_scrape")
+
+
+def _backends(lines: Sequence[str], kv_events: bool) -> list[dict[str, Any]]:
+    """The emulators' backends from what ``olproute emulate`` printed: each instance's
+    line (name, URL), and with KV events the line after it (its PUB and replay sockets)."""
+    out: list[dict[str, Any]] = []
+    for ln in lines:
+        parts = ln.split()
+        if parts[1:2] and parts[1].startswith("http"):
+            out.append({"name": parts[0], "url": parts[1]})
+        elif kv_events and out and parts[:2] == ["KV", "events"]:
+            out[-1]["kv_events"] = {"endpoint": parts[2].rstrip(","),
+                                    "replay_endpoint": parts[4], "topic": "",
+                                    "tokenizer": "words"}
+    if kv_events and not all("kv_events" in b for b in out):
+        raise SystemExit("olproute emulate printed no KV-events sockets for every instance")
+    return out
+
+
 def run_live(case: Case, policy: str, tmp: Path, truth: Path,
-             stream_interval: int = STREAM_INTERVAL) -> tuple[PerRequest, dict[str, Any]]:
+             stream_interval: int = STREAM_INTERVAL,
+             engine_state: str = "router") -> tuple[PerRequest, dict[str, Any]]:
     """One live run: emulators and router in processes of their own, this process the
-    client; what it measured, and the run's side figures."""
+    client; what it measured, and the run's side figures. ``engine_state``: one of
+    ENGINE_STATES."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     loaded = case.config(policy)
-    tag = f"{case.scenario}-{case.seed}-{policy}"
+    tag = f"{case.scenario}-{case.seed}-{policy}-{engine_state}"
+    events = engine_state != "router"
     emu_cfg = _config_file(loaded, tmp / f"{tag}-emulate.yaml")
     emu_log = tmp / f"{tag}-emulate.log"
     emu = _start(["emulate", "--config", str(emu_cfg), "--seed", str(case.seed),
-                  "--truth", str(truth), "--stream-interval", str(stream_interval)],
+                  "--truth", str(truth), "--stream-interval", str(stream_interval),
+                  *(["--kv-events-base-port", "0"] if events else [])],
                  emu_log, env)
     serve: subprocess.Popen[str] | None = None
     try:
         lines = _wait_lines(emu_log, emu, "emulated instance(s) serving")
-        backends = [{"name": ln.split()[0], "url": ln.split()[1]} for ln in lines
-                    if ln.split()[1:2] and ln.split()[1].startswith("http")]
+        backends = _backends(lines, events)
         port = free_port()
+        extra: dict[str, Any] = ({"running_from_scrape": True, "scrape_period_s": 0.1}
+                                 if engine_state == "kv_events_scrape" else {})
         serve_cfg = _config_file(loaded, tmp / f"{tag}-serve.yaml",
                                  {"backends": backends, "port": port,
-                                  "host": "127.0.0.1"})
+                                  "host": "127.0.0.1", **extra})
         serve_log = tmp / f"{tag}-serve.log"
         serve = _start(["serve", "--config", str(serve_cfg)], serve_log, env)
         url = f"http://127.0.0.1:{port}"
@@ -537,6 +565,10 @@ def main() -> None:
     ap.add_argument("--keep", metavar="DIR", help="keep configs and logs in DIR")
     ap.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL,
                     help="the emulators' stream interval (default: %(default)s)")
+    ap.add_argument("--engine-state", action="store_true",
+                    help="also run bid_price live with the engines' KV events "
+                         "(live_kv_events) and with their running counts scraped every "
+                         "100 ms too (live_kv_events_scrape)")
     ap.add_argument("--live-only", action="store_true",
                     help="skip the simulator's attribution runs (sim and live only)")
     args = ap.parse_args()
@@ -568,6 +600,10 @@ def main() -> None:
                     modes |= {f"sim_{k}": v for k, v in attribution(case, policy, cal).items()}
                 live_pr, side = run_live(case, policy, tmp, truth, args.stream_interval)
                 live = modes["live"] = live_pr.figures()
+                if args.engine_state and policy in ATTRIBUTED:
+                    for state in ENGINE_STATES[1:]:
+                        modes[f"live_{state}"] = run_live(
+                            case, policy, tmp, truth, args.stream_interval, state)[0].figures()
                 for mode, figures in modes.items():
                     per_seed[policy].setdefault(mode, []).append(figures)
                 sides[policy].append(side)

@@ -570,6 +570,15 @@ class ServerConfig(_Frozen):
         default=1.0, gt=0, description="a backend's /health must answer within this, or "
         "the probe fails (the backend is taken out and probed again after a backoff)")
     scrape_period_s: float = Field(default=1.0, gt=0, description="backends' /metrics")
+    prefill_from_kv_events: bool = Field(
+        default=True, description="a request whose prompt blocks its engine's KV events "
+        "say it stored is taken to be running, in prefill with those tokens computed, in "
+        "the snapshots BEA replays (backends with kv_events only); false: running only "
+        "once its first token streams")
+    running_from_scrape: bool = Field(
+        default=False, description="the engine's scraped vllm:num_requests_running marks "
+        "that many of the earliest dispatched requests running (in prefill when they "
+        "have no token yet) in the snapshots BEA replays, as of the scrape")
     recalibrate_period_s: float = Field(default=5.0, gt=0, description="seconds between "
                                         "two feeds of each backend's new batch records (or "
                                         "stream events) to its batch-time calibration, "

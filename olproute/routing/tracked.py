@@ -8,6 +8,10 @@ has streamed. From these it rebuilds the ``EngineSnapshot`` BEA replays:
 * a request that has streamed a token is a running decoder (context = prompt + tokens,
   all of it computed but the last token, its KV blocks held); the first
   ``max_num_seqs`` of them in dispatch order run, the rest wait;
+* a request the engine said it scheduled (its KV events stored some of its prompt's
+  blocks, or its scraped running count covers it: ``server.prefill_from_kv_events``,
+  ``server.running_from_scrape``) runs in prefill, the prompt tokens it said computed
+  done;
 * the others wait in dispatch order with nothing computed (their prefill may have begun
   inside the backend: the replay then over-estimates their remaining prefill), except
   the prompt tokens whose KV arrived computed from a prefill instance, and (live) those
@@ -50,17 +54,25 @@ def tracked_blocks(prompt: Sequence[int], tokens: Sequence[int], running: Sequen
 def tracked_snapshot(now_s: float, spec: InstanceSpec, request_ids: Sequence[int],
                      prompt: Sequence[int], tokens: Sequence[int],
                      predicted: Sequence[int], computed: Sequence[int],
-                     running: Sequence[bool], used_blocks: int) -> EngineSnapshot:
+                     running: Sequence[bool], used_blocks: int,
+                     prefilling: Sequence[bool] | None = None) -> EngineSnapshot:
     """The snapshot of one backend from its requests in flight, given in dispatch order:
     their ids, prompt tokens, tokens streamed, predicted output, prompt tokens whose KV
-    arrived computed, and whether each is taken to be running; ``used_blocks`` the KV
-    blocks taken to be used (module docstring)."""
+    arrived computed (or the engine said it computed), and whether each is taken to be
+    running; ``used_blocks`` the KV blocks taken to be used (module docstring).
+    ``prefilling``: which running ones are still in prefill, as the engine said (its KV
+    events, its scraped running count): no output yet, ``computed`` of the prompt done."""
     order = range(len(request_ids))
     run = [i for i in order if running[i]][: spec.max_num_seqs]
     ran = set(run)
     wait = [i for i in order if i not in ran]
     rows = []
     for i in run:
+        if prefilling is not None and prefilling[i]:
+            done = min(computed[i], prompt[i] - 1)
+            rows.append((prompt[i], 0, predicted[i], done,
+                         math.ceil(max(done, 1) / spec.block_size)))
+            continue
         out = max(tokens[i], 1)
         ctx = prompt[i] + out
         rows.append((prompt[i], out, predicted[i], ctx - 1, math.ceil(ctx / spec.block_size)))

@@ -37,7 +37,8 @@ LOG = logging.getLogger("olproute.server")
 RESTART_KEYS = ("host", "port", "backends", "emulator_time_scale", "emulator_exact_lengths",
                 "emulator_stream_interval", "emulator_truth", "emulator_kv_events",
                 "request_timeout_s", "connect_timeout_s", "hold_budget_ms", "health_period_s",
-                "scrape_period_s", "recalibrate_period_s")
+                "scrape_period_s", "recalibrate_period_s", "prefill_from_kv_events",
+                "running_from_scrape")
 PROFILE_SUFFIXES = (".yaml", ".yml")
 
 

@@ -174,6 +174,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                              session=session, t0=loop.time(), emulators=running,
                              control=control)
             _recalibrators(st)
+            st.tracker.running_from_scrape = server.running_from_scrape
             subscribers = kv_events(st)
             st.holding = HoldQueue(loaded.config.admission.max_held,
                                    loaded.config.router.slot_ms / 1e3,
@@ -230,6 +231,7 @@ def kv_events(st: ServerState) -> list[KvSubscriber]:
     if st.router.prefixes is None or not any(namers):
         return []
     st.router.set_namers(namers)
+    st.tracker.prefill_from_events = st.loaded.config.server.prefill_from_kv_events
     out = []
     for g, spec in enumerate(st.loaded.specs):
         source = sources[g]
@@ -237,7 +239,8 @@ def kv_events(st: ServerState) -> list[KvSubscriber]:
             continue
         ev = source[1]
         sub = KvSubscriber(spec.name, g, st.router.prefixes, ev.endpoint, ev.replay_endpoint,
-                           ev.topic, hashers[g], ev.replay_timeout_s)
+                           ev.topic, hashers[g], ev.replay_timeout_s,
+                           on_stored=st.tracker.engine_stored)
         st.kv_subscribers[g] = sub
         out.append(sub)
         LOG.info("backend %s: prefix index exact, from KV events at %s", spec.name,

@@ -64,7 +64,8 @@ class KvSubscriber:
                  replay_endpoint: str | None = None, topic: str = "",
                  hasher: BlockHasher | None = None, replay_timeout_s: float = 2.0,
                  receive_hwm: int = 10_000, context: zmq.asyncio.Context | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_stored: Callable[[int, list[int]], None] | None = None) -> None:
         self.name, self.g, self.index = name, g, index
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.topic = topic.encode("utf-8")
@@ -73,6 +74,7 @@ class KvSubscriber:
         self.receive_hwm = receive_hwm
         self._ctx = context or zmq.asyncio.Context.instance()
         self._clock = clock
+        self.on_stored = on_stored   # (g, keys) of each BlockStored: prefill progress
         self.mode: Mode = "exact"
         self.fallback_reason: str | None = None
         self.last_seq = -1
@@ -182,7 +184,10 @@ class KvSubscriber:
             if isinstance(e, BlockStored):
                 if not self._check(e):
                     return
-                self.index.stored(self.g, (block_key(h) for h in e.block_hashes))
+                keys = [block_key(h) for h in e.block_hashes]
+                self.index.stored(self.g, keys)
+                if self.on_stored is not None:
+                    self.on_stored(self.g, keys)
             elif isinstance(e, AllBlocksCleared):
                 self.index.clear(self.g)
             else:

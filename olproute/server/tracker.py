@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -56,12 +57,16 @@ class Flight:
     # prefix index expected cached there (its snapshots count them computed while it waits)
     computed_tokens: int = 0
     origin: Inbound | None = None  # a decode flight: its time as inbound
+    # prompt tokens the engine said it computed (its KV events stored their blocks): it is
+    # in prefill, scheduled, before its first token streams
+    prefilled_tokens: int = 0
 
     @property
     def running(self) -> bool:
-        """Taken to be running: it streamed a token, or (not streamed) it was dispatched;
-        a non-streamed request would otherwise look queued for its whole life."""
-        return self.tokens > 0 or not self.streamed
+        """Taken to be running: it streamed a token, its engine said it stored some of
+        its prompt's blocks (in prefill), or (not streamed) it was dispatched; a
+        non-streamed request would otherwise look queued for its whole life."""
+        return self.tokens > 0 or not self.streamed or self.prefilled_tokens > 0
 
 
 @dataclass(slots=True)
@@ -172,6 +177,10 @@ class BackendState:
     recorder: StreamRecorder = field(default_factory=StreamRecorder)
     # the other router replicas' requests here (none without shared state)
     remote: Remote = NO_REMOTE
+    # its engine's names of the prompt blocks of its flights: key -> (request id, block
+    # position) of each flight holding it (filled only where the engine's KV events are
+    # read: prefill progress, engine_stored)
+    block_owners: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 class Tracker:
@@ -191,6 +200,10 @@ class Tracker:
                          for i, (s, u, m) in enumerate(zip(specs, urls, names, strict=True))]
         self._base_backoff = base_backoff_s
         self._max_backoff = max_backoff_s
+        # fresher engine state in the snapshots (server.prefill_from_kv_events and
+        # server.running_from_scrape)
+        self.prefill_from_events = False
+        self.running_from_scrape = False
 
     # -- traffic -------------------------------------------------------------------------
     def dispatched(self, g: int, request: Request, now_s: float, streamed: bool = True,
@@ -201,6 +214,36 @@ class Tracker:
                                                computed_tokens=cached_tokens)
         b.version += 1
         b.recorder.dispatched(request.request_id, request.prompt_tokens, streamed)
+        keys = self._engine_keys(g, request)
+        for pos, key in enumerate(keys):
+            b.block_owners.setdefault(key, []).append((request.request_id, pos))
+
+    def _engine_keys(self, g: int, request: Request) -> list[int]:
+        """The request's prompt blocks as backend g's engine names them (none unless its
+        KV events are read for prefill progress)."""
+        own = request.engine_block_hashes
+        if not self.prefill_from_events or own is None or own[g] is None:
+            return []
+        keys: list[int] = own[g].tolist()  # type: ignore[union-attr]
+        return keys
+
+    def engine_stored(self, g: int, keys: Sequence[int]) -> None:
+        """Backend g's engine stored blocks with these keys (its KV events): the flights
+        whose prompt holds them and that streamed nothing yet are in prefill, that far
+        (the earliest dispatched of those sharing a block: the engine schedules in
+        order)."""
+        b = self.backends[g]
+        if not b.block_owners:
+            return
+        size = b.spec.block_size
+        for key in keys:
+            for rid, pos in b.block_owners.get(key, ()):
+                f = b.flights.get(rid)
+                if f is None or f.tokens > 0 or f.prefilled_tokens >= (pos + 1) * size:
+                    continue
+                f.prefilled_tokens = min((pos + 1) * size, f.request.prompt_tokens)
+                b.version += 1
+                break
 
     def token(self, g: int, request_id: int, now_s: float, count: int = 1) -> None:
         """``count`` new answer tokens arrived; the first one of an inbound request starts
@@ -224,6 +267,13 @@ class Tracker:
         f = b.flights.pop(request_id, None)
         if f is not None and f.origin is None:
             b.recorder.ended(request_id)
+        if f is not None and b.block_owners:
+            for key in self._engine_keys(g, f.request):
+                owners = b.block_owners.get(key)
+                if owners is not None:
+                    owners[:] = [o for o in owners if o[0] != request_id]
+                    if not owners:
+                        del b.block_owners[key]
         return f
 
     # -- disaggregated pools ---------------------------------------------------------------
@@ -439,16 +489,39 @@ class Tracker:
         r = b.remote
         # (dispatch time, id, prompt, tokens, predicted, computed, running); the other
         # replicas' requests get ids below 0 (they are no request of this replica's)
+        # (dispatch time, id, prompt, tokens, predicted, computed, running, in prefill);
+        # the other replicas' requests get ids below 0 (they are no request of this
+        # replica's)
         rows = [(f.dispatch_s, f.request.request_id, f.request.prompt_tokens, f.tokens,
-                 f.request.predicted_decode_tokens_for(model), f.computed_tokens, f.running)
+                 f.request.predicted_decode_tokens_for(model),
+                 max(f.computed_tokens, f.prefilled_tokens), f.running,
+                 f.streamed and f.tokens == 0 and f.prefilled_tokens > 0)
                 for f in b.flights.values()]
         rows.extend((r.dispatch_s[i], -1 - i, r.prompt[i], r.tokens[i], r.decode[i],
-                     r.computed[i], r.running[i]) for i in range(r.num_flights))
+                     r.computed[i], r.running[i], False) for i in range(r.num_flights))
         rows.sort(key=lambda row: row[0])
+        if self.running_from_scrape:
+            rows = self._scraped_running(b, rows)
         return tracked_snapshot(
             now_s, b.spec, [x[1] for x in rows], [x[2] for x in rows],
             [x[3] for x in rows], [x[4] for x in rows], [x[5] for x in rows],
-            [x[6] for x in rows], self._counts(b)[1])
+            [x[6] for x in rows], self._counts(b)[1], [x[7] for x in rows])
+
+    @staticmethod
+    def _scraped_running(b: BackendState, rows: list[Any]) -> list[Any]:
+        """Rows (dispatch order) with as many running as the engine said at its last
+        scrape: the earliest dispatched before it that are not, taken in prefill."""
+        said = b.scraped.get("vllm:num_requests_running")
+        if said is None or b.scraped_at_s is None:
+            return rows
+        missing = int(said) - sum(1 for x in rows if x[6])
+        out = []
+        for x in rows:
+            if missing > 0 and not x[6] and x[0] <= b.scraped_at_s:
+                x = (*x[:6], True, True)
+                missing -= 1
+            out.append(x)
+        return out
 
     def snapshots(self, now_s: float) -> tuple[EngineSnapshot, ...]:
         return tuple(self.snapshot(g, now_s) for g in range(len(self.backends)))

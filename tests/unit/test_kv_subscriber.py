@@ -74,6 +74,13 @@ def test_stored_removed_and_cleared_reach_the_index() -> None:
     assert (sub.last_seq, sub.batches, sub.mode) == (2, 3, "exact")
 
 
+def test_each_stored_block_is_told_to_the_tracker_in_order() -> None:
+    told: list[tuple[int, list[int]]] = []
+    _, sub = _subscriber(on_stored=lambda g, keys: told.append((g, list(keys))))
+    asyncio.run(sub.on_message(_message(0, _stored(A), _stored(B))))
+    assert told == [(1, HASHER.keys(A, BS).tolist()), (1, HASHER.keys(B, BS).tolist())]
+
+
 def test_another_topic_is_ignored() -> None:
     index, sub = _subscriber()
     asyncio.run(sub.on_message(encode_message("other", 0, encode_batch([_stored(A)]))))
