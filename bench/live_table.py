@@ -460,8 +460,9 @@ async def _scrape(url: str) -> str:
 
 
 # what the live router knows of each engine beyond its own traffic (``--engine-state``):
-# nothing (its rebuilt view), the engines' KV events (exact prefix index, prefill progress),
-# and also their running counts scraped every 100 ms
+# nothing (its rebuilt view), the engines' KV events (exact prefix index and prefill
+# progress: server.prefill_from_kv_events), and also their running counts scraped every
+# 100 ms (server.running_from_scrape)
 ENGINE_STATES = ("router", "kv_events", "kv_events_scrape")
 
 
@@ -503,8 +504,9 @@ def run_live(case: Case, policy: str, tmp: Path, truth: Path,
         lines = _wait_lines(emu_log, emu, "emulated instance(s) serving")
         backends = _backends(lines, events)
         port = free_port()
-        extra: dict[str, Any] = ({"running_from_scrape": True, "scrape_period_s": 0.1}
-                                 if engine_state == "kv_events_scrape" else {})
+        extra: dict[str, Any] = {"prefill_from_kv_events": True} if events else {}
+        if engine_state == "kv_events_scrape":
+            extra |= {"running_from_scrape": True, "scrape_period_s": 0.1}
         serve_cfg = _config_file(loaded, tmp / f"{tag}-serve.yaml",
                                  {"backends": backends, "port": port,
                                   "host": "127.0.0.1", **extra})

@@ -571,7 +571,7 @@ class ServerConfig(_Frozen):
         "the probe fails (the backend is taken out and probed again after a backoff)")
     scrape_period_s: float = Field(default=1.0, gt=0, description="backends' /metrics")
     prefill_from_kv_events: bool = Field(
-        default=True, description="a request whose prompt blocks its engine's KV events "
+        default=False, description="a request whose prompt blocks its engine's KV events "
         "say it stored is taken to be running, in prefill with those tokens computed, in "
         "the snapshots BEA replays (backends with kv_events only); false: running only "
         "once its first token streams")
