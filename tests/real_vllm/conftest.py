@@ -35,7 +35,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("real_vllm")
     model = vllm_cpu.build_tiny_model(root / "model")
     # both publish their KV events, which the router subscribes to (its prefix index is
-    # exact: test_kv_events.py)
+    # exact: test_real_kv_events.py)
     ports = {name: KvEventPorts.free() for name in ("cpu0", "cpu1")}
     servers = [vllm_cpu.VllmServer(name, free_port(), model, root / f"{name}.log",
                                    served_model=SERVED, args=ports[name].args())
