@@ -460,10 +460,10 @@ async def _scrape(url: str) -> str:
 
 
 # what the live router knows of each engine beyond its own traffic (``--engine-state``):
-# nothing (its rebuilt view), the engines' KV events (exact prefix index and prefill
-# progress: server.prefill_from_kv_events), and also their running counts scraped every
-# 100 ms (server.running_from_scrape)
-ENGINE_STATES = ("router", "kv_events", "kv_events_scrape")
+# nothing (its rebuilt view), the engines' KV events for the exact prefix index alone,
+# also for prefill progress (server.prefill_from_kv_events), and also their running
+# counts scraped every 100 ms (server.running_from_scrape)
+ENGINE_STATES = ("router", "kv_events_index", "kv_events", "kv_events_scrape")
 
 
 def _backends(lines: Sequence[str], kv_events: bool) -> list[dict[str, Any]]:
@@ -504,7 +504,8 @@ def run_live(case: Case, policy: str, tmp: Path, truth: Path,
         lines = _wait_lines(emu_log, emu, "emulated instance(s) serving")
         backends = _backends(lines, events)
         port = free_port()
-        extra: dict[str, Any] = {"prefill_from_kv_events": True} if events else {}
+        extra: dict[str, Any] = ({"prefill_from_kv_events": True}
+                                 if events and engine_state != "kv_events_index" else {})
         if engine_state == "kv_events_scrape":
             extra |= {"running_from_scrape": True, "scrape_period_s": 0.1}
         serve_cfg = _config_file(loaded, tmp / f"{tag}-serve.yaml",
@@ -568,8 +569,9 @@ def main() -> None:
     ap.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL,
                     help="the emulators' stream interval (default: %(default)s)")
     ap.add_argument("--engine-state", action="store_true",
-                    help="also run bid_price live with the engines' KV events "
-                         "(live_kv_events) and with their running counts scraped every "
+                    help="also run bid_price live with the engines' KV events for its "
+                         "prefix index (live_kv_events_index), for prefill progress too "
+                         "(live_kv_events), and with their running counts scraped every "
                          "100 ms too (live_kv_events_scrape)")
     ap.add_argument("--live-only", action="store_true",
                     help="skip the simulator's attribution runs (sim and live only)")
