@@ -392,3 +392,39 @@ def test_emulate_prints_each_instances_kv_event_sockets(
     lines = [line for line in out.splitlines() if "KV events tcp://127.0.0.1:" in line]
     assert len(lines) == 2 and all("replay tcp://127.0.0.1:" in line for line in lines)
     assert "sha256" in lines[0]
+
+
+def test_live_tables_backends_read_what_emulate_prints(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/live_table.py builds its router's backends from ``olproute emulate``'s
+    printout: with KV events, each backend's sockets from the line after its own."""
+    import asyncio
+
+    from bench.live_table import _backends
+    from olproute.config.loader import load_config
+    from olproute.emulator import emulation_config, serve_emulators
+
+    loaded = emulation_config(load_config(), num_instances=2)
+
+    async def run() -> str:
+        task = asyncio.create_task(serve_emulators(
+            loaded, host="127.0.0.1", base_port=0, time_scale=1.0, exact_lengths=True,
+            kv_events_base_port=0))
+        out = ""
+        while "serving" not in out:
+            await asyncio.sleep(0.01)
+            out += capsys.readouterr().out
+        task.cancel()
+        await asyncio.wait({task})
+        return out
+
+    lines = asyncio.run(asyncio.wait_for(run(), 60)).splitlines()
+    with_events = _backends(lines, kv_events=True)
+    assert [b["name"] for b in with_events] == [s.name for s in loaded.specs]
+    for b in with_events:
+        assert b["url"].startswith("http://127.0.0.1:")
+        ev = b["kv_events"]
+        assert ev["endpoint"].startswith("tcp://127.0.0.1:") and not ev["endpoint"].endswith(",")
+        assert ev["replay_endpoint"].startswith("tcp://127.0.0.1:")
+        assert (ev["topic"], ev["tokenizer"]) == ("", "words")
+    assert all("kv_events" not in b for b in _backends(lines, kv_events=False))
