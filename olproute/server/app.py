@@ -28,7 +28,7 @@ from aiohttp import web
 
 from olproute.config.loader import LoadedConfig
 from olproute.config.read import ConfigError
-from olproute.config.schema import BackendConfig, KvEventsConfig
+from olproute.config.schema import KvEventsConfig
 from olproute.estimate.calibration import OnlineCalibrator
 from olproute.estimate.streamcal import StreamCalibrator, StreamRecorder
 from olproute.routing.assembly import CalibrationSource, served_predictor
@@ -520,8 +520,8 @@ def engine_seen(st: ServerState, g: int, line: str | None) -> None:
     profile = st.loaded.specs[g]
     b.engine_line = line
     engine = None if line is None else EngineConfig.of_labels(parse_labels(line))
-    backend = _backend_config(st, g)
-    algo = None if backend is None or backend.kv_events is None else backend.kv_events.hash_algo
+    source = _event_sources(st)[g]   # the router's hash setting where it reads events
+    algo = None if source is None else source[1].hash_algo
     b.engine = engine
     b.engine_mismatches = () if engine is None else tuple(mismatches(profile, engine, algo))
     st.tracker.set_spec(g, profile if engine is None else engine_spec(profile, engine))
@@ -539,11 +539,6 @@ def engine_seen(st: ServerState, g: int, line: str | None) -> None:
         namer = st.router.namers[g]
         if namer is not None:
             namer.block_size = size
-
-
-def _backend_config(st: ServerState, g: int) -> BackendConfig | None:
-    name = st.loaded.specs[g].name
-    return next((b for b in st.loaded.config.server.backends if b.name == name), None)
 
 
 def vllm_gauges(text: str, names: tuple[str, ...] = VLLM_GAUGES) -> dict[str, float]:

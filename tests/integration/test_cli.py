@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -365,16 +366,21 @@ def test_emulate_kv_events_base_port_parses(capsys: pytest.CaptureFixture[str]) 
     assert "argument --kv-events-base-port" in capsys.readouterr().err
 
 
-def test_emulate_prints_each_instances_kv_event_sockets(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    """``serve_emulators`` with KV events: the PUB and replay endpoints of every instance
-    at start, P+2i and P+2i+1 (here free ports: 0)."""
+def _two_emulators() -> Any:
+    from olproute.config.loader import load_config
+    from olproute.emulator import emulation_config
+
+    return emulation_config(load_config(), num_instances=2)
+
+
+def _emulators_printout(capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``serve_emulators`` prints at start for two emulated instances with KV events
+    on free ports, up to its "serving" line."""
     import asyncio
 
-    from olproute.config.loader import load_config
-    from olproute.emulator import emulation_config, serve_emulators
+    from olproute.emulator import serve_emulators
 
-    loaded = emulation_config(load_config(), num_instances=2)
+    loaded = _two_emulators()
 
     async def run() -> str:
         task = asyncio.create_task(serve_emulators(
@@ -388,7 +394,14 @@ def test_emulate_prints_each_instances_kv_event_sockets(
         await asyncio.wait({task})
         return out
 
-    out = asyncio.run(asyncio.wait_for(run(), 60))
+    return asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_emulate_prints_each_instances_kv_event_sockets(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve_emulators`` with KV events: the PUB and replay endpoints of every instance
+    at start, P+2i and P+2i+1 (here free ports: 0)."""
+    out = _emulators_printout(capsys)
     lines = [line for line in out.splitlines() if "KV events tcp://127.0.0.1:" in line]
     assert len(lines) == 2 and all("replay tcp://127.0.0.1:" in line for line in lines)
     assert "sha256" in lines[0]
@@ -398,27 +411,10 @@ def test_live_tables_backends_read_what_emulate_prints(
         capsys: pytest.CaptureFixture[str]) -> None:
     """bench/live_table.py builds its router's backends from ``olproute emulate``'s
     printout: with KV events, each backend's sockets from the line after its own."""
-    import asyncio
-
     from bench.live_table import _backends
-    from olproute.config.loader import load_config
-    from olproute.emulator import emulation_config, serve_emulators
 
-    loaded = emulation_config(load_config(), num_instances=2)
-
-    async def run() -> str:
-        task = asyncio.create_task(serve_emulators(
-            loaded, host="127.0.0.1", base_port=0, time_scale=1.0, exact_lengths=True,
-            kv_events_base_port=0))
-        out = ""
-        while "serving" not in out:
-            await asyncio.sleep(0.01)
-            out += capsys.readouterr().out
-        task.cancel()
-        await asyncio.wait({task})
-        return out
-
-    lines = asyncio.run(asyncio.wait_for(run(), 60)).splitlines()
+    loaded = _two_emulators()
+    lines = _emulators_printout(capsys).splitlines()
     with_events = _backends(lines, kv_events=True)
     assert [b["name"] for b in with_events] == [s.name for s in loaded.specs]
     for b in with_events:

@@ -16,6 +16,7 @@ from olproute._core import FINISHED, KV_REMOVED, KV_STORED, BatchCore
 from olproute.core_ref import KV_REMOVED as REF_REMOVED
 from olproute.core_ref import KV_STORED as REF_STORED
 from olproute.core_ref import ReferenceCore
+from tests.unit.test_prefix_cache import _run as run_until_idle
 
 Core = BatchCore | ReferenceCore
 BOTH = pytest.mark.parametrize("cls", [BatchCore, ReferenceCore])
@@ -103,13 +104,7 @@ def _evicting_run(core: Core) -> None:
     the first prompts' blocks evicted to make room for the later ones."""
     for i in range(8):
         core.add_request(12, 1, block_hashes=[100 * i + 1, 100 * i + 2, 100 * i + 3])
-        for _ in range(10):
-            if core.schedule()[0] == 0:
-                break
-            core.commit()
-            for slot, flags in core.event_list():
-                if flags & FINISHED:
-                    core.release_slot(slot)
+        run_until_idle(core)
 
 
 @BOTH
