@@ -85,6 +85,17 @@ class LoadedConfig:
         self.specs = instance_specs(config, profiles, path)
         self.weights = tuple(weights)
 
+    def with_specs(self, specs: Sequence[InstanceSpec]) -> LoadedConfig:
+        """This config with other instance specs (the same instances as their engines
+        say they are: ``olproute.server.engine_config``); the config and profiles shared."""
+        if [s.name for s in specs] != [s.name for s in self.specs]:
+            raise ValueError("with_specs needs the same instances, in order")
+        other = object.__new__(LoadedConfig)
+        for slot in self.__slots__:
+            setattr(other, slot, getattr(self, slot))
+        other.specs = tuple(specs)
+        return other
+
     def resolve(self, relative: str) -> Path:
         """A path from the config, relative to the config file's folder."""
         p = Path(relative)

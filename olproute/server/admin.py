@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
 from pathlib import Path
 
 from aiohttp import web
@@ -60,25 +61,58 @@ async def reload(request: web.Request) -> web.Response:
     except BadRequest as exc:
         return web.json_response(exc.as_json(), status=400)
     loop = asyncio.get_running_loop()
-    try:
-        new = await loop.run_in_executor(None, _load, st.loaded.path, weights)
-        refused = unchangeable(st.loaded, new)
-        if refused:
-            raise ConfigError(st.loaded.path, refused)
-        router = await loop.run_in_executor(None, _build_router, st, new)
-    except ConfigError as exc:
-        key = exc.problems[0][0] if exc.problems else None
-        return proxy.error_response(400, str(exc), param=key or None, kind="invalid_config")
-    router.continue_ids(st.router)  # ids of requests in flight stay unique; index kept
-    for g, beta in st.recalibrated():
-        router.set_beta(g, beta)
-    st.router = router
-    st.loaded = new
+    async with st.swap_lock:
+        try:
+            new = await loop.run_in_executor(None, _load, st.loaded.path, weights)
+            refused = unchangeable(st.loaded, new)
+            if refused:
+                raise ConfigError(st.loaded.path, refused)
+            router = await loop.run_in_executor(None, _build_router, st, new)
+        except ConfigError as exc:
+            key = exc.problems[0][0] if exc.problems else None
+            return proxy.error_response(400, str(exc), param=key or None,
+                                        kind="invalid_config")
+        _swap(st, router)
+        st.loaded = new
     if st.holding is not None:
         st.holding.max_held = new.config.admission.max_held
     return web.json_response({"status": "reloaded", "config": str(new.path),
                               "policy": router.policy_name,
                               "weights": [str(w) for w in new.weights]})
+
+
+async def rebuild_on_engines(st: ServerState) -> None:
+    """The backends' engines say they run otherwise than the router was built for
+    (``ServerState.engine_specs`` changed): build the router again on what they say (its
+    policy's instance limits, BEA's replays, the prices' capacities) and swap it in, as a
+    reload does. Its learned prices start again; a failure keeps the running router."""
+    loop = asyncio.get_running_loop()
+    async with st.swap_lock:
+        if not st.rebuild_wanted:
+            return
+        st.rebuild_wanted = False
+        try:
+            router = await loop.run_in_executor(None, _build_router, st, st.loaded)
+        except ConfigError as exc:
+            print(f"olproute: the router could not be built on what the engines say ({exc});"
+                  " it keeps modelling the profiles", file=sys.stderr)
+            return
+        _swap(st, router)
+    said = ", ".join(f"{s.name} (blocks of {s.block_size} tokens, {s.num_kv_blocks:,} "
+                     "KV blocks)" for s in (st.engine_specs[g] for g in sorted(st.engine_specs)))
+    print("olproute: router rebuilt on what the engines say"
+          + (f": {said}" if said else ": every engine as its profile")
+          + "; its learned prices start again", file=sys.stderr)
+
+
+def _swap(st: ServerState, router: Router) -> None:
+    """Put a newly built router in the running one's place: the ids of requests in flight
+    stay unique, the prefix index (what the backends cache) and refitted betas carry over."""
+    router.continue_ids(st.router)
+    router.prefixes, router.namers = st.router.prefixes, st.router.namers
+    for g, beta in st.recalibrated():
+        router.set_beta(g, beta)
+    st.router = router
 
 
 def authorized(header: str, token: str | None) -> bool:
@@ -151,7 +185,7 @@ def _build_router(st: ServerState, new: LoadedConfig) -> Router:
     predictor = st.router.predictor if same else served_predictor(new)
     try:
         calibration = CalibrationSource(new, known=st.router.calibration())
-        router = Router(new, calibration, predictor=predictor)
+        router = Router(st.modelled(new), calibration, predictor=predictor)
     except Exception as exc:
         router_cfg = new.config.router
         key = (f"router.policy_params.{router_cfg.policy}"

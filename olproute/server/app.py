@@ -509,13 +509,15 @@ async def _scrape(st: ServerState) -> None:
             st.router.cache_lost(g)
 
     await asyncio.gather(*(one(b.index) for b in st.tracker.backends if b.healthy))
+    if st.rebuild_wanted:
+        await admin.rebuild_on_engines(st)
 
 
 def engine_seen(st: ServerState, g: int, line: str | None) -> None:
     """Backend g's engine says it runs as ``line`` (its ``vllm:cache_config_info``; None:
     it says nothing): where that differs from the profile, each difference is logged and
-    shown, and the tracker and g's exact prefix index model the engine
-    (``olproute.server.engine_config``)."""
+    shown, and the tracker, g's exact prefix index and (rebuilt after the scrape) the
+    router model the engine (``olproute.server.engine_config``)."""
     b = st.tracker.backends[g]
     profile = st.loaded.specs[g]
     b.engine_line = line
@@ -524,7 +526,14 @@ def engine_seen(st: ServerState, g: int, line: str | None) -> None:
     algo = None if source is None else source[1].hash_algo
     b.engine = engine
     b.engine_mismatches = () if engine is None else tuple(mismatches(profile, engine, algo))
-    st.tracker.set_spec(g, profile if engine is None else engine_spec(profile, engine))
+    spec = profile if engine is None else engine_spec(profile, engine)
+    st.tracker.set_spec(g, spec)
+    if spec != st.engine_specs.get(g, profile):   # the router is rebuilt after the scrape
+        if spec == profile:
+            st.engine_specs.pop(g, None)
+        else:
+            st.engine_specs[g] = spec
+        st.rebuild_wanted = True
     st.metrics.set_engine_mismatch(profile.name, bool(b.engine_mismatches))
     for problem in b.engine_mismatches:
         print(f"olproute: backend {profile.name}'s engine differs from its profile: "

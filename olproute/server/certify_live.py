@@ -35,7 +35,7 @@ def check_now(st: ServerState) -> None:
         st.metrics.certificate_checks.labels("skipped").inc()
         return
     now = st.now()
-    batch_cap, kv_cap = capacities(st.loaded.specs)
+    batch_cap, kv_cap = capacities(st.router.specs)
     window = pack(cap, now, cfg.prices, cfg.reward, cfg.router.slot_ms / 1e3,
                   cfg.router.horizon_slots, batch_cap, kv_cap)
     if window is None:

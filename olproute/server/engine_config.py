@@ -11,9 +11,11 @@ Where the engine and the profile differ, the engine is right (a CPU build starte
 difference once, shows it in ``/instances`` (``engine_config``) and in
 ``olproute_engine_config_mismatch``, and models what the engine says where it can while
 serving (``engine_spec``): the tracker's KV accounting and each backend's exact prefix
-index (block size, capacity) follow the engine. What is fixed when the router is built
-(the policy's instance limits, BEA's replays, the prices' capacities) keeps the profile
-until the profile is corrected: the log line says which key to fix.
+index (block size, capacity) follow the engine at once, and the router is built again on
+what the engines say (its policy's instance limits, BEA's replays, the prices'
+capacities; its learned prices start again), as a reload builds it. A reload keeps what
+the engines say; the log line says which profile key to fix so that a restart of the
+router starts right.
 """
 
 from __future__ import annotations

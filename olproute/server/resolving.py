@@ -54,7 +54,7 @@ def resolve_now(st: ServerState) -> None:
         st.metrics.resolved("skipped")
         return
     now = st.now()
-    batch_cap, kv_cap = capacities(st.loaded.specs)
+    batch_cap, kv_cap = capacities(st.router.specs)
     window = pack_recent(cap, now, cfg.prices, cfg.reward, cfg.router.slot_ms / 1e3,
                          cfg.router.horizon_slots, batch_cap, kv_cap)
     full_s = cap.first_decided_s + cfg.prices.resolve_window_s

@@ -25,7 +25,14 @@ from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics
 from olproute.server.shared import SharedState
 from olproute.server.tracker import Tracker
-from olproute.types import Decision, EngineSnapshot, Outcome, PriceView, Request
+from olproute.types import (
+    Decision,
+    EngineSnapshot,
+    InstanceSpec,
+    Outcome,
+    PriceView,
+    Request,
+)
 
 if TYPE_CHECKING:
     from olproute.routing.live_window import Resolution
@@ -76,6 +83,23 @@ class ServerState:
     # held by the price tick's thread; the shared state's exchanges with the price books
     # take it only when free
     book_lock: threading.Lock = field(default_factory=threading.Lock)
+    # per backend whose engine says it runs otherwise than its profile, the instance as
+    # the engine says it is (olproute.server.engine_config): the router is built on these
+    engine_specs: dict[int, InstanceSpec] = field(default_factory=dict)
+    # set when engine_specs changed since the router was built (the scrape rebuilds it)
+    rebuild_wanted: bool = False
+    # held while a new router is built and swapped in (a reload, a rebuild on the
+    # engines' word), so that one swap never undoes another
+    swap_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def modelled(self, loaded: LoadedConfig | None = None) -> LoadedConfig:
+        """``loaded`` (the running config by default) with each backend as its engine says
+        it is, where that differs from its profile: what the router is built on."""
+        loaded = self.loaded if loaded is None else loaded
+        if not self.engine_specs:
+            return loaded
+        return loaded.with_specs([self.engine_specs.get(g, s)
+                                  for g, s in enumerate(loaded.specs)])
 
     def now(self) -> float:
         """Seconds since the server started (the policies' clock)."""

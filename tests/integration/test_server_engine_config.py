@@ -1,7 +1,8 @@
 """The engine's own configuration live: a backend's vllm:cache_config_info is read from
 its scrapes; where it differs from the profile the difference is logged, shown in
 /instances and /metrics, and the router models the engine (its KV blocks in the tracker,
-its block size and capacity in its exact prefix index)."""
+its block size and capacity in its exact prefix index, and the router rebuilt on them:
+its policy's limits, BEA's replays, the prices' capacities)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
 from tests.conftest import HANG_S
 from tests.integration.server_harness import Stack
-from tests.integration.test_server import CAL, request
+from tests.integration.test_server import CAL, TOKEN, request
 from tests.integration.test_server_kv_events import BLOCK, _loaded
 from tests.support.processes import free_port
 
@@ -41,6 +42,14 @@ def _until(s: Stack, ready: Any) -> dict[str, dict[str, Any]]:
         assert time.monotonic() - t0 < HANG_S, inst
         time.sleep(0.05)
     return inst
+
+
+def _until_router(s: Stack, ready: Any) -> None:
+    st = s.app[STATE]
+    t0 = time.monotonic()
+    while not s.call(lambda: ready(st.router.specs)):
+        assert time.monotonic() - t0 < HANG_S, s.call(lambda: st.router.specs)
+        time.sleep(0.05)
 
 
 def test_an_engine_that_differs_from_its_profile_is_modelled_as_it_says(
@@ -72,9 +81,23 @@ def test_an_engine_that_differs_from_its_profile_is_modelled_as_it_says(
         assert s.call(lambda: (index.block_sizes[0], index.capacity[0])) == (64, 500)
         assert s.call(lambda: st.router.namers[0].block_size) == 64
         assert _mismatch_gauge(s) == {"e-0": 1.0, "e-1": 0.0}
+        # the router is rebuilt on what the engines say; the prefix index carries over
+        _until_router(s, lambda specs: specs[0].num_kv_blocks == 500)
+        specs = s.call(lambda: st.router.specs)
+        assert (specs[0].block_size, specs[1].num_kv_blocks) == (64, profile_blocks)
+        assert s.call(lambda: st.router.prefixes) is index
         err = capfd.readouterr().err
         assert "backend e-0's engine differs from its profile: block_size" in err
         assert "backend e-1's engine differs" not in err
+        assert ("router rebuilt on what the engines say: e-0 (blocks of 64 tokens, "
+                "500 KV blocks)") in err
+        # a reload of the config keeps modelling what the engines say
+        status, _, _ = request(s.url, "POST", "/admin/reload",
+                               headers={"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200
+        assert s.call(lambda: st.router.specs[0].num_kv_blocks) == 500
+        assert request(s.url, "POST", "/v1/completions",
+                       {"prompt": "a b c", "max_tokens": 2})[0] == 200
         # the engine restarts as its profile says: the difference is gone
         s.fakes[0].cache_config = {"block_size": str(BLOCK),
                                    "num_gpu_blocks": str(profile_blocks)}
@@ -82,6 +105,8 @@ def test_an_engine_that_differs_from_its_profile_is_modelled_as_it_says(
         assert inst["e-0"]["kv_blocks"] == profile_blocks
         assert s.call(lambda: index.block_sizes[0]) == BLOCK
         assert _mismatch_gauge(s)["e-0"] == 0.0
+        _until_router(s, lambda specs: specs == loaded.specs)
+        assert "every engine as its profile" in capfd.readouterr().err
     finally:
         s.close()
 
@@ -95,5 +120,6 @@ def test_a_backend_that_says_nothing_keeps_its_profile(tmp_path: Path) -> None:
         assert [b["engine_config"] for b in inst.values()] == [None, None]
         assert [b["kv_blocks"] for b in inst.values()] == [sp.num_kv_blocks
                                                            for sp in loaded.specs]
+        assert s.call(lambda: s.app[STATE].router.specs) == loaded.specs
     finally:
         s.close()

@@ -363,3 +363,18 @@ def test_with_updates_returns_a_copy() -> None:
     assert other.config.sim.seed == seed + 7
     assert loaded.config.sim.seed == seed
     assert other.specs == loaded.specs
+
+
+def test_with_specs_models_other_instances_and_keeps_the_rest() -> None:
+    loaded = load_config(DEFAULT_CONFIG)
+    said = dataclasses.replace(loaded.specs[1], block_size=128, num_kv_blocks=700)
+    other = loaded.with_specs([loaded.specs[0], said, *loaded.specs[2:]])
+    assert other.specs[1] == said and other.specs[0] == loaded.specs[0]
+    assert loaded.specs[1].block_size == 16   # the original is untouched
+    assert (other.config, other.path, other.weights) == (
+        loaded.config, loaded.path, loaded.weights)
+    with pytest.raises(ValueError, match="same instances"):
+        loaded.with_specs(loaded.specs[:2])
+    renamed = dataclasses.replace(said, name="elsewhere")
+    with pytest.raises(ValueError, match="same instances"):
+        loaded.with_specs([loaded.specs[0], renamed, *loaded.specs[2:]])
