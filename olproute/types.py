@@ -16,6 +16,10 @@ import numpy.typing as npt
 
 Action = Literal["dispatch", "hold", "shed"]
 ACTIONS: tuple[Action, ...] = ("dispatch", "hold", "shed")
+# why a request is shed: no instance's engine has room to start it (its patience run
+# out), its patience run out where the policy knows no room (no snapshots, P/D pairs),
+# the central buffer full, no healthy backend, the primal form's price above its reward
+REFUSALS = ("no_room", "patience", "buffer_full", "no_backend", "price")
 # what an instance serves: both phases (mixed), or one side of disaggregated pools
 Role = Literal["mixed", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("mixed", "prefill", "decode")
@@ -284,6 +288,8 @@ class Decision:
     reason: str
     explanation: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     decode_instance: int | None = None
+    # a shed's kind (``REFUSALS``), for the 429's code and the per-reason counter
+    refusal: str | None = None
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -292,6 +298,8 @@ class Decision:
             raise ValueError("Decision.instance must be set exactly when action is 'dispatch'")
         if self.decode_instance is not None and self.action != "dispatch":
             raise ValueError("Decision.decode_instance is only set when action is 'dispatch'")
+        if self.refusal is not None and (self.action != "shed" or self.refusal not in REFUSALS):
+            raise ValueError(f"Decision.refusal is one of {REFUSALS}, set only on a shed")
 
 
 @dataclass(frozen=True, slots=True)

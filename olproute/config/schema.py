@@ -438,8 +438,11 @@ class PriceConfig(_Frozen):
 class AdmissionConfig(_Frozen):
     """The central buffer: when a request is held, for how long, and what happens then.
 
-    ``shed`` (the default) refuses a request whose patience runs out (HTTP 429 with
-    Retry-After): a router that never refuses queues without bound under overload.
+    ``shed`` (the default) sends a request whose patience runs out to the best instance
+    whose engine has room for it (a batch slot and KV blocks left after its queue) and
+    refuses it (HTTP 429 with Retry-After, code
+    ``no_room``) only when there is none: a router that never refuses queues without
+    bound under overload, one that refuses what its engines can take loses traffic.
     ``defer`` sends it to the best instance anyway. At most ``max_held`` requests are held
     at once (a request the policy would hold past that is refused at once), and none is
     held longer than ``max_patience_s``, whatever its patience or TTFT target says."""

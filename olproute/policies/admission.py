@@ -2,16 +2,38 @@
 prefill/decode pools) and the server's buffer: can an instance start a request now, how
 long may a request be held, and what becomes of a request no instance takes now (held
 while patient; then shed, or deferred to the instance the policy names).
+
+"Start now" (``can_start_now``) is the router's rule for sending a request at once: a
+free batch slot, KV blocks for its prompt, and at most ``admission.max_waiting`` already
+waiting there (default 0: holding a request in the router while an engine has a queue
+is late binding, to whichever instance frees first).
+
+A refusal needs a reason that holds: the engine's own. At its next steps an engine
+(vLLM's scheduler) admits its waiting requests in order while it has a batch slot and KV
+blocks for each prompt, as fast as its token budget lets it (``engine_has_room``). Once a
+request's patience runs out under ``admission: shed`` it goes to the best instance whose
+engine has room for it (``with_room``) and is refused only when none has: the prices
+and the TTFT term may hold a request while it is patient, never refuse what the engines
+can take.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from olproute.config.schema import AdmissionConfig
-from olproute.types import Decision, EngineSnapshot, Request, RoutingContext
+from olproute.types import (
+    SNAP_COMPUTED,
+    SNAP_PROMPT,
+    Decision,
+    EngineSnapshot,
+    Request,
+    RoutingContext,
+)
 
 
 def can_start_now(snap: EngineSnapshot, prompt_tokens: int, block_size: int,
@@ -31,6 +53,59 @@ def room_to_start(num_running: Any, waiting: Any, free_blocks: Any, need_blocks:
             & (free_blocks >= need_blocks))
 
 
+def engine_has_room(snap: EngineSnapshot, prompt_tokens: int, block_size: int,
+                    max_num_seqs: int) -> bool:
+    """Would the engine take the request in as soon as its token budget lets it: a batch
+    slot and KV blocks for its prompt left after the requests waiting there got theirs
+    (its scheduler's own admission rule; module docstring)."""
+    waiting = snap.num_resident - snap.num_running
+    return (snap.num_running + waiting < max_num_seqs
+            and snap.num_free_blocks - queued_blocks(snap, block_size)
+            >= math.ceil(prompt_tokens / block_size))
+
+
+def queued_blocks(snap: EngineSnapshot, block_size: int) -> int:
+    """The KV blocks the waiting requests' prompts will take when the engine starts them
+    (less what of each is computed already)."""
+    waiting = snap.table[snap.num_running:]
+    if not len(waiting):
+        return 0
+    fresh = np.maximum(waiting[:, SNAP_PROMPT] - waiting[:, SNAP_COMPUTED], 0)
+    return int((-(-fresh // block_size)).sum())
+
+
+def with_room(ctx: RoutingContext, instances: Sequence[int] | None = None) -> list[int]:
+    """The instances (of ``instances``, every one by default) whose engines have room for
+    ``ctx.request`` (``engine_has_room``); none without snapshots."""
+    snaps = ctx.snapshots
+    if snaps is None:
+        return []
+    prompt = ctx.request.prompt_tokens
+    return [g for g in (range(len(snaps)) if instances is None else instances)
+            if engine_has_room(snaps[g], prompt, ctx.specs[g].block_size,
+                               ctx.specs[g].max_num_seqs)]
+
+
+def fullness(ctx: RoutingContext) -> str:
+    """Why no engine has room for ``ctx.request`` (a refusal's reason): per instance,
+    the figure that keeps it out."""
+    snaps = ctx.snapshots
+    if snaps is None:
+        return "no instance's state is known"
+    parts = []
+    for snap, spec in zip(snaps, ctx.specs, strict=True):
+        waiting = snap.num_resident - snap.num_running
+        if snap.num_running + waiting >= spec.max_num_seqs:
+            parts.append(f"{spec.name} {snap.num_running}/{spec.max_num_seqs} running, "
+                         f"{waiting} waiting")
+        else:
+            free = snap.num_free_blocks - queued_blocks(snap, spec.block_size)
+            need = math.ceil(ctx.request.prompt_tokens / spec.block_size)
+            parts.append(f"{spec.name} {max(free, 0)} KV blocks free after its queue, "
+                         f"{need} needed")
+    return "no engine has room for it: " + "; ".join(parts)
+
+
 def patience_s(adm: AdmissionConfig, request: Request) -> float:
     """How long a request may be held: ``admission.patience_s``, or its TTFT target,
     at most ``admission.max_patience_s``."""
@@ -46,16 +121,27 @@ def still_patient(adm: AdmissionConfig, request: Request, waited_s: float) -> bo
 def hold_shed_or_defer(ctx: RoutingContext, adm: AdmissionConfig, why: str,
                        explanation: Mapping[str, tuple[float, ...]],
                        forget: Callable[[int], None],
-                       defer: Callable[[float], Decision]) -> Decision:
+                       defer: Callable[[float, int | None], Decision],
+                       room: Callable[[], list[int]] | None = None) -> Decision:
     """No instance takes the request now (``why``): hold it while it is patient. Once its
-    patience has run out the policy ``forget``s it, and it is shed (``admission: shed``)
-    or dispatched as ``defer(waited_s)`` decides (``admission: defer``)."""
+    patience has run out the policy ``forget``s it, and ``defer(waited_s, None)`` decides
+    where it goes (``admission: defer``); under ``admission: shed`` it goes as
+    ``defer(waited_s, g)`` to the first instance ``room()`` names (those whose engines
+    have room for it, the policy's best first) and is refused only when there is none,
+    the refusal typed ``no_room`` (``Decision.refusal``). Without ``room`` it is
+    refused (``patience``)."""
     req = ctx.request
     waited = ctx.now_s - req.arrival_s
     if still_patient(adm, req, waited):
         return Decision(req.request_id, "hold", None, f"held: {why}", explanation)
     forget(req.request_id)
-    if adm.mode == "shed":
-        return Decision(req.request_id, "shed", None, f"shed after {waited * 1e3:.0f} ms: {why}",
-                        explanation)
-    return defer(waited)
+    if adm.mode == "defer":
+        return defer(waited, None)
+    if room is None:
+        return Decision(req.request_id, "shed", None, f"shed after {waited * 1e3:.0f} ms: "
+                        f"{why}", explanation, refusal="patience")
+    open_ = room()
+    if open_:
+        return defer(waited, open_[0])
+    return Decision(req.request_id, "shed", None, f"shed after {waited * 1e3:.0f} ms: "
+                    f"{fullness(ctx)}", explanation, refusal="no_room")

@@ -8,7 +8,9 @@ positive and that instance can start it now (a free batch slot, KV blocks for it
 prompt, and no more than ``admission.max_waiting`` requests queued there); otherwise it
 is held in the router's central buffer and re-scored every slot. When its patience runs
 out (default: its TTFT target), ``admission: defer`` sends it to the best instance and
-``admission: shed`` refuses it.
+``admission: shed`` to the best instance whose engine has room for it (a batch slot and
+KV blocks left after its queue: ``olproute.policies.admission``), refusing it only when
+none has: the prices may hold a request, never refuse what the engines can take.
 
 Against herding on the momentarily cheapest instance: the TTFT term reads fresh
 snapshots that already hold the router's own dispatches (stale ones get the router's
@@ -22,7 +24,8 @@ Parameter ``form`` (BEAR's two forms, with the prices):
   on time (TTFT, counted from the arrival, within the request's target) the highest
   r_jg - a_jg . p_g, ties to the smaller TTFT; with none on time the request is held
   (a later slot may find one) until its patience, then deferred to the best Lagrangian
-  score or shed as ``admission`` says. On disaggregated pools the same over pairs;
+  score or, under shed, as above. On disaggregated pools the same over pairs (there a
+  request out of patience is shed without the room check);
 - ``primal``: the online LP's primal rule (Agrawal, Wang and Ye; Li and Ye), an
   ablation of the others: the request goes, at its first decision, to the instance
   with the highest r_jg - a_jg . p_g if that is positive and its usage column fits the
@@ -50,6 +53,7 @@ from olproute.policies.admission import (
     hold_shed_or_defer,
     room_to_start,
     still_patient,
+    with_room,
 )
 from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, PolicyParams
 from olproute.policies.bid_price_pools import PoolBidPrice
@@ -549,14 +553,25 @@ class BidPrice(Policy):
         spec = self._specs[g]
         if self._form == "primal":   # decided once, at arrival: refused now
             self._seen.discard(req.request_id)
-            return Decision(req.request_id, "shed", None, f"refused: {why}", explanation)
+            return Decision(req.request_id, "shed", None, f"refused: {why}", explanation,
+                            refusal="price")
 
-        def defer(waited_s: float) -> Decision:
-            self._account(g, row, ctx.now_s)
-            return Decision(req.request_id, "dispatch", g, f"deferred to {spec.name} after "
-                            f"{waited_s * 1e3:.0f} ms: {why}", explanation)
+        def defer(waited_s: float, to: int | None) -> Decision:
+            if to is None:
+                self._account(g, row, ctx.now_s)
+                return Decision(req.request_id, "dispatch", g, f"deferred to {spec.name} "
+                                f"after {waited_s * 1e3:.0f} ms: {why}", explanation)
+            self._account(to, row, ctx.now_s)
+            return Decision(req.request_id, "dispatch", to, f"not refused after "
+                            f"{waited_s * 1e3:.0f} ms: {self._specs[to].name}'s engine has "
+                            f"room for it (held: {why})", explanation)
 
-        return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer)
+        def room() -> list[int]:   # the candidates whose engines have room, best first
+            ranked = candidates[np.argsort(-score[candidates], kind="stable")]
+            return with_room(ctx, ranked.tolist())
+
+        return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer,
+                                  room)
 
     def _sample(self, req: Request, sc: _Scores, j: int, ctx: RoutingContext) -> None:
         """A request's first sight: an arrival for the rate estimate, and a sample of

@@ -181,7 +181,7 @@ class PoolBidPrice(Policy):
                if score[best] <= 0
                else "no positive pair can start now with its decode KV and TPOT in reach")
 
-        def defer(waited_s: float) -> Decision:
+        def defer(waited_s: float, _: int | None) -> Decision:
             # the best Lagrangian pair; under the constrained form with pairs on time,
             # the best of those (as on mixed instances)
             rank: FloatArray = (np.where(on_time, score, -np.inf).reshape(pairs.score.shape)

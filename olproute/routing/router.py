@@ -222,6 +222,19 @@ class Router:
             hashes = request.engine_block_hashes[g]
         return self.prefixes.sent(g, hashes, request.prompt_tokens)
 
+    def context_limits(self) -> tuple[int, ...]:
+        """Per instance, the most tokens a request (prompt + output) may hold there: its
+        model's context window (``max_context_tokens``), at most its KV cache."""
+        models = self.loaded.profiles.models
+        return tuple(min(s.kv_capacity_tokens, models[s.model].max_context_tokens)
+                     if s.model in models else s.kv_capacity_tokens for s in self.specs)
+
+    def too_long(self, prompt_tokens: int, max_tokens: int) -> frozenset[int]:
+        """The instances whose context or KV cannot hold a request of ``prompt_tokens`` and
+        ``max_tokens`` (``context_limits``): their engines would refuse it."""
+        return frozenset(g for g, limit in enumerate(self.context_limits())
+                         if prompt_tokens + max_tokens > limit)
+
     def cache_lost(self, g: int) -> None:
         """Backend g was marked down or restarted: whatever it cached is gone, or may be;
         the index forgets it (a short outage that kept the cache costs some misses of
@@ -236,11 +249,13 @@ class Router:
     def _no_backend(self, request_id: int, healthy: Sequence[bool]) -> Decision | None:
         """A shed when no healthy backend (in either pool) could take a request."""
         if not any(healthy):
-            return Decision(request_id, "shed", None, "no healthy backend")
+            return Decision(request_id, "shed", None, "no healthy backend",
+                            refusal="no_backend")
         if self.pools.disaggregated:
             for role, group in (("prefill", self.pools.prefill), ("decode", self.pools.decode)):
                 if not any(healthy[g] for g in group.tolist()):
-                    return Decision(request_id, "shed", None, f"no healthy {role} backend")
+                    return Decision(request_id, "shed", None, f"no healthy {role} backend",
+                                    refusal="no_backend")
         return None
 
     def _healthy(self, d: Decision, loads: tuple[InstanceLoad, ...],

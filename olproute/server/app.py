@@ -675,7 +675,8 @@ async def route(request: web.Request) -> web.Response:
               "instance": None if d.instance is None else names[d.instance],
               "decode_instance": None if d.decode_instance is None
               else names[d.decode_instance],
-              "reason": d.reason, "policy": st.router.policy_name, "instances": names,
+              "reason": d.reason, "refusal": d.refusal, "policy": st.router.policy_name,
+              "instances": names,
               "explanation": explanation_doc(d.explanation, prediction)}   # schema.RouteAnswer
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 

@@ -77,6 +77,12 @@ class ServerMetrics:
                                     "their client left", registry=r)
         self.held_full = Counter("olproute_held_full", "Requests refused because the central "
                                  "buffer was full (admission.max_held)", registry=r)
+        self.refused = Counter(
+            "olproute_refused", "Requests the router refused itself, by reason: no_room (no "
+            "engine could start it once its patience ran out: 429), patience (out of "
+            "patience where the policy knows no room: 429), buffer_full (429), no_backend "
+            "(none healthy: 429), price (the primal form: 429), context (longer than any "
+            "instance's context or KV: 400)", ["reason"], registry=r)
         self.loop_lag_seconds = Histogram(
             "olproute_loop_lag_seconds", "How late the event loop ran a timer (sampled every "
             "10 ms)", buckets=LOOP_LAG_BUCKETS_S, registry=r)

@@ -72,9 +72,12 @@ def decision_headers(request: web.Request, decision: Decision, req: Request,
 
 def error_response(status: int, message: str, param: str | None = None,
                    kind: str = "invalid_request_error",
-                   headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param}},
-                             status=status, headers=headers)
+                   headers: dict[str, str] | None = None,
+                   code: str | None = None) -> web.Response:
+    error: dict[str, Any] = {"message": message, "type": kind, "param": param}
+    if code is not None:
+        error["code"] = code
+    return web.json_response({"error": error}, status=status, headers=headers)
 
 
 
@@ -172,7 +175,8 @@ async def decide_until_dispatch(st: ServerState, req: Request, client: web.Reque
     if holding.full():
         st.metrics.held_full.inc()
         return Decision(req.request_id, "shed", None,
-                        f"the central buffer is full ({holding.max_held} requests held)")
+                        f"the central buffer is full ({holding.max_held} requests held)",
+                        refusal="buffer_full")
     st.metrics.held.inc()
     held: Decision | None = None
     try:
@@ -238,26 +242,53 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # a chat's messages, for the backends that name its blocks as their engine does
     messages = ([m.model_dump(exclude_none=True) for m in body.messages]
                 if isinstance(body, ChatBody) and any(st.router.namers) else None)
-    req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_s,
-                                request.headers.get("x-slo-class", "default"), text,
-                                prompt_ids=prompt_ids_of(body), chat=messages)
     # a model the pool serves (by its profile's name or the name a backend answers to)
     # constrains the choice; any other name is an alias
     names = [(b.spec.model, b.served_model) for b in st.tracker.backends]
     exclude = (frozenset(g for g, pair in enumerate(names) if body.model not in pair)
                if any(body.model in pair for pair in names) else frozenset())
+    # the instances whose engines would refuse it as too long (a prompt's words are
+    # at most its tokens): none left is a 400, never a wait
+    unfit = st.router.too_long(prompt_tokens, max_tokens)
+    if unfit | exclude == frozenset(range(len(st.router.specs))):
+        st.metrics.refused.labels("context").inc()
+        return never_servable(st, prompt_tokens, max_tokens, exclude)
+    exclude |= unfit
+    req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_s,
+                                request.headers.get("x-slo-class", "default"), text,
+                                prompt_ids=prompt_ids_of(body), chat=messages)
     decision = await decide_until_dispatch(st, req, request, exclude)
     if decision is None:   # the client left while its request was held: nobody reads this
         return web.Response(status=499)
-    if decision.action == "shed":
+    if decision.action == "shed":   # load only: a request nothing could serve is a 400
         st.observe(_outcome(req, None, None, None, None, 0))
+        refusal = decision.refusal or "patience"
+        st.metrics.refused.labels(refusal).inc()
         return error_response(429, f"request refused: {decision.reason}", kind="rate_limited",
+                              code=refusal,
                               headers=decision_headers(request, decision, req, max_tokens, {
                                   "Retry-After": str(server.retry_after_s),
                                   "x-olproute-reason": _ascii(decision.reason)}))
     if decision.decode_instance is not None:
         return await _forward_pair(request, st, req, decision, data, body.stream)
     return await _forward(request, st, req, decision, data, body.stream, exclude)
+
+
+def never_servable(st: ServerState, prompt_tokens: int, max_tokens: int,
+                   exclude: frozenset[int]) -> web.Response:
+    """The 400 of a request no instance (of those serving its model) could ever hold, as
+    vLLM answers a prompt past its context: naming ``prompt`` when the prompt alone
+    leaves no room for output, else ``max_tokens``."""
+    limits = st.router.context_limits()
+    limit = max(limits[g] for g in range(len(limits)) if g not in exclude)
+    if prompt_tokens + 1 > limit:
+        return error_response(400, f"the prompt has at least {prompt_tokens} tokens; the "
+                              f"most any instance holds is {limit} tokens, prompt and "
+                              "output (its model's context, its KV cache)", param="prompt",
+                              code="context_length_exceeded")
+    return error_response(400, f"the most any instance holds is {limit} tokens; "
+                          f"{prompt_tokens} prompt + {max_tokens} requested tokens exceed "
+                          "it", param="max_tokens", code="context_length_exceeded")
 
 
 async def _forward(request: web.Request, st: ServerState, req: Request, decision: Decision,

@@ -155,6 +155,9 @@ class RouteAnswer(BaseModel):
         default=None, description="disaggregated pools: the decode instance (``instance`` "
                                   "is then the prefill instance)")
     reason: str
+    refusal: str | None = Field(
+        default=None, description="a shed's kind: no_room, patience, buffer_full, "
+                                  "no_backend or price (olproute.types.REFUSALS)")
     policy: str
     instances: list[str]
     explanation: ExplanationDoc

@@ -395,7 +395,7 @@ class _Run:
             max_held = self.cluster.max_held
             if max_held is not None and len(router.held) >= max_held:
                 decision = Decision(rid, "shed", None, f"buffer full ({max_held} "
-                                    "requests held)")
+                                    "requests held)", refusal="buffer_full")
             else:
                 router.held[rid] = None
                 self._next_retry(now, rid, router)

@@ -5,17 +5,19 @@ router still answers ``/healthz``."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from olproute.config.loader import load_config
 from olproute.server.state import STATE
@@ -24,9 +26,9 @@ from tests.conftest import HANG_S, PROFILES
 from tests.integration.server_harness import Stack, wait_until
 from tests.integration.test_server import CAL, backend_errors, request, stream
 
-# an instance whose KV cache holds 2,048 tokens: a 3,000-word prompt never starts there,
-# so bid_price holds it until its patience runs out
-NEVER_FITS = " ".join(["word"] * 3000)
+# a short prompt: with every engine's one batch slot taken (``_fill``) it cannot start
+# anywhere, so bid_price holds it until its patience runs out, then refuses it (no_room)
+NO_ROOM = "a request with nowhere to start"
 
 
 def _config(tmp_path: Path, admission: dict[str, Any] | None = None,
@@ -35,7 +37,7 @@ def _config(tmp_path: Path, admission: dict[str, Any] | None = None,
     data: dict[str, Any] = {
         "profiles": str(PROFILES),
         "instances": [{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 2,
-                       "kv_capacity_tokens": 2048}],
+                       "kv_capacity_tokens": 2048, "max_num_seqs": 1}],
         "router": {"policy": "bid_price", "slot_ms": 20, **(router or {})},
         "prices": {"period_slots": 5, "window": 200, "minibatch": 32},
         "admission": {"mode": "shed", **(admission or {})},
@@ -53,12 +55,48 @@ def _stack(tmp_path: Path, **sections: dict[str, Any]) -> Stack:
     return Stack(loaded, num_fakes=2, calibration=CalibrationSource(loaded, known=[CAL] * 2))
 
 
+def _fill(s: Stack) -> Callable[[], None]:
+    """Take each engine's one batch slot with a stream held after its first token (its
+    engine running it, as the router sees): no engine has room for anything more. Returns
+    the call that lets them finish."""
+    holds = [s.call(asyncio.Event) for _ in s.fakes]
+    for fake, hold in zip(s.fakes, holds, strict=True):
+        fake.hold, fake.hold_after = hold, 1
+    done: list[int] = []
+
+    def one() -> None:
+        status, _, _ = stream(s.url, "/v1/completions",
+                              {"prompt": "blocker", "max_tokens": 3, "stream": True})
+        done.append(status)
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in s.fakes]
+    for t in threads:
+        t.start()
+        # the next blocker goes where there is still room
+        assert wait_until(lambda t=t: sum(f.requests for f in s.fakes)
+                          == threads.index(t) + 1, timeout=HANG_S)
+    tracker = s.app[STATE].tracker
+    assert wait_until(lambda: s.call(lambda: all(
+        any(f.tokens for f in b.flights.values()) for b in tracker.backends)), timeout=HANG_S)
+
+    def release() -> None:
+        for fake, hold in zip(s.fakes, holds, strict=True):
+            fake.hold = None
+            s.release(hold)
+        for t in threads:
+            t.join(HANG_S)
+        assert done == [200] * len(threads)
+    return release
+
+
 @pytest.fixture
 def flood(tmp_path: Path) -> Iterator[Stack]:
     s = _stack(tmp_path, admission={"max_patience_s": 600.0, "max_held": 64})
+    release = _fill(s)
     try:
         yield s
     finally:
+        release()
         s.close()
 
 
@@ -76,7 +114,7 @@ def _held(stack: Stack) -> int:
 def _open_held(url: str, n: int, ttft_ms: str = "3600000") -> list[socket.socket]:
     """``n`` raw connections, each sending a request that is held, then left open."""
     u = urlparse(url)
-    body = json.dumps({"prompt": NEVER_FITS, "max_tokens": 4, "stream": True}).encode()
+    body = json.dumps({"prompt": NO_ROOM, "max_tokens": 4, "stream": True}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\n"
             f"Content-Type: application/json\r\nx-slo-ttft-ms: {ttft_ms}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
@@ -89,9 +127,9 @@ def _open_held(url: str, n: int, ttft_ms: str = "3600000") -> list[socket.socket
 
 
 def test_held_requests_whose_clients_left_are_dropped_at_once(flood: Stack) -> None:
-    """40 requests that can never start, asking for an hour of patience: held. Their
+    """40 requests no engine has room for, asking for an hour of patience: held. Their
     clients leave; the buffer empties, no re-scoring goes on for them, and no backend
-    ever saw one."""
+    ever saw one (only the two streams that fill them)."""
     socks = _open_held(flood.url, 40)
     assert wait_until(lambda: _held(flood) == 40, timeout=HANG_S)
     for s in socks:
@@ -102,17 +140,18 @@ def test_held_requests_whose_clients_left_are_dropped_at_once(flood: Stack) -> N
     before = flood.call(lambda: holding.stats.rescored)
     assert not wait_until(lambda: flood.call(lambda: holding.stats.rescored) > before,
                           timeout=0.5)   # nothing left to re-score
-    assert sum(f.requests for f in flood.fakes) == 0
+    assert sum(f.requests for f in flood.fakes) == 2
     _healthy(flood)
 
 
 def test_a_full_buffer_refuses_at_once_with_retry_after(tmp_path: Path) -> None:
     s = _stack(tmp_path, admission={"max_patience_s": 600.0, "max_held": 3})
+    release = _fill(s)
     try:
         socks = _open_held(s.url, 3)
         assert wait_until(lambda: _held(s) == 3, timeout=HANG_S)
         status, headers, raw = request(s.url, "POST", "/v1/completions",
-                                       {"prompt": NEVER_FITS, "max_tokens": 4},
+                                       {"prompt": NO_ROOM, "max_tokens": 4},
                                        headers={"x-slo-ttft-ms": "3600000"})
         assert status == 429 and headers["retry-after"] == "1"
         error = json.loads(raw)["error"]
@@ -124,32 +163,81 @@ def test_a_full_buffer_refuses_at_once_with_retry_after(tmp_path: Path) -> None:
         assert wait_until(lambda: _held(s) == 0, timeout=HANG_S)
         _healthy(s)
     finally:
+        release()
         s.close()
 
 
 def test_patience_is_capped_whatever_the_header_asks(tmp_path: Path) -> None:
     """x-slo-ttft-ms asks for an hour; admission.max_patience_s (0.2 s) wins: the request
-    that can never start is refused instead of being held for an hour."""
+    no engine has room for is refused instead of being held for an hour, typed
+    no_room with each engine's figure, and counted by that reason. Once the engines
+    have room the same request is served."""
     s = _stack(tmp_path, admission={"max_patience_s": 0.2})
+    release = _fill(s)
     try:
         status, headers, raw = request(s.url, "POST", "/v1/completions",
-                                       {"prompt": NEVER_FITS, "max_tokens": 4},
+                                       {"prompt": NO_ROOM, "max_tokens": 4},
                                        headers={"x-slo-ttft-ms": "3600000"})
         assert status == 429 and "retry-after" in headers
-        assert "shed after" in json.loads(raw)["error"]["message"]
+        error = json.loads(raw)["error"]
+        assert "shed after" in error["message"] and error["code"] == "no_room"
+        assert "q-0 1/1 running" in error["message"] and "q-1 1/1 running" in error["message"]
+        assert _refused(s) == {"no_room": 1.0}
+        release()
+        assert wait_until(lambda: s.call(lambda: not any(
+            b.flights for b in s.app[STATE].tracker.backends))), "the blockers finished"
+        status, _, _ = request(s.url, "POST", "/v1/completions",
+                               {"prompt": NO_ROOM, "max_tokens": 4})
+        assert status == 200
         _healthy(s)
     finally:
+        release()
         s.close()
+
+
+def test_a_request_no_instance_could_ever_hold_is_a_400_at_once(tmp_path: Path) -> None:
+    """Each instance holds 2,048 tokens: a 3,000-word prompt (at least 3,000 tokens) is a
+    400 naming the prompt, and 1,000 words asking for 1,500 tokens a 400 naming
+    max_tokens, both at once and typed as vLLM types them (never a 429 a client would
+    retry forever); no backend sees either."""
+    s = _stack(tmp_path, admission={"max_patience_s": 600.0})
+    try:
+        status, headers, raw = request(s.url, "POST", "/v1/completions",
+                                       {"prompt": " ".join(["word"] * 3000), "max_tokens": 4})
+        error = json.loads(raw)["error"]
+        assert status == 400 and "retry-after" not in headers
+        assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+        assert "at least 3000 tokens" in error["message"] and "2048" in error["message"]
+        status, _, raw = request(s.url, "POST", "/v1/completions",
+                                 {"prompt": " ".join(["word"] * 1000), "max_tokens": 1500})
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == "max_tokens"
+        assert sum(f.requests for f in s.fakes) == 0
+        assert _refused(s) == {"context": 2.0}
+        status, _, _ = request(s.url, "POST", "/v1/completions",
+                               {"prompt": " ".join(["word"] * 1000), "max_tokens": 40})
+        assert status == 200
+    finally:
+        s.close()
+
+
+def _refused(s: Stack) -> dict[str, float]:
+    _, _, body = request(s.url, "GET", "/metrics")
+    return {x.labels["reason"]: x.value
+            for fam in text_string_to_metric_families(body.decode())
+            if fam.name == "olproute_refused" for x in fam.samples
+            if x.name == "olproute_refused_total"}
 
 
 def test_held_requests_decided_together_are_shed_at_patience_and_others_served(
         tmp_path: Path) -> None:
     """bid_price deciding its held requests together (release: density): three requests
-    that can never start, held at once, are each refused after their patience by the
-    joint pass (one call per slot); a request that fits is served; no backend saw the
-    three."""
+    no engine has room for, held at once, are each refused after their patience by the
+    joint pass (one call per slot); once the engines have room a request is served; no
+    backend saw the three."""
     s = _stack(tmp_path, admission={"max_patience_s": 0.3},
                router={"policy_params": {"bid_price": {"release": "density"}}})
+    release = _fill(s)
     try:
         st = s.app[STATE]
         assert st.router.policy.joint_release
@@ -174,12 +262,14 @@ def test_held_requests_decided_together_are_shed_at_patience_and_others_served(
         assert holding is not None
         assert s.call(lambda: holding.stats.rescored) >= 3
         assert passes and max(passes) >= 2   # the buffer went to the router in one call
-        assert sum(f.requests for f in s.fakes) == 0
+        assert sum(f.requests for f in s.fakes) == 2   # the blockers alone
+        release()
         status, _, raw = request(s.url, "POST", "/v1/completions",
                                  {"prompt": "hello there", "max_tokens": 4})
         assert status == 200 and json.loads(raw)["choices"]
         _healthy(s)
     finally:
+        release()
         s.close()
 
 

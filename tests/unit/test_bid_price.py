@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from olproute.config.loader import AdmissionConfig, PriceConfig, RewardConfig
 from olproute.estimate.calibration import InstanceCalibration
 from olproute.policies import REGISTRY, PolicyEnv
+from olproute.policies.admission import engine_has_room
 from olproute.policies.bid_price import BidPrice, can_start_now
 from olproute.pricing.book import PriceBook
 from olproute.pricing.reward import (
@@ -502,6 +503,7 @@ def test_hold_then_defer_or_shed_at_patience() -> None:
         assert d.action == "hold"
         d = policy.decide(_ctx((full, full), now=0.2))
         assert d.action == final and "after 200 ms" in d.reason
+        assert d.refusal == (None if mode == "defer" else "no_room")
 
 
 def test_can_start_now() -> None:
@@ -510,6 +512,38 @@ def test_can_start_now() -> None:
     assert not can_start_now(_snap(n_running=1, n_waiting=1), 300, 16, 4, 0)
     assert can_start_now(_snap(n_running=1, n_waiting=1), 300, 16, 4, 1)
     assert not can_start_now(_snap(free=10), 300, 16, 4, 0)
+
+
+def test_engine_has_room_is_the_engines_admission_rule() -> None:
+    """As vLLM's scheduler takes its queue in: a batch slot and the prompt's KV blocks
+    left once the requests waiting ahead got theirs (a 300-token prompt needs 19 blocks
+    of 16; a waiting 500-token prompt takes 32)."""
+    assert engine_has_room(_snap(n_running=1, n_waiting=2), 300, 16, 4)
+    assert not engine_has_room(_snap(n_running=1, n_waiting=3), 300, 16, 4)
+    assert not engine_has_room(_snap(n_running=4), 300, 16, 4)
+    assert engine_has_room(_snap(n_running=1, n_waiting=1, free=51), 300, 16, 4)
+    assert not engine_has_room(_snap(n_running=1, n_waiting=1, free=50), 300, 16, 4)
+
+
+def test_a_held_request_is_refused_only_when_no_engine_has_room() -> None:
+    """The prices may hold a request while it is patient; once its patience runs out
+    under shed it goes to the best instance whose engine has room for it, and is refused
+    (typed no_room, each engine's figure in its reason) only when none has."""
+    policy = _policy(admission=AdmissionConfig(mode="shed", patience_s=0.2))
+    policy.book.p[:] = 1e6   # every instance priced far above the request's reward
+    policy.book.advance(0.0)
+    policy.book.set_cumsums()
+    queued = (_snap(n_running=1, n_waiting=1), _snap(n_running=2, n_waiting=1))
+    d = policy.decide(_ctx(queued, now=0.0))
+    assert d.action == "hold" and "<= 0" in d.reason
+    d = policy.decide(_ctx(queued, now=0.2))
+    assert d.action == "dispatch" and d.refusal is None
+    assert "not refused after 200 ms" in d.reason and "has room for it" in d.reason
+    full = (_snap(n_running=4), _snap(n_running=3, n_waiting=1))
+    policy.decide(_ctx(full, now=0.0, rid=2))
+    d = policy.decide(_ctx(full, now=0.2, rid=2))
+    assert d.action == "shed" and d.refusal == "no_room"
+    assert "4/4 running, 0 waiting" in d.reason and "3/4 running, 1 waiting" in d.reason
 
 
 @pytest.mark.parametrize("release", ["in_order", "density"])
@@ -623,22 +657,29 @@ def test_the_constrained_form_takes_the_best_on_time_instance() -> None:
     assert con.explanation["score"] == pytest.approx(tuple(net))
 
 
-def test_the_constrained_form_refuses_what_the_lagrangian_form_sends_late() -> None:
+def test_the_constrained_form_holds_what_the_lagrangian_form_sends_late() -> None:
     """A 5 ms target no instance can meet: the Lagrangian form dispatches (late, with a
-    positive score); the constrained form holds the request while it is patient and
-    then sheds it (or, under admission: defer, sends it to the best Lagrangian score)."""
+    positive score); the constrained form holds the request while it is patient, then
+    sends it to the best Lagrangian score (admission: defer) or, under shed, to the best
+    instance whose engine has room: a missed target is no reason to refuse what the
+    engines can serve. With every engine full it is shed."""
     snaps = (_snap(), _snap(n_running=2))
     lag = _policy().decide(_ctx(snaps, target=0.005))
     assert lag.action == "dispatch" and lag.explanation["on_time"] == (0.0, 0.0)
-    for mode, final in (("shed", "shed"), ("defer", "dispatch")):
+    for mode in ("shed", "defer"):
         policy = _policy(admission=AdmissionConfig(mode=mode, patience_s=0.2),
                          form="constrained")
         d = policy.decide(_ctx(snaps, now=0.0, target=0.005))
         assert d.action == "hold" and "no instance is predicted to meet its 5 ms" in d.reason
         d = policy.decide(_ctx(snaps, now=0.2, target=0.005))
-        assert d.action == final and "after 200 ms" in d.reason
-        if final == "dispatch":
-            assert d.instance == lag.instance
+        assert d.action == "dispatch" and "after 200 ms" in d.reason
+        assert d.instance == lag.instance
+    policy = _policy(admission=AdmissionConfig(mode="shed", patience_s=0.2),
+                     form="constrained")
+    full = (_snap(n_running=4), _snap(n_running=4))
+    policy.decide(_ctx(full, now=0.0, target=0.005))
+    d = policy.decide(_ctx(full, now=0.2, target=0.005))
+    assert d.action == "shed" and d.refusal == "no_room"
 
 
 def test_the_primal_form_dispatches_on_reward_net_of_price_or_refuses_at_once() -> None:
