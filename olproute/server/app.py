@@ -110,6 +110,8 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
     app.cleanup_ctx.append(_lifecycle(loaded, calibration, certifier, predictor, resolver))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_post("/route", route)
     app.router.add_get("/prices", prices)
     app.router.add_get("/instances", instances)
@@ -669,6 +671,27 @@ async def route(request: web.Request) -> web.Response:
               "reason": d.reason, "policy": st.router.policy_name, "instances": names,
               "explanation": explanation_doc(d.explanation, prediction)}   # schema.RouteAnswer
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+
+async def models(request: web.Request) -> web.Response:
+    """The models the pool serves, in OpenAI's list shape (``schema.ModelList``)."""
+    st = request.app[STATE]
+    return web.json_response({"object": "list", "data": [
+        model_card(name, st.started_unix_s) for name in st.served_models()]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """One model the pool serves (``schema.ModelCard``), else 404 ``model_not_found``."""
+    st = request.app[STATE]
+    name = request.match_info["model"]
+    if name not in st.served_models():
+        return proxy.model_not_found(name)
+    return web.json_response(model_card(name, st.started_unix_s))
+
+
+def model_card(name: str, created_s: int) -> dict[str, Any]:
+    """A served model as OpenAI describes one (``schema.ModelCard``)."""
+    return {"id": name, "object": "model", "created": created_s, "owned_by": "olproute"}
 
 
 async def prices(request: web.Request) -> web.Response:

@@ -36,6 +36,7 @@ from olproute.server.schema import (
     ChatBody,
     CompletionBody,
     dump_json,
+    error_doc,
     explanation_doc,
     parse_json,
     prediction_doc,
@@ -72,10 +73,18 @@ def decision_headers(request: web.Request, decision: Decision, req: Request,
 
 def error_response(status: int, message: str, param: str | None = None,
                    kind: str = "invalid_request_error",
-                   headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param}},
-                             status=status, headers=headers)
+                   headers: dict[str, str] | None = None,
+                   code: str | None = None) -> web.Response:
+    """An error answer in the router's one JSON shape (``schema.error_doc``)."""
+    return web.json_response(error_doc(message, kind, param, code), status=status,
+                             headers=headers)
 
+
+def model_not_found(model: str) -> web.Response:
+    """The 404 of a ``model`` no backend serves, as OpenAI answers it."""
+    return error_response(404, f"model {_ascii(model, 100)!r} is not served here (GET "
+                          "/v1/models lists the models served)", param="model",
+                          code="model_not_found")
 
 
 async def _post(st: ServerState, g: int, path: str, body: dict[str, Any]
@@ -232,6 +241,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ttft_s = _ttft_target_s(request, server.default_ttft_ms)
     except BadRequest as exc:
         return web.json_response(exc.as_json(), status=400)
+    # a model the pool serves (by its profile's name or the name a backend answers to)
+    # constrains the choice; any other is unknown, or with server.any_model an alias
+    exclude = st.model_exclude(body.model)
+    if exclude is None:
+        return model_not_found(str(body.model))
     max_tokens = body.max_completion_tokens or body.max_tokens or server.default_max_tokens
     data["max_tokens"] = max_tokens  # the backend generates exactly what was accounted for
     prompt_tokens, text = prompt_tokens_of(body)
@@ -241,11 +255,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = st.router.new_request(st.now(), prompt_tokens, max_tokens, ttft_s,
                                 request.headers.get("x-slo-class", "default"), text,
                                 prompt_ids=prompt_ids_of(body), chat=messages)
-    # a model the pool serves (by its profile's name or the name a backend answers to)
-    # constrains the choice; any other name is an alias
-    names = [(b.spec.model, b.served_model) for b in st.tracker.backends]
-    exclude = (frozenset(g for g, pair in enumerate(names) if body.model not in pair)
-               if any(body.model in pair for pair in names) else frozenset())
     decision = await decide_until_dispatch(st, req, request, exclude)
     if decision is None:   # the client left while its request was held: nobody reads this
         return web.Response(status=499)

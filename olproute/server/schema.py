@@ -38,8 +38,15 @@ class BadRequest(ValueError):
 
     def as_json(self) -> dict[str, Any]:
         """OpenAI's error shape."""
-        return {"error": {"message": str(self), "type": "invalid_request_error",
-                          "param": self.field or None}}
+        return error_doc(str(self), param=self.field or None)
+
+
+def error_doc(message: str, kind: str = "invalid_request_error", param: str | None = None,
+              code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, the one of every error the router answers (``ERROR_SCHEMA``):
+    ``kind`` is its ``type``, ``param`` the field at fault, ``code`` a machine-readable
+    reason (``model_not_found``), each None when there is none."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 # strict: no coercion (true is not 1, "5" is not 5); no NaN or infinity
@@ -158,6 +165,22 @@ class RouteAnswer(BaseModel):
     policy: str
     instances: list[str]
     explanation: ExplanationDoc
+
+
+class ModelCard(BaseModel):
+    """A model the pool serves: a backend's served name or its profile's model name."""
+
+    id: str = Field(description="the name a request's model may give")
+    object: Literal["model"] = "model"
+    created: int = Field(description="when the router started, Unix seconds")
+    owned_by: Literal["olproute"] = "olproute"
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``: the models the pool serves, deduplicated, in backend order."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 def explanation_doc(explanation: Mapping[str, Sequence[float]],
@@ -338,15 +361,24 @@ def prompt_tokens_of(body: CompletionBody | ChatBody) -> tuple[int, str | None]:
 ERROR_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["error"],
     "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param"],
+        "type": "object", "required": ["message", "type", "param", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"],
-                                 "description": "the field at fault, if one is"}}}}}
+                                 "description": "the field at fault, if one is"},
+                       "code": {"type": ["string", "null"],
+                                "description": "a machine-readable reason, if there is "
+                                               "one (model_not_found)"}}}}}
 
 
 def _error(description: str) -> dict[str, Any]:
     return {"description": description,
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _ref(description: str, name: str) -> dict[str, Any]:
+    """A 200 answer of the JSON schema ``name`` (components/schemas)."""
+    return {"description": description, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{name}"}}}}
 
 
 def _body(name: str) -> dict[str, Any]:
@@ -380,6 +412,8 @@ def _proxied(summary: str, body: str) -> dict[str, Any]:
                                    " and x-olproute-explanation when x-olproute-explain asks"},
             **_BODY_ERRORS,
             "429": _error("shed; see Retry-After"),
+            "404": _error("no backend serves the body's model (code model_not_found; "
+                          "unless server.any_model)"),
             "502": _error("the backend failed"), "503": _error("no backend after a failure")}}}
 
 
@@ -398,11 +432,28 @@ def _get(summary: str, description: str = "") -> dict[str, Any]:
                                                                  or summary}}}}
 
 
+def _models_paths() -> dict[str, Any]:
+    """``GET /v1/models`` and ``GET /v1/models/{model}``, as OpenAI's."""
+    return {
+        "/v1/models": {"get": {
+            "summary": "the models the pool serves (OpenAI's list): each backend's "
+                       "served_model and its profile's model name; a completion naming "
+                       "another is a 404 unless server.any_model",
+            "responses": {"200": _ref("the served models", "ModelList")}}},
+        "/v1/models/{model}": {"get": {
+            "summary": "one served model",
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": _ref("the model", "ModelCard"),
+                          "404": _error("no backend serves it (code model_not_found)")}}}}
+
+
 def openapi() -> dict[str, Any]:
     """The OpenAPI 3.1 document of the router's own endpoints."""
     _, defs = models_json_schema(
         [(m, "validation") for m in (CompletionBody, ChatBody, RouteBody, ReloadBody)]
-        + [(RouteAnswer, "serialization")], ref_template="#/components/schemas/{model}")
+        + [(m, "serialization") for m in (RouteAnswer, ModelList)],
+        ref_template="#/components/schemas/{model}")
     return {
         "openapi": "3.1.0",
         "info": {"title": "olproute", "version": "0.1.0",
@@ -422,6 +473,7 @@ def openapi() -> dict[str, Any]:
                                         "chosen instance", "CompletionBody"),
             "/v1/chat/completions": _proxied("OpenAI-compatible chat completion, proxied to "
                                              "the chosen instance", "ChatBody"),
+            **_models_paths(),
             "/prices": _get("shadow prices per instance and slot, the last live "
                             "certificate of them (D(p_online)/LP* - 1 over a window), and "
                             "the last re-solve of the LP for them (resolve)"),

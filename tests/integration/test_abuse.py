@@ -1,5 +1,5 @@
 """Bad input, as an attacker or a careless client sends it, against a real router on
-127.0.0.1 (issue 20): each case answers a 4xx in OpenAI's error shape naming the field,
+127.0.0.1: each case answers a 4xx in OpenAI's error shape naming the field,
 echoes nothing of a file it pointed at, leaves the running router as it was, and the
 router still answers /healthz afterwards.
 
@@ -61,6 +61,7 @@ def error_of(raw: bytes) -> dict[str, Any]:
     assert isinstance(err["message"], str) and err["message"], err
     assert isinstance(err["type"], str) and err["type"], err
     assert err["param"] is None or isinstance(err["param"], str), err
+    assert err["code"] is None or isinstance(err["code"], str), err
     return err  # type: ignore[no-any-return]
 
 

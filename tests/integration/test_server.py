@@ -143,8 +143,8 @@ def test_openai_client_streams_through_the_router(stack: Stack) -> None:
     import openai
 
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-    chunks = list(client.completions.create(model="q", prompt="say something", max_tokens=5,
-                                            stream=True))
+    chunks = list(client.completions.create(model="qwen3-0.6b", prompt="say something",
+                                            max_tokens=5, stream=True))
     assert len(chunks) == 5
     assert "".join(c.choices[0].text for c in chunks) == "tok " * 5
 
@@ -407,7 +407,8 @@ def test_embedded_default_emulates_backends_and_streams(tmp_path: Path) -> None:
     import openai
 
     loaded = load_config(_config(tmp_path, server={"emulator_time_scale": 0.2,
-                                                   "health_period_s": 0.2}))
+                                                   "health_period_s": 0.2,
+                                                   "any_model": True}))
     s = Stack(loaded, num_fakes=0, calibration=CalibrationSource(loaded, known=[CAL] * 3))
     try:
         # requests stop where the emulators' lengths say (the trace's draws, set by the
