@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -284,7 +285,8 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         cached = st.router.routed(g, req)
         st.tracker.dispatched(g, req, now, streamed=stream, cached_tokens=cached)
         try:
-            upstream, failure = await _post(st, g, request.path, data)
+            upstream, head, failure, kind = await _attempt(st, g, req, request.path, data,
+                                                           stream)
         except asyncio.CancelledError:   # the client left before the backend answered
             st.tracker.finished(g, req.request_id)
             st.observe(_outcome(req, g, now, None, None, 0))
@@ -292,10 +294,10 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         if failure is None:
             break
         if upstream is not None:
-            upstream.release()
+            upstream.close()   # a stream that stalled: the backend stops generating it
         st.tracker.finished(g, req.request_id)
         st.mark_failure(g)
-        st.metrics.errors.labels(backend.spec.name, "before_first_byte").inc()
+        st.metrics.errors.labels(backend.spec.name, kind).inc()
         tried.add(g)
         if len(tried) > 1:
             st.observe(_outcome(req, g, now, None, None, 0))
@@ -313,13 +315,70 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         "x-olproute-instance": backend.spec.name, "x-olproute-reason": _ascii(decision.reason)})
     completed = False
     try:
-        resp, completed = await _relay(request, st, g, req, upstream, headers, stream)
+        resp, completed = await _relay(request, st, g, req, upstream, headers, head)
         return resp
     finally:
         upstream.release()
         flight = st.tracker.finished(g, req.request_id)
         if flight is not None:
             _record(st, req, g, None, flight, completed)
+
+
+async def _attempt(st: ServerState, g: int, req: Request, path: str, data: dict[str, Any],
+                   stream: bool
+                   ) -> tuple[aiohttp.ClientResponse | None, _Head | None, str | None, str]:
+    """Send the request to backend ``g`` and, for a stream it answers with a 200, read it
+    up to its first token (nothing reaches the client before, so a failure until then
+    may be retried elsewhere): (the response, the stream's head, why it failed if it
+    did, the failure's kind for ``olproute_backend_errors_total``). Cancelled (the
+    client left), it closes the backend's response."""
+    upstream, failure = await _post(st, g, path, data)
+    if failure is not None or not stream or upstream is None or upstream.status != 200:
+        return upstream, None, failure, "before_first_byte"
+    try:
+        return upstream, await _read_head(st, g, req, upstream), None, ""
+    except (TimeoutError, aiohttp.ClientError, _Stalled) as exc:
+        why = str(exc) if isinstance(exc, _Stalled) else type(exc).__name__
+        return upstream, None, f"stream ended before its first token: {why}", \
+            "before_first_token"
+    except asyncio.CancelledError:
+        upstream.close()
+        raise
+
+
+@dataclass(slots=True)
+class _Head:
+    """What a backend's stream sent up to its first token (or its end, if it had none),
+    not yet relayed: its chunks and the line they leave open."""
+
+    chunks: list[bytes]
+    pending: bytes
+    ended: bool   # the stream ended, cleanly, before any token
+
+
+async def _read_head(st: ServerState, g: int, req: Request,
+                     upstream: aiohttp.ClientResponse) -> _Head:
+    """Read a stream up to the chunk carrying its first token (counted), or its end: its
+    first chunk within ``server.first_byte_timeout_s``, each next within
+    ``read_timeout_s``; a backend that sends none in time raises _Stalled."""
+    server = st.loaded.config.server
+    limit = server.first_byte_timeout_s
+    chunks: list[bytes] = []
+    pending = b""
+    while True:
+        try:
+            async with asyncio.timeout(limit):
+                chunk = await upstream.content.readany()
+        except TimeoutError:
+            raise _Stalled(limit) from None
+        if not chunk:
+            return _Head(chunks, pending, ended=True)
+        limit = server.read_timeout_s
+        chunks.append(chunk)
+        n, pending = _tokens_in_chunk(pending, chunk)
+        if n:
+            st.tracker.token(g, req.request_id, st.now(), n)
+            return _Head(chunks, pending, ended=False)
 
 
 def _record(st: ServerState, req: Request, g: int, decode_instance: int | None,
@@ -340,56 +399,56 @@ def _record(st: ServerState, req: Request, g: int, decode_instance: int | None,
 
 async def _relay(request: web.Request, st: ServerState, g: int, req: Request,
                  upstream: aiohttp.ClientResponse, headers: dict[str, str],
-                 stream: bool) -> tuple[web.StreamResponse, bool]:
-    """Relay a backend's answer: chunk by chunk when it streams a 200, else whole;
-    (the client's response, whether the answer completed)."""
-    if stream and upstream.status == 200:
-        return await _relay_stream(request, st, g, req, upstream, headers)
+                 head: _Head | None) -> tuple[web.StreamResponse, bool]:
+    """Relay a backend's answer: chunk by chunk when it streams a 200 (``head``: what it
+    sent up to its first token, read already), else whole; (the client's response,
+    whether the answer completed)."""
+    if head is not None:
+        return await _relay_stream(request, st, g, req, upstream, headers, head)
     return await _relay_whole(st, g, req, upstream, headers)
 
 
 async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Request,
-                        upstream: aiohttp.ClientResponse,
-                        headers: dict[str, str]) -> tuple[web.StreamResponse, bool]:
-    """Relay the backend's stream chunk by chunk as it arrives (one write for the lines
-    of a chunk, counting the tokens they announce); (the response, True if the backend's
-    stream ended cleanly and all of it went to the client). A client that leaves stops
-    the relay without blaming the backend; a backend stream that fails marks it."""
+                        upstream: aiohttp.ClientResponse, headers: dict[str, str],
+                        head: _Head) -> tuple[web.StreamResponse, bool]:
+    """Relay the backend's stream: its ``head`` at once, then chunk by chunk as it
+    arrives (one write for the lines of a chunk, counting the tokens they announce);
+    (the response, True if the backend's stream ended cleanly and all of it went to the
+    client). A client that leaves stops the relay without blaming the backend; a
+    backend stream that fails marks it, and the client's stream ends with an error
+    event (``stream_error_event``)."""
     resp = web.StreamResponse(status=200, headers={
         **headers, "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
         "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    server = st.loaded.config.server
-    limit = server.first_byte_timeout_s   # for the first chunk, then read_timeout_s
-    pending = b""   # the start of a line the next chunk ends
+    limit = st.loaded.config.server.read_timeout_s
+    pending = head.pending   # the start of a line the next chunk ends
+    chunk = b"".join(head.chunks)
     try:
-        while True:
-            try:
-                async with asyncio.timeout(limit):
-                    chunk = await upstream.content.readany()
-            except TimeoutError:
-                raise _Stalled(limit) from None
-            if not chunk:
-                break
-            limit = server.read_timeout_s
-            n, pending = _tokens_in_chunk(pending, chunk)
-            if n:
-                st.tracker.token(g, req.request_id, st.now(), n)
+        while chunk:
             try:
                 await resp.write(chunk)
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                 # the client went away: not the backend's fault; stop its generation
                 upstream.close()
                 return resp, False
+            if head.ended:
+                break
+            try:
+                async with asyncio.timeout(limit):
+                    chunk = await upstream.content.readany()
+            except TimeoutError:
+                raise _Stalled(limit) from None
+            n, pending = _tokens_in_chunk(pending, chunk)
+            if n:
+                st.tracker.token(g, req.request_id, st.now(), n)
     except (TimeoutError, aiohttp.ClientError, _Stalled) as exc:
         st.mark_failure(g)
         kind = "stalled" if isinstance(exc, _Stalled) else "mid_stream"
         st.metrics.errors.labels(st.loaded.specs[g].name, kind).inc()
         why = str(exc) if isinstance(exc, _Stalled) else type(exc).__name__
-        event = {"error": {"message": f"backend stream ended early: {why}",
-                           "type": "backend_error"}}
         try:
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            await resp.write(stream_error_event(f"backend stream ended early: {why}"))
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             pass
@@ -430,6 +489,13 @@ async def _relay_whole(st: ServerState, g: int, req: Request,
     return web.Response(body=raw, status=upstream.status, headers={
         **headers, "Content-Type": upstream.headers.get("Content-Type", "application/json")}
     ), upstream.status == 200
+
+
+def stream_error_event(message: str) -> bytes:
+    """The event that ends a stream cut short, as OpenAI ends one: a ``data:`` event
+    whose JSON is the router's error shape, and no ``[DONE]`` after it (the ``openai``
+    client raises ``APIError`` on an event with an ``error`` key)."""
+    return b"data: " + orjson.dumps(error_doc(message, "backend_error")) + b"\n\n"
 
 
 class _Stalled(Exception):
@@ -549,16 +615,17 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
         st.tracker.prefilled(p, q, rid, st.now())
         body = decode_body(data, bq.served_model, decode_kv_params(answer, bp.spec.name))
         st.tracker.decode_sent(q, rid, st.now(), stream)
-        upstream, failure = await _post(st, q, request.path, body)
+        upstream, head, failure, kind = await _attempt(st, q, req, request.path, body,
+                                                       stream)
         try:
             if failure is not None:
                 st.mark_failure(q)
-                st.metrics.errors.labels(bq.spec.name, "before_first_byte").inc()
+                st.metrics.errors.labels(bq.spec.name, kind).inc()
                 return error_response(502, f"decode backend {bq.spec.name} failed after the "
                                       f"prefill on {bp.spec.name}: {failure}",
                                       kind="backend_error", headers=headers)
             assert upstream is not None
-            resp, completed = await _relay(request, st, q, req, upstream, headers, stream)
+            resp, completed = await _relay(request, st, q, req, upstream, headers, head)
             return resp
         finally:
             if upstream is not None:
