@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from olproute.policies.admission import patience_s
 from olproute.routing.router import prediction_source
@@ -117,22 +118,40 @@ async def _send(st: ServerState, url: str, body: dict[str, Any]) -> aiohttp.Clie
         return await st.session.post(url, data=data, headers=JSON_HEADERS)
 
 
+# a body larger than this is parsed in the default executor: orjson takes about a
+# millisecond per 100 KiB of it, which on the loop would delay every other request
+OFF_LOOP_BYTES = 256 * 1024
+
+
 async def read_json(request: web.Request, limit: int, timeout_s: float) -> Any:
-    """The body as JSON; 413 past ``limit`` bytes (checked while reading), 408 when the
-    whole body has not arrived within ``timeout_s`` (e.g. shorter than its
-    Content-Length); both close the connection (``errors.json_errors``)."""
+    """The body as JSON; 413 past ``limit`` bytes (checked while reading, after its
+    Content-Encoding is undone), 408 when the whole body has not arrived within
+    ``timeout_s`` (e.g. shorter than its Content-Length); both close the connection
+    (``errors.json_errors``). A body whose Content-Encoding (gzip, deflate) does not
+    decode is a BadRequest. A body past ``OFF_LOOP_BYTES`` is parsed off the loop."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    try:
+        raw = await _read_body(request, limit, timeout_s)
+    except RequestPayloadError as exc:   # aiohttp's decoding of gzip or deflate failed
+        raise BadRequest("", f"body does not decode: {_ascii(str(exc), 100)}") from None
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
+    return parse_json(raw)
+
+
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The body's bytes (``read_json``'s limits)."""
     content = request.content
     if content.is_eof():   # all of it came with the headers: no timer, no reading loop
         whole = content.read_nowait()
         if len(whole) > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(whole))
-        return parse_json(whole)
+        return whole
     raw = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
-            async for chunk in request.content.iter_chunked(65536):
+            async for chunk in content.iter_chunked(65536):
                 raw.extend(chunk)
                 if len(raw) > limit:
                     raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
@@ -140,7 +159,7 @@ async def read_json(request: web.Request, limit: int, timeout_s: float) -> Any:
         raise web.HTTPRequestTimeout(
             text=f"the body did not arrive within {timeout_s:g} s "
                  f"({len(raw)} of {request.content_length or '?'} bytes)") from None
-    return parse_json(bytes(raw))
+    return bytes(raw)
 
 
 def _ttft_target_s(request: web.Request, default_ms: float) -> float:

@@ -16,8 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.json_schema import models_json_schema
+from pydantic_core import PydanticCustomError
 
 from olproute.config.read import key_path, problem, problems_of
 from olproute.types import Request
@@ -58,6 +59,11 @@ _STRICT = ConfigDict(strict=True, allow_inf_nan=False, frozen=True)
 ONE_COMPLETION = "one completion per request (the router schedules one)"
 
 
+# a token id: no vocabulary holds 2^31 ids (vLLM's engine keeps them as int32); a
+# backend refuses one past its own vocabulary itself
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(**_STRICT, extra="allow")
 
@@ -73,15 +79,27 @@ class CompletionBody(_Body):
     to the backend unchecked)."""
 
     model: str | None = None
-    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[str], Field(min_length=1)]) = Field(
-        description="text, a list of texts, or a list of token ids")
+        description="text, a list of one text, or a list of token ids (each in [0, 2^31)):"
+                    " " + ONE_COMPLETION)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     # not OpenAI's for completions, but read if given (it wins over max_tokens)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1, description=ONE_COMPLETION)
     best_of: int | None = Field(default=None, ge=1, le=1, description=ONE_COMPLETION)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        """Several texts would be several completions (OpenAI answers one per text)."""
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str):
+            raise PydanticCustomError("one_completion",
+                                      f"must be one text, got {len(prompt)}: "
+                                      f"{ONE_COMPLETION}")
+        return prompt
 
 
 class ChatBody(_Body):
@@ -321,7 +339,8 @@ def _bad_request(exc: ValidationError) -> BadRequest:
 
 # pydantic names a union member by its type in an error's location
 _MEMBERS = {"str": "a string", "constrained-str": "a string", "none": "null",
-            "list[int]": "a list of integers", "list[str]": "a list of strings",
+            "list[int]": "a list of integers", "list[constrained-int]": "a list of integers",
+            "list[str]": "a list of strings",
             "list[dict[str,any]]": "a list of objects"}
 
 
