@@ -238,6 +238,11 @@ def _not_json(name: str) -> Any:
 # orjson reads an integer past 64 bits as a float (json.loads keeps it an int, which the
 # bounds then refuse by name): a body with a run of 19 digits takes json.loads' path
 _LONG_NUMBER = re.compile(rb"[0-9]{19}")
+# orjson recurses on the C stack as arrays nest, without a limit: 140,000 nested arrays
+# (280 KB) overflow an 8 MiB stack and kill the process (orjson 3.8). A body opening
+# more brackets than this (however many are inside strings) takes json.loads' path,
+# whose nesting counts against the interpreter's recursion limit (RecursionError)
+ORJSON_MAX_BRACKETS = 10_000
 
 
 def parse_json(raw: bytes) -> Any:
@@ -245,9 +250,11 @@ def parse_json(raw: bytes) -> Any:
     nested deeper than MAX_DEPTH, or has an integer too long to parse.
 
     orjson reads it (about 10x faster than json.loads); whatever orjson refuses (not
-    JSON, NaN, a lone surrogate, a byte-order mark, UTF-16) or might read otherwise (a
-    long number) goes through json.loads, whose verdict and message are the contract."""
-    if _LONG_NUMBER.search(raw) is None:
+    JSON, NaN, a lone surrogate, a byte-order mark, UTF-16), might read otherwise (a
+    long number) or might overflow the stack on (``ORJSON_MAX_BRACKETS``) goes through
+    json.loads, whose verdict and message are the contract."""
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets <= ORJSON_MAX_BRACKETS and _LONG_NUMBER.search(raw) is None:
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -255,7 +262,7 @@ def parse_json(raw: bytes) -> Any:
     else:
         data = _parse_json_slow(raw)
     # each level of nesting opens a bracket: few brackets, no need to walk the value
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nesting(data) > MAX_DEPTH:
+    if brackets > MAX_DEPTH and nesting(data) > MAX_DEPTH:
         raise BadRequest("", f"body is nested deeper than {MAX_DEPTH} levels")
     return data
 

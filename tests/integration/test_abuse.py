@@ -115,6 +115,10 @@ VALID: dict[str, dict[str, Any]] = {
 NESTED = b'{"prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 RAW_CASES = [  # (id, body): each 400 with no field to name
     ("nested-100k", NESTED),
+    # deep enough to overflow the C stack of a parser that recurses without a limit
+    ("nested-500k", b'{"prompt": "x", "extra": ' + b"[" * 500_000 + b"]" * 500_000 + b"}"),
+    ("nested-200k-after-brackets-in-a-string", b'{"prompt": "' + b"]" * 200_000 + b'", "extra": '
+     + b"[" * 200_000 + b"]" * 200_000 + b"}"),
     ("nested-65", b'{"prompt": "x", "extra": ' + b"[" * 65 + b"]" * 65 + b"}"),
     ("unclosed-100k", b"[" * 100_000),
     ("huge-int-max_tokens", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
