@@ -2,9 +2,11 @@
 pass the answer back (server-sent events chunk by chunk when ``stream`` is true), while
 the tracker follows every token.
 
-Failures: a connect error or a 5xx before the first byte is retried once on the
+Failures: a connect error or a 5xx before the first byte, or a stream that fails
+before its first token (read before the client is answered), is retried once on the
 next-best instance (the failed one is marked unhealthy and probed with backoff); a
-stream cut midway ends with an error event to the client. A request is recorded as
+stream cut after it ends with an error event to the client, and no ``[DONE]``
+(``stream_error_event``). A request is recorded as
 finished (an outcome with ``finish_s``, an end-to-end latency sample) only when its
 backend's whole answer reached the client: a failure, a backend's 4xx or a client that
 left is an outcome with ``finish_s=None`` (its first token kept if the client got one).
