@@ -659,11 +659,10 @@ async def route(request: web.Request) -> web.Response:
             prompt_tokens = max(count_words(body.prompt), 1)
         else:
             raise BadRequest("prompt", "give prompt or prompt_tokens")
-        exclude: frozenset[int] = frozenset()
-        if body.model is not None:
-            exclude = frozenset(g for g, s in enumerate(st.loaded.specs) if s.model != body.model)
-            if len(exclude) == len(st.loaded.specs):
-                raise BadRequest("model", f"no instance serves {body.model!r}")
+        # the completions' rule: a model the pool serves, else a 404 (or any_model)
+        exclude = st.model_exclude(body.model)
+        if exclude is None:
+            return proxy.model_not_found(str(body.model))
     except BadRequest as exc:
         return web.json_response(exc.as_json(), status=400)
     max_tokens = body.max_tokens or server.default_max_tokens

@@ -134,7 +134,9 @@ class RouteBody(BaseModel):
         "explanation.prediction.source is then 'request'")
     ttft_target_ms: float | None = Field(default=None, gt=0, le=3_600_000)
     slo_class: str = "default"
-    model: str | None = Field(default=None, description="only instances serving this model")
+    model: str | None = Field(default=None, description="only instances serving this model "
+                              "(its profile's name or a backend's served_model); another is "
+                              "a 404 (code model_not_found) unless server.any_model")
 
 
 class ReloadBody(BaseModel):
@@ -494,7 +496,9 @@ def openapi() -> dict[str, Any]:
                 "responses": {"200": {"description": "the decision and its explanation",
                                       "content": {"application/json": {"schema": {
                                           "$ref": "#/components/schemas/RouteAnswer"}}}},
-                              **_BODY_ERRORS}}},
+                              **_BODY_ERRORS,
+                              "404": _error("no backend serves the body's model (code "
+                                            "model_not_found; unless server.any_model)")}}},
             "/v1/completions": _proxied("OpenAI-compatible completion, proxied to the "
                                         "chosen instance", "CompletionBody"),
             "/v1/chat/completions": _proxied("OpenAI-compatible chat completion, proxied to "

@@ -96,6 +96,12 @@ def test_models_lists_the_served_names_and_an_unknown_model_is_404(tmp_path: Pat
             assert err["code"] == "model_not_found" and err["param"] == "model"
             assert err["type"] == "invalid_request_error" and "gpt-4" in err["message"]
         assert sum(len(f.bodies) for f in s.fakes) == 0   # nothing reached a backend
+        # /route's model follows the same rule
+        status, _, raw = request(s.url, "POST", "/route",
+                                 {"prompt": "hi", "model": "Org/Model-A"})
+        assert status == 200 and json.loads(raw)["instance"] in ("q-0", "q-1")
+        status, _, raw = request(s.url, "POST", "/route", {"prompt": "hi", "model": "gpt-4"})
+        assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
     finally:
         s.close()
 
