@@ -31,7 +31,7 @@ from olproute.server.app import public_url
 from olproute.server.schema import ONE_COMPLETION, parse_json
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
-from tests.integration.server_harness import Stack
+from tests.integration.server_harness import Stack, wait_until
 from tests.integration.test_server import CAL, TOKEN, _config
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -192,6 +192,18 @@ def test_a_body_that_does_not_decode_is_400(stack: Stack, path: str, encoding: s
     err = assert_error(call(stack.url, "POST", path, raw=junk, headers={
         "Content-Encoding": encoding, **headers}), 400)
     assert "does not decode" in err["message"] and err["param"] is None, err
+    assert_healthy(stack)
+
+
+@pytest.mark.parametrize("encoding", ["deflate", "gzip"])
+def test_a_body_that_decodes_past_the_limit_is_413(stack: Stack, encoding: str) -> None:
+    """20 KB that decode to 20 MB: refused once the decoded body passes the limit."""
+    raw = b'{"prompt": "' + b"0" * 20_000_000 + b'"}'
+    packed = gzip.compress(raw) if encoding == "gzip" else zlib.compress(raw)
+    assert len(packed) < 100_000
+    assert_error(call(stack.url, "POST", "/v1/completions", raw=packed,
+                      headers={"Content-Encoding": encoding}), 413)
+    assert wait_until(lambda: stack.num_connections() == 0)   # its lingering read ended
     assert_healthy(stack)
 
 
