@@ -120,8 +120,9 @@ QUICK_REQUESTS = {"olp": 60, "bear": 40}
 LAG_WINDOW_S = 20.0         # the router's loop lag is read over windows this long
 GOAL_RR = 0.10              # |live RR / sim RR - 1| on mean EEL
 GOAL_GAIN = 0.20            # live gain >= (1 - 0.2) x simulated gain
-# the model clients ask for: a name no instance serves is an alias for the whole pool
-# (a pool model's name would confine the router to that model's instances)
+# the model clients ask for: a name no instance serves, routed to the whole pool by
+# ``server.any_model`` (a pool model's name would confine the router to that model's
+# instances)
 ANY_MODEL = "auto"
 FILLER = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
           "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa")
@@ -510,7 +511,7 @@ def run_live(case: Case, policy: str, tmp: Path, truth: Path,
             extra |= {"running_from_scrape": True, "scrape_period_s": 0.1}
         serve_cfg = _config_file(loaded, tmp / f"{tag}-serve.yaml",
                                  {"backends": backends, "port": port,
-                                  "host": "127.0.0.1", **extra})
+                                  "host": "127.0.0.1", "any_model": True, **extra})
         serve_log = tmp / f"{tag}-serve.log"
         serve = _start(["serve", "--config", str(serve_cfg)], serve_log, env)
         url = f"http://127.0.0.1:{port}"

@@ -154,12 +154,20 @@ def best_scale(prob: LpProblem, p: FloatArray, hi: float = 4.0, iters: int = 30
 
 
 def certificate(d_value: float, lp_value: float) -> float:
-    """D(p)/LP* - 1 (>= 0 up to solver tolerance)."""
+    """D(p)/LP* - 1 (>= 0 up to solver tolerance). A window whose LP* is 0 (no request
+    in it can earn a reward, e.g. every predicted TPOT 0, so no decode fits a KV row):
+    0 if D(p) is 0 too (the prices are exact), else infinite (non-finite figures are
+    shown as null)."""
+    if lp_value <= 0.0:
+        return 0.0 if d_value <= 0.0 else math.inf
     return d_value / lp_value - 1.0
 
 
 def gap(upper: float, online: float) -> float:
-    """How far the online reward is below an upper bound, as a fraction of the bound."""
+    """How far the online reward is below an upper bound, as a fraction of the bound (0
+    for a bound of 0: nothing was there to earn)."""
+    if upper <= 0.0:
+        return 0.0
     return (upper - online) / upper
 
 
@@ -213,7 +221,8 @@ def online_reward(prob: LpProblem, instance: IntArray, first_token_s: FloatArray
         ttft = float(first_token_s[j] - prob.arrival_s[j])
         decode_time = max(float(finish_s[j] - first_token_s[j]), 0.0)
         o = float(prob.decode_tokens[j, g])
-        tpot = max(decode_time / o, 1e-12)
+        # a prediction of no output token: its decode takes no slot, whatever its TPOT
+        tpot = max(decode_time / o, 1e-12) if o > 0 else 1e-12
         look = Outlook(decode_tokens=np.array([o]), quality=np.array([prob.utility[j, g]]),
                        cost_musd=np.zeros(1))
         terms = reward_terms(int(prob.prompt_tokens[j]), float(prob.ttft_target_s[j]), look,

@@ -286,6 +286,7 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from olproute.routing.assembly import served_predictor
     from olproute.server import run_server
+    from olproute.server.app import say
     from olproute.sim.scenario import CalibrationSource
     from solvers.live import certify
     from solvers.resolve import resolve_live
@@ -305,6 +306,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError(path, [("", "--calibration: no such file")])
         loaded = loaded.with_updates(calibration=str(path.resolve()))
     # the predictor first: a folder that does not load stops serve before anything starts
+    if loaded.config.prediction.serve == "predictor":
+        say("loading the predictor ...")
     predictor = served_predictor(loaded)
     # calibration: auto profiles the scenario (or, with no workload, a sweep of each
     # instance) in the simulator, at start-up; a file is read and checked now; the live

@@ -587,6 +587,10 @@ class ServerConfig(_Frozen):
                                         "stream events) to its batch-time calibration, "
                                         "which refits beta when due")
     retry_after_s: int = Field(default=1, ge=0, description="on 429")
+    any_model: bool = Field(
+        default=False, description="a completion whose model no backend serves (by its "
+        "profile's model name or its served_model) goes to the whole pool, the name an "
+        "alias; false: it is a 404 (code model_not_found), as OpenAI and vLLM answer")
 
 
 STATE_URL = r"^(redis|rediss|unix)://"

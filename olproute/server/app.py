@@ -15,6 +15,7 @@ import contextlib
 import gc
 import logging
 import math
+import re
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -89,7 +90,8 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
              calibration: CalibrationSource | None = None,
              certifier: Certifier | None = None,
              predictor: Predictor | None = None,
-             resolver: Resolver | None = None) -> web.Application:
+             resolver: Resolver | None = None,
+             progress: Progress | None = None) -> web.Application:
     """The router application. ``backend_urls`` (one per instance, in order) overrides the
     config's backends; with neither, the instances are emulated in-process.
     ``calibration``: what estimating policies read (``olproute.routing.assembly``); without one,
@@ -103,13 +105,18 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
     ``solvers.resolve.resolve_live``); without one, no re-solves. ``predictor``: the one
     ``prediction.serve`` names, already loaded (``olproute serve`` loads it first, so a
     bad folder stops it before anything starts); without one, it is loaded at start-up
-    (``olproute.routing.assembly.served_predictor``)."""
+    (``olproute.routing.assembly.served_predictor``). ``progress`` is told, in a few
+    words, each start-up step that takes time (``olproute serve`` prints them); without
+    one, start-up is silent."""
     app = web.Application(client_max_size=loaded.config.server.max_body_bytes,
                           middlewares=[json_errors])  # every error in one JSON shape
     app[BACKEND_URLS] = list(backend_urls or [])
-    app.cleanup_ctx.append(_lifecycle(loaded, calibration, certifier, predictor, resolver))
+    app.cleanup_ctx.append(_lifecycle(loaded, calibration, certifier, predictor, resolver,
+                                      progress or _silent))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_post("/route", route)
     app.router.add_get("/prices", prices)
     app.router.add_get("/instances", instances)
@@ -124,7 +131,7 @@ def init_app(loaded: LoadedConfig, backend_urls: list[str] | None = None,
 
 def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                certifier: Certifier | None, predictor: Predictor | None,
-               resolver: Resolver | None = None,
+               resolver: Resolver | None, progress: Progress,
                ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         server = loaded.config.server
@@ -141,6 +148,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
                 from olproute.emulator import start_emulators
 
                 truth = server.emulator_truth
+                progress(f"starting {len(loaded.specs)} emulated engines ...")
                 running = await start_emulators(
                     loaded.specs, loaded=loaded, time_scale=server.emulator_time_scale,
                     exact_lengths=server.emulator_exact_lengths,
@@ -166,7 +174,7 @@ def _lifecycle(loaded: LoadedConfig, calibration: CalibrationSource | None,
             stack.push_async_callback(control.close)
             loop = asyncio.get_running_loop()
             router = await loop.run_in_executor(None, _build_router, loaded, calibration,
-                                                predictor)
+                                                predictor, progress)
             st = ServerState(loaded=loaded, router=router,
                              tracker=Tracker(loaded.specs, urls, served_models=served,
                                              max_backoff_s=server.health_max_backoff_s),
@@ -349,14 +357,20 @@ async def _stop_all(running: list[Any]) -> None:
 
 
 def _build_router(loaded: LoadedConfig, calibration: CalibrationSource | None,
-                  predictor: Predictor | None) -> Router:
+                  predictor: Predictor | None, progress: Progress) -> Router:
     """The router, calibrated now (at start-up, not on the first request), with its
     predictor (``predictor``, else the one the config names, loaded and warmed now), its
-    policy's first-call costs paid (``_warm``)."""
+    policy's first-call costs paid (``_warm``); each step told to ``progress``."""
     if predictor is None:
         predictor = served_predictor(loaded)
+    policy = loaded.config.router.policy
+    progress(f"building the router (policy {policy}) ...")
     router = Router(loaded, calibration, predictor=predictor)
+    if loaded.config.calibration == "auto":
+        progress("calibrating the batch time (calibration: auto, in the simulator) ...")
     router.calibration()
+    progress("compiling the price update ..." if router.policy.price_view() is not None
+             else f"warming {policy}'s first decision ...")
     _warm(loaded, router.calibration, predictor)
     log_unpredicted(router)
     return router
@@ -654,11 +668,10 @@ async def route(request: web.Request) -> web.Response:
             prompt_tokens = max(count_words(body.prompt), 1)
         else:
             raise BadRequest("prompt", "give prompt or prompt_tokens")
-        exclude: frozenset[int] = frozenset()
-        if body.model is not None:
-            exclude = frozenset(g for g, s in enumerate(st.loaded.specs) if s.model != body.model)
-            if len(exclude) == len(st.loaded.specs):
-                raise BadRequest("model", f"no instance serves {body.model!r}")
+        # the completions' rule: a model the pool serves, else a 404 (or any_model)
+        exclude = st.model_exclude(body.model)
+        if exclude is None:
+            return proxy.model_not_found(str(body.model))
     except BadRequest as exc:
         return web.json_response(exc.as_json(), status=400)
     max_tokens = body.max_tokens or server.default_max_tokens
@@ -679,6 +692,27 @@ async def route(request: web.Request) -> web.Response:
               "instances": names,
               "explanation": explanation_doc(d.explanation, prediction)}   # schema.RouteAnswer
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+
+async def models(request: web.Request) -> web.Response:
+    """The models the pool serves, in OpenAI's list shape (``schema.ModelList``)."""
+    st = request.app[STATE]
+    return web.json_response({"object": "list", "data": [
+        model_card(name, st.started_unix_s) for name in st.served_models()]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """One model the pool serves (``schema.ModelCard``), else 404 ``model_not_found``."""
+    st = request.app[STATE]
+    name = request.match_info["model"]
+    if name not in st.served_models():
+        return proxy.model_not_found(name)
+    return web.json_response(model_card(name, st.started_unix_s))
+
+
+def model_card(name: str, created_s: int) -> dict[str, Any]:
+    """A served model as OpenAI describes one (``schema.ModelCard``)."""
+    return {"id": name, "object": "model", "created": created_s, "owned_by": "olproute"}
 
 
 async def prices(request: web.Request) -> web.Response:
@@ -799,6 +833,24 @@ async def openapi_doc(request: web.Request) -> web.Response:
     return web.json_response(openapi())
 
 
+Progress = Callable[[str], None]   # told each slow start-up step, in a few words
+
+
+def _silent(step: str) -> None:
+    """A ``Progress`` that says nothing (tests, embedding)."""
+
+
+def say(step: str) -> None:
+    """A ``Progress`` for ``olproute serve``: one line on stderr, ``olproute: <step>``."""
+    print(f"olproute: {step}", file=sys.stderr, flush=True)
+
+
+def _serving(message: str) -> None:
+    """aiohttp's "Running on <url>" when the server listens, as a serve progress line."""
+    urls = re.findall(r"https?://\S+", message)
+    say(f"serving on {', '.join(urls)} (Ctrl+C stops it)" if urls else message)
+
+
 GIL_SWITCH_S = 0.0005
 
 
@@ -825,11 +877,11 @@ def run_server(loaded: LoadedConfig, host: str | None = None, port: int | None =
     # to the switch interval (5 ms by default) at every turn
     sys.setswitchinterval(GIL_SWITCH_S)
     app = init_app(loaded, calibration=calibration, certifier=certifier, predictor=predictor,
-                   resolver=resolver)
+                   resolver=resolver, progress=say)
     app.on_startup.append(_freeze_heap)   # after the lifecycle's start-up
     # a client that leaves cancels its handler: a held request leaves the buffer, a
     # backend request in flight is closed (the backend stops generating for it)
     web.run_app(app,
                 host=host or server.host,
-                port=server.port if port is None else port, print=print,
+                port=server.port if port is None else port, print=_serving,
                 handler_cancellation=True)

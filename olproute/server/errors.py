@@ -1,5 +1,5 @@
 """One error shape for every answer of the router that is not a success, OpenAI's:
-``{"error": {"message", "type", "param"}}``. The handlers answer their own errors in it
+``{"error": {"message", "type", "param", "code"}}``. The handlers answer their own errors in it
 (:func:`olproute.server.proxy.error_response`); :func:`json_errors` puts in it what
 aiohttp would answer in plain text — 404, 405, 413 (body too large), 408 (body too
 slow) — and an unexpected exception (500, logged with its traceback).

@@ -2,9 +2,11 @@
 pass the answer back (server-sent events chunk by chunk when ``stream`` is true), while
 the tracker follows every token.
 
-Failures: a connect error or a 5xx before the first byte is retried once on the
+Failures: a connect error or a 5xx before the first byte, or a stream that fails
+before its first token (read before the client is answered), is retried once on the
 next-best instance (the failed one is marked unhealthy and probed with backoff); a
-stream cut midway ends with an error event to the client. A request is recorded as
+stream cut after it ends with an error event to the client, and no ``[DONE]``
+(``stream_error_event``). A request is recorded as
 finished (an outcome with ``finish_s``, an end-to-end latency sample) only when its
 backend's whole answer reached the client: a failure, a backend's 4xx or a client that
 left is an outcome with ``finish_s=None`` (its first token kept if the client got one).
@@ -23,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from olproute.policies.admission import patience_s
 from olproute.routing.router import prediction_source
@@ -36,6 +40,7 @@ from olproute.server.schema import (
     ChatBody,
     CompletionBody,
     dump_json,
+    error_doc,
     explanation_doc,
     parse_json,
     prediction_doc,
@@ -74,11 +79,16 @@ def error_response(status: int, message: str, param: str | None = None,
                    kind: str = "invalid_request_error",
                    headers: dict[str, str] | None = None,
                    code: str | None = None) -> web.Response:
-    error: dict[str, Any] = {"message": message, "type": kind, "param": param}
-    if code is not None:
-        error["code"] = code
-    return web.json_response({"error": error}, status=status, headers=headers)
+    """An error answer in the router's one JSON shape (``schema.error_doc``)."""
+    return web.json_response(error_doc(message, kind, param, code), status=status,
+                             headers=headers)
 
+
+def model_not_found(model: str) -> web.Response:
+    """The 404 of a ``model`` no backend serves, as OpenAI answers it."""
+    return error_response(404, f"model {_ascii(model, 100)!r} is not served here (GET "
+                          "/v1/models lists the models served)", param="model",
+                          code="model_not_found")
 
 
 async def _post(st: ServerState, g: int, path: str, body: dict[str, Any]
@@ -110,22 +120,40 @@ async def _send(st: ServerState, url: str, body: dict[str, Any]) -> aiohttp.Clie
         return await st.session.post(url, data=data, headers=JSON_HEADERS)
 
 
+# a body larger than this is parsed in the default executor: orjson takes about a
+# millisecond per 100 KiB of it, which on the loop would delay every other request
+OFF_LOOP_BYTES = 256 * 1024
+
+
 async def read_json(request: web.Request, limit: int, timeout_s: float) -> Any:
-    """The body as JSON; 413 past ``limit`` bytes (checked while reading), 408 when the
-    whole body has not arrived within ``timeout_s`` (e.g. shorter than its
-    Content-Length); both close the connection (``errors.json_errors``)."""
+    """The body as JSON; 413 past ``limit`` bytes (checked while reading, after its
+    Content-Encoding is undone), 408 when the whole body has not arrived within
+    ``timeout_s`` (e.g. shorter than its Content-Length); both close the connection
+    (``errors.json_errors``). A body whose Content-Encoding (gzip, deflate) does not
+    decode is a BadRequest. A body past ``OFF_LOOP_BYTES`` is parsed off the loop."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    try:
+        raw = await _read_body(request, limit, timeout_s)
+    except RequestPayloadError as exc:   # aiohttp's decoding of gzip or deflate failed
+        raise BadRequest("", f"body does not decode: {_ascii(str(exc), 100)}") from None
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
+    return parse_json(raw)
+
+
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The body's bytes (``read_json``'s limits)."""
     content = request.content
     if content.is_eof():   # all of it came with the headers: no timer, no reading loop
         whole = content.read_nowait()
         if len(whole) > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(whole))
-        return parse_json(whole)
+        return whole
     raw = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
-            async for chunk in request.content.iter_chunked(65536):
+            async for chunk in content.iter_chunked(65536):
                 raw.extend(chunk)
                 if len(raw) > limit:
                     raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
@@ -133,7 +161,7 @@ async def read_json(request: web.Request, limit: int, timeout_s: float) -> Any:
         raise web.HTTPRequestTimeout(
             text=f"the body did not arrive within {timeout_s:g} s "
                  f"({len(raw)} of {request.content_length or '?'} bytes)") from None
-    return parse_json(bytes(raw))
+    return bytes(raw)
 
 
 def _ttft_target_s(request: web.Request, default_ms: float) -> float:
@@ -236,17 +264,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ttft_s = _ttft_target_s(request, server.default_ttft_ms)
     except BadRequest as exc:
         return web.json_response(exc.as_json(), status=400)
+    # a model the pool serves (by its profile's name or the name a backend answers to)
+    # constrains the choice; any other is unknown, or with server.any_model an alias
+    exclude = st.model_exclude(body.model)
+    if exclude is None:
+        return model_not_found(str(body.model))
     max_tokens = body.max_completion_tokens or body.max_tokens or server.default_max_tokens
     data["max_tokens"] = max_tokens  # the backend generates exactly what was accounted for
     prompt_tokens, text = prompt_tokens_of(body)
     # a chat's messages, for the backends that name its blocks as their engine does
     messages = ([m.model_dump(exclude_none=True) for m in body.messages]
                 if isinstance(body, ChatBody) and any(st.router.namers) else None)
-    # a model the pool serves (by its profile's name or the name a backend answers to)
-    # constrains the choice; any other name is an alias
-    names = [(b.spec.model, b.served_model) for b in st.tracker.backends]
-    exclude = (frozenset(g for g, pair in enumerate(names) if body.model not in pair)
-               if any(body.model in pair for pair in names) else frozenset())
     # the instances whose engines would refuse it as too long (a prompt's words are
     # at most its tokens): none left is a 400, never a wait
     unfit = st.router.too_long(prompt_tokens, max_tokens)
@@ -306,7 +334,8 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         cached = st.router.routed(g, req)
         st.tracker.dispatched(g, req, now, streamed=stream, cached_tokens=cached)
         try:
-            upstream, failure = await _post(st, g, request.path, data)
+            upstream, head, failure, kind = await _attempt(st, g, req, request.path, data,
+                                                           stream)
         except asyncio.CancelledError:   # the client left before the backend answered
             st.tracker.finished(g, req.request_id)
             st.observe(_outcome(req, g, now, None, None, 0))
@@ -314,10 +343,10 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         if failure is None:
             break
         if upstream is not None:
-            upstream.release()
+            upstream.close()   # a stream that stalled: the backend stops generating it
         st.tracker.finished(g, req.request_id)
         st.mark_failure(g)
-        st.metrics.errors.labels(backend.spec.name, "before_first_byte").inc()
+        st.metrics.errors.labels(backend.spec.name, kind).inc()
         tried.add(g)
         if len(tried) > 1:
             st.observe(_outcome(req, g, now, None, None, 0))
@@ -335,13 +364,70 @@ async def _forward(request: web.Request, st: ServerState, req: Request, decision
         "x-olproute-instance": backend.spec.name, "x-olproute-reason": _ascii(decision.reason)})
     completed = False
     try:
-        resp, completed = await _relay(request, st, g, req, upstream, headers, stream)
+        resp, completed = await _relay(request, st, g, req, upstream, headers, head)
         return resp
     finally:
         upstream.release()
         flight = st.tracker.finished(g, req.request_id)
         if flight is not None:
             _record(st, req, g, None, flight, completed)
+
+
+async def _attempt(st: ServerState, g: int, req: Request, path: str, data: dict[str, Any],
+                   stream: bool
+                   ) -> tuple[aiohttp.ClientResponse | None, _Head | None, str | None, str]:
+    """Send the request to backend ``g`` and, for a stream it answers with a 200, read it
+    up to its first token (nothing reaches the client before, so a failure until then
+    may be retried elsewhere): (the response, the stream's head, why it failed if it
+    did, the failure's kind for ``olproute_backend_errors_total``). Cancelled (the
+    client left), it closes the backend's response."""
+    upstream, failure = await _post(st, g, path, data)
+    if failure is not None or not stream or upstream is None or upstream.status != 200:
+        return upstream, None, failure, "before_first_byte"
+    try:
+        return upstream, await _read_head(st, g, req, upstream), None, ""
+    except (TimeoutError, aiohttp.ClientError, _Stalled) as exc:
+        why = str(exc) if isinstance(exc, _Stalled) else type(exc).__name__
+        return upstream, None, f"stream ended before its first token: {why}", \
+            "before_first_token"
+    except asyncio.CancelledError:
+        upstream.close()
+        raise
+
+
+@dataclass(slots=True)
+class _Head:
+    """What a backend's stream sent up to its first token (or its end, if it had none),
+    not yet relayed: its chunks and the line they leave open."""
+
+    chunks: list[bytes]
+    pending: bytes
+    ended: bool   # the stream ended, cleanly, before any token
+
+
+async def _read_head(st: ServerState, g: int, req: Request,
+                     upstream: aiohttp.ClientResponse) -> _Head:
+    """Read a stream up to the chunk carrying its first token (counted), or its end: its
+    first chunk within ``server.first_byte_timeout_s``, each next within
+    ``read_timeout_s``; a backend that sends none in time raises _Stalled."""
+    server = st.loaded.config.server
+    limit = server.first_byte_timeout_s
+    chunks: list[bytes] = []
+    pending = b""
+    while True:
+        try:
+            async with asyncio.timeout(limit):
+                chunk = await upstream.content.readany()
+        except TimeoutError:
+            raise _Stalled(limit) from None
+        if not chunk:
+            return _Head(chunks, pending, ended=True)
+        limit = server.read_timeout_s
+        chunks.append(chunk)
+        n, pending = _tokens_in_chunk(pending, chunk)
+        if n:
+            st.tracker.token(g, req.request_id, st.now(), n)
+            return _Head(chunks, pending, ended=False)
 
 
 def _record(st: ServerState, req: Request, g: int, decode_instance: int | None,
@@ -362,56 +448,56 @@ def _record(st: ServerState, req: Request, g: int, decode_instance: int | None,
 
 async def _relay(request: web.Request, st: ServerState, g: int, req: Request,
                  upstream: aiohttp.ClientResponse, headers: dict[str, str],
-                 stream: bool) -> tuple[web.StreamResponse, bool]:
-    """Relay a backend's answer: chunk by chunk when it streams a 200, else whole;
-    (the client's response, whether the answer completed)."""
-    if stream and upstream.status == 200:
-        return await _relay_stream(request, st, g, req, upstream, headers)
+                 head: _Head | None) -> tuple[web.StreamResponse, bool]:
+    """Relay a backend's answer: chunk by chunk when it streams a 200 (``head``: what it
+    sent up to its first token, read already), else whole; (the client's response,
+    whether the answer completed)."""
+    if head is not None:
+        return await _relay_stream(request, st, g, req, upstream, headers, head)
     return await _relay_whole(st, g, req, upstream, headers)
 
 
 async def _relay_stream(request: web.Request, st: ServerState, g: int, req: Request,
-                        upstream: aiohttp.ClientResponse,
-                        headers: dict[str, str]) -> tuple[web.StreamResponse, bool]:
-    """Relay the backend's stream chunk by chunk as it arrives (one write for the lines
-    of a chunk, counting the tokens they announce); (the response, True if the backend's
-    stream ended cleanly and all of it went to the client). A client that leaves stops
-    the relay without blaming the backend; a backend stream that fails marks it."""
+                        upstream: aiohttp.ClientResponse, headers: dict[str, str],
+                        head: _Head) -> tuple[web.StreamResponse, bool]:
+    """Relay the backend's stream: its ``head`` at once, then chunk by chunk as it
+    arrives (one write for the lines of a chunk, counting the tokens they announce);
+    (the response, True if the backend's stream ended cleanly and all of it went to the
+    client). A client that leaves stops the relay without blaming the backend; a
+    backend stream that fails marks it, and the client's stream ends with an error
+    event (``stream_error_event``)."""
     resp = web.StreamResponse(status=200, headers={
         **headers, "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
         "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    server = st.loaded.config.server
-    limit = server.first_byte_timeout_s   # for the first chunk, then read_timeout_s
-    pending = b""   # the start of a line the next chunk ends
+    limit = st.loaded.config.server.read_timeout_s
+    pending = head.pending   # the start of a line the next chunk ends
+    chunk = b"".join(head.chunks)
     try:
-        while True:
-            try:
-                async with asyncio.timeout(limit):
-                    chunk = await upstream.content.readany()
-            except TimeoutError:
-                raise _Stalled(limit) from None
-            if not chunk:
-                break
-            limit = server.read_timeout_s
-            n, pending = _tokens_in_chunk(pending, chunk)
-            if n:
-                st.tracker.token(g, req.request_id, st.now(), n)
+        while chunk:
             try:
                 await resp.write(chunk)
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                 # the client went away: not the backend's fault; stop its generation
                 upstream.close()
                 return resp, False
+            if head.ended:
+                break
+            try:
+                async with asyncio.timeout(limit):
+                    chunk = await upstream.content.readany()
+            except TimeoutError:
+                raise _Stalled(limit) from None
+            n, pending = _tokens_in_chunk(pending, chunk)
+            if n:
+                st.tracker.token(g, req.request_id, st.now(), n)
     except (TimeoutError, aiohttp.ClientError, _Stalled) as exc:
         st.mark_failure(g)
         kind = "stalled" if isinstance(exc, _Stalled) else "mid_stream"
         st.metrics.errors.labels(st.loaded.specs[g].name, kind).inc()
         why = str(exc) if isinstance(exc, _Stalled) else type(exc).__name__
-        event = {"error": {"message": f"backend stream ended early: {why}",
-                           "type": "backend_error"}}
         try:
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            await resp.write(stream_error_event(f"backend stream ended early: {why}"))
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             pass
@@ -452,6 +538,13 @@ async def _relay_whole(st: ServerState, g: int, req: Request,
     return web.Response(body=raw, status=upstream.status, headers={
         **headers, "Content-Type": upstream.headers.get("Content-Type", "application/json")}
     ), upstream.status == 200
+
+
+def stream_error_event(message: str) -> bytes:
+    """The event that ends a stream cut short, as OpenAI ends one: a ``data:`` event
+    whose JSON is the router's error shape, and no ``[DONE]`` after it (the ``openai``
+    client raises ``APIError`` on an event with an ``error`` key)."""
+    return b"data: " + orjson.dumps(error_doc(message, "backend_error")) + b"\n\n"
 
 
 class _Stalled(Exception):
@@ -571,16 +664,17 @@ async def _forward_pair(request: web.Request, st: ServerState, req: Request,
         st.tracker.prefilled(p, q, rid, st.now())
         body = decode_body(data, bq.served_model, decode_kv_params(answer, bp.spec.name))
         st.tracker.decode_sent(q, rid, st.now(), stream)
-        upstream, failure = await _post(st, q, request.path, body)
+        upstream, head, failure, kind = await _attempt(st, q, req, request.path, body,
+                                                       stream)
         try:
             if failure is not None:
                 st.mark_failure(q)
-                st.metrics.errors.labels(bq.spec.name, "before_first_byte").inc()
+                st.metrics.errors.labels(bq.spec.name, kind).inc()
                 return error_response(502, f"decode backend {bq.spec.name} failed after the "
                                       f"prefill on {bp.spec.name}: {failure}",
                                       kind="backend_error", headers=headers)
             assert upstream is not None
-            resp, completed = await _relay(request, st, q, req, upstream, headers, stream)
+            resp, completed = await _relay(request, st, q, req, upstream, headers, head)
             return resp
         finally:
             if upstream is not None:

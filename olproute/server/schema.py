@@ -16,8 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.json_schema import models_json_schema
+from pydantic_core import PydanticCustomError
 
 from olproute.config.read import key_path, problem, problems_of
 from olproute.types import Request
@@ -38,8 +39,15 @@ class BadRequest(ValueError):
 
     def as_json(self) -> dict[str, Any]:
         """OpenAI's error shape."""
-        return {"error": {"message": str(self), "type": "invalid_request_error",
-                          "param": self.field or None}}
+        return error_doc(str(self), param=self.field or None)
+
+
+def error_doc(message: str, kind: str = "invalid_request_error", param: str | None = None,
+              code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, the one of every error the router answers (``ERROR_SCHEMA``):
+    ``kind`` is its ``type``, ``param`` the field at fault, ``code`` a machine-readable
+    reason (``model_not_found``), each None when there is none."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 # strict: no coercion (true is not 1, "5" is not 5); no NaN or infinity
@@ -49,6 +57,11 @@ _STRICT = ConfigDict(strict=True, allow_inf_nan=False, frozen=True)
 # the router accounts for and schedules one completion per request: n = 3 would make the
 # backend generate three times what the policy planned for
 ONE_COMPLETION = "one completion per request (the router schedules one)"
+
+
+# a token id: no vocabulary holds 2^31 ids (vLLM's engine keeps them as int32); a
+# backend refuses one past its own vocabulary itself
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class _Body(BaseModel):
@@ -66,15 +79,27 @@ class CompletionBody(_Body):
     to the backend unchecked)."""
 
     model: str | None = None
-    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[str], Field(min_length=1)]) = Field(
-        description="text, a list of texts, or a list of token ids")
+        description="text, a list of one text, or a list of token ids (each in [0, 2^31)):"
+                    " " + ONE_COMPLETION)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     # not OpenAI's for completions, but read if given (it wins over max_tokens)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1, description=ONE_COMPLETION)
     best_of: int | None = Field(default=None, ge=1, le=1, description=ONE_COMPLETION)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        """Several texts would be several completions (OpenAI answers one per text)."""
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str):
+            raise PydanticCustomError("one_completion",
+                                      f"must be one text, got {len(prompt)}: "
+                                      f"{ONE_COMPLETION}")
+        return prompt
 
 
 class ChatBody(_Body):
@@ -109,7 +134,9 @@ class RouteBody(BaseModel):
         "explanation.prediction.source is then 'request'")
     ttft_target_ms: float | None = Field(default=None, gt=0, le=3_600_000)
     slo_class: str = "default"
-    model: str | None = Field(default=None, description="only instances serving this model")
+    model: str | None = Field(default=None, description="only instances serving this model "
+                              "(its profile's name or a backend's served_model); another is "
+                              "a 404 (code model_not_found) unless server.any_model")
 
 
 class ReloadBody(BaseModel):
@@ -163,6 +190,22 @@ class RouteAnswer(BaseModel):
     explanation: ExplanationDoc
 
 
+class ModelCard(BaseModel):
+    """A model the pool serves: a backend's served name or its profile's model name."""
+
+    id: str = Field(description="the name a request's model may give")
+    object: Literal["model"] = "model"
+    created: int = Field(description="when the router started, Unix seconds")
+    owned_by: Literal["olproute"] = "olproute"
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``: the models the pool serves, deduplicated, in backend order."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
 def explanation_doc(explanation: Mapping[str, Sequence[float]],
                     prediction: dict[str, Any]) -> dict[str, Any]:
     """A decision's explanation for JSON (``ExplanationDoc``): its per-instance figures as
@@ -200,6 +243,11 @@ def _not_json(name: str) -> Any:
 # orjson reads an integer past 64 bits as a float (json.loads keeps it an int, which the
 # bounds then refuse by name): a body with a run of 19 digits takes json.loads' path
 _LONG_NUMBER = re.compile(rb"[0-9]{19}")
+# orjson recurses on the C stack as arrays nest, without a limit: 140,000 nested arrays
+# (280 KB) overflow an 8 MiB stack and kill the process (orjson 3.8). A body opening
+# more brackets than this (however many are inside strings) takes json.loads' path,
+# whose nesting counts against the interpreter's recursion limit (RecursionError)
+ORJSON_MAX_BRACKETS = 10_000
 
 
 def parse_json(raw: bytes) -> Any:
@@ -207,9 +255,11 @@ def parse_json(raw: bytes) -> Any:
     nested deeper than MAX_DEPTH, or has an integer too long to parse.
 
     orjson reads it (about 10x faster than json.loads); whatever orjson refuses (not
-    JSON, NaN, a lone surrogate, a byte-order mark, UTF-16) or might read otherwise (a
-    long number) goes through json.loads, whose verdict and message are the contract."""
-    if _LONG_NUMBER.search(raw) is None:
+    JSON, NaN, a lone surrogate, a byte-order mark, UTF-16), might read otherwise (a
+    long number) or might overflow the stack on (``ORJSON_MAX_BRACKETS``) goes through
+    json.loads, whose verdict and message are the contract."""
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets <= ORJSON_MAX_BRACKETS and _LONG_NUMBER.search(raw) is None:
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -217,7 +267,7 @@ def parse_json(raw: bytes) -> Any:
     else:
         data = _parse_json_slow(raw)
     # each level of nesting opens a bracket: few brackets, no need to walk the value
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nesting(data) > MAX_DEPTH:
+    if brackets > MAX_DEPTH and nesting(data) > MAX_DEPTH:
         raise BadRequest("", f"body is nested deeper than {MAX_DEPTH} levels")
     return data
 
@@ -301,7 +351,8 @@ def _bad_request(exc: ValidationError) -> BadRequest:
 
 # pydantic names a union member by its type in an error's location
 _MEMBERS = {"str": "a string", "constrained-str": "a string", "none": "null",
-            "list[int]": "a list of integers", "list[str]": "a list of strings",
+            "list[int]": "a list of integers", "list[constrained-int]": "a list of integers",
+            "list[str]": "a list of strings",
             "list[dict[str,any]]": "a list of objects"}
 
 
@@ -341,15 +392,24 @@ def prompt_tokens_of(body: CompletionBody | ChatBody) -> tuple[int, str | None]:
 ERROR_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["error"],
     "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param"],
+        "type": "object", "required": ["message", "type", "param", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"],
-                                 "description": "the field at fault, if one is"}}}}}
+                                 "description": "the field at fault, if one is"},
+                       "code": {"type": ["string", "null"],
+                                "description": "a machine-readable reason, if there is "
+                                               "one (model_not_found)"}}}}}
 
 
 def _error(description: str) -> dict[str, Any]:
     return {"description": description,
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _ref(description: str, name: str) -> dict[str, Any]:
+    """A 200 answer of the JSON schema ``name`` (components/schemas)."""
+    return {"description": description, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{name}"}}}}
 
 
 def _body(name: str) -> dict[str, Any]:
@@ -383,6 +443,8 @@ def _proxied(summary: str, body: str) -> dict[str, Any]:
                                    " and x-olproute-explanation when x-olproute-explain asks"},
             **_BODY_ERRORS,
             "429": _error("shed; see Retry-After"),
+            "404": _error("no backend serves the body's model (code model_not_found; "
+                          "unless server.any_model)"),
             "502": _error("the backend failed"), "503": _error("no backend after a failure")}}}
 
 
@@ -401,11 +463,28 @@ def _get(summary: str, description: str = "") -> dict[str, Any]:
                                                                  or summary}}}}
 
 
+def _models_paths() -> dict[str, Any]:
+    """``GET /v1/models`` and ``GET /v1/models/{model}``, as OpenAI's."""
+    return {
+        "/v1/models": {"get": {
+            "summary": "the models the pool serves (OpenAI's list): each backend's "
+                       "served_model and its profile's model name; a completion naming "
+                       "another is a 404 unless server.any_model",
+            "responses": {"200": _ref("the served models", "ModelList")}}},
+        "/v1/models/{model}": {"get": {
+            "summary": "one served model",
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": _ref("the model", "ModelCard"),
+                          "404": _error("no backend serves it (code model_not_found)")}}}}
+
+
 def openapi() -> dict[str, Any]:
     """The OpenAPI 3.1 document of the router's own endpoints."""
     _, defs = models_json_schema(
         [(m, "validation") for m in (CompletionBody, ChatBody, RouteBody, ReloadBody)]
-        + [(RouteAnswer, "serialization")], ref_template="#/components/schemas/{model}")
+        + [(m, "serialization") for m in (RouteAnswer, ModelList)],
+        ref_template="#/components/schemas/{model}")
     return {
         "openapi": "3.1.0",
         "info": {"title": "olproute", "version": "0.1.0",
@@ -420,11 +499,14 @@ def openapi() -> dict[str, Any]:
                 "responses": {"200": {"description": "the decision and its explanation",
                                       "content": {"application/json": {"schema": {
                                           "$ref": "#/components/schemas/RouteAnswer"}}}},
-                              **_BODY_ERRORS}}},
+                              **_BODY_ERRORS,
+                              "404": _error("no backend serves the body's model (code "
+                                            "model_not_found; unless server.any_model)")}}},
             "/v1/completions": _proxied("OpenAI-compatible completion, proxied to the "
                                         "chosen instance", "CompletionBody"),
             "/v1/chat/completions": _proxied("OpenAI-compatible chat completion, proxied to "
                                              "the chosen instance", "ChatBody"),
+            **_models_paths(),
             "/prices": _get("shadow prices per instance and slot, the last live "
                             "certificate of them (D(p_online)/LP* - 1 over a window), and "
                             "the last re-solve of the LP for them (resolve)"),

@@ -91,6 +91,8 @@ class ServerState:
     # held while a new router is built and swapped in (a reload, a rebuild on the
     # engines' word), so that one swap never undoes another
     swap_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # when the server started, Unix seconds: the ``created`` of GET /v1/models' entries
+    started_unix_s: int = field(default_factory=lambda: int(time.time()))
 
     def modelled(self, loaded: LoadedConfig | None = None) -> LoadedConfig:
         """``loaded`` (the running config by default) with each backend as its engine says
@@ -100,6 +102,24 @@ class ServerState:
             return loaded
         return loaded.with_specs([self.engine_specs.get(g, s)
                                   for g, s in enumerate(loaded.specs)])
+
+    def served_models(self) -> list[str]:
+        """The model names the pool answers to: each backend's served name and its
+        profile's model name, deduplicated, in backend order."""
+        return list(dict.fromkeys(name for b in self.tracker.backends
+                                  for name in (b.served_model, b.spec.model)))
+
+    def model_exclude(self, model: str | None) -> frozenset[int] | None:
+        """The backends a request for ``model`` may not go to: those not serving it (by
+        its profile's model name or the name the backend answers to); none for no model,
+        or for a name no backend serves when ``server.any_model`` routes any name to the
+        whole pool. None: no backend serves ``model`` (a 404)."""
+        if model is None:
+            return frozenset()
+        names = [(b.spec.model, b.served_model) for b in self.tracker.backends]
+        if any(model in pair for pair in names):
+            return frozenset(g for g, pair in enumerate(names) if model not in pair)
+        return frozenset() if self.loaded.config.server.any_model else None
 
     def now(self) -> float:
         """Seconds since the server started (the policies' clock)."""

@@ -12,7 +12,10 @@ open). ``cancelled`` counts the requests whose handler was cancelled (the router
 the connection) before the fake answered or finished. ``extra`` is merged into its whole
 (non-streamed) answers (e.g. a prefill's ``kv_transfer_params``). A stream with ``hold``
 set stops after ``hold_after`` chunks until the test sets it (``Stack.release``).
-``client_gone`` counts the streams its client (the router) closed before their end.
+With ``preamble`` set a stream starts with a chunk carrying no token (a chat's role
+delta, as vLLM sends it; a completion's empty text), so that ``cut`` with ``cut_after``
+0 answers 200 and drops the connection before the first token. ``client_gone`` counts
+the streams its client (the router) closed before their end.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class FakeState:
     gauges: bool = True   # False: /metrics without vLLM's gauges (--disable-log-stats)
     prefix_queries: float | None = None   # vllm:prefix_cache_queries_total, when set
     cache_config: dict[str, str] | None = None   # vllm:cache_config_info's labels, when set
+    preamble: bool = False   # a stream's first chunk carries no token
 
 
 STATE = web.AppKey("fake_state", FakeState)
@@ -102,6 +106,8 @@ async def _complete(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, resp: web.StreamResponse, st: FakeState, n: int,
                   chat: bool) -> web.StreamResponse:
+    if st.preamble:
+        await resp.write(f"data: {json.dumps(_chunk(chat, '', role=True))}\n\n".encode())
     for i in range(n):
         if st.hold is not None and i == st.hold_after:
             await st.hold.wait()
@@ -116,17 +122,20 @@ async def _stream(request: web.Request, resp: web.StreamResponse, st: FakeState,
             except asyncio.CancelledError:
                 st.cancelled += 1
                 raise
-        if chat:
-            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0,
-                     "model": "fake", "choices": [{"index": 0, "delta": {"content": "tok "},
-                                                   "finish_reason": None}]}
-        else:
-            chunk = {"id": "x", "object": "text_completion", "created": 0, "model": "fake",
-                     "choices": [{"index": 0, "text": "tok ", "finish_reason": None}]}
-        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(f"data: {json.dumps(_chunk(chat, 'tok '))}\n\n".encode())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def _chunk(chat: bool, text: str, role: bool = False) -> dict[str, Any]:
+    """One streamed chunk of ``text`` (a chat's with the assistant's role if ``role``)."""
+    if chat:
+        delta = {"role": "assistant", "content": text} if role else {"content": text}
+        return {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+    return {"id": "x", "object": "text_completion", "created": 0, "model": "fake",
+            "choices": [{"index": 0, "text": text, "finish_reason": None}]}
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -1,5 +1,5 @@
 """Bad input, as an attacker or a careless client sends it, against a real router on
-127.0.0.1 (issue 20): each case answers a 4xx in OpenAI's error shape naming the field,
+127.0.0.1: each case answers a 4xx in OpenAI's error shape naming the field,
 echoes nothing of a file it pointed at, leaves the running router as it was, and the
 router still answers /healthz afterwards.
 
@@ -9,10 +9,14 @@ latency: these tests share the machine with benchmarks.)
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import os
+import random
 import socket
+import threading
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,10 +26,12 @@ import pytest
 import yaml
 
 from olproute.config.loader import MAX_YAML_BYTES, load_config
+from olproute.server import proxy
 from olproute.server.app import public_url
+from olproute.server.schema import ONE_COMPLETION, parse_json
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
-from tests.integration.server_harness import Stack
+from tests.integration.server_harness import Stack, wait_until
 from tests.integration.test_server import CAL, TOKEN, _config
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -61,6 +67,7 @@ def error_of(raw: bytes) -> dict[str, Any]:
     assert isinstance(err["message"], str) and err["message"], err
     assert isinstance(err["type"], str) and err["type"], err
     assert err["param"] is None or isinstance(err["param"], str), err
+    assert err["code"] is None or isinstance(err["code"], str), err
     return err  # type: ignore[no-any-return]
 
 
@@ -108,6 +115,10 @@ VALID: dict[str, dict[str, Any]] = {
 NESTED = b'{"prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 RAW_CASES = [  # (id, body): each 400 with no field to name
     ("nested-100k", NESTED),
+    # deep enough to overflow the C stack of a parser that recurses without a limit
+    ("nested-500k", b'{"prompt": "x", "extra": ' + b"[" * 500_000 + b"]" * 500_000 + b"}"),
+    ("nested-200k-after-brackets-in-a-string", b'{"prompt": "' + b"]" * 200_000 + b'", "extra": '
+     + b"[" * 200_000 + b"]" * 200_000 + b"}"),
     ("nested-65", b'{"prompt": "x", "extra": ' + b"[" * 65 + b"]" * 65 + b"}"),
     ("unclosed-100k", b"[" * 100_000),
     ("huge-int-max_tokens", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
@@ -170,6 +181,82 @@ def test_a_bad_ttft_header_is_400_naming_it(stack: Stack, value: str) -> None:
     assert_error(call(stack.url, "POST", "/v1/completions", VALID["/v1/completions"],
                       headers={"x-slo-ttft-ms": value}), 400, "x-slo-ttft-ms")
     assert_healthy(stack)
+
+
+@pytest.mark.parametrize("encoding", ["deflate", "gzip"])
+@pytest.mark.parametrize(("path", "headers"), [
+    *((p, {}) for p in ENDPOINTS), ("/admin/reload", AUTH)])
+def test_a_body_that_does_not_decode_is_400(stack: Stack, path: str, encoding: str,
+                                            headers: dict[str, str]) -> None:
+    junk = bytes(random.Random(7).randrange(256) for _ in range(512))
+    err = assert_error(call(stack.url, "POST", path, raw=junk, headers={
+        "Content-Encoding": encoding, **headers}), 400)
+    assert "does not decode" in err["message"] and err["param"] is None, err
+    assert_healthy(stack)
+
+
+@pytest.mark.parametrize("encoding", ["deflate", "gzip"])
+def test_a_body_that_decodes_past_the_limit_is_413(stack: Stack, encoding: str) -> None:
+    """20 KB that decode to 20 MB: refused once the decoded body passes the limit."""
+    raw = b'{"prompt": "' + b"0" * 20_000_000 + b'"}'
+    packed = gzip.compress(raw) if encoding == "gzip" else zlib.compress(raw)
+    assert len(packed) < 100_000
+    assert_error(call(stack.url, "POST", "/v1/completions", raw=packed,
+                      headers={"Content-Encoding": encoding}), 413)
+    assert wait_until(lambda: stack.num_connections() == 0)   # its lingering read ended
+    assert_healthy(stack)
+
+
+@pytest.mark.parametrize("encoding", ["deflate", "gzip"])
+def test_an_encoded_body_still_passes(stack: Stack, encoding: str) -> None:
+    raw = json.dumps(VALID["/v1/completions"]).encode()
+    packed = gzip.compress(raw) if encoding == "gzip" else zlib.compress(raw)
+    code, _, out = call(stack.url, "POST", "/v1/completions", raw=packed,
+                        headers={"Content-Encoding": encoding})
+    assert code == 200, out
+
+
+@pytest.mark.parametrize("prompt", [
+    [-5, 99999999999], [1, -1], [1, 2**31], [2**63 - 1], [10**30],   # token ids
+    ["one", "two"], ["a", "b", "c"],                                   # several texts
+    [[1, 2], [3, 4]], [[1, 2]],                                        # lists of id lists
+], ids=lambda p: repr(p)[:30])
+def test_out_of_range_ids_and_several_prompts_are_400_naming_prompt(
+        stack: Stack, prompt: Any) -> None:
+    err = assert_error(call(stack.url, "POST", "/v1/completions",
+                            {**VALID["/v1/completions"], "prompt": prompt}), 400)
+    assert err["param"] is not None and err["param"].startswith("prompt"), err
+    if isinstance(prompt[0], str):
+        assert ONE_COMPLETION in err["message"], err
+    assert_healthy(stack)
+
+
+@pytest.mark.parametrize("prompt", [["one text"], [0, 5, 2**31 - 1]])
+def test_one_text_in_a_list_or_ids_in_range_pass(stack: Stack, prompt: list[Any]) -> None:
+    code, _, raw = call(stack.url, "POST", "/v1/completions",
+                        {**VALID["/v1/completions"], "prompt": prompt})
+    assert code == 200, raw
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(stack: Stack,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past proxy.OFF_LOOP_BYTES a body is parsed in the default executor, not on the
+    loop's thread (where a maximum-size body took ~100 ms); a small one on the loop."""
+    threads: list[int] = []
+
+    def parse(raw: bytes) -> Any:
+        threads.append(threading.get_ident())
+        return parse_json(raw)
+
+    monkeypatch.setattr(proxy, "parse_json", parse)
+    loop_thread = stack.call(threading.get_ident)
+    filler = "w" * (stack.app[STATE].loaded.config.server.max_body_bytes - 1000)
+    for extra in (filler, "small"):
+        code, _, raw = call(stack.url, "POST", "/v1/completions",
+                            {**VALID["/v1/completions"], "user": extra})
+        assert code == 200, raw[:200]
+    assert len(threads) == 2 and threads[0] != loop_thread and threads[1] == loop_thread
+    assert len(filler) > proxy.OFF_LOOP_BYTES
 
 
 @pytest.mark.parametrize("path", ENDPOINTS)

@@ -25,9 +25,9 @@ from tests.integration.test_server import CAL, request
 SERVED = ["Org/Model-A", "Org/Model-A", None]
 
 
-def _config(tmp_path: Path, **extra: Any) -> Path:
+def _config(tmp_path: Path, any_model: bool = False, **extra: Any) -> Path:
     """Three qwen3-0.6b instances; q-0 and q-1 answer to 'Org/Model-A', q-2 to its
-    profile's name. No workload section."""
+    profile's name. No workload section; ``server.any_model`` as given."""
     backends = []
     for i, name in enumerate(SERVED):
         b: dict[str, Any] = {"name": f"q-{i}", "url": f"http://127.0.0.1:{9 + i}"}
@@ -39,7 +39,8 @@ def _config(tmp_path: Path, **extra: Any) -> Path:
         "instances": [{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 3}],
         "router": {"policy": "round_robin"},
         "prediction": {"serve": "max_tokens"},
-        "server": {"health_period_s": 0.1, "scrape_period_s": 0.2, "backends": backends},
+        "server": {"health_period_s": 0.1, "scrape_period_s": 0.2, "backends": backends,
+                   "any_model": any_model},
     }
     data.update(extra)
     path = tmp_path / "router.yaml"
@@ -52,8 +53,8 @@ def test_each_backend_gets_the_name_it_serves(tmp_path: Path) -> None:
     s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
-        for i in range(6):   # round robin: each backend twice, whatever the client names
-            client.completions.create(model="any-alias", prompt=f"hello {i}", max_tokens=2)
+        for i in range(6):   # round robin: each backend twice (all serve the profile's)
+            client.completions.create(model="qwen3-0.6b", prompt=f"hello {i}", max_tokens=2)
         assert [[b["model"] for b in f.bodies] for f in s.fakes] == [
             ["Org/Model-A"] * 2, ["Org/Model-A"] * 2, ["qwen3-0.6b"] * 2]
         # a served name confines the choice to the backends that answer to it
@@ -67,6 +68,54 @@ def test_each_backend_gets_the_name_it_serves(tmp_path: Path) -> None:
         assert [i["served_model"] for i in inst] == ["Org/Model-A", "Org/Model-A",
                                                      "qwen3-0.6b"]
         assert [i["model"] for i in inst] == ["qwen3-0.6b"] * 3
+    finally:
+        s.close()
+
+
+def test_models_lists_the_served_names_and_an_unknown_model_is_404(tmp_path: Path) -> None:
+    loaded = load_config(_config(tmp_path))
+    s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        listed = client.models.list()
+        assert [m.id for m in listed.data] == ["Org/Model-A", "qwen3-0.6b"]
+        assert {(m.object, m.owned_by) for m in listed.data} == {("model", "olproute")}
+        assert client.models.retrieve("Org/Model-A").id == "Org/Model-A"
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("gpt-4")
+        assert missing.value.code == "model_not_found"
+        for create in (
+                lambda: client.completions.create(model="gpt-4", prompt="hi", max_tokens=2),
+                lambda: client.chat.completions.create(
+                    model="gpt-4", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                    stream=True)):
+            with pytest.raises(openai.NotFoundError) as refused:
+                create()
+            err = refused.value.body
+            assert isinstance(err, dict)
+            assert err["code"] == "model_not_found" and err["param"] == "model"
+            assert err["type"] == "invalid_request_error" and "gpt-4" in err["message"]
+        assert sum(len(f.bodies) for f in s.fakes) == 0   # nothing reached a backend
+        # /route's model follows the same rule
+        status, _, raw = request(s.url, "POST", "/route",
+                                 {"prompt": "hi", "model": "Org/Model-A"})
+        assert status == 200 and json.loads(raw)["instance"] in ("q-0", "q-1")
+        status, _, raw = request(s.url, "POST", "/route", {"prompt": "hi", "model": "gpt-4"})
+        assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
+    finally:
+        s.close()
+
+
+def test_any_model_routes_an_unknown_name_to_the_whole_pool(tmp_path: Path) -> None:
+    loaded = load_config(_config(tmp_path, any_model=True))
+    s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        for i in range(6):
+            client.completions.create(model="any-alias", prompt=f"hello {i}", max_tokens=2)
+        # each backend gets the name it serves, the alias none of them
+        assert [[b["model"] for b in f.bodies] for f in s.fakes] == [
+            ["Org/Model-A"] * 2, ["Org/Model-A"] * 2, ["qwen3-0.6b"] * 2]
     finally:
         s.close()
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import yaml
 
 from olproute.cli.main import main
 from olproute.sim.metrics import RECORD_COLUMNS
+from tests.conftest import HANG_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILES = REPO_ROOT / "configs" / "profiles.yaml"
@@ -424,3 +427,46 @@ def test_live_tables_backends_read_what_emulate_prints(
         assert ev["replay_endpoint"].startswith("tcp://127.0.0.1:")
         assert (ev["topic"], ev["tokenizer"]) == ("", "words")
     assert all("kv_events" not in b for b in _backends(lines, kv_events=False))
+
+
+def test_serve_says_what_it_starts_and_where_it_serves(tmp_path: Path) -> None:
+    """``olproute serve`` (its own process, emulated engines) prints each slow start-up
+    step on stderr and, once it listens, the URL it serves on, which answers."""
+    data = {"profiles": str(PROFILES),
+            "instances": [{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 2}],
+            "router": {"policy": "bid_price", "slot_ms": 20},
+            "prices": {"period_slots": 5, "window": 200, "minibatch": 32},
+            "prediction": {"serve": "max_tokens"}, "calibration": "auto",
+            "server": {"health_period_s": 0.1},
+            "workload": {"kind": "poisson", "rate_per_s": 1, "num_requests": 10,
+                         "prompt_tokens": 10, "decode_tokens": 10}}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = subprocess.Popen([sys.executable, "-m", "olproute.cli", "serve", "--config",
+                             str(path), "--port", "0"], cwd=REPO_ROOT, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert proc.stderr is not None
+        said = []
+        for line in proc.stderr:   # a hang is caught by the test's timeout
+            said.append(line.rstrip("\n"))
+            if "serving on" in line:
+                break
+        steps = [line for line in said if line.startswith("olproute: ")]
+        assert steps[:4] == ["olproute: starting 2 emulated engines ...",
+                             "olproute: building the router (policy bid_price) ...",
+                             "olproute: calibrating the batch time (calibration: auto, in "
+                             "the simulator) ...",
+                             "olproute: compiling the price update ..."], said
+        match = re.fullmatch(r"olproute: serving on (http://127\.0\.0\.1:\d+) "
+                             r"\(Ctrl\+C stops it\)", steps[-1])
+        assert match is not None, said
+        with urllib.request.urlopen(match.group(1) + "/v1/models", timeout=HANG_S) as r:
+            assert [m["id"] for m in json.load(r)["data"]] == ["qwen3-0.6b"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -143,8 +143,8 @@ def test_openai_client_streams_through_the_router(stack: Stack) -> None:
     import openai
 
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-    chunks = list(client.completions.create(model="q", prompt="say something", max_tokens=5,
-                                            stream=True))
+    chunks = list(client.completions.create(model="qwen3-0.6b", prompt="say something",
+                                            max_tokens=5, stream=True))
     assert len(chunks) == 5
     assert "".join(c.choices[0].text for c in chunks) == "tok " * 5
 
@@ -304,6 +304,54 @@ def test_killed_backend_ends_the_stream_with_an_error_and_is_avoided(stack: Stac
     assert stack.call(lambda: [b.flights for b in st[STATE].tracker.backends]) == [{}, {}, {}]
 
 
+def test_the_openai_client_raises_on_a_stream_its_backend_cut(stack: Stack) -> None:
+    """A backend that dies after two tokens: the client's stream ends with an error event
+    in the error shape and no [DONE] after it, on which the openai client raises."""
+    import openai
+
+    for fake in stack.fakes:
+        fake.mode, fake.cut_after, fake.delay_s = "cut", 2, 0.02
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    got: list[str] = []
+    with pytest.raises(openai.APIError) as cut:
+        for chunk in client.chat.completions.create(
+                model="qwen3-0.6b", messages=[{"role": "user", "content": "hi"}],
+                max_tokens=8, stream=True):
+            got.append(chunk.choices[0].delta.content or "")
+    assert got == ["tok ", "tok "]
+    assert "backend stream ended early" in cut.value.message
+    assert isinstance(cut.value.body, dict) and cut.value.body["type"] == "backend_error"
+    _, _, lines = stream(stack.url, "/v1/completions",
+                         {"prompt": "a", "max_tokens": 8, "stream": True})
+    event = json.loads(lines[-1].removeprefix(b"data: "))
+    assert set(event["error"]) == {"message", "type", "param", "code"}
+    assert b"data: [DONE]" not in lines
+
+
+def test_a_stream_that_dies_before_its_first_token_is_retried(stack: Stack) -> None:
+    """q-0 answers 200 and a chunk without a token, then drops the connection: nothing
+    reached the client yet, so the request goes to another backend and the client
+    gets the whole stream."""
+    import openai
+
+    from olproute.server.state import STATE
+
+    for fake in stack.fakes:
+        fake.preamble = True
+    stack.fakes[0].mode, stack.fakes[0].cut_after = "cut", 0
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    for _ in range(6):
+        chunks = list(client.chat.completions.create(
+            model="qwen3-0.6b", messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4, stream=True))
+        assert [c.choices[0].delta.content for c in chunks] == ["", *["tok "] * 4]
+    assert stack.fakes[0].requests >= 1
+    assert backend_errors(stack.url) == {("q-0", "before_first_token"):
+                                         stack.fakes[0].requests}
+    assert stack.call(lambda: [b.flights for b in stack.app[STATE].tracker.backends]) == [
+        {}, {}, {}]
+
+
 def test_a_stream_cut_midway_is_recorded_unfinished_with_its_first_token(
         stack: Stack) -> None:
 
@@ -410,7 +458,8 @@ def test_embedded_default_emulates_backends_and_streams(tmp_path: Path) -> None:
     import openai
 
     loaded = load_config(_config(tmp_path, server={"emulator_time_scale": 0.2,
-                                                   "health_period_s": 0.2}))
+                                                   "health_period_s": 0.2,
+                                                   "any_model": True}))
     s = Stack(loaded, num_fakes=0, calibration=CalibrationSource(loaded, known=[CAL] * 3))
     try:
         # requests stop where the emulators' lengths say (the trace's draws, set by the

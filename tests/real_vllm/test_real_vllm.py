@@ -85,10 +85,13 @@ def test_whole_completion_and_chat(fleet: Fleet) -> None:
         max_tokens=10)
     assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 10
     assert chat.choices[0].message.role == "assistant"
-    # the profile's name and any alias reach the same servers (each sent as "tiny")
-    for name in ("tiny-llama", "auto"):
-        other = c.completions.create(model=name, prompt=vllm_cpu.prompt(8, 3), max_tokens=4)
-        assert other.usage is not None and other.usage.prompt_tokens == 8
+    # the profile's name reaches the same servers (sent as "tiny"); a name no backend
+    # serves is a 404 (server.any_model is false)
+    other = c.completions.create(model="tiny-llama", prompt=vllm_cpu.prompt(8, 3),
+                                 max_tokens=4)
+    assert other.usage is not None and other.usage.prompt_tokens == 8
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="auto", prompt=vllm_cpu.prompt(8, 3), max_tokens=4)
 
 
 def test_streamed_chat_ends_with_done(fleet: Fleet) -> None:

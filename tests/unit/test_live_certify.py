@@ -12,6 +12,7 @@ import numpy as np
 
 from olproute.config.schema import RewardConfig
 from olproute.routing.live_window import LiveWindow
+from solvers.certificate import certificate, gap
 from solvers.live import certify, to_log
 from solvers.lp import solve
 from solvers.record import build_window
@@ -83,3 +84,20 @@ def test_one_lp_thread_after_a_solve_with_the_default_threads() -> None:
     out = certify(w)
     assert out["lp_status"] == "Optimal" and out["lp_value"] > 0
     assert solve(prob).status == "Optimal"   # and the default count after it
+
+
+def test_a_window_no_request_can_earn_in_certifies_without_dividing_by_zero() -> None:
+    """A predicted TPOT of 0 (no decode fits a KV row: LP* is 0) and a prediction of no
+    output token: the check still answers, with plain numbers."""
+    w = hand_window()
+    out = certify(dataclasses.replace(w, tpot_s=np.zeros_like(w.tpot_s)))
+    assert out["lp_value"] == 0.0 and out["online_over_lp"] is None
+    assert out["certificate"] == 0.0 or out["certificate"] == math.inf
+    out = certify(dataclasses.replace(w, decode_tokens=np.zeros_like(w.decode_tokens)))
+    assert math.isfinite(out["online_reward"]) and out["certificate"] >= -1e-6
+
+
+def test_certificate_and_gap_of_a_zero_optimum() -> None:
+    assert certificate(0.0, 0.0) == 0.0 and certificate(1.5, 0.0) == math.inf
+    assert certificate(3.0, 2.0) == 0.5
+    assert gap(0.0, 0.0) == 0.0 and gap(4.0, 1.0) == 0.75
