@@ -16,10 +16,11 @@ import numpy.typing as npt
 
 Action = Literal["dispatch", "hold", "shed"]
 ACTIONS: tuple[Action, ...] = ("dispatch", "hold", "shed")
-# why a request is shed: no instance's engine has room to start it (its patience run
-# out), its patience run out where the policy knows no room (no snapshots, P/D pairs),
-# the central buffer full, no healthy backend, the primal form's price above its reward
-REFUSALS = ("no_room", "patience", "buffer_full", "no_backend", "price")
+# why a request is shed: no instance's engine has room to start it, or every one that has
+# would queue it past another TTFT target (its patience run out), its patience run out
+# where the policy knows no room (no snapshots, P/D pairs), the central buffer full, no
+# healthy backend, the primal form's price above its reward
+REFUSALS = ("no_room", "late", "patience", "buffer_full", "no_backend", "price")
 # what an instance serves: both phases (mixed), or one side of disaggregated pools
 Role = Literal["mixed", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("mixed", "prefill", "decode")

@@ -8,19 +8,22 @@ free batch slot, KV blocks for its prompt, and at most ``admission.max_waiting``
 waiting there (default 0: holding a request in the router while an engine has a queue
 is late binding, to whichever instance frees first).
 
-A refusal needs a reason that holds: the engine's own. At its next steps an engine
-(vLLM's scheduler) admits its waiting requests in order while it has a batch slot and KV
-blocks for each prompt, as fast as its token budget lets it (``engine_has_room``). Once a
-request's patience runs out under ``admission: shed`` it goes to the best instance whose
-engine has room for it (``with_room``) and is refused only when none has: the prices
-and the TTFT term may hold a request while it is patient, never refuse what the engines
-can take.
+A refusal needs a reason that holds, read off the engines' state. At its next steps an
+engine (vLLM's scheduler) admits its waiting requests in order while it has a batch slot
+and KV blocks for each prompt, as fast as its token budget lets it (``engine_has_room``).
+Once a request's patience runs out under ``admission: shed`` it goes to the best
+instance whose engine has room for it and would start it within another TTFT target
+(the policy's ``Room``); it is refused only when no engine has room (``no_room``) or every
+one that has would queue it past that (``late``: the engines are saturated in compute,
+their queues growing). The prices and the score may hold a request while it is patient,
+never refuse what the engines can take.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -118,17 +121,27 @@ def still_patient(adm: AdmissionConfig, request: Request, waited_s: float) -> bo
     return waited_s + 1e-12 < patience_s(adm, request)
 
 
+@dataclass(frozen=True, slots=True)
+class Room:
+    """Where a request out of patience may still go under ``admission: shed``: the
+    instances, the policy's best first; when none, the refusal's kind
+    (``olproute.types.REFUSALS``) and its reason (default: ``fullness``)."""
+
+    instances: list[int]
+    refusal: str = "no_room"
+    why: str | None = None
+
+
 def hold_shed_or_defer(ctx: RoutingContext, adm: AdmissionConfig, why: str,
                        explanation: Mapping[str, tuple[float, ...]],
                        forget: Callable[[int], None],
                        defer: Callable[[float, int | None], Decision],
-                       room: Callable[[], list[int]] | None = None) -> Decision:
+                       room: Callable[[], Room] | None = None) -> Decision:
     """No instance takes the request now (``why``): hold it while it is patient. Once its
     patience has run out the policy ``forget``s it, and ``defer(waited_s, None)`` decides
     where it goes (``admission: defer``); under ``admission: shed`` it goes as
-    ``defer(waited_s, g)`` to the first instance ``room()`` names (those whose engines
-    have room for it, the policy's best first) and is refused only when there is none,
-    the refusal typed ``no_room`` (``Decision.refusal``). Without ``room`` it is
+    ``defer(waited_s, g)`` to the first instance ``room()`` names and is refused only
+    when it names none, typed as it says (``Decision.refusal``). Without ``room`` it is
     refused (``patience``)."""
     req = ctx.request
     waited = ctx.now_s - req.arrival_s
@@ -140,8 +153,8 @@ def hold_shed_or_defer(ctx: RoutingContext, adm: AdmissionConfig, why: str,
     if room is None:
         return Decision(req.request_id, "shed", None, f"shed after {waited * 1e3:.0f} ms: "
                         f"{why}", explanation, refusal="patience")
-    open_ = room()
-    if open_:
-        return defer(waited, open_[0])
+    where = room()
+    if where.instances:
+        return defer(waited, where.instances[0])
     return Decision(req.request_id, "shed", None, f"shed after {waited * 1e3:.0f} ms: "
-                    f"{fullness(ctx)}", explanation, refusal="no_room")
+                    f"{where.why or fullness(ctx)}", explanation, refusal=where.refusal)

@@ -9,8 +9,9 @@ prompt, and no more than ``admission.max_waiting`` requests queued there); other
 is held in the router's central buffer and re-scored every slot. When its patience runs
 out (default: its TTFT target), ``admission: defer`` sends it to the best instance and
 ``admission: shed`` to the best instance whose engine has room for it (a batch slot and
-KV blocks left after its queue: ``olproute.policies.admission``), refusing it only when
-none has: the prices may hold a request, never refuse what the engines can take.
+KV blocks left after its queue) and would start it within another TTFT target, refusing
+it only when there is none (``olproute.policies.admission``): the prices may hold a
+request, never refuse what the engines can take.
 
 Against herding on the momentarily cheapest instance: the TTFT term reads fresh
 snapshots that already hold the router's own dispatches (stale ones get the router's
@@ -49,6 +50,7 @@ from pydantic import Field
 from olproute.estimate.bea import BeaEstimator, decode_step_times_s
 from olproute.estimate.decode_load import DecodeLoad, load_aware_tpot
 from olproute.policies.admission import (
+    Room,
     can_start_now,
     hold_shed_or_defer,
     room_to_start,
@@ -566,9 +568,21 @@ class BidPrice(Policy):
                             f"{waited_s * 1e3:.0f} ms: {self._specs[to].name}'s engine has "
                             f"room for it (held: {why})", explanation)
 
-        def room() -> list[int]:   # the candidates whose engines have room, best first
+        def room() -> Room:
+            # the candidates whose engines have room, best first, that would start it
+            # within another TTFT target (its predicted wait for its prefill to begin)
             ranked = candidates[np.argsort(-score[candidates], kind="stable")]
-            return with_room(ctx, ranked.tolist())
+            open_ = with_room(ctx, ranked.tolist())
+            if not open_:
+                return Room([])
+            queue = row.ttft - req.prompt_tokens / self._theta
+            soon = [c for c in open_ if queue[c] <= req.ttft_target_s]
+            if soon:
+                return Room(soon)
+            c = min(open_, key=lambda c: float(queue[c]))
+            return Room([], "late", f"every engine with room would queue it past another "
+                        f"{req.ttft_target_s * 1e3:.0f} ms TTFT target (the least: "
+                        f"{self._specs[c].name}, {float(queue[c]):.2f} s)")
 
         return hold_shed_or_defer(ctx, self._adm, why, explanation, self._seen.discard, defer,
                                   room)

@@ -79,7 +79,8 @@ class ServerMetrics:
                                  "buffer was full (admission.max_held)", registry=r)
         self.refused = Counter(
             "olproute_refused", "Requests the router refused itself, by reason: no_room (no "
-            "engine could start it once its patience ran out: 429), patience (out of "
+            "engine could start it once its patience ran out: 429), late (every engine "
+            "with room would queue it past another TTFT target: 429), patience (out of "
             "patience where the policy knows no room: 429), buffer_full (429), no_backend "
             "(none healthy: 429), price (the primal form: 429), context (longer than any "
             "instance's context or KV: 400)", ["reason"], registry=r)

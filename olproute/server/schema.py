@@ -183,8 +183,9 @@ class RouteAnswer(BaseModel):
                                   "is then the prefill instance)")
     reason: str
     refusal: str | None = Field(
-        default=None, description="a shed's kind: no_room, patience, buffer_full, "
-                                  "no_backend or price (olproute.types.REFUSALS)")
+        default=None, description="a shed's kind: no_room, late, patience, "
+                                  "buffer_full, no_backend or price "
+                                  "(olproute.types.REFUSALS)")
     policy: str
     instances: list[str]
     explanation: ExplanationDoc

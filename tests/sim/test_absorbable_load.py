@@ -41,8 +41,9 @@ def test_the_shipped_defaults_refuse_nothing_under_an_absorbable_load() -> None:
 
 def test_an_overload_is_refused_only_with_engines_full() -> None:
     """Four times the default load for 15 s: bid_price refuses some requests, and every
-    refusal is typed no_room, its reason naming each engine's figure (never the prices
-    alone)."""
+    refusal is typed by the engines' state, never the prices alone: no_room, its reason
+    naming each engine's figure, or late, naming the least queue an engine with room
+    would give it."""
     loaded = _default(workload={"duration_s": 15.0, "time_scale": 0.075})
     reqs = build_requests(loaded)
     sheds: list[Decision] = []
@@ -61,6 +62,9 @@ def test_an_overload_is_refused_only_with_engines_full() -> None:
 
     res = simulate(loaded, "bid_price", reqs, wrap=wrap)
     assert res.shed.any() and len(sheds) == int(res.shed.sum())
-    assert {d.refusal for d in sheds} == {"no_room"}
-    assert all(d.reason.count("running") + d.reason.count("KV blocks free") == 4
-               for d in sheds)
+    assert {d.refusal for d in sheds} <= {"no_room", "late"}
+    for d in sheds:
+        if d.refusal == "no_room":
+            assert d.reason.count("running") + d.reason.count("KV blocks free") == 4
+        else:
+            assert "every engine with room would queue it past another" in d.reason

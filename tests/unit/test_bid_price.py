@@ -546,6 +546,26 @@ def test_a_held_request_is_refused_only_when_no_engine_has_room() -> None:
     assert "4/4 running, 0 waiting" in d.reason and "3/4 running, 1 waiting" in d.reason
 
 
+def test_a_held_request_is_refused_late_when_every_engine_with_room_would_queue_it() -> None:
+    """Engines with free slots and KV but a prefill queue (three 500-token prompts
+    waiting): a request with a 20 ms target, held by the prices to the end of its
+    patience, would wait longer than another target for its prefill on each: refused,
+    typed late, naming the least queue. With a target that queue fits in it is sent."""
+    policy = _policy(admission=AdmissionConfig(mode="shed", patience_s=0.2))
+    policy.book.p[:] = 1e6
+    policy.book.advance(0.0)
+    policy.book.set_cumsums()
+    queued = (_snap(n_waiting=3), _snap(n_waiting=3))
+    later = tuple(replace(q, time_s=0.2, inflight_start_s=0.2) for q in queued)  # as now
+    policy.decide(_ctx(queued, now=0.0, target=0.02))
+    d = policy.decide(_ctx(later, now=0.2, target=0.02))
+    assert d.action == "shed" and d.refusal == "late"
+    assert "would queue it past another 20 ms TTFT target (the least: a" in d.reason
+    policy.decide(_ctx(queued, now=0.0, target=5.0, rid=2))
+    d = policy.decide(_ctx(later, now=0.2, target=5.0, rid=2))
+    assert d.action == "dispatch" and "has room for it" in d.reason
+
+
 @pytest.mark.parametrize("release", ["in_order", "density"])
 @pytest.mark.parametrize("mode", ["defer", "shed"])
 def test_central_buffer_loses_and_duplicates_nothing(mode: str, release: str) -> None:
