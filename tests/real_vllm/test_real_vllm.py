@@ -69,8 +69,10 @@ def test_streamed_completion_counts_every_token(fleet: Fleet) -> None:
     assert usage is not None
     assert usage.prompt_tokens == 40
     assert finish in {"stop", "length"}
-    # every token has its chunk of text, but a sampled </s>, which ends the stream
-    assert len(texts) == usage.completion_tokens - (finish == "stop")
+    # every token is one word of text, but a sampled </s>, which ends the stream (an
+    # event may carry several: vLLM merges the deltas its client has not read yet, as
+    # on a loaded machine)
+    assert sum(len(t.split()) for t in texts) == usage.completion_tokens - (finish == "stop")
     assert 1 <= usage.completion_tokens <= 24
 
 
