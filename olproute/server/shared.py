@@ -27,6 +27,13 @@ replica and reason, never raised. A ledger is read at most one byte past its cap
 price state only when its length fits; reads larger than ``OFF_LOOP_BYTES`` are parsed
 in a worker thread. A key of another type fails its command alone.
 
+A follower adopts only the lease holder's published prices, and saves its books' own
+states when it first adopts. When no lease holder's prices were confirmed for a lease
+(none published, the publisher lost the lease, or what it published was dropped) the
+follower gives its books back those own states and learns its own prices until a leader
+publishes again; a replica that takes the lease does so at once, and learns on from its
+own prices rather than from what it adopted.
+
 Redis failing (refused, timed out, any error) never fails a request: nothing here is on
 the request path. The replica says so once in its log, drops the others' ledgers, learns
 its own prices, shows ``local`` in ``/healthz``, and rejoins at the first sync that
@@ -205,6 +212,7 @@ class _Pending:
 
     demand: list[tuple[list[Demand | None], str]] = field(default_factory=list)
     prices: tuple[list[PriceState], str] | None = None
+    undo: bool = False   # give the books back the states they had before adopting
 
 
 class SharedState:
@@ -239,15 +247,18 @@ class SharedState:
         self._sharing: set[int] = set()  # ids of the books sharing their demand
         self._adopted: tuple[str, int] | None = None   # (leader, its updates) adopted
         self._refused: tuple[str, int] | None = None   # (leader, its updates) dropped
+        self._own: list[PriceState] | None = None      # the books' before adopting
+        self._source_s = time.time()     # wall time a leader's prices were last confirmed
+        self._orphaned = False           # none for a lease: this replica learns its own
         self._published = -1             # the leader's updates last published
         self._reward_seen = 0.0          # the largest reward of this replica's samples
         self._said: set[tuple[str, str, str]] = set()   # (replica, kind, reason) logged
 
     @property
     def leading(self) -> bool:
-        """Does this replica learn the prices: it holds the lease, or Redis is gone (each
-        replica then learns its own)?"""
-        return self.status.leader or self.status.status != "shared"
+        """Does this replica learn the prices: it holds the lease, Redis is gone, or no
+        leader's prices were confirmed for a lease (each replica then learns its own)?"""
+        return self.status.leader or self.status.status != "shared" or self._orphaned
 
     def ttl_ms(self) -> int:
         """How long a replica's ledger outlives its last publish: a replica that stops is
@@ -331,16 +342,17 @@ class SharedState:
         pipe.set(self._k_leader, me, nx=True, px=int(self.cfg.lease_ms))
         pipe.hmget(self._k_prices, ["leader", "updates"])
         pipe.hstrlen(self._k_prices, "blob")
+        pipe.get(self._k_leader)
         # a key of another type than ours (written by something else) fails its command
         # alone: that read is dropped, the sync goes on
         out = await pipe.execute(raise_on_error=False)
         if isinstance(out[0], Exception):
             raise out[0]   # this replica's own ledger was not written
         kinds = ["ledger"] * 4 + ["demand"] * (2 if demand is not None else 1) + \
-            ["prices"] * 4
+            ["prices"] * 5
         out = [self._typed(kind, x) for kind, x in zip(kinds, out, strict=True)]
         members, read = out[3] or [], out[5 if demand is not None else 4]
-        renewed, taken, head, blob_len = out[-4:]
+        renewed, taken, head, blob_len, holder = out[-5:]
         await self._merge(members, wall, offset)
         await self._read_demand(read or [], wall, offset)
         leader = bool(renewed) or bool(taken)
@@ -348,8 +360,7 @@ class SharedState:
             LOG.warning("shared state: replica %s %s the leader lease", self.status.replica,
                         "took" if leader else "lost")
         self.status.leader = leader
-        if not self.status.leader:
-            await self._follow(head or [None, None], blob_len, wall, offset)
+        await self._follow(head or [None, None], blob_len, holder, wall, offset)
         self._apply()
         if self.status.leader:
             await self._publish_prices(offset)
@@ -394,7 +405,7 @@ class SharedState:
                 return None
             books = self._books()
             if {id(b) for b in books} != self._sharing:   # a new router (a reload)
-                self._adopted = None
+                self._adopted = self._own = None
             for b in books:
                 if id(b) not in self._sharing:   # a new router (a reload) has new books
                     b.share_demand()
@@ -444,15 +455,26 @@ class SharedState:
                 self._pending.demand.append((demands, who))
         del self._pending.demand[:-DEMAND_READ_COUNT]   # bounded while the books are busy
 
-    async def _follow(self, head: Sequence[Any], blob_len: Any, wall: float, offset: float
-                      ) -> None:
-        """A follower's prices: the leader's latest published states, adopted when they
-        fit (``_read_prices``) and it published since the last adopted."""
-        published, updates = _name(head[0]), _int(head[1])
-        if published is not None and updates is not None:
+    async def _follow(self, head: Sequence[Any], blob_len: Any, holder: Any, wall: float,
+                      offset: float) -> None:
+        """A follower's prices: the lease holder's latest published states, adopted when
+        they fit (``_read_prices``). A leader's prices not confirmed for a lease (none
+        published, not the lease holder's, or dropped), or this replica leading: what was
+        adopted is undone and this replica learns its own."""
+        if self.status.leader:
+            self._source_s, self._orphaned = wall, False
+            if self._adopted is not None:   # a leader learns on from its own prices
+                self._undo()
+            return
+        published, updates, holder = _name(head[0]), _int(head[1]), _name(holder)
+        if published is not None and published == holder and updates is not None:
             source = (published, updates)
-            if source not in (self._adopted, self._refused):
-                await self._read_prices(source, blob_len, wall, offset)
+            if source == self._adopted or (source != self._refused and await
+                                           self._read_prices(source, blob_len, wall, offset)):
+                self._source_s = wall
+        self._orphaned = wall - self._source_s >= self.cfg.lease_ms / 1e3
+        if self._orphaned and self._adopted is not None:
+            self._undo()
 
     async def _read_prices(self, source: tuple[str, int], blob_len: Any, wall: float,
                            offset: float) -> bool:
@@ -481,6 +503,13 @@ class SharedState:
         self._adopted = source
         return True
 
+    def _undo(self) -> None:
+        """Give the books back what they had before adopting (at the next free lock)."""
+        LOG.warning("shared state: replica %s drops the prices it adopted from %s and "
+                    "learns its own", self.status.replica,
+                    self._adopted[0] if self._adopted else "?")
+        self._pending.undo, self._pending.prices, self._adopted = True, None, None
+
     def _apply(self) -> None:
         """The pending demand and prices into the books, if the tick's lock is free."""
         with self.try_books() as free:
@@ -496,6 +525,11 @@ class SharedState:
                     if d is not None:
                         self._guarded(who, book.add_demand, d)
             self._pending.demand.clear()
+            if self._pending.undo:
+                if self._own is not None and len(self._own) == len(books):
+                    for book, s in zip(books, self._own, strict=True):
+                        self._guarded("(own)", book.adopt, s)
+                self._own, self._pending.undo = None, False
             if self._pending.prices is not None and not self.status.leader:
                 self._adopt(books, *self._pending.prices)
             self._pending.prices = None
@@ -506,6 +540,8 @@ class SharedState:
             self._mismatch(who, f"{len(states)} price books for this replica's "
                                 f"{len(books)}")
             return
+        if self._own is None:   # what the books go back to when the leader goes
+            self._own = [b.state() for b in books]
         for book, s in zip(books, states, strict=True):
             self._guarded(who, book.adopt, s)
 
