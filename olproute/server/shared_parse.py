@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.lib.format as npformat
 import numpy.typing as npt
 import orjson
 
@@ -289,21 +290,40 @@ def price_bound(reward_scale: float, specs: Sequence[InstanceSpec]) -> float:
 
 def _npz(raw: bytes, cap: int, names: set[str]) -> Any:
     """An .npz of at most ``cap`` bytes, stored (not compressed), every member one of
-    ``names``: its arrays, read without pickles."""
+    ``names`` whose header's shape its bytes can hold: its arrays, read without
+    pickles."""
     if len(raw) > cap:
         raise Rejected("too_large")
     try:
-        with zipfile.ZipFile(io.BytesIO(raw)) as zf:
-            infos = zf.infolist()
+        zf = zipfile.ZipFile(io.BytesIO(raw))
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
         raise Rejected("format") from exc
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED or info.filename[:-4] not in names \
-                or not info.filename.endswith(".npy"):
-            raise Rejected("format")
-    if len(infos) > len(names) or sum(i.file_size for i in infos) > cap:
-        raise Rejected("too_large")
+    with zf:
+        infos = zf.infolist()
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(
+                    ".npy") or info.filename[:-4] not in names:
+                raise Rejected("format")
+        if len(infos) > len(names) or sum(i.file_size for i in infos) > cap:
+            raise Rejected("too_large")
+        for info in infos:
+            _npy_header(zf, info)
     return np.load(io.BytesIO(raw), allow_pickle=False)
+
+
+def _npy_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
+    """A member's .npy header: a plain dtype and a shape its bytes can hold (a header may
+    claim any shape; reading it would first allocate that much)."""
+    try:
+        with zf.open(info) as f:
+            version = npformat.read_magic(f)
+            read = (npformat.read_array_header_1_0 if version == (1, 0)
+                    else npformat.read_array_header_2_0)
+            shape, _, dtype = read(f)
+    except (ValueError, OSError, zipfile.BadZipFile) as exc:
+        raise Rejected("format") from exc
+    if dtype.hasobject or math.prod(shape) * dtype.itemsize > info.file_size:
+        raise Rejected("format")
 
 
 def _num_books(z: Any, expected: int) -> None:

@@ -260,3 +260,15 @@ def test_the_price_bound_is_a_hundred_times_what_the_largest_reward_pays() -> No
     r = reward_bound(w, 600, LIMITS)
     assert r == pytest.approx(1.0 + 0.02 * 600)
     assert price_bound(r, [SPEC]) == pytest.approx(PRICE_HEADROOM * r * KV)
+
+
+def test_a_member_whose_header_claims_more_than_it_holds_is_dropped_unread() -> None:
+    _, shapes = _demand_and_shapes()
+    member = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        member, {"descr": "<i8", "fortran_order": False, "shape": (10 ** 12,)})
+    member.write(np.array([1]).tobytes())
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
+        zf.writestr("num_books.npy", member.getvalue())
+    assert parse_demand(buf.getvalue(), shapes, BOUNDS, 0.0) == (None, {"format": 1})
