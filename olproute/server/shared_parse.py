@@ -161,15 +161,20 @@ def _ledger(raw: bytes, replica: str, backends: Sequence[BackendLimits], wall_s:
 
 
 def _rows(rows: Any, width: int) -> FloatArray:
-    """A list of rows of ``width`` numbers (bools as 0/1) as a float array."""
+    """A list of rows of ``width`` numbers (bools as 0/1) as a float array. NumPy converts
+    in C: a ragged or nested row, or what is no number, raises; a huge int becomes a huge
+    float and a null NaN, which the bounds then drop."""
     if not isinstance(rows, list):
         raise Rejected("format")
     if not rows:
         return np.zeros((0, width))
-    if not all(isinstance(r, list) and len(r) == width and
-               all(isinstance(x, int | float) for x in r) for r in rows):
+    try:
+        arr = np.array(rows, dtype=np.float64)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise Rejected("format") from exc
+    if arr.shape != (len(rows), width):
         raise Rejected("format")
-    return np.array(rows, dtype=np.float64)   # a huge int: a huge float, caught below
+    return arr
 
 
 def _whole(x: FloatArray, lo: float, hi: FloatArray | float) -> npt.NDArray[np.bool_]:

@@ -87,7 +87,7 @@ def test_a_bad_ledger_row_is_dropped_with_its_reason(row: list[Any], reason: str
     (b"not json", "format"),
     (b'{"r": "them", "t": 1e400, "b": {}}', "format"),     # an infinite time
     (b'{"r": "them", "t": 1000000, "b": {"a": {"f": [[NaN]]}}}', "format"),
-    (_ledger([["100", 10, 0, 0, False, WALL_S]]), "format"),   # a string
+    (_ledger([["abc", 10, 0, 0, False, WALL_S]]), "format"),   # no number
     (_ledger([[100, 10, 0]]), "format"),                        # a short row
     (_ledger([], r="someone else"), "replica"),
     (_ledger([], t=WALL_S - 5.0), "stale"),                     # nobody republished it
