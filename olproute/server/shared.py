@@ -51,7 +51,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -91,6 +91,8 @@ LOG = logging.getLogger("olproute.server.shared")
 DEMAND_STREAM_MAXLEN = 10_000   # entries kept on the demand stream (approximately)
 DEMAND_READ_COUNT = 1_000       # entries read per sync at most
 MAX_SAID = 1_000                # (replica, kind, reason) said in the log, at most
+SYNC_TIMEOUTS = 10              # a whole sync's bound, in state.timeout_ms
+T = TypeVar("T")
 # a renewal that only succeeds for the replica holding the lease
 RENEW = """if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"""
@@ -300,12 +302,15 @@ class SharedState:
     async def sync(self) -> None:
         """One exchange; Redis failing leaves this replica on its local state.
 
+        Each round trip is bounded by twice ``timeout_ms`` (``_io``); the whole exchange,
+        parsing what it read included, by ``SYNC_TIMEOUTS`` times ``timeout_ms``, so that
+        parsing a large read (capped, off the loop) does not count as Redis failing.
         Bounded with ``asyncio.timeout``, not ``asyncio.wait_for``: Python 3.11's
         ``wait_for`` returns the result of an exchange that finished in the same loop
         iteration as the task was cancelled, and so swallows the cancellation (the sync
         task then ran on for ever and the server's shutdown waited on it)."""
         try:
-            async with asyncio.timeout(2 * self.cfg.timeout_ms / 1e3):
+            async with asyncio.timeout(SYNC_TIMEOUTS * self.cfg.timeout_ms / 1e3):
                 await self._exchange()
         except asyncio.CancelledError:
             raise
@@ -345,7 +350,7 @@ class SharedState:
         pipe.get(self._k_leader)
         # a key of another type than ours (written by something else) fails its command
         # alone: that read is dropped, the sync goes on
-        out = await pipe.execute(raise_on_error=False)
+        out = await self._io(pipe.execute(raise_on_error=False))
         if isinstance(out[0], Exception):
             raise out[0]   # this replica's own ledger was not written
         kinds = ["ledger"] * 4 + ["demand"] * (2 if demand is not None else 1) + \
@@ -364,6 +369,11 @@ class SharedState:
         self._apply()
         if self.status.leader:
             await self._publish_prices(offset)
+
+    async def _io(self, call: Awaitable[T]) -> T:
+        """One round trip to Redis, bounded by twice ``timeout_ms``."""
+        async with asyncio.timeout(2 * self.cfg.timeout_ms / 1e3):
+            return await call
 
     def _typed(self, kind: str, result: Any) -> Any:
         """A pipeline's result, or None for a command that failed on a key's type (a
@@ -385,7 +395,7 @@ class SharedState:
             pipe = self._redis.pipeline(transaction=False)
             for r in others:
                 pipe.getrange(self.key(r), 0, cap)
-            raws = await pipe.execute(raise_on_error=False)
+            raws = await self._io(pipe.execute(raise_on_error=False))
         found = [(r, x) for r, x in zip(others, raws, strict=True) if x != b""]
         size = sum(len(x) for _, x in found if isinstance(x, bytes))
         ledgers, drops, remotes, merged = await _off_loop(
@@ -488,7 +498,7 @@ class SharedState:
         why: str | None = "too_large"
         if isinstance(blob_len, int) and 0 < blob_len <= prices_cap(shapes):
             try:
-                blob = await self._redis.hget(self._k_prices, "blob")
+                blob = await self._io(self._redis.hget(self._k_prices, "blob"))
             except ResponseError:   # replaced by a key of another type meanwhile
                 blob = None
             why = "format"
@@ -554,8 +564,8 @@ class SharedState:
             updates = books[0].num_updates
             blob = encode_prices([b.state() for b in books], offset)
         try:
-            await self._redis.hset(self._k_prices, mapping={
-                "leader": self.status.replica, "updates": updates, "blob": blob})
+            await self._io(self._redis.hset(self._k_prices, mapping={
+                "leader": self.status.replica, "updates": updates, "blob": blob}))
         except ResponseError:   # a key of another type holds the name: nobody adopts
             self._typed("prices", ResponseError())
             return
@@ -633,9 +643,6 @@ class SharedState:
                 "failures": s.failures, "error": s.error,
                 "rejected": {f"{k}:{r}": n for (k, r), n in sorted(s.rejected.items())},
                 "sync_ms": self.cfg.sync_ms, "lease_ms": self.cfg.lease_ms}
-
-
-T = TypeVar("T")
 
 
 async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
