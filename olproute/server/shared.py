@@ -495,7 +495,8 @@ class SharedState:
         if shapes is None:
             return False
         states: list[PriceState] | None = None
-        why: str | None = "too_large"
+        why: str | None = "format" if not isinstance(blob_len, int) or blob_len <= 0 \
+            else "too_large"
         if isinstance(blob_len, int) and 0 < blob_len <= prices_cap(shapes):
             try:
                 blob = await self._io(self._redis.hget(self._k_prices, "blob"))
