@@ -256,9 +256,9 @@ class PriceBook:
     def adopt(self, state: PriceState, shift_s: float = 0.0) -> None:
         """Take another book's learned prices (its times moved by ``shift_s`` into this
         book's clock): a follower prices with them, and a new leader learns on from
-        them."""
-        if state.p.shape != self.p.shape:
-            raise ValueError(f"prices of shape {state.p.shape} for a book of {self.p.shape}")
+        them. A state that is not this book's shape, or holds a NaN, an infinity or a
+        negative price, is refused (ValueError) and the book keeps its own."""
+        check_state(state, self.p.shape)
         self.p, self._iterate, self._acc = (state.p.copy(), state.iterate.copy(),
                                             state.acc.copy())
         self._origin_s = None if state.origin_s is None else state.origin_s + shift_s
@@ -416,6 +416,23 @@ class PriceBook:
         self.num_steps += k
         self.num_updates += 1
         self.set_cumsums()
+
+
+def check_state(state: PriceState, shape: tuple[int, ...]) -> None:
+    """ValueError unless ``state`` fits a book of prices ``shape``: its three arrays of
+    that shape, finite and >= 0, its time, N_H and scale finite (N_H and scale >= 0)."""
+    for name, a in (("prices", state.p), ("iterate", state.iterate), ("acc", state.acc)):
+        if a.shape != shape:
+            raise ValueError(f"{name} of shape {a.shape} for a book of {shape}")
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"{name} hold NaN or infinite values")
+        if a.size and float(a.min()) < 0:
+            raise ValueError(f"{name} hold negative values (min {float(a.min()):g})")
+    if state.origin_s is not None and not math.isfinite(state.origin_s):
+        raise ValueError(f"price slot 0 at {state.origin_s}")
+    for name, x in (("N_H", state.arrivals_in_horizon), ("price scale", state.price_scale)):
+        if not (math.isfinite(x) and x >= 0):
+            raise ValueError(f"{name} {x}")
 
 
 def roll_tail(arr: FloatArray, shift: int) -> None:

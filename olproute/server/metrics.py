@@ -71,6 +71,7 @@ class ServerMetrics:
                                      "the last sync, this one included", registry=r)
         self.shared_failures = Gauge("olproute_shared_sync_failures", "Syncs with Redis "
                                      "that failed since start", registry=r)
+        self._add_shared_rejected(r)
         self.held = Gauge("olproute_held_requests", "Requests waiting in the router's "
                           "central buffer", registry=r)
         self.held_dropped = Counter("olproute_held_dropped", "Held requests dropped because "
@@ -121,6 +122,13 @@ class ServerMetrics:
             "olproute_kv_events", "KV-event stream of the backend so far (what: batches, "
             "gaps_replayed, gaps_lost, restarts)", ["instance", "what"], registry=r)
 
+    def _add_shared_rejected(self, r: CollectorRegistry) -> None:
+        self.shared_rejected = Counter(
+            "olproute_shared_state_rejected", "What this replica read from Redis and dropped "
+            "(olproute.server.shared_parse), by kind (ledger, demand, prices) and reason",
+            ["kind", "reason"], registry=r)
+        self._rejected_seen: dict[tuple[str, str], int] = {}   # counted so far, by labels
+
     def _add_engine_config(self, r: CollectorRegistry) -> None:
         self.engine_mismatch = Gauge(
             "olproute_engine_config_mismatch", "1 while the backend's engine says it runs "
@@ -168,6 +176,9 @@ class ServerMetrics:
         self.shared_leader.set(1.0 if status.leader else 0.0)
         self.shared_replicas.set(status.replicas)
         self.shared_failures.set(status.failures)
+        for key, n in status.rejected.items():
+            self.shared_rejected.labels(*key).inc(n - self._rejected_seen.get(key, 0))
+            self._rejected_seen[key] = n
 
     def set_price_sums(self, names: Sequence[str], prices: npt.NDArray[np.float64]) -> None:
         """Each instance's horizon-summed price of every resource (batch, kv, compute)

@@ -18,6 +18,22 @@ Every ``state.sync_ms`` each replica, in two round trips:
 Times cross replicas as wall-clock seconds: each replica's clock is its event loop's,
 and ``time.time() - now`` converts.
 
+Nothing read from Redis is trusted: every ledger, demand entry and price state is parsed
+into a bounded shape (``olproute.server.shared_parse``: sizes, counts within the
+backend's capacity, times within a window of now, prices finite and within a bound from
+the reward scale, arrays of the books' shapes); what does not fit is dropped, counted
+(``SharedStatus.rejected``, ``olproute_shared_state_rejected_total``) and said once per
+replica and reason, never raised. A ledger is read at most one byte past its cap, a
+price state only when its length fits; reads larger than ``OFF_LOOP_BYTES`` are parsed
+in a worker thread. A key of another type fails its command alone.
+
+A follower adopts only the lease holder's published prices, and saves its books' own
+states when it first adopts. When no lease holder's prices were confirmed for a lease
+(none published, the publisher lost the lease, or what it published was dropped) the
+follower gives its books back those own states and learns its own prices until a leader
+publishes again; a replica that takes the lease does so at once, and learns on from its
+own prices rather than from what it adopted.
+
 Redis failing (refused, timed out, any error) never fails a request: nothing here is on
 the request path. The replica says so once in its log, drops the others' ledgers, learns
 its own prices, shows ``local`` in ``/healthz``, and rejoins at the first sync that
@@ -35,23 +51,48 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
+from redis.exceptions import ResponseError
 
-from olproute.config.schema import StateConfig
+from olproute.config.schema import RewardConfig, StateConfig
 from olproute.policies.base import SharedPriceBook
-from olproute.server.tracker import NO_REMOTE, Remote, Tracker, by_dispatch
+from olproute.pricing.book import PriceBook
+from olproute.server.shared_parse import (
+    MAX_NAME_CHARS,
+    MAX_REPLICAS,
+    OFF_LOOP_BYTES,
+    PRICE_HEADROOM,
+    BackendLimits,
+    BookShape,
+    Bounds,
+    Drops,
+    FloatArray,
+    Ledger,
+    ledger_cap,
+    merged_rows,
+    parse_demand,
+    parse_ledger,
+    parse_prices,
+    price_bound,
+    prices_cap,
+    reward_bound,
+)
+from olproute.server.tracker import NO_REMOTE, Remote, Tracker
 from olproute.types import Demand, PriceState
 
 LOG = logging.getLogger("olproute.server.shared")
 
 DEMAND_STREAM_MAXLEN = 10_000   # entries kept on the demand stream (approximately)
 DEMAND_READ_COUNT = 1_000       # entries read per sync at most
+MAX_SAID = 1_000                # (replica, kind, reason) said in the log, at most
+SYNC_TIMEOUTS = 10              # a whole sync's bound, in state.timeout_ms
+T = TypeVar("T")
 # a renewal that only succeeds for the replica holding the lease
 RENEW = """if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"""
@@ -62,10 +103,11 @@ def replica_name(cfg: StateConfig) -> str:
     return cfg.replica or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-# -- what crosses Redis ------------------------------------------------------------------------
-def encode_ledger(tracker: Tracker, replica: str, offset_s: float) -> bytes:
-    """This replica's ledger: per backend name, its flights and inbound requests with
-    their dispatch times in wall-clock seconds (local time + ``offset_s``)."""
+# -- what crosses Redis (read back by olproute.server.shared_parse) ---------------------------
+def encode_ledger(tracker: Tracker, replica: str, offset_s: float, wall_s: float) -> bytes:
+    """This replica's ledger, published at wall-clock ``wall_s``: per backend name, its
+    flights and inbound requests with their dispatch times in wall-clock seconds (local
+    time + ``offset_s``)."""
     backends: dict[str, Any] = {}
     for g, b in enumerate(tracker.backends):
         flights, inbound = tracker.ledger(g)
@@ -73,35 +115,46 @@ def encode_ledger(tracker: Tracker, replica: str, offset_s: float) -> bytes:
             backends[b.spec.name] = {
                 "f": [[p, d, t, c, r, s + offset_s] for p, d, t, c, r, s in flights],
                 "i": [[p, d, s + offset_s] for p, d, s in inbound]}
-    return orjson.dumps({"r": replica, "b": backends})
+    return orjson.dumps({"r": replica, "t": wall_s, "b": backends})
 
 
-def merge_ledgers(tracker: Tracker, ledgers: Sequence[bytes], offset_s: float) -> None:
-    """The other replicas' ledgers into the tracker's view of each backend (their wall
-    times back into local time, ``- offset_s``); a backend none of them names has none."""
-    rows: dict[str, tuple[list[list[Any]], list[list[Any]]]] = {}
-    for raw in ledgers:
-        doc = orjson.loads(raw)
-        for name, entry in doc["b"].items():
-            flights, inbound = rows.setdefault(name, ([], []))
-            flights.extend(entry["f"])
-            inbound.extend(entry["i"])
-    for g, b in enumerate(tracker.backends):
-        found = rows.get(b.spec.name)
-        tracker.set_remote(g, NO_REMOTE if found is None else _remote(*found, offset_s))
+def merged_remotes(ledgers: Sequence[Ledger], backends: Sequence[BackendLimits],
+                   offset_s: float) -> tuple[list[Remote], Drops]:
+    """Per backend, the other replicas' parsed ledgers as one ``Remote`` (their wall
+    times back into local time, ``- offset_s``; ``NO_REMOTE`` where none names it),
+    held to what the backend can hold (``shared_parse.merged_rows``)."""
+    drops: Drops = {}
+    out = []
+    for limits in backends:
+        rows = merged_rows(ledgers, limits, drops)
+        out.append(NO_REMOTE if rows is None else _remote(*rows, offset_s))
+    return out, drops
 
 
-def _remote(flights: list[list[Any]], inbound: list[list[Any]], offset_s: float) -> Remote:
-    flights = sorted(flights, key=lambda f: f[5])
-    arr = (np.array([[p, d, s - offset_s] for p, d, s in inbound], dtype=np.float64)
-           if inbound else None)
-    return Remote(prompt=tuple(int(f[0]) for f in flights),
-                  decode=tuple(int(f[1]) for f in flights),
-                  tokens=tuple(int(f[2]) for f in flights),
-                  computed=tuple(int(f[3]) for f in flights),
-                  running=tuple(bool(f[4]) for f in flights),
-                  dispatch_s=tuple(float(f[5]) - offset_s for f in flights),
-                  inbound=None if arr is None else by_dispatch(arr))
+def merge_ledgers(tracker: Tracker, ledgers: Sequence[Ledger], offset_s: float) -> Drops:
+    """The other replicas' parsed ledgers into the tracker's view of each backend; what
+    the backends cannot hold is dropped and returned, by reason."""
+    remotes, drops = merged_remotes(ledgers, limits_of(tracker), offset_s)
+    for g, remote in enumerate(remotes):
+        tracker.set_remote(g, remote)
+    return drops
+
+
+def limits_of(tracker: Tracker) -> tuple[BackendLimits, ...]:
+    return tuple(BackendLimits.of(b.spec) for b in tracker.backends)
+
+
+def _remote(flights: FloatArray, inbound: FloatArray, offset_s: float) -> Remote:
+    """Parsed rows (dispatch order, ``shared_parse.merged_rows``) as a ``Remote``."""
+    counts = flights[:, :4].astype(np.int64)
+    arr = None
+    if len(inbound):
+        arr = inbound.copy()
+        arr[:, 2] -= offset_s
+    return Remote(prompt=tuple(counts[:, 0].tolist()), decode=tuple(counts[:, 1].tolist()),
+                  tokens=tuple(counts[:, 2].tolist()), computed=tuple(counts[:, 3].tolist()),
+                  running=tuple((flights[:, 4] == 1).tolist()),
+                  dispatch_s=tuple((flights[:, 5] - offset_s).tolist()), inbound=arr)
 
 
 def encode_demand(demands: Sequence[Demand | None], offset_s: float) -> bytes | None:
@@ -120,19 +173,6 @@ def encode_demand(demands: Sequence[Demand | None], offset_s: float) -> bytes | 
     return _npz(arrays)
 
 
-def decode_demand(raw: bytes, offset_s: float) -> list[Demand | None]:
-    """``encode_demand``'s books, arrival times back into local time."""
-    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-        out: list[Demand | None] = []
-        for i in range(int(z["num_books"][0])):
-            if f"b{i}_a" not in z:
-                out.append(None)
-                continue
-            rows = tuple(z[f"b{i}_r{k}"] for k in range(_count(z.files, f"b{i}_r")))
-            out.append(Demand(rows, z[f"b{i}_a"] - offset_s))
-        return out
-
-
 def encode_prices(states: Sequence[PriceState], offset_s: float) -> bytes:
     """The leader's books' states as one .npz, slot 0's time in wall-clock seconds."""
     arrays: dict[str, np.ndarray[Any, Any]] = {"num_books": np.array([len(states)])}
@@ -140,30 +180,14 @@ def encode_prices(states: Sequence[PriceState], offset_s: float) -> bytes:
         arrays[f"b{i}_p"], arrays[f"b{i}_it"], arrays[f"b{i}_acc"] = s.p, s.iterate, s.acc
         arrays[f"b{i}_meta"] = np.array([
             np.nan if s.origin_s is None else s.origin_s + offset_s, s.arrivals_in_horizon,
-            s.num_updates, s.num_steps, s.price_scale])
+            s.num_updates, s.num_steps, s.price_scale], dtype=np.float64)
     return _npz(arrays)
-
-
-def decode_prices(raw: bytes, offset_s: float) -> list[PriceState]:
-    """``encode_prices``' states, slot 0's time back into local time."""
-    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-        out = []
-        for i in range(int(z["num_books"][0])):
-            origin, n_h, updates, steps, scale = z[f"b{i}_meta"].tolist()
-            out.append(PriceState(z[f"b{i}_p"], z[f"b{i}_it"], z[f"b{i}_acc"],
-                                  None if np.isnan(origin) else origin - offset_s, n_h,
-                                  int(updates), int(steps), scale))
-        return out
 
 
 def _npz(arrays: dict[str, np.ndarray[Any, Any]]) -> bytes:
     buf = io.BytesIO()
     np.savez(buf, allow_pickle=False, **arrays)
     return buf.getvalue()
-
-
-def _count(files: Sequence[str], prefix: str) -> int:
-    return sum(1 for f in files if f.startswith(prefix))
 
 
 # -- the replica's side ------------------------------------------------------------------------
@@ -179,6 +203,9 @@ class SharedStatus:
     error: str | None = None
     syncs: int = 0
     failures: int = 0
+    # what was read from Redis and dropped (olproute.server.shared_parse), by (kind,
+    # reason); kind: ledger, demand or prices
+    rejected: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -187,6 +214,7 @@ class _Pending:
 
     demand: list[tuple[list[Demand | None], str]] = field(default_factory=list)
     prices: tuple[list[PriceState], str] | None = None
+    undo: bool = False   # give the books back the states they had before adopting
 
 
 class SharedState:
@@ -194,8 +222,11 @@ class SharedState:
 
     def __init__(self, cfg: StateConfig, url: str, tracker: Tracker,
                  books: Callable[[], tuple[SharedPriceBook, ...]], now: Callable[[], float],
-                 book_lock: threading.Lock, on_leader: Callable[[bool], None] | None = None
-                 ) -> None:
+                 book_lock: threading.Lock, on_leader: Callable[[bool], None] | None = None,
+                 reward: RewardConfig | None = None) -> None:
+        """``reward``: the reward weights the bounds on prices and sample rewards are
+        derived from (``shared_parse.reward_bound``; None: the defaults, raised by the
+        largest reward of this replica's own samples)."""
         import redis.asyncio as aioredis
 
         self.cfg = cfg
@@ -205,6 +236,7 @@ class SharedState:
         self._now = now
         self._lock = book_lock
         self._on_leader = on_leader
+        self._reward = reward or RewardConfig()
         timeout = cfg.timeout_ms / 1e3
         self._redis = aioredis.from_url(url, socket_timeout=timeout,
                                         socket_connect_timeout=timeout,
@@ -216,14 +248,19 @@ class SharedState:
         self._pending = _Pending()
         self._sharing: set[int] = set()  # ids of the books sharing their demand
         self._adopted: tuple[str, int] | None = None   # (leader, its updates) adopted
+        self._refused: tuple[str, int] | None = None   # (leader, its updates) dropped
+        self._own: list[PriceState] | None = None      # the books' before adopting
+        self._source_s = time.time()     # wall time a leader's prices were last confirmed
+        self._orphaned = False           # none for a lease: this replica learns its own
         self._published = -1             # the leader's updates last published
-        self._said: set[str] = set()     # replicas whose books did not fit, said once
+        self._reward_seen = 0.0          # the largest reward of this replica's samples
+        self._said: set[tuple[str, str, str]] = set()   # (replica, kind, reason) logged
 
     @property
     def leading(self) -> bool:
-        """Does this replica learn the prices: it holds the lease, or Redis is gone (each
-        replica then learns its own)?"""
-        return self.status.leader or self.status.status != "shared"
+        """Does this replica learn the prices: it holds the lease, Redis is gone, or no
+        leader's prices were confirmed for a lease (each replica then learns its own)?"""
+        return self.status.leader or self.status.status != "shared" or self._orphaned
 
     def ttl_ms(self) -> int:
         """How long a replica's ledger outlives its last publish: a replica that stops is
@@ -232,6 +269,19 @@ class SharedState:
 
     def key(self, replica: str) -> str:
         return f"{self.cfg.namespace}:ledger:{replica}"
+
+    def reward_scale(self) -> float:
+        """The largest reward a request can earn: the reward weights' bound, or the
+        largest this replica's own samples carried if more."""
+        horizon = max((s.prices[1] for s in self._shapes() or ()), default=0)
+        return max(reward_bound(self._reward, horizon, limits_of(self.tracker)),
+                   self._reward_seen)
+
+    def bounds(self, wall_s: float) -> Bounds:
+        """What the books' messages read now are held to (``shared_parse``)."""
+        scale = self.reward_scale()
+        specs = [b.spec for b in self.tracker.backends]
+        return Bounds(PRICE_HEADROOM * scale, price_bound(scale, specs), wall_s)
 
     async def close(self) -> None:
         """Give up the lease (another replica takes over at its next sync) and close."""
@@ -252,12 +302,15 @@ class SharedState:
     async def sync(self) -> None:
         """One exchange; Redis failing leaves this replica on its local state.
 
+        Each round trip is bounded by twice ``timeout_ms`` (``_io``); the whole exchange,
+        parsing what it read included, by ``SYNC_TIMEOUTS`` times ``timeout_ms``, so that
+        parsing a large read (capped, off the loop) does not count as Redis failing.
         Bounded with ``asyncio.timeout``, not ``asyncio.wait_for``: Python 3.11's
         ``wait_for`` returns the result of an exchange that finished in the same loop
         iteration as the task was cancelled, and so swallows the cancellation (the sync
         task then ran on for ever and the server's shutdown waited on it)."""
         try:
-            async with asyncio.timeout(2 * self.cfg.timeout_ms / 1e3):
+            async with asyncio.timeout(SYNC_TIMEOUTS * self.cfg.timeout_ms / 1e3):
                 await self._exchange()
         except asyncio.CancelledError:
             raise
@@ -273,15 +326,16 @@ class SharedState:
         self._set_leading()
 
     async def _exchange(self) -> None:
-        offset = time.time() - self._now()
+        wall = time.time()
+        offset = wall - self._now()
         me = self.status.replica
         ttl = self.ttl_ms()
         demand = self._drain(offset)
         pipe = self._redis.pipeline(transaction=False)
-        pipe.set(self.key(me), encode_ledger(self.tracker, me, offset), px=ttl)
-        pipe.zadd(self._k_replicas, {me: time.time()})
-        pipe.zremrangebyscore(self._k_replicas, "-inf", time.time() - ttl / 1e3)
-        pipe.zrange(self._k_replicas, 0, -1)
+        pipe.set(self.key(me), encode_ledger(self.tracker, me, offset, wall), px=ttl)
+        pipe.zadd(self._k_replicas, {me: wall})
+        pipe.zremrangebyscore(self._k_replicas, "-inf", wall - ttl / 1e3)
+        pipe.zrevrange(self._k_replicas, 0, MAX_REPLICAS)   # the latest seen
         if demand is not None:
             pipe.xadd(self._k_demand, {"r": me, "d": demand},
                       maxlen=DEMAND_STREAM_MAXLEN, approximate=True)
@@ -292,25 +346,66 @@ class SharedState:
         pipe.eval(RENEW, 1, self._k_leader, me, int(self.cfg.lease_ms))
         pipe.set(self._k_leader, me, nx=True, px=int(self.cfg.lease_ms))
         pipe.hmget(self._k_prices, ["leader", "updates"])
-        out = await pipe.execute()
-        members, read = out[3], out[5 if demand is not None else 4]
-        renewed, taken, prices = out[-3], out[-2], out[-1]
-        others = [r for r in map(_entry_id, members) if r != me]
-        found: list[bytes] = [x for x in (await self._redis.mget(
-            [self.key(r) for r in others]) if others else []) if isinstance(x, bytes)]
-        merge_ledgers(self.tracker, found, offset)
-        self.status.replicas = 1 + len(found)
-        self._read_demand(read, offset)
+        pipe.hstrlen(self._k_prices, "blob")
+        pipe.get(self._k_leader)
+        # a key of another type than ours (written by something else) fails its command
+        # alone: that read is dropped, the sync goes on
+        out = await self._io(pipe.execute(raise_on_error=False))
+        if isinstance(out[0], Exception):
+            raise out[0]   # this replica's own ledger was not written
+        kinds = ["ledger"] * 4 + ["demand"] * (2 if demand is not None else 1) + \
+            ["prices"] * 5
+        out = [self._typed(kind, x) for kind, x in zip(kinds, out, strict=True)]
+        members, read = out[3] or [], out[5 if demand is not None else 4]
+        renewed, taken, head, blob_len, holder = out[-5:]
+        await self._merge(members, wall, offset)
+        await self._read_demand(read or [], wall, offset)
         leader = bool(renewed) or bool(taken)
         if leader != self.status.leader:
             LOG.warning("shared state: replica %s %s the leader lease", self.status.replica,
                         "took" if leader else "lost")
         self.status.leader = leader
-        if not self.status.leader and prices[0] is not None:
-            await self._read_prices(prices, offset)
+        await self._follow(head or [None, None], blob_len, holder, wall, offset)
         self._apply()
         if self.status.leader:
             await self._publish_prices(offset)
+
+    async def _io(self, call: Awaitable[T]) -> T:
+        """One round trip to Redis, bounded by twice ``timeout_ms``."""
+        async with asyncio.timeout(2 * self.cfg.timeout_ms / 1e3):
+            return await call
+
+    def _typed(self, kind: str, result: Any) -> Any:
+        """A pipeline's result, or None for a command that failed on a key's type (a
+        key of ``kind`` that something other than a replica wrote)."""
+        if isinstance(result, Exception):
+            self._rejected(kind, "(a key of another type)", {"type": 1})
+            return None
+        return result
+
+    async def _merge(self, members: Sequence[Any], wall: float, offset: float) -> None:
+        """The other replicas' ledgers, each read at most one byte past the cap (a
+        longer one is dropped unread), parsed and merged into the tracker."""
+        me = self.status.replica
+        others = [r for r in map(_name, members) if r is not None and r != me]
+        limits = limits_of(self.tracker)
+        cap = ledger_cap(limits)
+        raws: list[Any] = []
+        if others:
+            pipe = self._redis.pipeline(transaction=False)
+            for r in others:
+                pipe.getrange(self.key(r), 0, cap)
+            raws = await self._io(pipe.execute(raise_on_error=False))
+        found = [(r, x) for r, x in zip(others, raws, strict=True) if x != b""]
+        size = sum(len(x) for _, x in found if isinstance(x, bytes))
+        ledgers, drops, remotes, merged = await _off_loop(
+            size, _parse_ledgers, found, limits, wall, self.ttl_ms() / 1e3, offset)
+        for who, dropped in drops:
+            self._rejected("ledger", who, dropped)
+        self._rejected("ledger", "(merged)", merged)
+        for g, remote in enumerate(remotes):
+            self.tracker.set_remote(g, remote)
+        self.status.replicas = 1 + ledgers
 
     def _drain(self, offset: float) -> bytes | None:
         """This replica's books' new demand, if the tick's lock is free (else it waits in
@@ -319,38 +414,112 @@ class SharedState:
             if not free:
                 return None
             books = self._books()
+            if {id(b) for b in books} != self._sharing:   # a new router (a reload)
+                self._adopted = self._own = None
             for b in books:
                 if id(b) not in self._sharing:   # a new router (a reload) has new books
                     b.share_demand()
             self._sharing = {id(b) for b in books}
-            return encode_demand([b.drain_demand() for b in books], offset)
+            demands = [b.drain_demand() for b in books]
+        for d in demands:
+            if d is not None and d.num_samples:
+                r = d.rows[0]
+                finite = r[np.isfinite(r)]
+                if finite.size:
+                    self._reward_seen = max(self._reward_seen, float(finite.max()))
+        return encode_demand(demands, offset)
 
-    def _read_demand(self, read: Any, offset: float) -> None:
+    def _shapes(self) -> list[BookShape] | None:
+        """The books' shapes the messages must fit (None: a book that is no
+        ``PriceBook``, whose shape is unknown)."""
+        books = self._books()
+        if not all(isinstance(b, PriceBook) for b in books):
+            return None
+        return [BookShape.of(b) for b in books if isinstance(b, PriceBook)]
+
+    async def _read_demand(self, read: Any, wall: float, offset: float) -> None:
         """The other replicas' demand entries since the last read, pending until the
         books are free; at the first sync only the stream's end (``XREVRANGE``)."""
         if self._stream_id is None:
             self._stream_id = _entry_id(read[0][0]) if read else "0-0"
             return
-        for _stream, entries in read or ():
+        me = self.status.replica.encode()
+        msgs: list[tuple[str, Any]] = []
+        for _stream, entries in read:
             for entry_id, fields in entries:
                 self._stream_id = _entry_id(entry_id)
-                who = fields[b"r"].decode()
-                if who != self.status.replica:
-                    self._pending.demand.append((decode_demand(fields[b"d"], offset), who))
+                who = fields.get(b"r")
+                if who != me:
+                    msgs.append((_name(who) or "?", fields.get(b"d")))
+        if not msgs:
+            return
+        shapes = self._shapes()
+        if shapes is None:
+            return
+        size = sum(len(raw) for _, raw in msgs if isinstance(raw, bytes))
+        parsed = await _off_loop(size, _parse_demands, msgs, shapes, self.bounds(wall),
+                                 offset)
+        for (who, _), (demands, drops) in zip(msgs, parsed, strict=True):
+            self._rejected("demand", who, drops)
+            if demands is not None:
+                self._pending.demand.append((demands, who))
         del self._pending.demand[:-DEMAND_READ_COUNT]   # bounded while the books are busy
 
-    async def _read_prices(self, head: list[bytes | None], offset: float) -> None:
-        """The leader's latest books' states, fetched when it published since the last
-        adopted (a third round trip: the states are the larger part), pending until the
-        books are free."""
-        leader, updates = _entry_id(head[0] or b""), int(head[1] or -1)
-        if self._adopted == (leader, updates):
+    async def _follow(self, head: Sequence[Any], blob_len: Any, holder: Any, wall: float,
+                      offset: float) -> None:
+        """A follower's prices: the lease holder's latest published states, adopted when
+        they fit (``_read_prices``). A leader's prices not confirmed for a lease (none
+        published, not the lease holder's, or dropped), or this replica leading: what was
+        adopted is undone and this replica learns its own."""
+        if self.status.leader:
+            self._source_s, self._orphaned = wall, False
+            if self._adopted is not None:   # a leader learns on from its own prices
+                self._undo()
             return
-        blob = await self._redis.hget(self._k_prices, "blob")
-        if not isinstance(blob, bytes):
-            return
-        self._pending.prices = (decode_prices(blob, offset), leader)
-        self._adopted = (leader, updates)
+        published, updates, holder = _name(head[0]), _int(head[1]), _name(holder)
+        if published is not None and published == holder and updates is not None:
+            source = (published, updates)
+            if source == self._adopted or (source != self._refused and await
+                                           self._read_prices(source, blob_len, wall, offset)):
+                self._source_s = wall
+        self._orphaned = wall - self._source_s >= self.cfg.lease_ms / 1e3
+        if self._orphaned and self._adopted is not None:
+            self._undo()
+
+    async def _read_prices(self, source: tuple[str, int], blob_len: Any, wall: float,
+                           offset: float) -> bool:
+        """The leader's published books' states (a third round trip: the states are the
+        larger part), pending until the books are free when they fit; False when they do
+        not (dropped, counted, not read again)."""
+        shapes = self._shapes()
+        if shapes is None:
+            return False
+        states: list[PriceState] | None = None
+        why: str | None = "format" if not isinstance(blob_len, int) or blob_len <= 0 \
+            else "too_large"
+        if isinstance(blob_len, int) and 0 < blob_len <= prices_cap(shapes):
+            try:
+                blob = await self._io(self._redis.hget(self._k_prices, "blob"))
+            except ResponseError:   # replaced by a key of another type meanwhile
+                blob = None
+            why = "format"
+            if isinstance(blob, bytes):
+                states, why = await _off_loop(len(blob), parse_prices, blob, shapes,
+                                              self.bounds(wall), offset)
+        if states is None:
+            self._refused = source
+            self._rejected("prices", source[0], {why or "format": 1})
+            return False
+        self._pending.prices = (states, source[0])
+        self._adopted = source
+        return True
+
+    def _undo(self) -> None:
+        """Give the books back what they had before adopting (at the next free lock)."""
+        LOG.warning("shared state: replica %s drops the prices it adopted from %s and "
+                    "learns its own", self.status.replica,
+                    self._adopted[0] if self._adopted else "?")
+        self._pending.undo, self._pending.prices, self._adopted = True, None, None
 
     def _apply(self) -> None:
         """The pending demand and prices into the books, if the tick's lock is free."""
@@ -367,15 +536,25 @@ class SharedState:
                     if d is not None:
                         self._guarded(who, book.add_demand, d)
             self._pending.demand.clear()
+            if self._pending.undo:
+                if self._own is not None and len(self._own) == len(books):
+                    for book, s in zip(books, self._own, strict=True):
+                        self._guarded("(own)", book.adopt, s)
+                self._own, self._pending.undo = None, False
             if self._pending.prices is not None and not self.status.leader:
-                states, who = self._pending.prices
-                if len(states) == len(books):
-                    for book, s in zip(books, states, strict=True):
-                        self._guarded(who, book.adopt, s)
-                else:
-                    self._mismatch(who, f"{len(states)} price books for this replica's "
-                                        f"{len(books)}")
+                self._adopt(books, *self._pending.prices)
             self._pending.prices = None
+
+    def _adopt(self, books: Sequence[SharedPriceBook], states: list[PriceState],
+               who: str) -> None:
+        if len(states) != len(books):
+            self._mismatch(who, f"{len(states)} price books for this replica's "
+                                f"{len(books)}")
+            return
+        if self._own is None:   # what the books go back to when the leader goes
+            self._own = [b.state() for b in books]
+        for book, s in zip(books, states, strict=True):
+            self._guarded(who, book.adopt, s)
 
     async def _publish_prices(self, offset: float) -> None:
         """The leader's books' states, when it learned since it last published them."""
@@ -385,8 +564,12 @@ class SharedState:
                 return
             updates = books[0].num_updates
             blob = encode_prices([b.state() for b in books], offset)
-        await self._redis.hset(self._k_prices, mapping={
-            "leader": self.status.replica, "updates": updates, "blob": blob})
+        try:
+            await self._io(self._redis.hset(self._k_prices, mapping={
+                "leader": self.status.replica, "updates": updates, "blob": blob}))
+        except ResponseError:   # a key of another type holds the name: nobody adopts
+            self._typed("prices", ResponseError())
+            return
         self._published = updates
 
     def _set_leading(self) -> None:
@@ -431,17 +614,86 @@ class SharedState:
     def _mismatch(self, who: str, why: str) -> None:
         """Another replica's demand or prices that do not fit (another config): said
         once per replica."""
-        if who not in self._said:
-            self._said.add(who)
+        if self._say(who, "books", "mismatch"):
             LOG.warning("shared state: replica %s's price books do not fit this replica's "
                         "(%s): are both on the same config?", who, why)
+
+    def _rejected(self, kind: str, who: str, drops: Drops) -> None:
+        """What was read from ``who`` and dropped, counted by (kind, reason) and said
+        once per replica and reason."""
+        for reason, n in drops.items():
+            key = (kind, reason)
+            self.status.rejected[key] = self.status.rejected.get(key, 0) + n
+            if self._say(who, kind, reason):
+                LOG.warning("shared state: replica %s dropped %d %s read from %s (%s)",
+                            self.status.replica, n, kind, who, reason)
+
+    def _say(self, who: str, kind: str, reason: str) -> bool:
+        """Whether to log this (replica, kind, reason): once each, and at most
+        ``MAX_SAID`` in all (names come from what is read)."""
+        key = (who, kind, reason)
+        if key in self._said or len(self._said) >= MAX_SAID:
+            return False
+        self._said.add(key)
+        return True
 
     def as_dict(self) -> dict[str, Any]:
         s = self.status
         return {"mode": "redis", "url": s.url, "replica": s.replica, "status": s.status,
                 "leader": s.leader, "replicas": s.replicas, "syncs": s.syncs,
                 "failures": s.failures, "error": s.error,
+                "rejected": {f"{k}:{r}": n for (k, r), n in sorted(s.rejected.items())},
                 "sync_ms": self.cfg.sync_ms, "lease_ms": self.cfg.lease_ms}
+
+
+async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a worker thread when it parses more than ``OFF_LOOP_BYTES``
+    (a large message must not stall the loop)."""
+    if size <= OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def _parse_ledgers(found: Sequence[tuple[str, Any]], limits: Sequence[BackendLimits],
+                   wall: float, ttl_s: float, offset: float
+                   ) -> tuple[int, list[tuple[str, Drops]], list[Remote], Drops]:
+    """The ledgers read: how many were taken, what was dropped per replica, the merged
+    view of each backend and what the merge dropped (pure: runs in a worker thread)."""
+    ledgers, drops = [], []
+    for who, raw in found:
+        if not isinstance(raw, bytes):   # a key of another type
+            drops.append((who, {"type": 1}))
+            continue
+        led, dropped = parse_ledger(raw, who, limits, wall, ttl_s)
+        drops.append((who, dropped))
+        if led is not None:
+            ledgers.append(led)
+    remotes, merged = merged_remotes(ledgers, limits, offset)
+    return len(ledgers), drops, remotes, merged
+
+
+def _parse_demands(msgs: Sequence[tuple[str, Any]], shapes: Sequence[BookShape],
+                   bounds: Bounds, offset: float
+                   ) -> list[tuple[list[Demand | None] | None, Drops]]:
+    """Each demand entry read, parsed (pure: runs in a worker thread)."""
+    return [parse_demand(raw, shapes, bounds, offset) if isinstance(raw, bytes)
+            else (None, {"format": 1}) for _, raw in msgs]
+
+
+def _name(raw: Any) -> str | None:
+    """A replica's name read from Redis, or None when it is none (not text, too long)."""
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", errors="replace")
+    if not isinstance(raw, str) or not raw or len(raw) > MAX_NAME_CHARS:
+        return None
+    return raw
+
+
+def _int(raw: Any) -> int | None:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return None
 
 
 def _entry_id(raw: bytes | str) -> str:

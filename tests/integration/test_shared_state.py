@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import redis
 
 from olproute.cli.main import main
 from olproute.config.loader import load_config
-from olproute.server.shared import SharedState, decode_prices
+from olproute.server.shared import SharedState
+from olproute.server.shared_parse import BookShape, parse_prices
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
 from tests.conftest import HANG_S
@@ -152,7 +154,10 @@ def test_one_leader_learns_the_prices_and_the_other_adopts_them(pair: Pair) -> N
 
     def adopted() -> bool:
         doc = client.hgetall("olproute:prices")
-        states = decode_prices(doc[b"blob"], 0.0)
+        shapes = [BookShape.of(b) for b in books[follower]]
+        states, why = parse_prices(doc[b"blob"], shapes,
+                                   pair.shared(follower).bounds(time.time()), 0.0)
+        assert states is not None, why
         return all(b.num_updates == int(doc[b"updates"]) and np.array_equal(b.p, s.p)
                    for b, s in zip(books[follower], states, strict=True))
 
