@@ -331,7 +331,8 @@ async def _start_shared(st: ServerState, stack: contextlib.AsyncExitStack) -> No
     if url is None:
         return
     st.shared = SharedState(st.loaded.config.state, url, st.tracker,
-                            lambda: st.router.policy.price_books(), st.now, st.book_lock)
+                            lambda: st.router.policy.price_books(), st.now, st.book_lock,
+                            reward=st.loaded.config.reward)
     stack.push_async_callback(st.shared.close)
     await st.shared.sync()
     st.metrics.set_shared(st.shared.status)

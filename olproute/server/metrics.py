@@ -72,19 +72,7 @@ class ServerMetrics:
         self.shared_failures = Gauge("olproute_shared_sync_failures", "Syncs with Redis "
                                      "that failed since start", registry=r)
         self._add_shared_rejected(r)
-        self.held = Gauge("olproute_held_requests", "Requests waiting in the router's "
-                          "central buffer", registry=r)
-        self.held_dropped = Counter("olproute_held_dropped", "Held requests dropped because "
-                                    "their client left", registry=r)
-        self.held_full = Counter("olproute_held_full", "Requests refused because the central "
-                                 "buffer was full (admission.max_held)", registry=r)
-        self.refused = Counter(
-            "olproute_refused", "Requests the router refused itself, by reason: no_room (no "
-            "engine could start it once its patience ran out: 429), late (every engine "
-            "with room would queue it past another TTFT target: 429), patience (out of "
-            "patience where the policy knows no room: 429), buffer_full (429), no_backend "
-            "(none healthy: 429), price (the primal form: 429), context (longer than any "
-            "instance's context or KV: 400)", ["reason"], registry=r)
+        self._add_admission(r)
         self.loop_lag_seconds = Histogram(
             "olproute_loop_lag_seconds", "How late the event loop ran a timer (sampled every "
             "10 ms)", buckets=LOOP_LAG_BUCKETS_S, registry=r)
@@ -104,6 +92,22 @@ class ServerMetrics:
         # labelled children of the request path's metrics, by (metric, labels): a
         # child's lookup through .labels() takes a lock and builds its key every time
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def _add_admission(self, r: CollectorRegistry) -> None:
+        """The central buffer's metrics and the router's own refusals."""
+        self.held = Gauge("olproute_held_requests", "Requests waiting in the router's "
+                          "central buffer", registry=r)
+        self.held_dropped = Counter("olproute_held_dropped", "Held requests dropped because "
+                                    "their client left", registry=r)
+        self.held_full = Counter("olproute_held_full", "Requests refused because the central "
+                                 "buffer was full (admission.max_held)", registry=r)
+        self.refused = Counter(
+            "olproute_refused", "Requests the router refused itself, by reason: no_room (no "
+            "engine could start it once its patience ran out: 429), late (every engine "
+            "with room would queue it past another TTFT target: 429), patience (out of "
+            "patience where the policy knows no room: 429), buffer_full (429), no_backend "
+            "(none healthy: 429), price (the primal form: 429), context (longer than any "
+            "instance's context or KV: 400)", ["reason"], registry=r)
 
     def _add_prefix_index(self, r: CollectorRegistry) -> None:
         """The prefix index's and the KV-event streams' metrics."""
