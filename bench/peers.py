@@ -29,9 +29,10 @@ does not start is reported skipped, with the reason, and the rest run. Every ser
 127.0.0.1 on a free port (the peers' Prometheus listeners too) and runs in a process
 group of its own, stopped at the end of its turn and on any exit, Ctrl-C included.
 
-The load, from this process (aiohttp on one event loop, seeded): streamed completions of
-short distinct prompts (a request number and ``PROMPT_WORDS`` seeded words),
-``max_tokens`` 16, model ``qwen3-8b``.
+The load, from this process (aiohttp on one uvloop event loop, seeded): streamed
+completions of short distinct prompts (a request number and ``PROMPT_WORDS`` seeded
+words; no prompt repeats in the whole bench, so no router gains from prefixes an earlier
+one left in the engines' caches), ``max_tokens`` 16, model ``qwen3-8b``.
 
 * ``closed``: ``--clients`` (32; 8 with ``--quick``) clients, each sending its next request
   when its last one ends, for ``--closed-s`` seconds (60; 8);
