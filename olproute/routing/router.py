@@ -306,14 +306,12 @@ class Router:
                              f"one of the decode pool {self.pools.decode.tolist()}")
 
     def continue_ids(self, previous: Router) -> None:
-        """Take over another router's request-id sequence (after a reload, so that ids of
-        requests still in flight are never reused) and its prefix index (the backends do
-        not change on a reload, nor what they cache)."""
+        """Take over the router this one replaces (a reload, a rebuild on what the engines
+        say): its request-id sequence, so that ids of requests still in flight are never
+        reused, and its prefix index with the backends' namers (the backends are the same,
+        and so is what they cache; the index already models each engine's block size)."""
         self._ids = previous._ids
-        if self.prefixes is not None and previous.prefixes is not None \
-                and self.prefixes.block_size == previous.prefixes.block_size:
-            self.prefixes = previous.prefixes
-            self.namers = previous.namers
+        self.prefixes, self.namers = previous.prefixes, previous.namers
 
     def observe(self, outcome: Outcome) -> None:
         self.policy.observe(outcome)

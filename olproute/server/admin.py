@@ -109,7 +109,6 @@ def _swap(st: ServerState, router: Router) -> None:
     """Put a newly built router in the running one's place: the ids of requests in flight
     stay unique, the prefix index (what the backends cache) and refitted betas carry over."""
     router.continue_ids(st.router)
-    router.prefixes, router.namers = st.router.prefixes, st.router.namers
     for g, beta in st.recalibrated():
         router.set_beta(g, beta)
     st.router = router
