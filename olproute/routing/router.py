@@ -65,6 +65,12 @@ class Router:
                  seed: int | None = None, predictor: Predictor | None = None) -> None:
         self.loaded = loaded
         self.specs = loaded.specs
+        # per instance, the most tokens a request (prompt + output) may hold there: its
+        # model's context window (max_context_tokens), at most its KV cache
+        models = loaded.profiles.models
+        self.context_limits = tuple(
+            min(s.kv_capacity_tokens, models[s.model].max_context_tokens)
+            if s.model in models else s.kv_capacity_tokens for s in self.specs)
         self.policy_name = loaded.config.router.policy
         rng = np.random.default_rng(loaded.config.sim.seed if seed is None else seed)
         self.calibration = calibration or CalibrationSource(loaded)
@@ -222,17 +228,10 @@ class Router:
             hashes = request.engine_block_hashes[g]
         return self.prefixes.sent(g, hashes, request.prompt_tokens)
 
-    def context_limits(self) -> tuple[int, ...]:
-        """Per instance, the most tokens a request (prompt + output) may hold there: its
-        model's context window (``max_context_tokens``), at most its KV cache."""
-        models = self.loaded.profiles.models
-        return tuple(min(s.kv_capacity_tokens, models[s.model].max_context_tokens)
-                     if s.model in models else s.kv_capacity_tokens for s in self.specs)
-
     def too_long(self, prompt_tokens: int, max_tokens: int) -> frozenset[int]:
         """The instances whose context or KV cannot hold a request of ``prompt_tokens`` and
         ``max_tokens`` (``context_limits``): their engines would refuse it."""
-        return frozenset(g for g, limit in enumerate(self.context_limits())
+        return frozenset(g for g, limit in enumerate(self.context_limits)
                          if prompt_tokens + max_tokens > limit)
 
     def cache_lost(self, g: int) -> None:

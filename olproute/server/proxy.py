@@ -307,7 +307,7 @@ def never_servable(st: ServerState, prompt_tokens: int, max_tokens: int,
     """The 400 of a request no instance (of those serving its model) could ever hold, as
     vLLM answers a prompt past its context: naming ``prompt`` when the prompt alone
     leaves no room for output, else ``max_tokens``."""
-    limits = st.router.context_limits()
+    limits = st.router.context_limits
     limit = max(limits[g] for g in range(len(limits)) if g not in exclude)
     if prompt_tokens + 1 > limit:
         return error_response(400, f"the prompt has at least {prompt_tokens} tokens; the "
