@@ -17,6 +17,7 @@ import yaml
 from olproute.cli.main import main
 from olproute.sim.metrics import RECORD_COLUMNS
 from tests.conftest import HANG_S
+from tests.support.processes import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILES = REPO_ROOT / "configs" / "profiles.yaml"
@@ -464,9 +465,4 @@ def test_serve_says_what_it_starts_and_where_it_serves(tmp_path: Path) -> None:
         with urllib.request.urlopen(match.group(1) + "/v1/models", timeout=HANG_S) as r:
             assert [m["id"] for m in json.load(r)["data"]] == ["qwen3-0.6b"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=HANG_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace_s=HANG_S)

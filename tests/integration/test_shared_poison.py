@@ -28,6 +28,7 @@ from olproute.sim.scenario import CalibrationSource
 from tests.integration.server_harness import Stack, wait_until
 from tests.integration.test_server import CAL, _config, request
 from tests.integration.test_shared_state import LEASE_MS, SYNC_MS, Pair, _health, _others
+from tests.integration.test_shared_state import pair as pair  # fixture
 from tests.integration.test_shared_state import redis_server as redis_server  # fixture
 from tests.support.processes import RedisServer
 
@@ -278,15 +279,6 @@ def test_a_price_state_of_another_shape_stops_no_learning(pair: Pair) -> None:
 
 
 # -- demand ------------------------------------------------------------------------------------
-@pytest.fixture
-def pair(tmp_path: Path, redis_server: RedisServer) -> Iterator[Pair]:
-    p = Pair(tmp_path, redis_server.url)
-    try:
-        yield p
-    finally:
-        p.close()
-
-
 def test_a_demand_message_claiming_a_huge_number_of_books_is_dropped(
         replica: Replica) -> None:
     assert replica.synced(2)   # its first sync read the stream's end
