@@ -61,10 +61,15 @@ def engine_has_room(snap: EngineSnapshot, prompt_tokens: int, block_size: int,
     """Would the engine take the request in as soon as its token budget lets it: a batch
     slot and KV blocks for its prompt left after the requests waiting there got theirs
     (its scheduler's own admission rule; module docstring)."""
-    waiting = snap.num_resident - snap.num_running
-    return (snap.num_running + waiting < max_num_seqs
-            and snap.num_free_blocks - queued_blocks(snap, block_size)
-            >= math.ceil(prompt_tokens / block_size))
+    slots, blocks = room_left(snap, block_size, max_num_seqs)
+    return slots > 0 and blocks >= math.ceil(prompt_tokens / block_size)
+
+
+def room_left(snap: EngineSnapshot, block_size: int, max_num_seqs: int) -> tuple[int, int]:
+    """(batch slots, free KV blocks) an engine has left once the requests waiting there
+    got theirs."""
+    return (max_num_seqs - snap.num_resident,
+            snap.num_free_blocks - queued_blocks(snap, block_size))
 
 
 def queued_blocks(snap: EngineSnapshot, block_size: int) -> int:
@@ -97,12 +102,11 @@ def fullness(ctx: RoutingContext) -> str:
         return "no instance's state is known"
     parts = []
     for snap, spec in zip(snaps, ctx.specs, strict=True):
-        waiting = snap.num_resident - snap.num_running
-        if snap.num_running + waiting >= spec.max_num_seqs:
+        slots, free = room_left(snap, spec.block_size, spec.max_num_seqs)
+        if slots <= 0:
             parts.append(f"{spec.name} {snap.num_running}/{spec.max_num_seqs} running, "
-                         f"{waiting} waiting")
+                         f"{snap.num_resident - snap.num_running} waiting")
         else:
-            free = snap.num_free_blocks - queued_blocks(snap, spec.block_size)
             need = math.ceil(ctx.request.prompt_tokens / spec.block_size)
             parts.append(f"{spec.name} {max(free, 0)} KV blocks free after its queue, "
                          f"{need} needed")
