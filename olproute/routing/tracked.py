@@ -12,7 +12,14 @@ has streamed. From these it rebuilds the ``EngineSnapshot`` BEA replays:
   blocks, or its scraped running count covers it: ``server.prefill_from_kv_events``,
   ``server.running_from_scrape``) runs in prefill, the prompt tokens it said computed
   done;
-* the others wait in dispatch order with nothing computed (their prefill may have begun
+* of the others, those the backend's scheduler takes into its next step run in prefill
+  (``admitted``): as vLLM's scheduler forms a batch, in dispatch order while its token
+  budget lasts, a batch slot is free and KV blocks for the whole prompt remain, the
+  first that does not fit and every later one waiting. Each holds its prompt's blocks,
+  nothing of it computed but what arrived or was expected cached (below). Without this
+  a request in prefill looks waiting for as long as its prefill runs, and an engine
+  with one looks queued to the rule that starts requests only where none waits;
+* the rest wait in dispatch order with nothing computed (their prefill may have begun
   inside the backend: the replay then over-estimates their remaining prefill), except
   the prompt tokens whose KV arrived computed from a prefill instance, and (live) those
   the router's prefix index expected cached there when it sent the request;
@@ -51,6 +58,35 @@ def tracked_blocks(prompt: Sequence[int], tokens: Sequence[int], running: Sequen
                for p, t, r in zip(prompt, tokens, running, strict=True) if r)
 
 
+def admitted(prompt: Sequence[int], computed: Sequence[int], running: Sequence[bool],
+             spec: InstanceSpec, used_blocks: int) -> tuple[list[int], int]:
+    """Of the requests in flight on a backend, in dispatch order, those not taken to be
+    running that its scheduler has taken in (module docstring), and the KV blocks their
+    prompts hold: the batch its next step forms, as vLLM's scheduler forms it. Each
+    running request takes a token of the step's budget (``max_num_batched_tokens``);
+    then, in order, each waiting one its prompt's uncomputed tokens (at most what is
+    left) while some budget is left, a batch slot is free (``max_num_seqs`` less the
+    running) and blocks for its whole prompt remain of those ``used_blocks`` leaves; the
+    first that does not fit stops it (no skipping ahead)."""
+    slots = spec.max_num_seqs - sum(1 for r in running if r)
+    budget = spec.max_num_batched_tokens - sum(1 for r in running if r)
+    free = spec.num_kv_blocks - min(used_blocks, spec.num_kv_blocks)
+    taken: list[int] = []
+    held = 0
+    for i, (p, c, r) in enumerate(zip(prompt, computed, running, strict=True)):
+        if r:
+            continue
+        need = -(-p // spec.block_size)
+        if slots <= 0 or budget <= 0 or need > free:
+            break
+        taken.append(i)
+        slots -= 1
+        budget -= max(p - c, 1)
+        free -= need
+        held += need
+    return taken, held
+
+
 def tracked_snapshot(now_s: float, spec: InstanceSpec, request_ids: Sequence[int],
                      prompt: Sequence[int], tokens: Sequence[int],
                      predicted: Sequence[int], computed: Sequence[int],
@@ -64,10 +100,17 @@ def tracked_snapshot(now_s: float, spec: InstanceSpec, request_ids: Sequence[int
     events, its scraped running count): no output yet, ``computed`` of the prompt done."""
     order = range(len(request_ids))
     run = [i for i in order if running[i]][: spec.max_num_seqs]
+    taken, held = admitted(prompt, computed, running, spec, used_blocks)
+    entered = set(taken)
+    run = sorted(run + taken)
     ran = set(run)
     wait = [i for i in order if i not in ran]
     rows = []
     for i in run:
+        if i in entered:
+            rows.append((prompt[i], 0, predicted[i], min(computed[i], prompt[i] - 1),
+                         -(-prompt[i] // spec.block_size)))
+            continue
         if prefilling is not None and prefilling[i]:
             done = min(computed[i], prompt[i] - 1)
             rows.append((prompt[i], 0, predicted[i], done,
@@ -80,7 +123,7 @@ def tracked_snapshot(now_s: float, spec: InstanceSpec, request_ids: Sequence[int
     table = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
     return EngineSnapshot(
         time_s=now_s, table=table, num_running=len(run),
-        num_free_blocks=spec.num_kv_blocks - min(used_blocks, spec.num_kv_blocks),
+        num_free_blocks=spec.num_kv_blocks - min(used_blocks + held, spec.num_kv_blocks),
         inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=now_s,
         request_ids=np.array([request_ids[i] for i in run + wait], dtype=np.int64))
 
@@ -102,27 +145,45 @@ def router_view(snap: EngineSnapshot, dispatch_s: Mapping[int, float],
     t = snap.table[order]
     prompt, tokens = t[:, SNAP_PROMPT], t[:, SNAP_OUTPUT]
     running = tokens > 0
-    run = np.flatnonzero(running)[: spec.max_num_seqs]
-    kept = np.zeros(len(ids), dtype=bool)
-    kept[run] = True
-    wait = np.flatnonzero(~kept)
     context = prompt + np.maximum(tokens, 1)
     blocks = -(-context // spec.block_size)
-    table = np.empty((len(ids), 5), dtype=np.int64)
-    table[: len(run)] = np.stack([prompt[run], tokens[run], t[run, SNAP_PREDICTED],
-                                  context[run] - 1, blocks[run]], axis=1)
+    used = int(blocks[running].sum())
     if spec.role == "decode":
-        computed = t[wait, SNAP_COMPUTED] * ~running[wait]
+        computed = t[:, SNAP_COMPUTED] * ~running
     elif cached:
-        computed = np.array([cached.get(i, 0) for i in ordered[wait].tolist()],
+        computed = np.array([0 if r else cached.get(i, 0)
+                             for i, r in zip(ordered.tolist(), running.tolist(), strict=True)],
                             dtype=np.int64)
     else:
-        computed = np.zeros(len(wait), dtype=np.int64)
-    table[len(run):] = np.stack([prompt[wait], np.zeros_like(computed), t[wait, SNAP_PREDICTED],
-                                 computed, np.zeros_like(computed)], axis=1)
-    used = int(blocks[running].sum())
+        computed = np.zeros(len(ids), dtype=np.int64)
+    # the requests without a token the scheduler has taken in (``admitted``: each
+    # condition holds for a prefix of them, so together they do)
+    idle = np.flatnonzero(~running)
+    need = -(-prompt[idle] // spec.block_size)
+    num_running = int(np.count_nonzero(running))
+    tokens_before = np.cumsum(np.maximum(prompt[idle] - computed[idle], 1)) - np.maximum(
+        prompt[idle] - computed[idle], 1)
+    fits = ((np.cumsum(need) <= spec.num_kv_blocks - min(used, spec.num_kv_blocks))
+            & (np.arange(1, len(idle) + 1) <= spec.max_num_seqs - num_running)
+            & (tokens_before < spec.max_num_batched_tokens - num_running))
+    taken = idle[: int(np.argmin(fits)) if not fits.all() else len(idle)]
+    kept = np.zeros(len(ids), dtype=bool)
+    kept[np.flatnonzero(running)[: spec.max_num_seqs]] = True
+    entered = np.zeros(len(ids), dtype=bool)
+    entered[taken] = True
+    run = np.flatnonzero(kept | entered)
+    wait = np.flatnonzero(~(kept | entered))
+    done = np.where(entered, np.minimum(computed, prompt - 1), context - 1)
+    held = np.where(entered, -(-prompt // spec.block_size), blocks)
+    table = np.empty((len(ids), 5), dtype=np.int64)
+    table[: len(run)] = np.stack([prompt[run], tokens[run], t[run, SNAP_PREDICTED],
+                                  done[run], held[run]], axis=1)
+    table[len(run):] = np.stack([prompt[wait], np.zeros(len(wait), dtype=np.int64),
+                                 t[wait, SNAP_PREDICTED], computed[wait],
+                                 np.zeros(len(wait), dtype=np.int64)], axis=1)
     return EngineSnapshot(
         time_s=snap.time_s, table=table, num_running=len(run),
-        num_free_blocks=spec.num_kv_blocks - min(used, spec.num_kv_blocks),
+        num_free_blocks=spec.num_kv_blocks - min(used + int(need[: len(taken)].sum()),
+                                                 spec.num_kv_blocks),
         inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=snap.time_s,
         request_ids=ordered[np.concatenate([run, wait])])

@@ -79,6 +79,8 @@ PREFIX_COUNTERS = (PREFIX_QUERIES,)
 STREAM_WINDOW_ROWS = 4096
 STREAM_REFIT_EVERY = 32
 STREAM_MIN_ROWS = 16
+# recalibration from a backend's batch records: a refit every so many new records
+BATCH_REFIT_EVERY = 256
 BACKEND_URLS = web.AppKey("olproute_backend_urls", list)
 # an idle connection to a backend is closed after this: before the server closes it
 # (uvicorn, vLLM's server, closes idle connections after 5 s), so that a request is not
@@ -342,7 +344,7 @@ def _recalibrators(st: ServerState) -> None:
     """Each backend's online calibrators, from the router's calibration: from its batch
     records and from its streams (``olproute.estimate.streamcal``); its beta's source initial."""
     cal = st.router.calibration()
-    st.calibrators = [OnlineCalibrator(c.beta) for c in cal]
+    st.calibrators = [OnlineCalibrator(c.beta, refit_every=BATCH_REFIT_EVERY) for c in cal]
     st.batches_supported = [True] * len(cal)
     st.stream_calibrators = [
         StreamCalibrator(c.beta, s.max_num_batched_tokens, s.max_num_seqs,

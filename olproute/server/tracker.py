@@ -4,9 +4,10 @@ Every dispatch is counted at once (before the backend has seen the request); the
 stream then reports each token, and the end of the request. From these the tracker
 builds, per backend, the load summary and the EngineSnapshot the estimators replay
 (``olproute.routing.tracked``: requests that have streamed a token are running decoders, context
-= prompt + tokens; the others wait in dispatch order, their prefill may have begun
-inside the backend; the replay then over-estimates their remaining prefill, the safe
-side). Scraped gauges
+= prompt + tokens; of the others, those the backend's scheduler has taken in by now (in
+dispatch order while a batch slot and KV blocks for the prompt remain) run in prefill,
+the rest wait; how far a prefill has got is not known, the replay then over-estimates
+what remains of it, the safe side). Scraped gauges
 (vLLM's ``vllm:kv_cache_usage_perc``) reconcile the KV estimate when they report more
 use than the tracker sees. Health: failures take a backend out; it is probed again after
 an exponentially growing backoff.
@@ -39,7 +40,7 @@ import numpy.typing as npt
 
 from olproute.estimate.streamcal import StreamRecorder
 from olproute.routing.disagg import decode_admission
-from olproute.routing.tracked import tracked_blocks, tracked_snapshot
+from olproute.routing.tracked import admitted, tracked_blocks, tracked_snapshot
 from olproute.server.engine_config import EngineConfig
 from olproute.types import EngineSnapshot, InstanceLoad, InstanceSpec, Request
 
@@ -447,6 +448,9 @@ class Tracker:
             if load.age_s == (0.0 if b.scraped_at_s is None else now_s - b.scraped_at_s):
                 return load
         running, used = self._counts(b)
+        entered, held = self._entered(b, used)
+        running += entered
+        used = min(used + held, b.spec.num_kv_blocks)
         load = InstanceLoad(
             index=b.index, name=b.spec.name, num_running=running,
             num_waiting=len(b.flights) + b.remote.num_flights - running,
@@ -457,6 +461,24 @@ class Tracker:
             age_s=0.0 if b.scraped_at_s is None else now_s - b.scraped_at_s)
         b.cache["load"] = (b.version, load)
         return load
+
+    def _entered(self, b: BackendState, used: int) -> tuple[int, int]:
+        """(how many, KV blocks held) of the requests without a token the backend's
+        scheduler has taken in (``olproute.routing.tracked.admitted``), cached per
+        version."""
+        hit = b.cache.get("entered")
+        if hit is not None and hit[0] == b.version:
+            return hit[1]  # type: ignore[return-value]
+        r = b.remote
+        rows = sorted([(f.dispatch_s, f.request.prompt_tokens,
+                        max(f.computed_tokens, f.prefilled_tokens), f.running)
+                       for f in b.flights.values()]
+                      + [(r.dispatch_s[i], r.prompt[i], r.computed[i], r.running[i])
+                         for i in range(r.num_flights)])
+        taken, held = admitted([x[1] for x in rows], [x[2] for x in rows],
+                               [x[3] for x in rows], b.spec, used)
+        b.cache["entered"] = (b.version, (len(taken), held))
+        return len(taken), held
 
     def _blocks_used(self, b: BackendState) -> int:
         fs, r = b.flights.values(), b.remote

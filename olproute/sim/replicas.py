@@ -283,9 +283,11 @@ class Replicas:
               inbound: FloatArray | None) -> InstanceLoad:
         """The load of engine g as its view holds it, counted as the server's tracker
         counts its flights: ``running`` those with a token (all of them, not only the
-        first ``max_num_seqs``), outstanding the flights and the requests on their way."""
+        first ``max_num_seqs``) and those the engine took in without one yet,
+        outstanding the flights and the requests on their way."""
         spec: InstanceSpec = self.specs[g]
         resident = snap.num_resident
+        running += snap.num_running - min(running, spec.max_num_seqs)
         return InstanceLoad(
             index=g, name=spec.name, num_running=running, num_waiting=resident - running,
             num_outstanding=resident + (0 if inbound is None else len(inbound)),

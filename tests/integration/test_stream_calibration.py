@@ -217,7 +217,9 @@ def test_calibrate_backend_errors_name_the_problem(
 
 
 # -- the router, from the streams it relays -----------------------------------------------------
-WRONG = InstanceCalibration(beta=(0.05, 1e-4, 1e-6, 1e-8), prefill_tokens_per_s=10_000,
+# a hundred times too fast: bid_price prefers a backend whose beta is still this, so
+# the traffic moves to whichever backend has not been refitted yet
+WRONG = InstanceCalibration(beta=(5e-5, 1e-7, 1e-9, 1e-11), prefill_tokens_per_s=10_000,
                             tpot_s=0.05, mean_batch_seqs=8, service_rate_per_s=5)
 
 
@@ -247,6 +249,7 @@ def test_the_router_refits_beta_from_the_streams_of_a_backend_without_batch_reco
     streams the router relayed; both then predict their engine's batches."""
     monkeypatch.setattr(server_app, "STREAM_REFIT_EVERY", 8)
     monkeypatch.setattr(server_app, "STREAM_MIN_ROWS", 8)
+    monkeypatch.setattr(server_app, "BATCH_REFIT_EVERY", 64)
     loaded = _config(tmp_path, replicas=2, router={"policy": "bid_price", "slot_ms": 20},
                      prices={"period_slots": 5, "window": 200, "minibatch": 32},
                      server={"recalibrate_period_s": 0.5, "health_period_s": 0.2})
@@ -273,7 +276,7 @@ def test_the_router_refits_beta_from_the_streams_of_a_backend_without_batch_reco
             _, x, y = _batch_fit(records)
             mape = float(np.mean(np.abs(x @ np.array(inst[i]["beta"]) / y - 1.0)))
             wrong = float(np.mean(np.abs(x @ np.array(WRONG.beta) / y - 1.0)))
-            assert wrong > 1.0 and mape < 0.3, (i, mape)
+            assert wrong > 0.9 and mape < 0.3, (i, mape)
         families = text_string_to_metric_families(
             request(stack.url, "GET", "/metrics")[2].decode())
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value

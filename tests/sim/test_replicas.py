@@ -42,11 +42,14 @@ _cache: dict[str, tuple[LoadedConfig, CalibrationSource, list[Request]]] = {}
 
 
 def scenario(kind: str) -> tuple[LoadedConfig, CalibrationSource, list[Request]]:
-    """Four Llama-2-7B engines near saturation (``mixed``) or configs/pd.yaml's pools
+    """Four Llama-2-7B engines past saturation (``mixed``) or configs/pd.yaml's pools
     (``pools``), as the no-ground-truth test builds them, with the router's view of the
     engines; the calibration profiled once."""
     if kind not in _cache:
         base = _homogeneous() if kind == "mixed" else _pools()
+        if kind == "mixed":   # past saturation: the router holds some requests
+            base = base.with_updates(workload=base.config.workload.model_copy(
+                update={"rate_per_s": 40.0}))
         loaded = base.with_updates(sim=base.config.sim.model_copy(
             update={"snapshot_view": "router"}))
         cal = CalibrationSource(loaded)

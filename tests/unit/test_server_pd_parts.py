@@ -76,13 +76,15 @@ def test_tracker_follows_a_streamed_pair_through_prefill_handoff_and_decode() ->
     req = _request(prompt=20, max_tokens=5)
     t.dispatched_pair(0, 1, req, 1.0)
     loads = t.loads(1.0)
-    assert (loads[0].num_waiting, loads[0].num_outstanding) == (1, 1)
+    # the prefill backend has room: its scheduler took the prompt in
+    assert (loads[0].num_running, loads[0].num_waiting, loads[0].num_outstanding) == (1, 0, 1)
     assert (loads[1].num_waiting, loads[1].num_outstanding) == (0, 1)
     rows = t.inbound_rows()
     assert rows[0] is None and rows[1] is not None
     np.testing.assert_array_equal(rows[1], [[20.0, 5.0, 1.0]])  # prompt, decode, dispatch
-    # the prefill waits for its prompt and one token
-    np.testing.assert_array_equal(t.snapshot(0, 1.0).table, [[20, 0, 1, 0, 0]])
+    # the prefill runs for its prompt and one token, holding the prompt's blocks
+    np.testing.assert_array_equal(t.snapshot(0, 1.0).table,
+                                  [[20, 0, 1, 0, -(-20 // P.block_size)]])
     assert t.snapshot(1, 1.0).num_resident == 0
 
     prefill = t.prefilled(0, 1, req.request_id, 2.0)

@@ -62,13 +62,14 @@ def test_a_merged_ledger_counts_in_loads_and_snapshots_at_local_times() -> None:
     # their clock reads 100 s more than wall-clock minus ours: offsets 10 and 110
     _merge(mine, theirs, 110.0, 10.0)
     load = mine.loads(6.0)[0]
-    assert (load.num_outstanding, load.num_running, load.num_waiting) == (3, 1, 2)
+    # the one with a token runs; the engine has room for the other two: in prefill
+    assert (load.num_outstanding, load.num_running, load.num_waiting) == (3, 3, 0)
     assert mine.loads(6.0)[1].num_outstanding == 0
     snap = mine.snapshot(0, 6.0)
     # in dispatch order, local times: theirs at 102 and 103, mine at 5
-    assert snap.num_running == 1
-    assert snap.table[:, 0].tolist() == [200, 100, 300]
-    assert snap.request_ids.tolist() == [-2, 1, -1]
+    assert snap.num_running == 3
+    assert snap.table[:, 0].tolist() == [100, 300, 200]
+    assert snap.request_ids.tolist() == [1, -1, -2]
     assert mine.backends[0].remote.dispatch_s == (102.0, 103.0)
     # their requests end: the next merge drops them
     theirs.finished(0, 1)

@@ -95,15 +95,60 @@ def test_router_view_is_the_live_trackers_snapshot(rows: list[tuple[int, int]], 
 def test_router_view_loses_prefill_progress_and_the_batch_in_flight() -> None:
     """A long prompt part-way through a chunked prefill: the engine knows how much is
     computed and that a batch runs; the router's view has it waiting with nothing
-    computed, and no batch."""
+    computed, and no batch. It does know the engine took the request in (a free slot,
+    blocks for the prompt): it runs in prefill there, holding its prompt's blocks."""
     spec = _spec(8, 400, 128)
     eng, dispatch = _engine_mid_run(spec, [1000], [5], 3, 0)
     exact = eng.snapshot(5.0)
     assert exact.table[0, SNAP_COMPUTED] == 3 * 128 and exact.inflight.shape[0] > 0
     view = router_view(exact, dispatch, spec)
-    assert view.num_running == 0 and view.table[0, SNAP_COMPUTED] == 0
+    assert view.num_running == 1 and view.table[0, SNAP_COMPUTED] == 0
+    assert view.table[0, SNAP_OUTPUT] == 0 and view.table[0, 4] == 63
     assert view.inflight.shape[0] == 0
-    assert view.num_free_blocks == spec.num_kv_blocks
+    assert view.num_free_blocks == spec.num_kv_blocks - 63
+
+
+def _tracker_with(spec: InstanceSpec, prompts: list[int], decoding: int) -> Tracker:
+    """A tracker with requests of ``prompts`` dispatched in order, the first
+    ``decoding`` of them having streamed a token."""
+    tracker = Tracker([spec], ["http://x"])
+    for rid, prompt in enumerate(prompts):
+        req = Request(request_id=rid, arrival_s=0.0, prompt_tokens=prompt, decode_tokens=1,
+                      predicted_decode_tokens=8, ttft_target_s=1.0)
+        tracker.dispatched(0, req, 0.01 * rid)
+    for rid in range(decoding):
+        tracker.token(0, rid, 0.1)
+    return tracker
+
+
+def test_a_request_in_prefill_runs_and_the_queue_starts_where_room_ends() -> None:
+    """Requests without a token yet behind two decoders (3 + 11 of 40 KV blocks): the
+    200-token prompt (13 blocks) runs in prefill, the 300-token one (19 blocks, 13
+    left) waits, and so does the short one behind it (the scheduler does not skip
+    ahead). With no batch slot left a short prompt waits too."""
+    tracker = _tracker_with(_spec(4, 40, 4096), [32, 160, 200, 300, 16], 2)
+    snap = tracker.snapshot(0, 0.2)
+    assert snap.request_ids[: snap.num_running].tolist() == [0, 1, 2]
+    assert snap.request_ids[snap.num_running:].tolist() == [3, 4]
+    assert snap.num_free_blocks == 40 - 3 - 11 - 13
+    assert snap.table[2].tolist() == [200, 0, 8, 0, 13]
+    load = tracker.loads(0.2)[0]
+    assert (load.num_running, load.num_waiting) == (3, 2)
+    assert load.num_kv_blocks_used == 3 + 11 + 13
+    full = _tracker_with(_spec(2, 40, 4096), [32, 160, 16], 2)
+    assert full.snapshot(0, 0.2).num_running == 2
+    assert full.loads(0.2)[0].num_waiting == 1
+
+
+def test_the_next_steps_token_budget_ends_what_the_scheduler_takes_in() -> None:
+    """A budget of 256 tokens, two decoders taking one each: the 200-token prompt and,
+    with 54 tokens left, the first chunk of the 300-token one enter; the budget is spent
+    before the short one behind them."""
+    tracker = _tracker_with(_spec(8, 1000, 256), [32, 160, 200, 300, 16], 2)
+    snap = tracker.snapshot(0, 0.2)
+    assert snap.request_ids[: snap.num_running].tolist() == [0, 1, 2, 3]
+    assert snap.request_ids[snap.num_running:].tolist() == [4]
+    assert tracker.loads(0.2)[0].num_waiting == 1
 
 
 def test_the_feed_gives_the_router_view_with_dispatch_order() -> None:

@@ -1,7 +1,9 @@
 """Fresher engine state in the live tracker's snapshots: a request whose prompt blocks its
 engine's KV events stored is running, in prefill, that far (not waiting with nothing
 computed); the engine's scraped running count marks the earliest dispatched requests
-running; both only when switched on."""
+running; both only when switched on. The backend here has too few KV blocks for any of
+the prompts, so the router's own rule (a request without a token the scheduler has room
+for runs in prefill) takes none in: what puts one in prefill is the engine's word."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from olproute.server.tracker import Tracker
 from olproute.types import SNAP_COMPUTED, SNAP_OUTPUT, SNAP_PROMPT, InstanceSpec, Request
 
 SPEC = InstanceSpec(name="a", model="m", gpu="g", tensor_parallel=1, max_num_seqs=8,
-                    max_num_batched_tokens=64, block_size=16, num_kv_blocks=1000)
+                    max_num_batched_tokens=64, block_size=16, num_kv_blocks=2)
 
 
 def _request(rid: int, prompt: int, keys: list[int] | None) -> Request:
