@@ -8,6 +8,13 @@ free batch slot, KV blocks for its prompt, and at most ``admission.max_waiting``
 waiting there (default 0: holding a request in the router while an engine has a queue
 is late binding, to whichever instance frees first).
 
+Among the instances that can start a request, the policies try the *quiet* ones first
+(``quiet``): at most ``admission.max_waiting`` requests there without an output token
+yet, waiting or in prefill. A prefill started beside another shares the step's token
+budget with it, so both reach their first token later; a quiet instance gives the new
+one its budget alone. With no quiet instance the request goes to the best that can start
+it, never held for quiet.
+
 A refusal needs a reason that holds, read off the engines' state. At its next steps an
 engine (vLLM's scheduler) admits its waiting requests in order while it has a batch slot
 and KV blocks for each prompt, as fast as its token budget lets it (``engine_has_room``).
@@ -31,6 +38,7 @@ import numpy as np
 from olproute.config.schema import AdmissionConfig
 from olproute.types import (
     SNAP_COMPUTED,
+    SNAP_OUTPUT,
     SNAP_PROMPT,
     Decision,
     EngineSnapshot,
@@ -45,6 +53,19 @@ def can_start_now(snap: EngineSnapshot, prompt_tokens: int, block_size: int,
     return bool(room_to_start(snap.num_running, snap.num_resident - snap.num_running,
                               snap.num_free_blocks, math.ceil(prompt_tokens / block_size),
                               max_num_seqs, max_waiting))
+
+
+def unstarted(snap: EngineSnapshot) -> int:
+    """Requests at the engine without an output token yet: waiting, or running in
+    prefill."""
+    prefilling = np.count_nonzero(snap.table[: snap.num_running, SNAP_OUTPUT] == 0)
+    return snap.num_resident - snap.num_running + int(prefilling)
+
+
+def quiet(snap: EngineSnapshot, max_waiting: int) -> bool:
+    """At most ``max_waiting`` requests at the engine without a token yet (module
+    docstring)."""
+    return unstarted(snap) <= max_waiting
 
 
 def room_to_start(num_running: Any, waiting: Any, free_blocks: Any, need_blocks: Any,

@@ -3,10 +3,12 @@
     score_jg = r_jg - delta * TTFT_jg - a_jg . p_g
 
 with r_jg the multi-objective reward, TTFT from the BEA replay and a_jg . p_g the shadow
-price of the request's usage column. The request goes to the argmax if its score is
-positive and that instance can start it now (a free batch slot, KV blocks for its
-prompt, and no more than ``admission.max_waiting`` requests queued there); otherwise it
-is held in the router's central buffer and re-scored every slot. When its patience runs
+price of the request's usage column. The request goes to the best-scoring instance with
+a positive score that can start it now (a free batch slot, KV blocks for its prompt,
+and no more than ``admission.max_waiting`` requests queued there), a quiet one first
+(no more than that many there without a token yet, waiting or in prefill:
+``olproute.policies.admission``); with none it is held in the router's central buffer
+and re-scored every slot. When its patience runs
 out (default: its TTFT target), ``admission: defer`` sends it to the best instance and
 ``admission: shed`` to the best instance whose engine has room for it (a batch slot and
 KV blocks left after its queue) and would start it within another TTFT target, refusing
@@ -53,8 +55,10 @@ from olproute.policies.admission import (
     Room,
     can_start_now,
     hold_shed_or_defer,
+    quiet,
     room_to_start,
     still_patient,
+    unstarted,
     with_room,
 )
 from olproute.policies.base import REGISTRY, Policy, PolicyEnv, PolicyError, PolicyParams
@@ -348,11 +352,20 @@ class BidPrice(Policy):
         explanation = self._explanation(req, sc, 0, score, candidates, ctx)
         snaps = ctx.snapshots
         assert snaps is not None
-        primal = self._form == "primal"
-        c = next(self._startable_in(self._eligible(order, row), score, lambda c: primal or (
-            can_start_now(snaps[c], req.prompt_tokens, self._specs[c].block_size,
-                          self._specs[c].max_num_seqs, self._adm.max_waiting)),
-            row.cols, ctx.now_s), None)
+        mw = self._adm.max_waiting
+
+        def can(c: int) -> bool:
+            return self._form == "primal" or can_start_now(
+                snaps[c], req.prompt_tokens, self._specs[c].block_size,
+                self._specs[c].max_num_seqs, mw)
+
+        eligible = self._eligible(order, row)
+        # a quiet instance first (olproute.policies.admission), then any that can start it
+        c = next(self._startable_in(eligible, score, lambda c: quiet(snaps[c], mw) and can(c),
+                                    row.cols, ctx.now_s),
+                 None) if self._form != "primal" else None
+        if c is None:
+            c = next(self._startable_in(eligible, score, can, row.cols, ctx.now_s), None)
         if c is not None:
             self._account(c, row, ctx.now_s)
             return self._dispatch(req, c, g, score, row.on_time, candidates, explanation)
@@ -421,7 +434,7 @@ class BidPrice(Policy):
         while left:
             wants: list[tuple[float, int, int]] = []
             for j in left:
-                ch = self._choice(ctx, src[j], cands[j], starts.row(j),
+                ch = self._choice(ctx, src[j], cands[j], starts.row(j), starts.quiet(),
                                   budget >= take[j] - 1e-9, rule)
                 if ch is not None:
                     wants.append((ch[0], j, ch[1]))
@@ -466,15 +479,22 @@ class BidPrice(Policy):
 
     def _choice(self, ctx: RoutingContext, src: tuple[_Scores, int],
                 cands: npt.NDArray[np.int64], startable: npt.NDArray[np.bool_],
-                open_: npt.NDArray[np.bool_], rule: ReleaseRule) -> tuple[float, int] | None:
+                quiet_: npt.NDArray[np.bool_], open_: npt.NDArray[np.bool_],
+                rule: ReleaseRule) -> tuple[float, int] | None:
         """(key, instance): the request's first instance in its own ranking with a
         positive score (on time under ``constrained``) that can start it, has budget
-        left (``open_``) and holds its predicted usage; None when there is none."""
+        left (``open_``) and holds its predicted usage, a quiet one (``quiet_``) first;
+        None when there is none."""
         sc, i = src
         row, score, order = self._ranked(src, cands)
-        c = next(self._startable_in(self._eligible(order, row), score,
-                                    lambda c: bool(startable[c] and open_[c]), row.cols,
-                                    ctx.now_s), None)
+        eligible = self._eligible(order, row)
+        c = next(self._startable_in(eligible, score,
+                                    lambda c: bool(quiet_[c] and startable[c] and open_[c]),
+                                    row.cols, ctx.now_s), None)
+        if c is None:
+            c = next(self._startable_in(eligible, score,
+                                        lambda c: bool(startable[c] and open_[c]), row.cols,
+                                        ctx.now_s), None)
         if c is None:
             return None
         return rule.key(float(score[c]), None if sc.mass is None
@@ -838,6 +858,7 @@ class _Starts:
         self.running = np.array([s.num_running for s in snaps])
         self.max_num_seqs = np.array([spec.max_num_seqs for spec in specs])
         self.waiting = np.array([s.num_resident - s.num_running for s in snaps])
+        self.unstarted = np.array([unstarted(s) for s in snaps])
         self.free = np.array([s.num_free_blocks for s in snaps])
         block = np.array([spec.block_size for spec in specs])
         prompts = np.array([r.prompt_tokens for r in requests])
@@ -861,8 +882,14 @@ class _Starts:
             np.maximum(self.max_waiting - self.waiting + 1, 0), 0).astype(float)
         return result
 
+    def quiet(self) -> npt.NDArray[np.bool_]:
+        """Per instance, is it quiet (``admission.quiet``) with this pass's dispatches."""
+        result: npt.NDArray[np.bool_] = self.unstarted <= self.max_waiting
+        return result
+
     def take(self, j: int, g: int) -> None:
         self.waiting[g] += 1
+        self.unstarted[g] += 1
         self.free[g] -= self.need[j, g]
 
 

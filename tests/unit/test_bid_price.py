@@ -646,6 +646,35 @@ def test_a_free_instance_beats_waiting_for_a_busy_better_one() -> None:
     assert "best startable score" in d.reason
 
 
+def _prefilling(n_decoding: int, n_prefill: int) -> EngineSnapshot:
+    """``n_decoding`` decoders and ``n_prefill`` requests running in prefill (no token
+    yet), nothing waiting."""
+    rows = [[500, 10, 100, 509, 32]] * n_decoding + [[500, 0, 100, 0, 32]] * n_prefill
+    return EngineSnapshot(time_s=0.0, table=np.array(rows, dtype=np.int64),
+                          num_running=len(rows), num_free_blocks=500,
+                          inflight=np.zeros((0, 2), dtype=np.int64), inflight_start_s=0.0,
+                          request_ids=np.arange(len(rows)))
+
+
+@pytest.mark.parametrize("release", ["in_order", "density"])
+def test_a_quiet_instance_goes_first_and_none_quiet_holds_nothing(release: str) -> None:
+    """Instance 0 has a prompt in prefill and scores best (instance 1 is dearer); the
+    quiet instance 1, with decoders only, takes the request. With a prefill on both,
+    the best-scoring one takes it at once: not being quiet holds nothing. A joint pass
+    over held requests chooses alike."""
+    policy = _priced(_policy(release=release), 1, 0.3)
+    snaps = (_prefilling(1, 1), _prefilling(2, 0))
+    d = policy.decide(_ctx(snaps))
+    assert d.explanation["score"][0] > d.explanation["score"][1] > 0
+    assert d.action == "dispatch" and d.instance == 1
+    d = policy.decide(_ctx((_prefilling(1, 1), _prefilling(2, 1)), rid=2))
+    assert d.action == "dispatch" and d.instance == 0
+    if release == "density":
+        reqs = [replace(_ctx(snaps, rid=3).request, arrival_s=-0.01)]
+        (held,) = policy.decide_held(reqs, lambda r: replace(_ctx(snaps), request=r))
+        assert held.action == "dispatch" and held.instance == 1
+
+
 def _priced(policy: BidPrice, g: int, batch_price: float) -> BidPrice:
     """Instance g's batch slots priced at ``batch_price`` on every slot from t = 0."""
 
