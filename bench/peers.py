@@ -53,7 +53,8 @@ not what the router alone would.
 
 The goals are read as ratios, printed after the table: closed-loop olproute throughput
 over SGLang's and TTFT P99 over SGLang's, per olproute policy and per SGLang policy; the
-refusals at 0.5 and 0.9 of capacity.
+refusals at 0.5 and 0.9 of capacity, beside how many times olproute decided to hold a
+request there (each slot a request stays held is one hold decision).
 
 ``--json PATH``: ``{"command", "commit", "machine", "started", "wall_s", "settings",
 "capacity_per_s", "capacity_from", "load_avg_start", "load_avg_end", "commands",
@@ -358,9 +359,11 @@ def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for load in ("0.5", "0.9"):
             r = row("olproute", pol, load)
             if r is not None:
+                held = (r.get("olproute_metrics") or {}).get("decisions", {}).get("hold", 0)
                 out["refusals"].append({"olproute_policy": pol, "load": load,
                                         "refused": r["refused"],
-                                        "fraction": div(r["refused"], r["sent"])})
+                                        "fraction": div(r["refused"], r["sent"]),
+                                        "hold_decisions": held})
     return out
 
 
@@ -401,7 +404,8 @@ def ratio_lines(rat: dict[str, Any]) -> str:
     lines.append("olproute refusals at 0.5 and 0.9 of capacity:")
     for v in rat["refusals"]:
         lines.append(f"  {v['olproute_policy']:<18} at {v['load']}: {v['refused']} refused"
-                     f" ({_fmt(v['fraction'], '.2%')} of sent)")
+                     f" ({_fmt(v['fraction'], '.2%')} of sent),"
+                     f" {v.get('hold_decisions', 0)} hold decisions")
     return "\n".join(lines)
 
 

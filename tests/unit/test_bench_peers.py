@@ -84,7 +84,8 @@ def _row(router: str, policy: str, load: str, rps: float, p99: float,
 def test_ratios_per_policy_pair_and_refusals() -> None:
     runs: list[dict[str, Any]] = [_row("olproute", "round_robin", "closed", 90.0, 0.02),
             _row("olproute", "round_robin", "0.5", 40.0, 0.02),
-            _row("olproute", "round_robin", "0.9", 80.0, 0.02, refused=5),
+            {**_row("olproute", "round_robin", "0.9", 80.0, 0.02, refused=5),
+             "olproute_metrics": {"decisions": {"dispatch": 95, "hold": 7}}},
             _row("sglang", "round_robin", "closed", 100.0, 0.04),
             {"router": "sglang", "policy": "cache_aware", "load": "closed",
              "skipped": "not installed"}]
@@ -93,8 +94,8 @@ def test_ratios_per_policy_pair_and_refusals() -> None:
                                "sglang_policy": "round_robin",
                                "throughput_ratio": pytest.approx(0.9),
                                "ttft_p99_ratio": pytest.approx(0.5)}]
-    assert [(x["load"], x["refused"], x["fraction"]) for x in r["refusals"]] == [
-        ("0.5", 0, 0.0), ("0.9", 5, 0.05)]
+    assert [(x["load"], x["refused"], x["fraction"], x["hold_decisions"])
+            for x in r["refusals"]] == [("0.5", 0, 0.0, 0), ("0.9", 5, 0.05, 7)]
 
 
 def test_table_shows_skips_with_their_reason() -> None:
