@@ -56,11 +56,12 @@ over SGLang's and TTFT P99 over SGLang's, per olproute policy and per SGLang pol
 refusals at 0.5 and 0.9 of capacity, beside how many times olproute decided to hold a
 request there (each slot a request stays held is one hold decision).
 
-``--json PATH``: ``{"command", "commit", "machine", "started", "wall_s", "settings",
-"capacity_per_s", "capacity_from", "load_avg_start", "load_avg_end", "commands",
-"ratios", "runs": [{"router", "policy", "load", "requests_per_s", "ttft_p50_s",
-"ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "refused", "router_cpu_ms_per_request", ...}]}``;
-a router that did not run has ``"skipped": "reason"`` in its rows.
+``--json PATH``: the results file (``"command", "commit", "seeds", "machine", "started",
+"wall_s"``) with, under ``"results"``, ``{"settings", "capacity_per_s", "capacity_from",
+"load_avg_start", "load_avg_end", "commands", "ratios", "runs": [{"router", "policy",
+"load", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "refused",
+"router_cpu_ms_per_request", ...}]}``; a router that did not run has ``"skipped":
+"reason"`` in its rows.
 """
 
 from __future__ import annotations
@@ -833,17 +834,15 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"end {load_end}")
     print(ratio_lines(rat))
     if args.json:
-        doc = results_document(None, [s.seed])
-        doc.pop("results")
         commands["routers"] = sorted({r["command"] for r in bench.runs if r.get("command")})
         # what each olproute --config held, but for its router.policy and server.port
         commands["olproute_config"] = olproute_config(urls, "<policy>", 0,
                                                       args.olproute_set)
-        doc.update({"settings": asdict(s), "capacity_per_s": bench.capacity_per_s,
-                    "capacity_from": f"direct closed loop, {s.clients} clients",
-                    "load_avg_start": load_start, "load_avg_end": load_end,
-                    "commands": commands, "ratios": rat, "runs": bench.runs})
-        write_json(args.json, doc)
+        write_json(args.json, results_document(
+            {"settings": asdict(s), "capacity_per_s": bench.capacity_per_s,
+             "capacity_from": f"direct closed loop, {s.clients} clients",
+             "load_avg_start": load_start, "load_avg_end": load_end,
+             "commands": commands, "ratios": rat, "runs": bench.runs}, [s.seed]))
         print(f"wrote {args.json}")
 
 
