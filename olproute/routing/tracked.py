@@ -151,9 +151,7 @@ def router_view(snap: EngineSnapshot, dispatch_s: Mapping[int, float],
     if spec.role == "decode":
         computed = t[:, SNAP_COMPUTED] * ~running
     elif cached:
-        computed = np.array([0 if r else cached.get(i, 0)
-                             for i, r in zip(ordered.tolist(), running.tolist(), strict=True)],
-                            dtype=np.int64)
+        computed = np.array([cached.get(i, 0) for i in ordered.tolist()], dtype=np.int64)
     else:
         computed = np.zeros(len(ids), dtype=np.int64)
     # the requests without a token the scheduler has taken in (``admitted``: each
