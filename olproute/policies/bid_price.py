@@ -238,6 +238,7 @@ _TERM_ROWS = {"ttft_s": F_TTFT, "tpot_s": F_TPOT, "reward": F_REWARD, "price_cos
               "utility_term": F_UTILITY}
 # (utility: quality - lambda x cost, unweighted, as the LP checks read it; the reward's
 # weighted term is utility_term)
+_TERM_INDEX = list(_TERM_ROWS.values())
 EXPLAINED = ("ttft_s", "tpot_s", "reward", "price_cost", "score", "on_time",
              "decode_tokens", "utility", "exec_ttft_s", "candidates",
              *(t if t != "utility" else "utility_term" for t in TERMS))
@@ -637,9 +638,27 @@ class BidPrice(Policy):
 
     def _explanation(self, req: Request, sc: _Scores, j: int, score: FloatArray,
                      candidates: npt.NDArray[np.int64], ctx: RoutingContext) -> Explanation:
-        """Request j's explanation, each key built when read (``_explain``)."""
-        return Explanation(EXPLAINED, partial(self._explain, req, _Figures(sc, j, ctx),
-                                              score, candidates))
+        """Request j's explanation, each key built when read (``_explain``), or all at
+        once (``_explain_all``)."""
+        fig = _Figures(sc, j, ctx)
+        return Explanation(EXPLAINED, partial(self._explain, req, fig, score, candidates),
+                           partial(self._explain_all, req, fig, score, candidates))
+
+    def _explain_all(self, req: Request, fig: _Figures, score: FloatArray,
+                     candidates: npt.NDArray[np.int64]) -> dict[str, tuple[float, ...]]:
+        """Every key of ``EXPLAINED``, as ``_explain`` builds each: the kernel's rows in
+        one read where every instance was scored, else key by key."""
+        if not fig.sc.complete:
+            return {k: self._explain(req, fig, score, candidates, k) for k in EXPLAINED}
+        sc, j = fig.sc, fig.j
+        terms = dict(zip(_TERM_ROWS, sc.figures[_TERM_INDEX, j].tolist(), strict=True))
+        out = sc.outlooks[j]
+        rest = {"score": score.tolist(), "on_time": sc.on_time[j].astype(np.float64).tolist(),
+                "decode_tokens": out.decode_tokens.tolist(),
+                "utility": out.utility(self._w.cost_lambda).tolist(),
+                "exec_ttft_s": (req.prompt_tokens / self._theta).tolist(),
+                "candidates": [float(c) for c in candidates.tolist()]}
+        return {k: tuple(terms[k] if k in terms else rest[k]) for k in EXPLAINED}
 
     def _explain(self, req: Request, fig: _Figures, score: FloatArray,
                  candidates: npt.NDArray[np.int64], key: str) -> tuple[float, ...]:
