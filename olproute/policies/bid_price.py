@@ -752,11 +752,15 @@ class BidPrice(Policy):
                       now_s: float) -> Iterator[int]:
         """The instances of ``order`` (best first), up to the first score <= 0, that can
         start the request now and hold it as predicted: a lower-scoring free instance
-        beats waiting for a busy better one (``decide`` takes the first of them)."""
+        beats waiting for a busy better one (``decide`` takes the first of them). The
+        curve's shift since the last tick is taken once, at the first instance."""
+        free = self._free
+        k = 0 if free is None else slots_since(now_s, self._free_time_s, self._slot_s)
+        scores = score.tolist()
         for c in order.tolist():
-            if score[c] <= 0:
+            if scores[c] <= 0:
                 return
-            if can_start(c) and self._fits(c, cols, now_s):
+            if can_start(c) and (free is None or self._fits_at(free, c, cols, k)):
                 yield c
 
     def _eligible(self, order: npt.NDArray[np.int64], row: _Row) -> npt.NDArray[np.int64]:
@@ -788,9 +792,13 @@ class BidPrice(Policy):
         (``reward.fits_under``, compiled.)"""
         if self._free is None:
             return True
+        return self._fits_at(self._free, g, cols,
+                             slots_since(now_s, self._free_time_s, self._slot_s))
+
+    def _fits_at(self, free: FloatArray, g: int, cols: Columns, k: int) -> bool:
+        """``_fits`` on the curve ``free`` computed k slots ago."""
         st, e, ba, ka, kb, ps, pe, _ = column_at(cols, g)
-        return fits_column(self._free[g], st, e, ba, ka, kb, ps, pe,
-                           slots_since(now_s, self._free_time_s, self._slot_s), self._horizon)
+        return fits_column(free[g], st, e, ba, ka, kb, ps, pe, k, self._horizon)
 
     def _account(self, g: int, row: _Row, now_s: float) -> None:
         """Immediate accounting: the dispatch holds capacity before the next snapshot
