@@ -37,7 +37,7 @@ PARTS: tuple[tuple[str, Any, str], ...] = (
     ("outlook (predictions, cost)", outlook.OutlookSource, "__call__"),
     ("BEA replay (compiled)", bea.BeaEstimator, "ttft_many"),
     ("counts and scoring (compiled)", bp, "Scorer"),
-    ("fit check", bp.BidPrice, "_fits"),
+    ("fit check", bp.BidPrice, "_fits_at"),
     ("accounting", bp.BidPrice, "_account"),
     ("the whole decide", bp.BidPrice, "decide"),
 )

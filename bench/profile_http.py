@@ -33,7 +33,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bench, olproute
-from bench.bench_http import REPO, emulated_fleet, load, wait_up
+from bench.bench_http import REPO, emulated_fleet, load, route_bodies, wait_up
 from bench.common import add_harness_args, begin, free_port, write_results
 
 TOP = 30
@@ -107,13 +107,14 @@ def main() -> None:
                                str(config), "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
+    bodies = route_bodies("counts")
     loads = {"route": ("POST /route at concurrency 32",
-                       lambda: load(url, args.seconds + 1, 32)),
+                       lambda: load(url, args.seconds + 1, 32, bodies)),
              "proxy": ("streamed POST /v1/completions (100 words, 4 tokens) at concurrency 16",
                        lambda: stream_load(url, args.seconds + 1, 16))}
     try:
         asyncio.run(wait_up(url))
-        asyncio.run(load(url, 2, 32))   # warm: first requests, first ticks
+        asyncio.run(load(url, 2, 32, bodies))   # warm: first requests, first ticks
         for name, (what, drive) in loads.items():
             raw = tmp / f"{name}.raw"
             shown, cmd = record(router.pid, args.seconds, args.rate, raw)

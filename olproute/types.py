@@ -7,7 +7,7 @@ simulator's (or server's) clock unless a name says otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, ItemsView, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -238,14 +238,18 @@ class Explanation(Mapping[str, tuple[float, ...]]):
     the function that builds one of them (``one(key)``), so a decision nobody audits (a
     proxied request without the explain header, a simulator run that records nothing)
     costs nothing for it, and a reader of a few keys (the live certificate's capture) pays
-    for those alone. Each key is built once."""
+    for those alone. Each key is built once. ``every()``, when the policy gives one, builds
+    all keys at once with the values ``one`` would give, for a reader of all of them
+    (``items``: the ``/route`` answer, the explain header)."""
 
-    __slots__ = ("_data", "_keys", "_one")
+    __slots__ = ("_data", "_every", "_keys", "_one")
 
     def __init__(self, keys: tuple[str, ...],
-                 one: Callable[[str], tuple[float, ...]]) -> None:
+                 one: Callable[[str], tuple[float, ...]],
+                 every: Callable[[], dict[str, tuple[float, ...]]] | None = None) -> None:
         self._keys = keys
         self._one = one
+        self._every = every
         self._data: dict[str, tuple[float, ...]] = {}
 
     @property
@@ -260,6 +264,15 @@ class Explanation(Mapping[str, tuple[float, ...]]):
                 raise KeyError(key)
             value = self._data[key] = self._one(key)
         return value
+
+    def items(self) -> ItemsView[str, tuple[float, ...]]:
+        """Every key and its figures, in key order, built at once when ``every`` is given
+        (a key read before keeps the value it was built with)."""
+        if self._every is not None and len(self._data) < len(self._keys):
+            built = self._every()
+            self._data = {k: self._data.get(k, built[k]) for k in self._keys}
+            return self._data.items()
+        return ItemsView(self)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)

@@ -242,6 +242,7 @@ _TERM_ROWS = {"ttft_s": F_TTFT, "tpot_s": F_TPOT, "reward": F_REWARD, "price_cos
               "utility_term": F_UTILITY}
 # (utility: quality - lambda x cost, unweighted, as the LP checks read it; the reward's
 # weighted term is utility_term)
+_TERM_INDEX = list(_TERM_ROWS.values())
 EXPLAINED = ("ttft_s", "tpot_s", "reward", "price_cost", "score", "on_time",
              "decode_tokens", "utility", "exec_ttft_s", "candidates",
              *(t if t != "utility" else "utility_term" for t in TERMS))
@@ -622,44 +623,64 @@ class BidPrice(Policy):
         """The demand samples of the requests first seen since the last call, in order,
         built together (``reward_terms`` is elementwise: the numbers one by one would
         give). A sample prices every instance: a decision that scored a sample of them
-        (``admission.candidates``) is scored again here on all of them."""
+        (``admission.candidates``) is scored again here on all of them. (The rows are
+        joined with ``np.array``, which gives ``np.stack``'s array from a list of equal
+        rows in a third of its time: a tick's window holds thousands.)"""
         batch: list[tuple[Request, _Row, Outlook, float]] = []
         hits: list[npt.NDArray[Any]] = []   # each one's cached prompt tokens per instance
+        none = np.zeros(len(self._specs))
         while self._unsampled:
             req, sc, j, ctx = self._unsampled.popleft()
-            hits.append(np.zeros(len(self._specs)) if ctx.prefixes is None
-                        else ctx.prefixes.cached_tokens)
+            hits.append(none if ctx.prefixes is None else ctx.prefixes.cached_tokens)
             if not sc.complete:
                 sc, j = self._score(ctx, (req,)), 0
             batch.append((req, sc.row(j), sc.outlooks[j], float(sc.waited[j])))
         if not batch:
             return
         rows = [b[1] for b in batch]
-        out = Outlook(*(np.stack([getattr(b[2], f) for b in batch])
+        out = Outlook(*(np.array([getattr(b[2], f) for b in batch])
                         for f in ("decode_tokens", "quality", "cost_musd")))
         prompt = np.array([b[0].prompt_tokens for b in batch], dtype=np.float64)
         # the prompt tokens each computes on each instance (its cached prefix left out)
-        fresh = prompt[:, None] - np.stack(hits)
-        tpot = np.stack([r.tpot for r in rows])
+        fresh = prompt[:, None] - np.array(hits)
+        tpot = np.array([r.tpot for r in rows])
         def stacked(f: str) -> npt.NDArray[Any]:
-            return np.stack([getattr(r.cols, f) for r in rows])
+            return np.array([getattr(r.cols, f) for r in rows])
 
         cols = Columns(stacked("start"), stacked("end"), rows[0].cols.batch_a,
                        stacked("kv_a"), stacked("kv_b"), stacked("pre_start"),
                        stacked("pre_end"), stacked("compute_a"))
         self.book.add_samples(
             self._delayed_rewards(prompt, np.array([b[0].ttft_target_s for b in batch]), out,
-                                  np.stack([r.ttft for r in rows]), tpot,
+                                  np.array([r.ttft for r in rows]), tpot,
                                   np.array([b[3] for b in batch]),
-                                  np.stack([r.reward for r in rows])),
+                                  np.array([r.reward for r in rows])),
             cols, sample_extent(cols, fresh, out.decode_tokens, tpot,
                                 self._budget, self._slot_s))
 
     def _explanation(self, req: Request, sc: _Scores, j: int, score: FloatArray,
                      candidates: npt.NDArray[np.int64], ctx: RoutingContext) -> Explanation:
-        """Request j's explanation, each key built when read (``_explain``)."""
-        return Explanation(EXPLAINED, partial(self._explain, req, _Figures(sc, j, ctx),
-                                              score, candidates))
+        """Request j's explanation, each key built when read (``_explain``), or all at
+        once (``_explain_all``)."""
+        fig = _Figures(sc, j, ctx)
+        return Explanation(EXPLAINED, partial(self._explain, req, fig, score, candidates),
+                           partial(self._explain_all, req, fig, score, candidates))
+
+    def _explain_all(self, req: Request, fig: _Figures, score: FloatArray,
+                     candidates: npt.NDArray[np.int64]) -> dict[str, tuple[float, ...]]:
+        """Every key of ``EXPLAINED``, as ``_explain`` builds each: the kernel's rows in
+        one read where every instance was scored, else key by key."""
+        if not fig.sc.complete:
+            return {k: self._explain(req, fig, score, candidates, k) for k in EXPLAINED}
+        sc, j = fig.sc, fig.j
+        terms = dict(zip(_TERM_ROWS, sc.figures[_TERM_INDEX, j].tolist(), strict=True))
+        out = sc.outlooks[j]
+        rest = {"score": score.tolist(), "on_time": sc.on_time[j].astype(np.float64).tolist(),
+                "decode_tokens": out.decode_tokens.tolist(),
+                "utility": out.utility(self._w.cost_lambda).tolist(),
+                "exec_ttft_s": (req.prompt_tokens / self._theta).tolist(),
+                "candidates": [float(c) for c in candidates.tolist()]}
+        return {k: tuple(terms[k] if k in terms else rest[k]) for k in EXPLAINED}
 
     def _explain(self, req: Request, fig: _Figures, score: FloatArray,
                  candidates: npt.NDArray[np.int64], key: str) -> tuple[float, ...]:
@@ -751,11 +772,15 @@ class BidPrice(Policy):
                       now_s: float) -> Iterator[int]:
         """The instances of ``order`` (best first), up to the first score <= 0, that can
         start the request now and hold it as predicted: a lower-scoring free instance
-        beats waiting for a busy better one (``decide`` takes the first of them)."""
+        beats waiting for a busy better one (``decide`` takes the first of them). The
+        curve's shift since the last tick is taken once, at the first instance."""
+        free = self._free
+        k = 0 if free is None else slots_since(now_s, self._free_time_s, self._slot_s)
+        scores = score.tolist()
         for c in order.tolist():
-            if score[c] <= 0:
+            if scores[c] <= 0:
                 return
-            if can_start(c) and self._fits(c, cols, now_s):
+            if can_start(c) and (free is None or self._fits_at(free, c, cols, k)):
                 yield c
 
     def _eligible(self, order: npt.NDArray[np.int64], row: _Row) -> npt.NDArray[np.int64]:
@@ -787,9 +812,13 @@ class BidPrice(Policy):
         (``reward.fits_under``, compiled.)"""
         if self._free is None:
             return True
+        return self._fits_at(self._free, g, cols,
+                             slots_since(now_s, self._free_time_s, self._slot_s))
+
+    def _fits_at(self, free: FloatArray, g: int, cols: Columns, k: int) -> bool:
+        """``_fits`` on the curve ``free`` computed k slots ago."""
         st, e, ba, ka, kb, ps, pe, _ = column_at(cols, g)
-        return fits_column(self._free[g], st, e, ba, ka, kb, ps, pe,
-                           slots_since(now_s, self._free_time_s, self._slot_s), self._horizon)
+        return fits_column(free[g], st, e, ba, ka, kb, ps, pe, k, self._horizon)
 
     def _account(self, g: int, row: _Row, now_s: float) -> None:
         """Immediate accounting: the dispatch holds capacity before the next snapshot

@@ -70,11 +70,16 @@ class OutlookSource:
         return out
 
     def _build(self, r: Request) -> Outlook:
-        # per distinct model, then one row per instance
-        decode = np.array([r.predicted_decode_tokens_for(m) for m in self._distinct],
-                          dtype=np.float64)[self._model_of]
-        quality = np.array([_or_zero(r.predicted_quality_for(m)) for m in self._distinct],
-                           dtype=np.float64)[self._model_of]
+        # per distinct model, then one row per instance (one model: one fill each)
+        if len(self._distinct) == 1:
+            m, g = self._distinct[0], len(self._models)
+            decode = np.full(g, float(r.predicted_decode_tokens_for(m)))
+            quality = np.full(g, float(_or_zero(r.predicted_quality_for(m))))
+        else:
+            decode = np.array([r.predicted_decode_tokens_for(m) for m in self._distinct],
+                              dtype=np.float64)[self._model_of]
+            quality = np.array([_or_zero(r.predicted_quality_for(m))
+                                for m in self._distinct], dtype=np.float64)[self._model_of]
         cost = r.prompt_tokens * self._price_in + decode * self._price_out
         return Outlook(decode_tokens=decode, quality=quality, cost_musd=cost)
 

@@ -213,8 +213,12 @@ def explanation_doc(explanation: Mapping[str, Sequence[float]],
     floats, a non-finite one as 1e308 (JSON has no infinity), and ``prediction``
     (``prediction_doc``). Reading it builds it (a policy may make it lazily): only what
     answers with it calls this."""
-    doc: dict[str, Any] = {k: [float(x) if math.isfinite(x) else 1e308 for x in v]
-                           for k, v in explanation.items()}
+    doc: dict[str, Any] = {}
+    for k, v in explanation.items():
+        row = list(map(float, v))
+        # map in C where every figure is finite (the usual case), element by element not
+        doc[k] = row if all(map(math.isfinite, row)) else [
+            x if math.isfinite(x) else 1e308 for x in row]
     doc["prediction"] = prediction
     return doc
 

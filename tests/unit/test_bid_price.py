@@ -1023,6 +1023,25 @@ def test_an_explanation_is_built_only_when_read() -> None:
     assert dict(d.explanation)["score"] == score
 
 
+@pytest.mark.parametrize("candidates", [None, 2])
+def test_an_explanation_read_whole_is_the_one_read_key_by_key(candidates: int | None
+                                                               ) -> None:
+    """Reading every key at once (``items``: the /route answer, its one read of the
+    kernel's rows) gives, in key order, exactly what reading the keys one by one gives;
+    with sampled candidates too (the others scored when read), and a key read first keeps
+    its value."""
+    snaps = (_snap(), _snap(n_running=2), _snap(n_waiting=3), _snap(free=0))
+    whole, by_key = (_policy(admission=AdmissionConfig(candidates=candidates), g=4)
+                     for _ in range(2))
+    a = whole.decide(_ctx(snaps)).explanation
+    b = by_key.decide(_ctx(snaps)).explanation
+    first = a["ttft_s"]
+    got = list(a.items())
+    assert [k for k, _ in got] == list(b)
+    assert got == [(k, b[k]) for k in b]
+    assert a["ttft_s"] is first and all(isinstance(x, float) for _, v in got for x in v)
+
+
 def test_the_explanations_utility_is_unweighted_and_its_term_weighted() -> None:
     """``utility`` is quality - lambda x cost, as the LP checks read it (the live capture,
     ``solvers.record``); the reward's term omega x utility is ``utility_term`` (it used to

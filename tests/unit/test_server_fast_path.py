@@ -1,7 +1,8 @@
 """The request path's fast pieces against the slow ones they replaced: orjson's reading
 of a body (json.loads' verdict and message wherever they could differ), the SSE token
 count over chunks cut anywhere, the vLLM gauge reader against prometheus_client's parser,
-and the loop-lag summary."""
+the loop-lag summary, and an explanation's JSON rows against the element-by-element
+rule."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ from olproute.server.app import PREFIX_COUNTERS, PREFIX_QUERIES, VLLM_GAUGES, vl
 from olproute.server.looplag import LoopLag
 from olproute.server.metrics import ServerMetrics
 from olproute.server.proxy import _tokens_in, _tokens_in_chunk
-from olproute.server.schema import BadRequest, CompletionBody, dump_json, parse_json, validate
+from olproute.server.schema import (
+    BadRequest,
+    CompletionBody,
+    dump_json,
+    explanation_doc,
+    parse_json,
+    validate,
+)
 
 # (body, the field at fault, the message) as the router answered before orjson
 REFUSED = [
@@ -147,3 +155,14 @@ def test_price_sums_count_a_non_finite_price_as_zero() -> None:
            for f in m.price_sum.collect() for s in f.samples}
     assert got[("a", RESOURCES[0])] == 3.5 and got[("b", RESOURCES[-1])] == 3.0
     assert len(got) == 2 * len(RESOURCES)
+
+
+@pytest.mark.parametrize("row", [(1.5, 2.0, -0.0), (1, 2, 3), (np.float64(0.25), 1.0),
+                                 (1.0, float("inf")), (float("-inf"), float("nan"), 2)])
+def test_explanation_rows_are_floats_with_non_finite_as_1e308(row: tuple[float, ...]) -> None:
+    """Every figure a float, as float() makes it, and a non-finite one 1e308 (JSON has no
+    infinity), whether the row is all finite (one pass in C) or not."""
+    doc = explanation_doc({"a": row, "b": (0.5,)}, {"source": "max_tokens"})
+    want = [float(x) if np.isfinite(x) else 1e308 for x in row]
+    assert doc["a"] == want and all(type(x) is float for x in doc["a"])
+    assert list(doc) == ["a", "b", "prediction"] and doc["b"] == [0.5]
