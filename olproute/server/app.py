@@ -60,6 +60,7 @@ from olproute.server.schema import (
     validate,
 )
 from olproute.server.shared import SharedState
+from olproute.server.shared_auth import state_secret
 from olproute.server.state import STATE, ServerState, log_unpredicted, prediction_status
 from olproute.server.tracker import BackendState, Tracker
 from olproute.types import EngineSnapshot, PriceView
@@ -332,7 +333,7 @@ async def _start_shared(st: ServerState, stack: contextlib.AsyncExitStack) -> No
         return
     st.shared = SharedState(st.loaded.config.state, url, st.tracker,
                             lambda: st.router.policy.price_books(), st.now, st.book_lock,
-                            reward=st.loaded.config.reward)
+                            reward=st.loaded.config.reward, secret=state_secret(st.loaded))
     stack.push_async_callback(st.shared.close)
     await st.shared.sync()
     st.metrics.set_shared(st.shared.status)
