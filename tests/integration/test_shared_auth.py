@@ -4,11 +4,12 @@ before what a replica last accepted from its writer (replayed) is dropped, count
 ``olproute_shared_state_rejected_total`` and said once per writer and reason, while the
 replica serves every request and goes on syncing; replicas of other secrets do not share;
 a replica without a secret refuses to start; Redis AUTH passes through from the URL or
-the environment."""
+the environment, TLS with the URL's certificate options."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -46,7 +47,7 @@ from tests.integration.test_shared_state import (
 )
 from tests.integration.test_shared_state import pair as pair  # fixture
 from tests.integration.test_shared_state import redis_server as redis_server  # fixture
-from tests.support.processes import RedisServer
+from tests.support.processes import RedisServer, free_port
 
 OTHER_SECRET = b"a secret of another fleet, 32 b."
 
@@ -280,3 +281,50 @@ def test_redis_auth_passes_through_from_the_url_or_the_environment(
             b.close()
     finally:
         a.close()
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (its own CA) and its key, made by ``openssl``."""
+    cert, key = tmp_path / "redis.crt", tmp_path / "redis.key"
+    try:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                        "-keyout", str(key), "-out", str(cert), "-days", "1",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True, timeout=HANG_S)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.fail(f"openssl could not make a test certificate: {exc}")
+    return cert, key
+
+
+def test_replicas_share_over_tls_with_the_urls_certificate_options(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    tls_port = free_port()
+    try:
+        server = RedisServer(limit_s=HANG_S, args=(
+            "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file",
+            str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"))
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
+        url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}"
+        a = _stack(tmp_path, url, SECRET, "a")
+        try:
+            b = _stack(tmp_path, url, SECRET, "b", backend_urls=a.fake_urls)
+            try:
+                for s in (a, b):
+                    assert wait_until(lambda s=s: _health(s)["state"]["replicas"] == 2)
+                # without the CA the server's certificate does not verify: alone
+                c = _stack(tmp_path, f"rediss://127.0.0.1:{tls_port}/0", SECRET, "c",
+                           backend_urls=a.fake_urls)
+                try:
+                    state = _health(c)["state"]
+                    assert state["status"] == "local"
+                    assert "certificate" in state["error"].lower()
+                finally:
+                    c.close()
+            finally:
+                b.close()
+        finally:
+            a.close()
+    finally:
+        server.close()
