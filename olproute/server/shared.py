@@ -752,10 +752,9 @@ def _opened(raw: bytes, who: str, cap: int, opener: Opener, kind: str, context: 
     if len(raw) > cap:
         return "too_large"
     try:
-        msg = opener.open(raw, kind, context, again)
+        return opener.open(raw, kind, context, again, writer=who).body
     except Rejected as exc:
         return exc.reason
-    return msg.body if msg.replica == who else "replica"
 
 
 def _parse_demands(msgs: Sequence[tuple[str, Any]], shapes: Sequence[BookShape],

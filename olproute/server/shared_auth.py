@@ -149,11 +149,16 @@ class Opener:
         self.secret = secret
         self._last: OrderedDict[tuple[str, str], tuple[int, bytes]] = OrderedDict()
 
-    def open(self, raw: bytes, kind: str, context: bytes, again: bool) -> Opened:
+    def open(self, raw: bytes, kind: str, context: bytes, again: bool,
+             writer: str | None = None) -> Opened:
         """``raw`` opened and accepted for ``kind``; ``again``: the very message last
         accepted from its writer may be read again (a key not replaced since), else only
-        a newer one passes. ``Rejected`` as ``open_sealed``, or ``replayed``."""
+        a newer one passes; ``writer``: the name the message must carry (its key's).
+        ``Rejected`` as ``open_sealed``, ``replica`` (another writer's: not taken as
+        its writer's either) or ``replayed``."""
         msg = open_sealed(raw, context, self.secret)
+        if writer is not None and msg.replica != writer:
+            raise Rejected("replica", f"sealed by {msg.replica}, read as {writer}'s")
         key = (msg.replica, kind)
         last = self._last.get(key)
         if last is not None and (msg.seq < last[0] or (msg.seq == last[0] and not (

@@ -112,6 +112,16 @@ def test_an_unchecked_message_leaves_no_sequence_behind() -> None:
     assert _open(opener, 1) == "ok"   # a forged huge sequence did not shut the writer out
 
 
+def test_a_message_read_under_another_writers_name_is_dropped_and_not_kept() -> None:
+    opener = Opener(SECRET)
+    copied = seal(SECRET, b"demand", "a", 5, BODY)   # a's entry, its field naming "b"
+    with pytest.raises(Rejected) as info:
+        opener.open(copied, "demand", b"demand", False, writer="b")
+    assert info.value.reason == "replica"
+    # a's own entry of that sequence is still new to the reader
+    assert opener.open(copied, "demand", b"demand", False, writer="a").seq == 5
+
+
 def test_a_sealer_numbers_every_message_above_the_last_and_the_clock() -> None:
     import time
 
