@@ -20,7 +20,7 @@ import orjson
 import pytest
 import redis
 
-from olproute.cli.main import main
+from olproute.cli.main import _with_state, main
 from olproute.config.loader import load_config
 from olproute.server.shared import encode_prices
 from olproute.server.shared_auth import SECRET_ENV, seal
@@ -226,6 +226,40 @@ def test_replicas_of_other_secrets_do_not_share(
             b.close()
     finally:
         a.close()
+
+
+def test_a_secret_from_the_environment_shares_with_the_same_from_a_file(
+        tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = _stack(tmp_path, redis_server.url, SECRET, "a")
+    try:
+        folder = tmp_path / "b"
+        folder.mkdir()
+        state = state_of(folder, redis_server.url)
+        state.pop("secret_file")
+        monkeypatch.setenv(SECRET_ENV, SECRET.decode())
+        loaded = load_config(_config(folder, state=state))
+        b = Stack(loaded, num_fakes=0, calibration=CalibrationSource(loaded, known=[CAL] * 3),
+                  backend_urls=a.fake_urls)
+        try:
+            for s in (a, b):
+                assert wait_until(lambda s=s: _health(s)["state"]["replicas"] == 2)
+                assert _health(s)["state"]["rejected"] == {}
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
+def test_state_insecure_lets_a_replica_start_without_a_secret(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    loaded = load_config(_config(tmp_path))
+    insecure = _with_state(loaded, "redis://127.0.0.1:1/0", None, True)
+    assert insecure.config.state.insecure and insecure.config.state.url is not None
+    secret = tmp_path / "state.secret"
+    secret.write_bytes(SECRET)
+    signed = _with_state(loaded, "rediss://127.0.0.1:1/0", str(secret), False)
+    assert signed.config.state.secret_file == str(secret.resolve())
 
 
 def test_a_replica_without_a_secret_refuses_to_start_naming_the_options(
