@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -186,7 +187,9 @@ def main() -> None:
         cfg["workload"]["path"] = str(ROOT / "data" / "traces" / "splitwise_conv.csv")
         cfg["server"]["backends"] = [{"name": f"llama7b-a100-{i}", "url": u}
                                      for i, u in enumerate(backends)]
-        cfg["state"] = {"url": redis.url}   # the defaults
+        secret = tmp / "state.secret"   # the replicas sign what they share with it
+        secret.write_text(secrets.token_hex(32))
+        cfg["state"] = {"url": redis.url, "secret_file": str(secret)}   # the defaults
         (tmp / "replicas.yaml").write_text(yaml.safe_dump(cfg))
         urls, routers = [], {}
         for k in range(args.replicas):

@@ -298,8 +298,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.policy not in REGISTRY.names():
             raise PolicyError(f"unknown policy {args.policy!r} "
                               f"(known: {', '.join(REGISTRY.names())})")
-    if args.state:
-        loaded = _with_state(loaded, args.state)
+    loaded = _with_state(loaded, args.state, args.state_secret_file, args.state_insecure)
     if args.calibration:
         path = Path(args.calibration)
         if not path.is_file():
@@ -321,17 +320,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_state(loaded: LoadedConfig, url: str) -> LoadedConfig:
-    """The config with ``state.url`` from ``--state`` (checked as the key is)."""
+def _with_state(loaded: LoadedConfig, url: str | None, secret_file: str | None,
+                insecure: bool) -> LoadedConfig:
+    """The config with ``state.url`` from ``--state`` (checked as the key is), and
+    ``state.secret_file`` and ``state.insecure`` from their options; a ``ConfigError``
+    now, before anything starts, for a shared state without a secret
+    (``shared_auth.state_secret``)."""
     from pydantic import ValidationError
 
+    from olproute.server.shared_auth import state_secret
+
+    update: dict[str, Any] = {}
+    if url:
+        update["url"] = url
+    if secret_file:
+        update["secret_file"] = str(Path(secret_file).resolve())
+    if insecure:
+        update["insecure"] = True
     try:
         state = loaded.config.state.model_validate({**loaded.config.state.model_dump(),
-                                                    "url": url})
+                                                    **update})
     except ValidationError as exc:
         raise ConfigError(loaded.path, [("--state", "must be redis://HOST:PORT/DB (or "
                                          f"rediss://, unix://), got {url!r}")]) from exc
-    return loaded.with_updates(state=state)
+    loaded = loaded.with_updates(state=state)
+    state_secret(loaded)
+    return loaded
 
 
 def _cmd_lp_check(args: argparse.Namespace) -> int:
@@ -377,7 +391,19 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--state", metavar="URL",
                    help="redis://HOST:PORT/DB: share the backends' ledgers, the demand and "
                         "the prices with the other replicas of this router there (default: "
-                        "state.url of the config; none: in-process)")
+                        "state.url of the config; none: in-process). A user and password "
+                        "in the URL (redis://USER:PASSWORD@HOST:PORT/DB) or in "
+                        "OLPROUTE_STATE_REDIS_USERNAME and _PASSWORD authenticate to Redis; "
+                        "rediss:// is TLS")
+    p.add_argument("--state-secret-file", metavar="PATH",
+                   help="a file holding the secret every replica shares: what a replica "
+                        "writes to Redis is signed with it, what it reads is checked "
+                        "(default: state.secret_file of the config, else the environment "
+                        "variable OLPROUTE_STATE_SECRET)")
+    p.add_argument("--state-insecure", action="store_true",
+                   help="share state without a secret (messages unsigned: anything that "
+                        "can write to the Redis can steer the routers); without it, a "
+                        "replica with no secret refuses to start")
     _add_weights_option(p)
     p.set_defaults(handler=_cmd_serve)
 

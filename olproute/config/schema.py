@@ -617,6 +617,17 @@ class StateConfig(_Frozen):
                            "it")
     replica: str | None = Field(default=None, min_length=1, description="this replica's "
                                 "name (default: host:pid and a random suffix)")
+    secret_file: str | None = Field(default=None, min_length=1, description="a file "
+                                    "holding the secret every replica of the fleet shares "
+                                    "(relative to the config file; olproute serve "
+                                    "--state-secret-file): what a replica writes to Redis "
+                                    "is signed with it and what it reads checked; none: "
+                                    "the environment variable OLPROUTE_STATE_SECRET")
+    insecure: bool = Field(default=False, description="run without a secret (olproute "
+                           "serve --state-insecure): the replicas' messages are not "
+                           "signed, and anything that can write to the Redis can steer "
+                           "the routers; false: a replica without a secret refuses to "
+                           "start")
 
     @model_validator(mode="after")
     def _lease_longer_than_sync(self) -> StateConfig:

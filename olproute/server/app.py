@@ -60,6 +60,7 @@ from olproute.server.schema import (
     validate,
 )
 from olproute.server.shared import SharedState
+from olproute.server.shared_auth import state_secret
 from olproute.server.state import STATE, ServerState, log_unpredicted, prediction_status
 from olproute.server.tracker import BackendState, Tracker
 from olproute.types import EngineSnapshot, PriceView
@@ -300,8 +301,11 @@ def _live_jobs(st: ServerState, stack: contextlib.AsyncExitStack,
             st.live_resolve.start()
 
 
-STOP_WAIT_S = 1.0     # a background task is cancelled again after this
-STOP_ROUNDS = 10      # and given up (left to the loop's end) after this many rounds
+# a background task is cancelled again after STOP_WAIT_S and given up (left to the loop's
+# end) after STOP_ROUNDS rounds: stopping waits at most 2 s for them (olproute serve
+# exits within 5 s of SIGTERM whatever Redis does)
+STOP_WAIT_S = 0.5
+STOP_ROUNDS = 4
 
 
 async def stop_tasks(tasks: Sequence[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
@@ -334,7 +338,7 @@ async def _start_shared(st: ServerState, stack: contextlib.AsyncExitStack) -> No
         return
     st.shared = SharedState(st.loaded.config.state, url, st.tracker,
                             lambda: st.router.policy.price_books(), st.now, st.book_lock,
-                            reward=st.loaded.config.reward)
+                            reward=st.loaded.config.reward, secret=state_secret(st.loaded))
     stack.push_async_callback(st.shared.close)
     await st.shared.sync()
     st.metrics.set_shared(st.shared.status)

@@ -11,15 +11,26 @@ and stopped with the server): a job still running when the next is due skips tha
 period; a job that raises, a worker that dies, or a job that runs past its deadline
 (:func:`deadline_s`: 3 LP time limits and 30 s; its worker is terminated) is logged and
 shown as the last job's error (a dead pool is replaced at the next job).
+
+A worker dies with the server, however the server ends (SIGKILL included): its
+initializer (:func:`die_with_parent`) asks Linux to kill it when its parent goes
+(``prctl(PR_SET_PDEATHSIG, SIGKILL)``), and, on any system, a thread of the worker polls
+its parent's pid every ``ORPHAN_POLL_S`` and ends the worker once it is orphaned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import math
 import multiprocessing
+import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -41,6 +52,28 @@ IDLE_S = 1.0   # how often a job whose period is null looks at the config again
 # LP's own limit is checked between rounds, and what follows the solve comes after it
 DEADLINE_LIMITS = 3.0
 STARTUP_S = 30.0   # a fresh worker imports the solvers first
+ORPHAN_POLL_S = 0.5   # how often a worker looks whether its server is still there
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """A worker's initializer: the worker ends when the process ``parent_pid`` that
+    spawned it does (module docstring). The death signal is asked for first, then the
+    parent checked, so a parent that died in between is seen."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
+                     name="olproute-orphan-watch").start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(ORPHAN_POLL_S)
+    os._exit(1)   # orphaned: adopted by another process; a running job goes with us
 
 
 def deadline_s(time_limit_s: float) -> float:
@@ -85,7 +118,9 @@ class LiveCert(Generic[R]):
         thread, which at start-up is no request's."""
         if self._pool is None and not self._closed:
             self._pool = ProcessPoolExecutor(max_workers=1,
-                                             mp_context=multiprocessing.get_context("spawn"))
+                                             mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=die_with_parent,
+                                             initargs=(os.getpid(),))
             self._pool.submit(int)   # a process pool spawns its worker at the first call
 
     @property

@@ -129,7 +129,8 @@ class ServerMetrics:
     def _add_shared_rejected(self, r: CollectorRegistry) -> None:
         self.shared_rejected = Counter(
             "olproute_shared_state_rejected", "What this replica read from Redis and dropped "
-            "(olproute.server.shared_parse), by kind (ledger, demand, prices) and reason",
+            "(olproute.server.shared_parse, shared_auth), by kind (ledger, demand, prices, "
+            "lease) and reason",
             ["kind", "reason"], registry=r)
         self._rejected_seen: dict[tuple[str, str], int] = {}   # counted so far, by labels
 

@@ -18,6 +18,12 @@ Every ``state.sync_ms`` each replica, in two round trips:
 Times cross replicas as wall-clock seconds: each replica's clock is its event loop's,
 and ``time.time() - now`` converts.
 
+Only replicas write: every message a replica writes for the others (its ledger, a demand
+entry, a price state, its lease value) is sealed with the fleet's secret, its name and a
+sequence (``olproute.server.shared_auth``), and a message that is forged, unsigned, of
+another wire format or replayed is dropped before it is parsed, counted like a message
+that does not fit.
+
 Nothing read from Redis is trusted: every ledger, demand entry and price state is parsed
 into a bounded shape (``olproute.server.shared_parse``: sizes, counts within the
 backend's capacity, times within a window of now, prices finite and within a bound from
@@ -51,7 +57,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -63,9 +69,11 @@ from redis.exceptions import ResponseError
 from olproute.config.schema import RewardConfig, StateConfig
 from olproute.policies.base import SharedPriceBook
 from olproute.pricing.book import PriceBook
+from olproute.server.shared_auth import ENVELOPE_BYTES, Opener, Sealer
 from olproute.server.shared_parse import (
     MAX_NAME_CHARS,
     MAX_REPLICAS,
+    NPZ_BASE_BYTES,
     OFF_LOOP_BYTES,
     PRICE_HEADROOM,
     BackendLimits,
@@ -74,6 +82,7 @@ from olproute.server.shared_parse import (
     Drops,
     FloatArray,
     Ledger,
+    Rejected,
     ledger_cap,
     merged_rows,
     parse_demand,
@@ -93,9 +102,34 @@ DEMAND_READ_COUNT = 1_000       # entries read per sync at most
 MAX_SAID = 1_000                # (replica, kind, reason) said in the log, at most
 SYNC_TIMEOUTS = 10              # a whole sync's bound, in state.timeout_ms
 T = TypeVar("T")
-# a renewal that only succeeds for the replica holding the lease
+AUTH_HINTS = {   # what a dropped envelope says of its writer (olproute.server.shared_auth)
+    "version": ": another olproute's wire format; are all replicas the same version?",
+    "forged": ": its MAC does not check: not written with this fleet's state secret",
+    "unsigned": ": unsigned (--state-insecure) while this replica has a state secret",
+    "signed": ": signed with a state secret while this replica has none",
+    "replayed": ": its sequence is not newer than the last accepted from that replica",
+}
+CLOSE_S = 1.0                   # each step of closing, at most
+# a renewal (and a release) that only succeeds for the replica holding the lease
 RENEW = """if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"""
+RELEASE = """if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1]) else return 0 end"""
+
+
+REDIS_USERNAME_ENV = "OLPROUTE_STATE_REDIS_USERNAME"
+REDIS_PASSWORD_ENV = "OLPROUTE_STATE_REDIS_PASSWORD"
+
+
+def redis_credentials(environ: Mapping[str, str]) -> dict[str, str]:
+    """Redis AUTH from the environment (``OLPROUTE_STATE_REDIS_USERNAME``, ``_PASSWORD``),
+    for ``from_url``, whose URL's own user and password take precedence."""
+    out = {}
+    if environ.get(REDIS_USERNAME_ENV):
+        out["username"] = environ[REDIS_USERNAME_ENV]
+    if environ.get(REDIS_PASSWORD_ENV):
+        out["password"] = environ[REDIS_PASSWORD_ENV]
+    return out
 
 
 def replica_name(cfg: StateConfig) -> str:
@@ -204,7 +238,7 @@ class SharedStatus:
     syncs: int = 0
     failures: int = 0
     # what was read from Redis and dropped (olproute.server.shared_parse), by (kind,
-    # reason); kind: ledger, demand or prices
+    # reason); kind: ledger, demand, prices or lease
     rejected: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
@@ -223,10 +257,12 @@ class SharedState:
     def __init__(self, cfg: StateConfig, url: str, tracker: Tracker,
                  books: Callable[[], tuple[SharedPriceBook, ...]], now: Callable[[], float],
                  book_lock: threading.Lock, on_leader: Callable[[bool], None] | None = None,
-                 reward: RewardConfig | None = None) -> None:
+                 reward: RewardConfig | None = None, secret: bytes | None = None) -> None:
         """``reward``: the reward weights the bounds on prices and sample rewards are
         derived from (``shared_parse.reward_bound``; None: the defaults, raised by the
-        largest reward of this replica's own samples)."""
+        largest reward of this replica's own samples). ``secret``: the fleet's
+        (``shared_auth.state_secret``), what this replica writes is signed with and what
+        it reads checked against; None: unsigned (``state.insecure``)."""
         import redis.asyncio as aioredis
 
         self.cfg = cfg
@@ -238,9 +274,16 @@ class SharedState:
         self._on_leader = on_leader
         self._reward = reward or RewardConfig()
         timeout = cfg.timeout_ms / 1e3
+        # the URL's user, password and rediss:// (TLS, with its ssl_* query options) are
+        # redis-py's own; a user and password from the environment where it has none
         self._redis = aioredis.from_url(url, socket_timeout=timeout,
                                         socket_connect_timeout=timeout,
-                                        health_check_interval=0, retry_on_timeout=False)
+                                        health_check_interval=0, retry_on_timeout=False,
+                                        **redis_credentials(os.environ))
+        self._sealer = Sealer(secret, self.status.replica)
+        self._opener = Opener(secret)
+        # this replica's lease value, sealed once: the renewal compares it whole
+        self._lease = self._sealer.seal(b"lease", b"")
         ns = cfg.namespace
         self._k_replicas, self._k_leader = f"{ns}:replicas", f"{ns}:leader"
         self._k_demand, self._k_prices = f"{ns}:demand", f"{ns}:prices"
@@ -284,12 +327,14 @@ class SharedState:
         return Bounds(PRICE_HEADROOM * scale, price_bound(scale, specs), wall_s)
 
     async def close(self) -> None:
-        """Give up the lease (another replica takes over at its next sync) and close."""
-        timeout = self.cfg.timeout_ms / 1e3
+        """Give up the lease (another replica takes over at its next sync) and close,
+        each step bounded by ``timeout_ms`` and at most ``CLOSE_S``, whatever Redis does
+        (gone, paused, slow): a stopping server waits at most twice that here."""
+        timeout = min(self.cfg.timeout_ms / 1e3, CLOSE_S)
         try:
             if self.status.leader:
                 async with asyncio.timeout(timeout):
-                    await self._redis.delete(self._k_leader)
+                    await self._redis.eval(RELEASE, 1, self._k_leader, self._lease)
         except Exception:   # closing: Redis may be gone
             pass
         try:
@@ -332,19 +377,20 @@ class SharedState:
         ttl = self.ttl_ms()
         demand = self._drain(offset)
         pipe = self._redis.pipeline(transaction=False)
-        pipe.set(self.key(me), encode_ledger(self.tracker, me, offset, wall), px=ttl)
+        pipe.set(self.key(me), self._sealer.seal(
+            b"ledger", encode_ledger(self.tracker, me, offset, wall)), px=ttl)
         pipe.zadd(self._k_replicas, {me: wall})
         pipe.zremrangebyscore(self._k_replicas, "-inf", wall - ttl / 1e3)
         pipe.zrevrange(self._k_replicas, 0, MAX_REPLICAS)   # the latest seen
         if demand is not None:
-            pipe.xadd(self._k_demand, {"r": me, "d": demand},
+            pipe.xadd(self._k_demand, {"r": me, "d": self._sealer.seal(b"demand", demand)},
                       maxlen=DEMAND_STREAM_MAXLEN, approximate=True)
         if self._stream_id is None:   # the first sync: read on from the stream's end
             pipe.xrevrange(self._k_demand, "+", "-", count=1)
         else:
             pipe.xread({self._k_demand: self._stream_id}, count=DEMAND_READ_COUNT)
-        pipe.eval(RENEW, 1, self._k_leader, me, int(self.cfg.lease_ms))
-        pipe.set(self._k_leader, me, nx=True, px=int(self.cfg.lease_ms))
+        pipe.eval(RENEW, 1, self._k_leader, self._lease, int(self.cfg.lease_ms))
+        pipe.set(self._k_leader, self._lease, nx=True, px=int(self.cfg.lease_ms))
         pipe.hmget(self._k_prices, ["leader", "updates"])
         pipe.hstrlen(self._k_prices, "blob")
         pipe.get(self._k_leader)
@@ -389,7 +435,7 @@ class SharedState:
         me = self.status.replica
         others = [r for r in map(_name, members) if r is not None and r != me]
         limits = limits_of(self.tracker)
-        cap = ledger_cap(limits)
+        cap = ledger_cap(limits) + ENVELOPE_BYTES
         raws: list[Any] = []
         if others:
             pipe = self._redis.pipeline(transaction=False)
@@ -399,7 +445,8 @@ class SharedState:
         found = [(r, x) for r, x in zip(others, raws, strict=True) if x != b""]
         size = sum(len(x) for _, x in found if isinstance(x, bytes))
         ledgers, drops, remotes, merged = await _off_loop(
-            size, _parse_ledgers, found, limits, wall, self.ttl_ms() / 1e3, offset)
+            size, _parse_ledgers, found, limits, wall, self.ttl_ms() / 1e3, offset,
+            self._opener)
         for who, dropped in drops:
             self._rejected("ledger", who, dropped)
         self._rejected("ledger", "(merged)", merged)
@@ -458,7 +505,7 @@ class SharedState:
             return
         size = sum(len(raw) for _, raw in msgs if isinstance(raw, bytes))
         parsed = await _off_loop(size, _parse_demands, msgs, shapes, self.bounds(wall),
-                                 offset)
+                                 offset, self._opener)
         for (who, _), (demands, drops) in zip(msgs, parsed, strict=True):
             self._rejected("demand", who, drops)
             if demands is not None:
@@ -476,7 +523,7 @@ class SharedState:
             if self._adopted is not None:   # a leader learns on from its own prices
                 self._undo()
             return
-        published, updates, holder = _name(head[0]), _int(head[1]), _name(holder)
+        published, updates, holder = _name(head[0]), _int(head[1]), self._holder(holder)
         if published is not None and published == holder and updates is not None:
             source = (published, updates)
             if source == self._adopted or (source != self._refused and await
@@ -486,26 +533,44 @@ class SharedState:
         if self._orphaned and self._adopted is not None:
             self._undo()
 
+    def _holder(self, raw: Any) -> str | None:
+        """The lease holder's name, from its sealed lease value (None: no holder, or a
+        value no replica of this fleet wrote: dropped, counted)."""
+        if not isinstance(raw, bytes):
+            return None
+        try:
+            return self._opener.open(raw, "lease", b"lease", again=True).replica
+        except Rejected as exc:
+            self._rejected("lease", "(the lease)", {exc.reason: 1})
+            return None
+
     async def _read_prices(self, source: tuple[str, int], blob_len: Any, wall: float,
                            offset: float) -> bool:
         """The leader's published books' states (a third round trip: the states are the
         larger part), pending until the books are free when they fit; False when they do
-        not (dropped, counted, not read again)."""
+        not (dropped, counted, not read again). The head is read again with the states:
+        a leader that published meanwhile names its new updates (which the states' MAC
+        covers); another publisher meanwhile is read at the next sync."""
         shapes = self._shapes()
         if shapes is None:
             return False
         states: list[PriceState] | None = None
         why: str | None = "format" if not isinstance(blob_len, int) or blob_len <= 0 \
             else "too_large"
-        if isinstance(blob_len, int) and 0 < blob_len <= prices_cap(shapes):
+        if isinstance(blob_len, int) and 0 < blob_len <= prices_cap(shapes) + ENVELOPE_BYTES:
             try:
-                blob = await self._io(self._redis.hget(self._k_prices, "blob"))
+                head = await self._io(self._redis.hmget(self._k_prices,
+                                                        ["leader", "updates", "blob"]))
             except ResponseError:   # replaced by a key of another type meanwhile
-                blob = None
-            why = "format"
-            if isinstance(blob, bytes):
-                states, why = await _off_loop(len(blob), parse_prices, blob, shapes,
-                                              self.bounds(wall), offset)
+                head = [None, None, None]
+            if _name(head[0]) != source[0]:
+                return False
+            updates, blob, why = _int(head[1]), head[2], "format"
+            if isinstance(blob, bytes) and updates is not None:
+                source = (source[0], updates)
+                states, why = await _off_loop(len(blob), _parse_price_blob, blob, source,
+                                              self._opener, shapes, self.bounds(wall),
+                                              offset)
         if states is None:
             self._refused = source
             self._rejected("prices", source[0], {why or "format": 1})
@@ -563,7 +628,8 @@ class SharedState:
             if not free or not books or books[0].num_updates == self._published:
                 return
             updates = books[0].num_updates
-            blob = encode_prices([b.state() for b in books], offset)
+            body = encode_prices([b.state() for b in books], offset)
+        blob = self._sealer.seal(b"prices:%d" % updates, body)
         try:
             await self._io(self._redis.hset(self._k_prices, mapping={
                 "leader": self.status.replica, "updates": updates, "blob": blob}))
@@ -625,8 +691,9 @@ class SharedState:
             key = (kind, reason)
             self.status.rejected[key] = self.status.rejected.get(key, 0) + n
             if self._say(who, kind, reason):
-                LOG.warning("shared state: replica %s dropped %d %s read from %s (%s)",
-                            self.status.replica, n, kind, who, reason)
+                LOG.warning("shared state: replica %s dropped %d %s read from %s (%s%s)",
+                            self.status.replica, n, kind, who, reason,
+                            AUTH_HINTS.get(reason, ""))
 
     def _say(self, who: str, kind: str, reason: str) -> bool:
         """Whether to log this (replica, kind, reason): once each, and at most
@@ -655,16 +722,22 @@ async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
 
 
 def _parse_ledgers(found: Sequence[tuple[str, Any]], limits: Sequence[BackendLimits],
-                   wall: float, ttl_s: float, offset: float
+                   wall: float, ttl_s: float, offset: float, opener: Opener
                    ) -> tuple[int, list[tuple[str, Drops]], list[Remote], Drops]:
-    """The ledgers read: how many were taken, what was dropped per replica, the merged
-    view of each backend and what the merge dropped (pure: runs in a worker thread)."""
+    """The ledgers read, their envelopes checked (``opener``) before their bodies are
+    parsed: how many were taken, what was dropped per replica, the merged view of each
+    backend and what the merge dropped (runs in a worker thread when large)."""
     ledgers, drops = [], []
     for who, raw in found:
         if not isinstance(raw, bytes):   # a key of another type
             drops.append((who, {"type": 1}))
             continue
-        led, dropped = parse_ledger(raw, who, limits, wall, ttl_s)
+        body = _opened(raw, who, ledger_cap(limits) + ENVELOPE_BYTES, opener, "ledger",
+                       b"ledger")
+        if isinstance(body, str):
+            drops.append((who, {body: 1}))
+            continue
+        led, dropped = parse_ledger(body, who, limits, wall, ttl_s)
         drops.append((who, dropped))
         if led is not None:
             ledgers.append(led)
@@ -672,12 +745,45 @@ def _parse_ledgers(found: Sequence[tuple[str, Any]], limits: Sequence[BackendLim
     return len(ledgers), drops, remotes, merged
 
 
+def _opened(raw: bytes, who: str, cap: int, opener: Opener, kind: str, context: bytes,
+            again: bool = True) -> bytes | str:
+    """The body of the message ``raw`` read as ``who``'s, or why it is dropped: longer
+    than ``cap`` (unchecked), its envelope (``shared_auth``), or another writer's."""
+    if len(raw) > cap:
+        return "too_large"
+    try:
+        return opener.open(raw, kind, context, again, writer=who).body
+    except Rejected as exc:
+        return exc.reason
+
+
 def _parse_demands(msgs: Sequence[tuple[str, Any]], shapes: Sequence[BookShape],
-                   bounds: Bounds, offset: float
+                   bounds: Bounds, offset: float, opener: Opener
                    ) -> list[tuple[list[Demand | None] | None, Drops]]:
-    """Each demand entry read, parsed (pure: runs in a worker thread)."""
-    return [parse_demand(raw, shapes, bounds, offset) if isinstance(raw, bytes)
-            else (None, {"format": 1}) for _, raw in msgs]
+    """Each demand entry read, its envelope checked (a demand entry is added, never
+    replaced: only a newer sequence passes) and parsed (in a worker thread when
+    large)."""
+    cap = NPZ_BASE_BYTES + sum(s.demand_bytes() for s in shapes) + ENVELOPE_BYTES
+    out: list[tuple[list[Demand | None] | None, Drops]] = []
+    for who, raw in msgs:
+        body = _opened(raw, who, cap, opener, "demand", b"demand", again=False) \
+            if isinstance(raw, bytes) else "format"
+        out.append((None, {body: 1}) if isinstance(body, str)
+                   else parse_demand(body, shapes, bounds, offset))
+    return out
+
+
+def _parse_price_blob(blob: bytes, source: tuple[str, int], opener: Opener,
+                      shapes: Sequence[BookShape], bounds: Bounds, offset: float
+                      ) -> tuple[list[PriceState] | None, str | None]:
+    """The price states of ``source`` (its head: the leader's name and updates, which
+    the MAC covers too), their envelope checked first (in a worker thread when
+    large)."""
+    body = _opened(blob, source[0], prices_cap(shapes) + ENVELOPE_BYTES, opener, "prices",
+                   b"prices:%d" % source[1])
+    if isinstance(body, str):
+        return None, body
+    return parse_prices(body, shapes, bounds, offset)
 
 
 def _name(raw: Any) -> str | None:

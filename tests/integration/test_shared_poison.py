@@ -1,8 +1,11 @@
 """Router replicas on a real Redis whose keys hold what no replica of this config wrote
-(``olproute.server.shared_parse``): one test per kind. The replica keeps serving (every
-request answered, none refused for it), drops what does not fit and counts it in
-``olproute_shared_state_rejected_total``, keeps syncing (what it reads never makes a
-sync fail), and undoes prices it adopted once their publisher's keys are gone."""
+(``olproute.server.shared_parse``): one test per kind. The writer here holds the fleet's
+secret (a replica with a bug, or of another config), so its messages pass their
+envelopes (``olproute.server.shared_auth``) and reach the parsers. The replica keeps
+serving (every request answered, none refused for it), drops what does not fit and
+counts it in ``olproute_shared_state_rejected_total``, keeps syncing (what it reads
+never makes a sync fail), and undoes prices it adopted once their publisher's keys are
+gone."""
 
 from __future__ import annotations
 
@@ -23,11 +26,19 @@ import redis
 from olproute.config.loader import load_config
 from olproute.pricing.book import PriceBook
 from olproute.server.shared import SharedState, encode_prices
+from olproute.server.shared_auth import seal
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
 from tests.integration.server_harness import Stack, wait_until
 from tests.integration.test_server import CAL, _config, request
-from tests.integration.test_shared_state import LEASE_MS, SYNC_MS, Pair, _health, _others
+from tests.integration.test_shared_state import (
+    SECRET,
+    SYNC_MS,
+    Pair,
+    _health,
+    _others,
+    state_of,
+)
 from tests.integration.test_shared_state import pair as pair  # fixture
 from tests.integration.test_shared_state import redis_server as redis_server  # fixture
 from tests.support.processes import RedisServer
@@ -36,13 +47,18 @@ NS = "olproute"
 FOREVER_S = 3600.0   # a poisoner's replica entry that never ages out of the set
 
 
+def sealed(context: bytes, writer: str, body: bytes, secret: bytes | None = SECRET) -> bytes:
+    """``body`` sealed as ``writer``'s with the fleet's secret (a sequence newer than
+    any before: the wall clock in nanoseconds, as a replica's)."""
+    return seal(secret, context, writer, time.time_ns(), body)
+
+
 class Replica:
     """One router replica on Redis in front of three fake backends, a Redis client to
     write the keys with, and what the replica says of them."""
 
     def __init__(self, tmp_path: Path, url: str) -> None:
-        state = {"url": url, "sync_ms": SYNC_MS, "lease_ms": LEASE_MS, "timeout_ms": 200.0}
-        loaded = load_config(_config(tmp_path, state=state))
+        loaded = load_config(_config(tmp_path, state=state_of(tmp_path, url)))
         self.stack = Stack(loaded, num_fakes=3,
                            calibration=CalibrationSource(loaded, known=[CAL] * 3))
         self.client = redis.Redis.from_url(url)
@@ -87,7 +103,7 @@ class Replica:
         now = time.time()
         doc = raw or orjson.dumps({"r": replica, "t": now, "b": {
             name: {"f": rows(now), "i": []} for name in self.names()}})
-        self.client.set(f"{NS}:ledger:{replica}", doc)
+        self.client.set(f"{NS}:ledger:{replica}", sealed(b"ledger", replica, doc))
         self.client.zadd(f"{NS}:replicas", {replica: now + FOREVER_S})
 
     def publish_prices(self, leader: str, updates: int,
@@ -100,6 +116,7 @@ class Replica:
             states = [replace(s, p=prices(s.p), iterate=prices(s.iterate), origin_s=None)
                       for s in states]
             blob = encode_prices(states, self.offset_s())
+        blob = sealed(b"prices:%d" % updates, leader, blob)
         self.client.hset(f"{NS}:prices", mapping={"leader": leader, "updates": updates,
                                                   "blob": blob})
 
@@ -136,7 +153,7 @@ def follower(tmp_path: Path, redis_server: RedisServer) -> Iterator[Replica]:
     """A replica that never takes the lease: another name holds it until it is deleted."""
     client = redis.Redis.from_url(redis_server.url)
     try:
-        client.set(f"{NS}:leader", "thief", px=int(FOREVER_S * 1e3))
+        client.set(f"{NS}:leader", sealed(b"lease", "thief", b""), px=int(FOREVER_S * 1e3))
     finally:
         client.close()
     r = Replica(tmp_path, redis_server.url)
@@ -265,9 +282,10 @@ def test_a_price_state_of_another_shape_stops_no_learning(pair: Pair) -> None:
     try:
         state = leader.call(lambda: leader.app[STATE].router.policy.price_books()[0].state())
         wrong = encode_prices([replace(state, p=state.p[:, :-1])], 0.0)
+        name = pair.shared(leader).status.replica
         client.hset(f"{NS}:prices", mapping={
-            "leader": pair.shared(leader).status.replica, "updates": 10 ** 6,
-            "blob": wrong})
+            "leader": name, "updates": 10 ** 6,
+            "blob": sealed(b"prices:%d" % 10 ** 6, name, wrong)})
         assert wait_until(lambda: pair.shared(follower).status.rejected.get(
             ("prices", "shape"), 0) >= 1)
     finally:
@@ -284,7 +302,8 @@ def test_a_demand_message_claiming_a_huge_number_of_books_is_dropped(
     assert replica.synced(2)   # its first sync read the stream's end
     buf = io.BytesIO()
     np.savez(buf, num_books=np.array([10 ** 15]))
-    replica.client.xadd(f"{NS}:demand", {"r": "evil", "d": buf.getvalue()})
+    replica.client.xadd(f"{NS}:demand", {"r": "evil",
+                                         "d": sealed(b"demand", "evil", buf.getvalue())})
     assert wait_until(lambda: replica.rejected("demand", "books") >= 1)
     assert replica.serve() == [200] * 6
     assert replica.synced()
@@ -295,7 +314,8 @@ def test_a_malformed_demand_entry_stops_no_sharing(pair: Pair) -> None:
                for s in (pair.a, pair.b))
     client = redis.Redis.from_url(pair.url)
     try:
-        client.xadd(f"{NS}:demand", {"r": "evil", "d": b"not an archive"})
+        client.xadd(f"{NS}:demand", {"r": "evil",
+                                     "d": sealed(b"demand", "evil", b"not an archive")})
         client.xadd(f"{NS}:demand", {"who": "nobody"})   # no fields of ours
     finally:
         client.close()

@@ -20,6 +20,7 @@ import redis
 from olproute.cli.main import main
 from olproute.config.loader import load_config
 from olproute.server.shared import SharedState
+from olproute.server.shared_auth import open_sealed
 from olproute.server.shared_parse import BookShape, parse_prices
 from olproute.server.state import STATE
 from olproute.sim.scenario import CalibrationSource
@@ -29,6 +30,16 @@ from tests.integration.test_server import CAL, _config, open_stream, read_lines,
 from tests.support.processes import RedisServer, free_port
 
 SYNC_MS, LEASE_MS = 50.0, 500.0
+SECRET = b"the replicas' test secret, 32 b."   # what every test replica signs with
+
+
+def state_of(tmp_path: Path, url: str, **extra: Any) -> dict[str, Any]:
+    """A test replica's ``state`` section on ``url``, with the fleet's secret in a file
+    (``state.secret_file``)."""
+    path = tmp_path / "state.secret"
+    path.write_bytes(SECRET + b"\n")
+    return {"url": url, "sync_ms": SYNC_MS, "lease_ms": LEASE_MS, "timeout_ms": 200.0,
+            "secret_file": str(path), **extra}
 
 
 @pytest.fixture
@@ -49,8 +60,7 @@ class Pair:
     """Two replicas A and B (``olproute serve --state``) in front of A's fake backends."""
 
     def __init__(self, tmp_path: Path, url: str, **extra: Any) -> None:
-        state = {"url": url, "sync_ms": SYNC_MS, "lease_ms": LEASE_MS, "timeout_ms": 200.0}
-        loaded = load_config(_config(tmp_path, state=state, **extra))
+        loaded = load_config(_config(tmp_path, state=state_of(tmp_path, url), **extra))
         cal = CalibrationSource(loaded, known=[CAL] * 3)
         self.url = url
         self.a = Stack(loaded, num_fakes=3, calibration=cal)
@@ -155,7 +165,8 @@ def test_one_leader_learns_the_prices_and_the_other_adopts_them(pair: Pair) -> N
     def adopted() -> bool:
         doc = client.hgetall("olproute:prices")
         shapes = [BookShape.of(b) for b in books[follower]]
-        states, why = parse_prices(doc[b"blob"], shapes,
+        body = open_sealed(doc[b"blob"], b"prices:" + doc[b"updates"], SECRET).body
+        states, why = parse_prices(body, shapes,
                                    pair.shared(follower).bounds(time.time()), 0.0)
         assert states is not None, why
         return all(b.num_updates == int(doc[b"updates"]) and np.array_equal(b.p, s.p)
@@ -250,8 +261,7 @@ def test_a_bad_state_url_or_lease_stops_serve_naming_it(
 
 def test_a_replica_starts_and_serves_alone_when_redis_is_down(tmp_path: Path) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"    # nothing listens there
-    loaded = load_config(_config(tmp_path, state={"url": url, "sync_ms": SYNC_MS,
-                                                  "lease_ms": LEASE_MS}))
+    loaded = load_config(_config(tmp_path, state=state_of(tmp_path, url)))
     s = Stack(loaded, num_fakes=3, calibration=CalibrationSource(loaded, known=[CAL] * 3))
     try:
         state = _health(s)["state"]

@@ -57,16 +57,21 @@ class RedisServer:
     """Debian's ``redis-server`` on 127.0.0.1:``port`` (a free one), nothing written to
     disk, for a bench or a test that starts it; ``start`` returns once it answers PING
     (RuntimeError if it exits first or after ``limit_s``). ``kill`` (SIGKILL) and
-    ``start`` again on the same port: a restarted Redis has lost every key.
+    ``start`` again on the same port: a restarted Redis has lost every key. With
+    ``password`` it requires AUTH (``requirepass``; ``url`` leaves it out); ``args``: more
+    of redis-server's options.
     RuntimeError at once when ``redis-server`` is not installed."""
 
-    def __init__(self, limit_s: float = 60.0) -> None:
+    def __init__(self, limit_s: float = 60.0, password: str | None = None,
+                 args: tuple[str, ...] = ()) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed (Debian's redis-server; "
                                "./scripts/test installs it)")
         self.exe = exe
         self.limit_s = limit_s
+        self.password = password
+        self.args = args
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.TemporaryDirectory(prefix="olproute-redis-")
@@ -76,19 +81,28 @@ class RedisServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "no"],
+             "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "no",
+             *(["--requirepass", self.password] if self.password else []), *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        auth = f"AUTH {self.password}\r\n".encode() if self.password else b""
         end = time.monotonic() + self.limit_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    s.sendall(auth + b"PING\r\n")
+                    reply = b""
+                    while reply.count(b"\r\n") < (2 if auth else 1):
+                        chunk = s.recv(64)
+                        if not chunk:
+                            break
+                        reply += chunk
+                    if reply.endswith(b"+PONG\r\n"):
                         return
             except OSError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         raise RuntimeError("redis-server did not answer PING")
 
     def kill(self) -> None:
