@@ -8,12 +8,14 @@ free batch slot, KV blocks for its prompt, and at most ``admission.max_waiting``
 waiting there (default 0: holding a request in the router while an engine has a queue
 is late binding, to whichever instance frees first).
 
-Among the instances that can start a request, the policies try the *quiet* ones first
-(``quiet``): at most ``admission.max_waiting`` requests there without an output token
-yet, waiting or in prefill. A prefill started beside another shares the step's token
-budget with it, so both reach their first token later; a quiet instance gives the new
-one its budget alone. With no quiet instance the request goes to the best that can start
-it, never held for quiet.
+Where the best instance that can start a request is not *quiet* (``quiet``: at most
+``admission.max_waiting`` requests there without an output token yet, waiting or in
+prefill), bid_price sends it to the best-scoring quiet replica of the same engine (model,
+GPU, tensor parallel) instead, if one can start it. A prefill started beside another
+shares the step's token budget with it, so both reach their first token later; a quiet
+replica gives the new one its budget alone. Between different engines the score also
+says what each serves, and decides; with no quiet replica the request goes to the best,
+never held for quiet.
 
 A refusal needs a reason that holds, read off the engines' state. At its next steps an
 engine (vLLM's scheduler) admits its waiting requests in order while it has a batch slot

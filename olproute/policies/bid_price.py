@@ -5,10 +5,10 @@
 with r_jg the multi-objective reward, TTFT from the BEA replay and a_jg . p_g the shadow
 price of the request's usage column. The request goes to the best-scoring instance with
 a positive score that can start it now (a free batch slot, KV blocks for its prompt,
-and no more than ``admission.max_waiting`` requests queued there), a quiet one first
-(no more than that many there without a token yet, waiting or in prefill:
-``olproute.policies.admission``); with none it is held in the router's central buffer
-and re-scored every slot. When its patience runs
+and no more than ``admission.max_waiting`` requests queued there), or in its place a
+quiet replica of the same engine (no more than that many there without a token yet,
+waiting or in prefill: ``olproute.policies.admission``); with none it is held in the
+router's central buffer and re-scored every slot. When its patience runs
 out (default: its TTFT target), ``admission: defer`` sends it to the best instance and
 ``admission: shed`` to the best instance whose engine has room for it (a batch slot and
 KV blocks left after its queue) and would start it within another TTFT target, refusing
@@ -257,6 +257,9 @@ class BidPrice(Policy):
 
     def __init__(self, env: PolicyEnv, params: BidPriceParams) -> None:
         self._specs = env.specs
+        # each instance's kind: replicas of one engine (model, GPU, tensor parallel) share it
+        kinds = [(x.model, x.gpu, x.tensor_parallel) for x in env.specs]
+        self._kind = np.array([kinds.index(k) for k in kinds], dtype=np.int64)
         self._cal = env.calibration()
         self._bea = BeaEstimator(env.specs, self._cal)
         self._outlook = env.outlook()
@@ -361,12 +364,10 @@ class BidPrice(Policy):
                 self._specs[c].max_num_seqs, mw)
 
         eligible = self._eligible(order, row)
-        # a quiet instance first (olproute.policies.admission), then any that can start it
-        c = next(self._startable_in(eligible, score, lambda c: quiet(snaps[c], mw) and can(c),
-                                    row.cols, ctx.now_s),
-                 None) if self._form != "primal" else None
-        if c is None:
-            c = next(self._startable_in(eligible, score, can, row.cols, ctx.now_s), None)
+        c = next(self._startable_in(eligible, score, can, row.cols, ctx.now_s), None)
+        if c is not None and self._form != "primal" and not quiet(snaps[c], mw):
+            c = self._quiet_peer(c, eligible, score, row.cols, ctx.now_s,
+                                 lambda k: quiet(snaps[k], mw) and can(k))
         if c is not None:
             self._account(c, row, ctx.now_s)
             return self._dispatch(req, c, g, score, row.on_time, candidates, explanation)
@@ -490,12 +491,11 @@ class BidPrice(Policy):
         row, score, order = self._ranked(src, cands)
         eligible = self._eligible(order, row)
         c = next(self._startable_in(eligible, score,
-                                    lambda c: bool(quiet_[c] and startable[c] and open_[c]),
-                                    row.cols, ctx.now_s), None)
-        if c is None:
-            c = next(self._startable_in(eligible, score,
-                                        lambda c: bool(startable[c] and open_[c]), row.cols,
-                                        ctx.now_s), None)
+                                    lambda c: bool(startable[c] and open_[c]), row.cols,
+                                    ctx.now_s), None)
+        if c is not None and not quiet_[c]:
+            c = self._quiet_peer(c, eligible, score, row.cols, ctx.now_s,
+                                 lambda k: bool(quiet_[k] and startable[k] and open_[k]))
         if c is None:
             return None
         return rule.key(float(score[c]), None if sc.mass is None
@@ -782,6 +782,16 @@ class BidPrice(Policy):
                 return
             if can_start(c) and (free is None or self._fits_at(free, c, cols, k)):
                 yield c
+
+    def _quiet_peer(self, c: int, order: npt.NDArray[np.int64], score: FloatArray,
+                    cols: Columns, now_s: float, ok: Callable[[int], bool]) -> int:
+        """``c``, the best instance that can start the request, or in its place the
+        best-scoring quiet one of its kind (``ok``: quiet, and it can start it): between
+        replicas of one engine a prefill started where none runs has the step's token
+        budget alone (``olproute.policies.admission``); between kinds the score also
+        says what each serves, and decides."""
+        same = order[self._kind[order] == self._kind[c]]
+        return next(self._startable_in(same, score, ok, cols, now_s), c)
 
     def _eligible(self, order: npt.NDArray[np.int64], row: _Row) -> npt.NDArray[np.int64]:
         """The ranking's instances a request may go to: under ``constrained``, only

@@ -444,12 +444,13 @@ def _snap(n_running: int = 0, n_waiting: int = 0, free: int = 625) -> EngineSnap
 
 
 def _policy(reward: RewardConfig | None = None, admission: AdmissionConfig | None = None,
-            g: int = 2, form: str = "lagrangian", release: str = "in_order") -> BidPrice:
+            g: int = 2, form: str = "lagrangian", release: str = "in_order",
+            specs: tuple[InstanceSpec, ...] | None = None) -> BidPrice:
     from olproute.config.loader import load_profiles
     from olproute.routing.outlook import OutlookSource
     from tests.conftest import PROFILES
 
-    specs = (SPEC,) * g
+    specs = specs or (SPEC,) * g
     env = PolicyEnv(specs=specs, rng=np.random.default_rng(0), slot_s=SLOT, horizon_slots=H,
                     reward=reward or RewardConfig(), admission=admission or AdmissionConfig(),
                     prices=PriceConfig(window=100, minibatch=32),
@@ -658,10 +659,10 @@ def _prefilling(n_decoding: int, n_prefill: int) -> EngineSnapshot:
 
 @pytest.mark.parametrize("release", ["in_order", "density"])
 def test_a_quiet_instance_goes_first_and_none_quiet_holds_nothing(release: str) -> None:
-    """Instance 0 has a prompt in prefill and scores best (instance 1 is dearer); the
-    quiet instance 1, with decoders only, takes the request. With a prefill on both,
-    the best-scoring one takes it at once: not being quiet holds nothing. A joint pass
-    over held requests chooses alike."""
+    """Two replicas of one engine: instance 0 has a prompt in prefill and scores best
+    (instance 1 is dearer); the quiet instance 1, with decoders only, takes the request.
+    With a prefill on both, the best-scoring one takes it at once: not being quiet holds
+    nothing. A joint pass over held requests chooses alike."""
     policy = _priced(_policy(release=release), 1, 0.3)
     snaps = (_prefilling(1, 1), _prefilling(2, 0))
     d = policy.decide(_ctx(snaps))
@@ -673,6 +674,15 @@ def test_a_quiet_instance_goes_first_and_none_quiet_holds_nothing(release: str) 
         reqs = [replace(_ctx(snaps, rid=3).request, arrival_s=-0.01)]
         (held,) = policy.decide_held(reqs, lambda r: replace(_ctx(snaps), request=r))
         assert held.action == "dispatch" and held.instance == 1
+
+
+def test_a_quiet_instance_of_another_engine_does_not_outrank_the_score() -> None:
+    """The same two snapshots, but instance 1 another engine (tensor parallel 2): the
+    score decides between engines, and the busy best-scoring instance 0 takes it."""
+    policy = _priced(_policy(specs=(SPEC, replace(SPEC, name="b", tensor_parallel=2))), 1, 0.3)
+    d = policy.decide(_ctx((_prefilling(1, 1), _prefilling(2, 0))))
+    assert d.explanation["score"][0] > d.explanation["score"][1] > 0
+    assert d.action == "dispatch" and d.instance == 0
 
 
 def _priced(policy: BidPrice, g: int, batch_price: float) -> BidPrice:
