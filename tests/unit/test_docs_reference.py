@@ -363,7 +363,7 @@ def test_mkdocs_yml_loads_and_every_nav_page_exists() -> None:
         return [f for item in nav for f in files(item)]
 
     nav = files(cfg["nav"])
-    assert len(nav) == 39
+    assert len(nav) == 40
     assert "reference/config.md" in nav and "design.md" in nav
     missing = [f for f in nav if not (docs / f).is_file()]
     assert not missing, missing
