@@ -29,6 +29,19 @@ CONV_TRACE = REPO / "data" / "traces" / "splitwise_conv.csv"
 PROFILES = REPO / "configs" / "profiles.yaml"
 
 MakeConfig = Callable[..., LoadedConfig]
+
+
+def serve_config_data() -> dict[str, Any]:
+    """The small config the tests that start ``olproute serve`` as a process write: two
+    emulated Qwen3-0.6B / H100 instances, bid_price, predictions from ``max_tokens``."""
+    return {"profiles": str(PROFILES),
+            "instances": [{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 2}],
+            "router": {"policy": "bid_price", "slot_ms": 20},
+            "prices": {"period_slots": 5, "window": 200, "minibatch": 32},
+            "prediction": {"serve": "max_tokens"}, "calibration": "auto",
+            "server": {"health_period_s": 0.1},
+            "workload": {"kind": "poisson", "rate_per_s": 1, "num_requests": 10,
+                         "prompt_tokens": 10, "decode_tokens": 10}}
 # Real seconds after which a wait in a test is a hang. Timeouts in the tests only catch
 # hangs: none bounds how long a correct run takes, which a loaded machine stretches.
 HANG_S = 60.0

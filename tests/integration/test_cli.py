@@ -16,7 +16,7 @@ import yaml
 
 from olproute.cli.main import main
 from olproute.sim.metrics import RECORD_COLUMNS
-from tests.conftest import HANG_S
+from tests.conftest import HANG_S, serve_config_data
 from tests.support.processes import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -433,14 +433,7 @@ def test_live_tables_backends_read_what_emulate_prints(
 def test_serve_says_what_it_starts_and_where_it_serves(tmp_path: Path) -> None:
     """``olproute serve`` (its own process, emulated engines) prints each slow start-up
     step on stderr and, once it listens, the URL it serves on, which answers."""
-    data = {"profiles": str(PROFILES),
-            "instances": [{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 2}],
-            "router": {"policy": "bid_price", "slot_ms": 20},
-            "prices": {"period_slots": 5, "window": 200, "minibatch": 32},
-            "prediction": {"serve": "max_tokens"}, "calibration": "auto",
-            "server": {"health_period_s": 0.1},
-            "workload": {"kind": "poisson", "rate_per_s": 1, "num_requests": 10,
-                         "prompt_tokens": 10, "decode_tokens": 10}}
+    data = serve_config_data()
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(data))
     proc = subprocess.Popen([sys.executable, "-m", "olproute.cli", "serve", "--config",

@@ -23,25 +23,23 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import HANG_S
+from tests.conftest import HANG_S, serve_config_data
 from tests.integration.server_harness import wait_until
 from tests.integration.test_shared_state import SECRET
-from tests.support.processes import RedisServer, free_port, stop_process, wait_healthy
+from tests.support.processes import (
+    RedisServer,
+    free_port,
+    redis_or_fail,
+    stop_process,
+    wait_healthy,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STOP_HANG_S = 20.0   # a SIGTERMed serve still running after this hangs
 
 
 def _config(tmp_path: Path, state: dict[str, Any] | None = None) -> Path:
-    data: dict[str, Any] = {
-        "profiles": str(REPO_ROOT / "configs" / "profiles.yaml"),
-        "instances": [{"name": "q", "model": "qwen3-0.6b", "gpu": "h100", "replicas": 2}],
-        "router": {"policy": "bid_price", "slot_ms": 20},
-        "prices": {"period_slots": 5, "window": 200, "minibatch": 32},
-        "prediction": {"serve": "max_tokens"}, "calibration": "auto",
-        "server": {"health_period_s": 0.1},
-        "workload": {"kind": "poisson", "rate_per_s": 1, "num_requests": 10,
-                     "prompt_tokens": 10, "decode_tokens": 10}}
+    data = serve_config_data()
     if state is not None:
         data["state"] = state
     path = tmp_path / "serve.yaml"
@@ -114,14 +112,8 @@ def _worker(pid: int) -> list[int]:
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
     """A redis-server that takes ``DEBUG SLEEP`` from loopback."""
-    try:
-        server = RedisServer(limit_s=HANG_S, args=("--enable-debug-command", "local"))
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    try:
+    with redis_or_fail(limit_s=HANG_S, args=("--enable-debug-command", "local")) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ from tests.integration.test_shared_state import (
 )
 from tests.integration.test_shared_state import pair as pair  # fixture
 from tests.integration.test_shared_state import redis_server as redis_server  # fixture
-from tests.support.processes import RedisServer, free_port
+from tests.support.processes import RedisServer, free_port, redis_or_fail
 
 OTHER_SECRET = b"a secret of another fleet, 32 b."
 
@@ -159,10 +159,7 @@ def test_a_forged_lease_holder_is_followed_by_nobody(follower: Replica) -> None:
 
 
 def test_replayed_prices_are_not_adopted(pair: Pair) -> None:
-    assert wait_until(lambda: pair.shared(pair.a).status.leader
-                      != pair.shared(pair.b).status.leader)
-    leader, follower = ((pair.a, pair.b) if pair.shared(pair.a).status.leader
-                        else (pair.b, pair.a))
+    leader, follower = pair.roles()
     client = redis.Redis.from_url(pair.url)
     try:
         assert serve(leader, 10) == [200] * 10
@@ -280,14 +277,8 @@ def test_a_replica_without_a_secret_refuses_to_start_naming_the_options(
 @pytest.fixture
 def redis_auth() -> Iterator[RedisServer]:
     """A redis-server that requires AUTH."""
-    try:
-        server = RedisServer(limit_s=HANG_S, password="pw-of-the-test")
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    try:
+    with redis_or_fail(limit_s=HANG_S, password="pw-of-the-test") as server:
         yield server
-    finally:
-        server.close()
 
 
 def test_redis_auth_passes_through_from_the_url_or_the_environment(

@@ -274,10 +274,7 @@ def test_prices_adopted_under_a_stolen_lease_are_undone_when_its_keys_go(
 
 
 def test_a_price_state_of_another_shape_stops_no_learning(pair: Pair) -> None:
-    assert wait_until(lambda: pair.shared(pair.a).status.leader
-                      != pair.shared(pair.b).status.leader)
-    leader, follower = ((pair.a, pair.b) if pair.shared(pair.a).status.leader
-                        else (pair.b, pair.a))
+    leader, follower = pair.roles()
     client = redis.Redis.from_url(pair.url)
     try:
         state = leader.call(lambda: leader.app[STATE].router.policy.price_books()[0].state())

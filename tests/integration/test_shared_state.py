@@ -27,7 +27,7 @@ from olproute.sim.scenario import CalibrationSource
 from tests.conftest import HANG_S
 from tests.integration.server_harness import Stack, wait_until
 from tests.integration.test_server import CAL, _config, open_stream, read_lines, request
-from tests.support.processes import RedisServer, free_port
+from tests.support.processes import RedisServer, free_port, redis_or_fail
 
 SYNC_MS, LEASE_MS = 50.0, 500.0
 SECRET = b"the replicas' test secret, 32 b."   # what every test replica signs with
@@ -46,14 +46,8 @@ def state_of(tmp_path: Path, url: str, **extra: Any) -> dict[str, Any]:
 def redis_server() -> Iterator[RedisServer]:
     """A real redis-server on a free port (``bench.common.RedisServer``); a test fails,
     rather than skips, where it is not installed: ./scripts/test installs it."""
-    try:
-        server = RedisServer(limit_s=HANG_S)
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    try:
+    with redis_or_fail(limit_s=HANG_S) as server:
         yield server
-    finally:
-        server.close()
 
 
 class Pair:
@@ -74,6 +68,13 @@ class Pair:
         st = s.app[STATE].shared
         assert st is not None
         return st
+
+    def roles(self) -> tuple[Stack, Stack]:
+        """(leader, follower), once one of the two leads and the other does not."""
+        assert wait_until(lambda: self.shared(self.a).status.leader
+                          != self.shared(self.b).status.leader)
+        return ((self.a, self.b) if self.shared(self.a).status.leader
+                else (self.b, self.a))
 
     def close(self) -> None:
         try:
@@ -138,10 +139,7 @@ def test_each_replica_sees_the_others_requests_within_two_syncs(pair: Pair) -> N
 
 
 def test_one_leader_learns_the_prices_and_the_other_adopts_them(pair: Pair) -> None:
-    assert wait_until(lambda: pair.shared(pair.a).status.leader
-                      != pair.shared(pair.b).status.leader)
-    leader, follower = ((pair.a, pair.b) if pair.shared(pair.a).status.leader
-                        else (pair.b, pair.a))
+    leader, follower = pair.roles()
     body = {"prompt": "some words " * 30, "max_tokens": 16}
     for i in range(20):
         s = pair.a if i % 2 == 0 else pair.b

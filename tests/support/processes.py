@@ -10,6 +10,8 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +116,19 @@ class RedisServer:
     def close(self) -> None:
         self.kill()
         self._dir.cleanup()
+
+
+@contextmanager
+def redis_or_fail(**kwargs: Any) -> Iterator[RedisServer]:
+    """A ``RedisServer(**kwargs)`` for a test's fixture, always closed; the test fails,
+    rather than skips, where ``redis-server`` is missing (./scripts/test installs it)."""
+    import pytest
+
+    try:
+        server = RedisServer(**kwargs)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield server
+    finally:
+        server.close()
